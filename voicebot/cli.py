@@ -1,0 +1,85 @@
+"""The ``voicebot`` command: serve, probe, models.
+
+Heavy imports (vLLM, faster-whisper) happen inside the subcommands, so
+``voicebot --help`` and ``voicebot models list`` stay fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from voicebot.errors import VoicebotError
+
+
+def _add_config_args(p: argparse.ArgumentParser, default: str | None) -> None:
+    p.add_argument("--config", default=default, help="YAML config file (default: %(default)s)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, e.g. --set llm.max_tokens=64 (repeatable)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="voicebot", description="Real-time voice agent server.")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the server")
+    _add_config_args(serve, "configs/default.yaml")
+    serve.add_argument("--host", help="listen address (overrides server.host)")
+    serve.add_argument("--port", type=int, help="listen port (overrides server.port)")
+    serve.add_argument("--no-pull", action="store_true", help="fail instead of building missing bundle models")
+
+    from voicebot.probe.cli import add_probe_parser
+    from voicebot.provision.cli import add_models_parser
+
+    add_probe_parser(sub)
+    add_models_parser(sub)
+    return parser
+
+
+def _setup_logging(verbose: int) -> None:
+    level = logging.WARNING - 10 * min(verbose + 1, 2)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if verbose < 2:
+        # vLLM and friends log per request at INFO.
+        for noisy in ("vllm", "httpx", "faster_whisper", "uvicorn.access"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from voicebot.config import load_config
+    from voicebot.server.run import serve
+
+    overrides = list(args.overrides)
+    if args.host:
+        overrides.append(f"server.host={args.host}")
+    if args.port is not None:
+        overrides.append(f"server.port={args.port}")
+    cfg = load_config(args.config, overrides)
+    return serve(cfg, pull_models=not args.no_pull)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _setup_logging(args.verbose)
+    try:
+        if args.command == "serve":
+            return _serve(args)
+        return int(args.func(args) or 0)
+    except VoicebotError as exc:
+        print(f"voicebot: error: {exc}", file=sys.stderr)
+        return 2 if exc.code == "invalid_config" else 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

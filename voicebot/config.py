@@ -1,0 +1,187 @@
+"""Typed configuration: loaded from ``configs/*.yaml``, overridable from the command line.
+
+Every field has a default, a bound where one makes sense and a one-line description.
+Unknown keys and out-of-range values stop start-up with a message naming the key
+(:func:`load_config` raises :class:`~voicebot.errors.ConfigError`).
+
+Model fields (``asr.model``, ``llm.model``, ``tts.voice`` ...) take a *model reference*:
+a local directory, a Hugging Face hub id, or ``bundle:NAME`` for a directory that
+``voicebot models pull`` assembles from registry packages (see ``models/bundle.toml``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from voicebot.errors import ConfigError
+
+
+class _Section(BaseModel):
+    # extra="forbid": a typo in a YAML key must stop start-up, not be ignored.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+
+class ServerConfig(_Section):
+    host: str = Field("127.0.0.1", description="Address to listen on.")
+    port: int = Field(8080, ge=0, le=65535, description="TCP port for HTTP, WebSocket and WebRTC signalling.")
+    max_sessions: int = Field(8, ge=1, le=4096, description="Concurrent sessions accepted; more get a 'capacity' error.")
+    api_key: str | None = Field(None, description="If set, clients must send 'Authorization: Bearer <key>' (or an ephemeral secret).")
+    web_root: str = Field("web", description="Directory served at '/' (the browser client).")
+    max_message_bytes: int = Field(1 << 20, ge=1024, le=64 << 20, description="Largest WebSocket message accepted.")
+
+
+class ModelsConfig(_Section):
+    cache_dir: str = Field("~/.cache/voicebot", description="Where downloads and assembled model directories live.")
+    offline: bool = Field(True, description="Never contact the Hugging Face hub (sets HF_HUB_OFFLINE=1).")
+
+
+class AsrConfig(_Section):
+    model: str = Field("bundle:whisper-tiny.en", description="CTranslate2 Whisper model: directory, hub id or bundle:NAME.")
+    device: Literal["cpu", "cuda", "auto"] = Field("cpu", description="Where CTranslate2 runs.")
+    compute_type: str = Field("int8", description="CTranslate2 compute type (int8, float16, int8_float16 ...).")
+    cpu_threads: int = Field(2, ge=0, le=256, description="Intra-op threads per decode (0 = CTranslate2 default).")
+    workers: int = Field(1, ge=1, le=64, description="Decodes run in parallel (one model, several threads).")
+    language: str | None = Field("en", description="Spoken language; None lets Whisper detect it.")
+    beam_size: int = Field(1, ge=1, le=10, description="Beam width for final transcripts.")
+    partial_beam_size: int = Field(1, ge=1, le=10, description="Beam width for partial hypotheses.")
+    partial_interval_ms: int = Field(600, ge=100, le=10_000, description="New audio needed before another partial decode.")
+    max_utterance_s: float = Field(28.0, ge=2.0, le=30.0, description="Longest utterance buffered; Whisper's window is 30 s.")
+    queue_size: int = Field(64, ge=1, le=100_000, description="Pending decode jobs before new partials are dropped.")
+
+
+class LlmConfig(_Section):
+    model: str = Field("bundle:qwen2.5-0.5b-instruct", description="Model directory, hub id or bundle:NAME.")
+    tokenizer: str | None = Field(None, description="Tokenizer reference if it differs from the model.")
+    dtype: str = Field("bfloat16", description="Weights and activations dtype (vLLM 'dtype').")
+    load_format: str = Field("auto", description="vLLM load_format; 'dummy' for shape-only benchmarks.")
+    max_model_len: int = Field(4096, ge=256, le=1_048_576, description="Context length (prompt + reply).")
+    enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of shared prompt prefixes across turns.")
+    scheduling_policy: Literal["priority", "fcfs"] = Field("priority", description="vLLM waiting-queue order.")
+    max_num_seqs: int = Field(16, ge=1, le=4096, description="Requests vLLM runs at once (continuous batching).")
+    max_num_batched_tokens: int | None = Field(None, ge=64, description="Tokens per engine step; None = vLLM default.")
+    block_size: int | None = Field(None, ge=1, le=1024, description="KV cache block size; None = platform default (128 on CPU).")
+    gpu_memory_utilization: float = Field(0.85, gt=0.0, le=1.0, description="Fraction of GPU memory vLLM may take.")
+    kv_cache_space_gib: int = Field(2, ge=1, le=1024, description="KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE).")
+    cpu_threads_bind: str = Field("auto", description="CPU engine thread binding (VLLM_CPU_OMP_THREADS_BIND: 'auto', '0-1', 'nobind').")
+    enforce_eager: bool = Field(True, description="Skip graph capture/compilation (faster start-up).")
+    tensor_parallel_size: int = Field(1, ge=1, le=64, description="GPUs one model is split across.")
+    max_tokens: int = Field(160, ge=1, le=32_768, description="Longest spoken reply, in tokens.")
+    temperature: float = Field(0.7, ge=0.0, le=2.0, description="Sampling temperature for replies.")
+    top_p: float = Field(0.9, gt=0.0, le=1.0, description="Nucleus sampling for replies.")
+    seed: int | None = Field(None, description="Sampling seed (tests set it for reproducibility).")
+    background_concurrency: int = Field(1, ge=0, le=4096, description="Background requests running at once (summaries ...).")
+    interactive_priority: int = Field(0, description="vLLM priority of live turns (lower is served first).")
+    background_priority: int = Field(10, description="vLLM priority of background work.")
+
+
+class TtsConfig(_Section):
+    engine: Literal["piper", "espeak"] = Field("piper", description="Synthesiser behind the TTS interface.")
+    voice: str = Field("bundle:piper-en_US-joe-medium", description="Piper: voice directory/bundle; espeak: voice name.")
+    workers: int = Field(1, ge=1, le=64, description="Synthesis threads shared by all sessions.")
+    queue_size: int = Field(64, ge=1, le=100_000, description="Clauses waiting for a synthesis thread.")
+    speed: float = Field(1.0, ge=0.25, le=4.0, description="Speaking rate multiplier.")
+
+
+class VadConfig(_Section):
+    threshold: float = Field(0.5, ge=0.01, le=0.99, description="Silero speech probability that counts as speech.")
+    min_speech_ms: int = Field(120, ge=0, le=5000, description="Speech needed before a turn starts.")
+    min_silence_ms: int = Field(400, ge=100, le=10_000, description="Silence that ends the user's turn.")
+    speculative_silence_ms: int = Field(160, ge=0, le=10_000, description="Silence after which the reply is prepared speculatively.")
+    barge_in_min_ms: int = Field(200, ge=0, le=5000, description="Speech over the reply needed to interrupt it.")
+    prefix_padding_ms: int = Field(300, ge=0, le=5000, description="Audio kept from before speech onset.")
+
+
+class SessionConfig(_Section):
+    system_prompt: str = Field(
+        "You are a friendly voice assistant. Answer in one or two short spoken sentences. "
+        "Never use lists, markdown or emoji.",
+        description="Instructions the conversation starts with.",
+    )
+    history_tokens: int = Field(1536, ge=64, le=1_000_000, description="Token budget for the conversation history.")
+    output_sample_rate: int = Field(24_000, ge=8000, le=48_000, description="Default reply audio rate sent to clients.")
+    playout_lead_ms: int = Field(120, ge=0, le=2000, description="Audio sent ahead of real time to absorb jitter.")
+    first_clause_words: int = Field(6, ge=1, le=64, description="Longest first clause (words) before a cut at any word boundary; punctuation cuts it sooner.")
+    max_clause_words: int = Field(24, ge=2, le=200, description="Longest later clause (words) before a cut at any word boundary.")
+    max_turn_s: float = Field(30.0, ge=1.0, le=600.0, description="Longest user turn before it is ended by force.")
+    idle_timeout_s: float = Field(600.0, ge=1.0, le=86_400.0, description="A session with no audio for this long is closed.")
+    out_queue_frames: int = Field(256, ge=8, le=100_000, description="Outbound events buffered per session before it is treated as stalled.")
+    language: str | None = Field("en", description="Language of the conversation.")
+
+
+class Config(_Section):
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    models: ModelsConfig = Field(default_factory=ModelsConfig)
+    asr: AsrConfig = Field(default_factory=AsrConfig)
+    llm: LlmConfig = Field(default_factory=LlmConfig)
+    tts: TtsConfig = Field(default_factory=TtsConfig)
+    vad: VadConfig = Field(default_factory=VadConfig)
+    session: SessionConfig = Field(default_factory=SessionConfig)
+
+    @model_validator(mode="after")
+    def _check(self) -> Config:
+        if self.vad.speculative_silence_ms > self.vad.min_silence_ms:
+            raise ValueError("vad.speculative_silence_ms must not exceed vad.min_silence_ms")
+        return self
+
+    @property
+    def cache_path(self) -> Path:
+        return Path(self.models.cache_dir).expanduser()
+
+
+def _parse_scalar(text: str) -> Any:
+    # YAML parsing gives 'true' -> True, '12' -> 12, 'null' -> None, like the config file.
+    return yaml.safe_load(text) if text != "" else ""
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``section.key=value`` overrides (values parsed as YAML scalars)."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected KEY=VALUE, e.g. llm.max_tokens=64")
+        key, _, raw = item.partition("=")
+        parts = key.strip().split(".")
+        node = data
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {key!r}: {part!r} is not a section")
+            node = child
+        node[parts[-1]] = _parse_scalar(raw)
+    return data
+
+
+def _format_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "config"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"{loc}: unknown key")
+        else:
+            lines.append(f"{loc}: {e['msg']} (got {e.get('input')!r})")
+    return "; ".join(lines)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Load a YAML file (or defaults), apply overrides, validate."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{p}: invalid YAML: {exc}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{p}: top level must be a mapping")
+        data = loaded
+    apply_overrides(data, overrides or [])
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        where = f"{path}: " if path else ""
+        raise ConfigError(f"{where}{_format_error(exc)}") from None

@@ -1,0 +1,56 @@
+"""Prometheus metrics: one registry per server, handed to whoever observes.
+
+No module-level collectors: tests and several servers in one process each get their
+own :class:`Metrics`. Buckets are chosen for voice latencies (tens of ms to seconds).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from voicebot.session.events import TurnTimings
+
+_LATENCY_BUCKETS = (0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+
+        def hist(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, buckets=_LATENCY_BUCKETS, registry=r)
+
+        self.endpointing = hist("voicebot_endpointing_seconds", "End of user speech to end-of-turn decision.")
+        self.asr_final = hist("voicebot_asr_final_seconds", "ASR finalize() call to final transcript.")
+        self.llm_ttft = hist("voicebot_llm_ttft_seconds", "LLM request to first token.")
+        self.first_clause = hist("voicebot_first_clause_seconds", "LLM request to first speakable clause.")
+        self.tts_first_audio = hist("voicebot_tts_first_audio_seconds", "First clause to its first synthesised audio.")
+        self.voice_to_voice = hist("voicebot_voice_to_voice_seconds", "End of user speech to first reply audio sent.")
+        self.prompt_tokens = Counter("voicebot_llm_prompt_tokens", "Prompt tokens sent to the LLM.", registry=r)
+        self.cached_tokens = Counter("voicebot_llm_cached_prompt_tokens", "Prompt tokens served from the prefix cache.", registry=r)
+        self.cache_hit_ratio = Gauge("voicebot_llm_prefix_cache_hit_ratio", "Cached / prompt tokens since start.", registry=r)
+        self.active_sessions = Gauge("voicebot_active_sessions", "Sessions open now.", ["transport"], registry=r)
+        self.sessions = Counter("voicebot_sessions", "Sessions opened.", ["transport"], registry=r)
+        self.turns = Counter("voicebot_turns", "User turns committed.", registry=r)
+        self.barge_ins = Counter("voicebot_barge_ins", "Replies interrupted by the caller.", registry=r)
+        self.errors = Counter("voicebot_errors", "Errors sent to clients, by code.", ["code"], registry=r)
+        self.queue_depth = Gauge("voicebot_queue_depth", "Jobs waiting per engine queue.", ["queue"], registry=r)
+
+    def observe_turn(self, t: TurnTimings) -> None:
+        pairs = (
+            (self.endpointing, t.endpointing_ms),
+            (self.asr_final, t.asr_final_ms),
+            (self.llm_ttft, t.llm_ttft_ms),
+            (self.first_clause, t.first_clause_ms),
+            (self.tts_first_audio, t.tts_first_audio_ms),
+            (self.voice_to_voice, t.voice_to_voice_ms),
+        )
+        for hist, ms in pairs:
+            if ms is not None:
+                hist.observe(ms / 1000.0)
+        self.prompt_tokens.inc(t.prompt_tokens)
+        self.cached_tokens.inc(t.cached_prompt_tokens)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
