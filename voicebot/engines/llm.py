@@ -1,0 +1,250 @@
+"""The shared LLM engine: vLLM's ``AsyncLLM`` in-process, with priority lanes.
+
+Live turns run in the INTERACTIVE lane at the highest vLLM priority. BACKGROUND work
+(summaries of old history, long answers) runs at a lower priority *and* under its own
+concurrency cap: vLLM's priority only reorders the waiting queue and never frees a
+running slot, so without the cap a burst of background requests fills
+``max_num_seqs`` and a voice turn waits behind it.
+
+Cancelling the consumer of :meth:`LlmEngine.generate` aborts the vLLM request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from voicebot.config import LlmConfig
+from voicebot.errors import EngineError, ModelError
+
+if TYPE_CHECKING:
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+log = logging.getLogger(__name__)
+
+
+class Lane(enum.Enum):
+    INTERACTIVE = "interactive"
+    BACKGROUND = "background"
+
+
+@dataclass
+class GenerationStats:
+    """What one request cost; filled in while it streams."""
+
+    request_id: str
+    lane: Lane
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    submitted_at: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    finish_reason: str | None = None
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.submitted_at
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    text: str
+    token_count: int
+
+
+class LlmEngine:
+    """One vLLM engine shared by every session."""
+
+    def __init__(self, cfg: LlmConfig, model_path: str, tokenizer_path: str | None = None) -> None:
+        self.cfg = cfg
+        self.model_path = model_path
+        self.tokenizer_path = tokenizer_path or model_path
+        self._engine: AsyncLLM | None = None
+        self._tokenizer: Any = None
+        self._ids = itertools.count()
+        # Created per engine (not at module level) so each event loop / engine has its own.
+        self._background = asyncio.Semaphore(max(cfg.background_concurrency, 1))
+        self._background_waiting = 0
+        self._running: dict[str, GenerationStats] = {}
+        self.requests_total = 0
+        self.prompt_tokens_total = 0
+        self.cached_tokens_total = 0
+
+    # ----------------------------------------------------------------- lifecycle
+    async def start(self) -> None:
+        self._engine = await asyncio.to_thread(self._build)
+        self._tokenizer = self._engine.get_tokenizer()
+        log.info("LLM ready: %s", self.model_path)
+
+    def _build(self) -> AsyncLLM:
+        # Read by the engine-core child process; set here, at start-up, not at import.
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.cfg.kv_cache_space_gib))
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", self.cfg.cpu_threads_bind)
+        os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+        try:
+            from vllm import AsyncEngineArgs
+            from vllm.v1.engine.async_llm import AsyncLLM
+        except ImportError as exc:  # pragma: no cover - install problem
+            raise ModelError(f"vLLM is not installed ({exc}); run `make install`") from exc
+        c = self.cfg
+        args: dict[str, Any] = dict(
+            model=self.model_path,
+            tokenizer=self.tokenizer_path,
+            dtype=c.dtype,
+            load_format=c.load_format,
+            max_model_len=c.max_model_len,
+            enable_prefix_caching=c.enable_prefix_caching,
+            scheduling_policy=c.scheduling_policy,
+            max_num_seqs=c.max_num_seqs,
+            enforce_eager=c.enforce_eager,
+            tensor_parallel_size=c.tensor_parallel_size,
+            disable_log_stats=False,
+            seed=c.seed if c.seed is not None else 0,
+        )
+        if c.max_num_batched_tokens is not None:
+            args["max_num_batched_tokens"] = c.max_num_batched_tokens
+        if c.block_size is not None:
+            args["block_size"] = c.block_size
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                args["gpu_memory_utilization"] = c.gpu_memory_utilization
+        except ImportError:  # pragma: no cover
+            pass
+        try:
+            return AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+        except Exception as exc:
+            raise ModelError(f"vLLM could not load {self.model_path}: {exc}") from exc
+
+    async def aclose(self) -> None:
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            # Synchronous on purpose: vLLM's output handler lives on this loop and
+            # must be cancelled from it, not from a worker thread.
+            engine.shutdown()
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            raise EngineError("LLM engine not started")
+        return self._tokenizer
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    @property
+    def background_waiting(self) -> int:
+        return self._background_waiting
+
+    @property
+    def cache_hit_ratio(self) -> float:
+        return self.cached_tokens_total / self.prompt_tokens_total if self.prompt_tokens_total else 0.0
+
+    # --------------------------------------------------------------- generation
+    def _sampling(self, max_tokens: int | None, temperature: float | None, stop: list[str] | None) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        c = self.cfg
+        return SamplingParams(
+            max_tokens=max_tokens or c.max_tokens,
+            temperature=c.temperature if temperature is None else temperature,
+            top_p=c.top_p,
+            seed=c.seed,
+            stop=stop,
+            output_kind=RequestOutputKind.DELTA,
+        )
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        *,
+        lane: Lane = Lane.INTERACTIVE,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        stop: list[str] | None = None,
+        stats: GenerationStats | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[TextDelta]:
+        """Stream text deltas for a tokenised prompt.
+
+        Cancellation (or closing the iterator early) aborts the vLLM request and
+        re-raises. Pass ``stats`` to read TTFT and cached prompt tokens afterwards.
+        """
+        if self._engine is None:
+            raise EngineError("LLM engine not started")
+        rid = request_id or f"{lane.value[0]}{next(self._ids)}"
+        st = stats or GenerationStats(request_id=rid, lane=lane)
+        st.request_id, st.lane, st.prompt_tokens = rid, lane, len(prompt_ids)
+        if lane is Lane.BACKGROUND:
+            self._background_waiting += 1
+            try:
+                await self._background.acquire()
+            finally:
+                self._background_waiting -= 1
+        try:
+            async for delta in self._stream(rid, prompt_ids, lane, st, max_tokens, temperature, stop):
+                yield delta
+        finally:
+            if lane is Lane.BACKGROUND:
+                self._background.release()
+
+    async def _stream(
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        lane: Lane,
+        st: GenerationStats,
+        max_tokens: int | None,
+        temperature: float | None,
+        stop: list[str] | None,
+    ) -> AsyncIterator[TextDelta]:
+        assert self._engine is not None
+        priority = self.cfg.interactive_priority if lane is Lane.INTERACTIVE else self.cfg.background_priority
+        if self.cfg.scheduling_policy != "priority":
+            priority = 0  # vLLM rejects a non-zero priority under FCFS
+        params = self._sampling(max_tokens, temperature, stop)
+        st.submitted_at = time.monotonic()
+        self._running[rid] = st
+        finished = False
+        try:
+            async for out in self._engine.generate(
+                {"prompt_token_ids": prompt_ids}, params, rid, priority=priority
+            ):
+                if out.num_cached_tokens is not None and st.first_token_at is None:
+                    st.cached_tokens = out.num_cached_tokens
+                comp = out.outputs[0]
+                if comp.token_ids and st.first_token_at is None:
+                    st.first_token_at = time.monotonic()
+                st.output_tokens += len(comp.token_ids)
+                if out.finished:
+                    finished = True
+                    st.finish_reason = comp.finish_reason
+                if comp.text or comp.token_ids:
+                    yield TextDelta(comp.text, len(comp.token_ids))
+        finally:
+            self._running.pop(rid, None)
+            st.finished_at = time.monotonic()
+            self.requests_total += 1
+            self.prompt_tokens_total += st.prompt_tokens
+            self.cached_tokens_total += st.cached_tokens
+            if not finished and self._engine is not None:
+                # vLLM aborts on cancellation itself; this also covers an early
+                # break by the consumer (GeneratorExit) on every vLLM version.
+                await self._engine.abort(rid)
+
+    async def complete(self, prompt_ids: list[int], **kwargs: Any) -> str:
+        """Collect a whole reply (background summaries, tests)."""
+        parts = [d.text async for d in self.generate(prompt_ids, **kwargs)]
+        return "".join(parts)

@@ -1,0 +1,74 @@
+"""Cut a streaming LLM reply into speakable clauses for TTS.
+
+A clause ends at sentence punctuation, at a clause mark (, ; : —) once it has a few
+words, or, failing those, at a word boundary once it is long. Nothing is ever cut
+mid-word: a cut needs the whitespace *after* a word, so a token that may still
+continue the word ("Par" + "is") is held back. The first clause is cut early, because
+time to first audio is what the caller hears; later clauses are longer so prosody
+stays natural.
+"""
+
+from __future__ import annotations
+
+import re
+
+_SENTENCE_END = ".!?…"
+_CLAUSE_MARKS = ",;:—–"
+# A cut point: punctuation (optionally followed by closing quotes/brackets) then whitespace.
+_PUNCT_CUT = re.compile(r"([.!?…,;:—–][\"')\]]*)(\s+)")
+_WORD = re.compile(r"\S+")
+
+
+class ClauseChunker:
+    def __init__(self, first_clause_words: int = 6, max_clause_words: int = 24) -> None:
+        self.first_clause_words = first_clause_words
+        self.max_clause_words = max_clause_words
+        self._buf = ""
+        self._emitted = 0
+
+    def _limits(self) -> tuple[int, int]:
+        """(words needed before a comma cut, words that force a cut)."""
+        if self._emitted == 0:
+            return 2, self.first_clause_words
+        return 5, self.max_clause_words
+
+    def push(self, text: str) -> list[str]:
+        """Add streamed text; return the clauses that are now complete."""
+        self._buf += text
+        out: list[str] = []
+        while (clause := self._next_clause()) is not None:
+            out.append(clause)
+        return out
+
+    def flush(self) -> str | None:
+        """End of the reply: whatever is left is the last clause."""
+        rest, self._buf = self._buf.strip(), ""
+        if not rest:
+            return None
+        self._emitted += 1
+        return rest
+
+    def _next_clause(self) -> str | None:
+        comma_words, max_words = self._limits()
+        for m in _PUNCT_CUT.finditer(self._buf):
+            head = self._buf[: m.end(1)]
+            words = len(_WORD.findall(head))
+            if words == 0:
+                continue
+            mark = m.group(1)[0]
+            if mark in _SENTENCE_END or (mark in _CLAUSE_MARKS and words >= comma_words):
+                return self._cut(m.end(1), m.end())
+        # No punctuation cut: force one at a word boundary once the clause is long.
+        boundaries = [m.end() for m in _WORD.finditer(self._buf)]
+        if len(boundaries) > max_words:
+            end = boundaries[max_words - 1]
+            if end < len(self._buf) and self._buf[end].isspace():
+                return self._cut(end, end + 1)
+        return None
+
+    def _cut(self, end: int, resume: int) -> str | None:
+        clause, self._buf = self._buf[:end].strip(), self._buf[resume:]
+        if not clause:
+            return None
+        self._emitted += 1
+        return clause
