@@ -1,0 +1,136 @@
+"""What every request handler shares: config, engines, metrics and the open sessions."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from voicebot.config import Config
+from voicebot.engines import Engines
+from voicebot.errors import AuthError, CapacityError, VoicebotError
+from voicebot.metrics import Metrics
+from voicebot.session.session import Session
+from voicebot.session.settings import SessionSettings
+
+log = logging.getLogger(__name__)
+
+
+class NotReady(VoicebotError):
+    code = "not_ready"
+    fatal = True
+
+
+@dataclass
+class ServerState:
+    cfg: Config
+    metrics: Metrics = field(default_factory=Metrics)
+    engines: Engines | None = None
+    load_error: str | None = None
+    sessions: dict[str, Session] = field(default_factory=dict)
+    # Ephemeral client secrets (WebRTC/browser): value -> expiry (monotonic).
+    ephemeral: dict[str, float] = field(default_factory=dict)
+    started_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def ready(self) -> bool:
+        return self.engines is not None
+
+    # ------------------------------------------------------------------ auth
+    def check_auth(self, authorization: str | None, token: str | None = None) -> None:
+        """Accept the server API key or a live ephemeral secret, as a Bearer header or token."""
+        key = self.cfg.server.api_key
+        if key is None:
+            return
+        supplied = token
+        if authorization and authorization.lower().startswith("bearer "):
+            supplied = authorization[7:].strip()
+        if not supplied:
+            raise AuthError("missing credentials: send 'Authorization: Bearer <key>'")
+        if hmac.compare_digest(supplied.encode(), key.encode()):
+            return
+        self._expire_secrets()
+        if supplied in self.ephemeral:
+            return
+        raise AuthError("invalid credentials")
+
+    def check_api_key(self, authorization: str | None) -> None:
+        """Only the long-lived key (minting ephemeral secrets needs it)."""
+        key = self.cfg.server.api_key
+        if key is None:
+            return
+        supplied = authorization[7:].strip() if authorization and authorization.lower().startswith("bearer ") else ""
+        if not hmac.compare_digest(supplied.encode(), key.encode()):
+            raise AuthError("invalid API key")
+
+    def mint_secret(self, ttl_s: float = 60.0) -> tuple[str, float]:
+        self._expire_secrets()
+        if len(self.ephemeral) > 10_000:  # bounded: refuse rather than grow
+            raise CapacityError("too many outstanding client secrets")
+        value = "ek_" + secrets.token_urlsafe(24)
+        self.ephemeral[value] = time.monotonic() + ttl_s
+        return value, time.time() + ttl_s
+
+    def _expire_secrets(self) -> None:
+        now = time.monotonic()
+        for k in [k for k, exp in self.ephemeral.items() if exp < now]:
+            del self.ephemeral[k]
+
+    # -------------------------------------------------------------- sessions
+    def default_settings(self) -> SessionSettings:
+        return SessionSettings.from_config(self.cfg)
+
+    @contextlib.asynccontextmanager
+    async def open_session(
+        self, transport: str, settings: SessionSettings | None = None
+    ) -> AsyncIterator[Session]:
+        """Admit a session (or raise CapacityError / NotReady) and close it however it ends."""
+        if self.engines is None:
+            raise NotReady(self.load_error or "the server is still loading its models; retry shortly")
+        if len(self.sessions) >= self.cfg.server.max_sessions:
+            raise CapacityError(f"server at capacity ({self.cfg.server.max_sessions} sessions)")
+        session = Session(self.engines, settings or self.default_settings(), metrics=self.metrics, transport=transport)
+        self.sessions[session.id] = session
+        try:
+            async with session:
+                yield session
+        finally:
+            self.sessions.pop(session.id, None)
+
+    async def close_all(self) -> None:
+        await asyncio.gather(*(s.aclose("server shutdown") for s in list(self.sessions.values())), return_exceptions=True)
+
+    def health(self) -> dict[str, object]:
+        e = self.engines
+        return {
+            "ready": self.ready,
+            "error": self.load_error,
+            "engines": {
+                "asr": e is not None,
+                "llm": e is not None,
+                "tts": e is not None,
+            },
+            "active_sessions": len(self.sessions),
+            "capacity": self.cfg.server.max_sessions,
+            "uptime_s": round(time.monotonic() - self.started_at, 1),
+            "queues": {
+                "asr": e.asr.queue_depth if e else 0,
+                "tts": e.tts.queue_depth if e else 0,
+                "llm_running": e.llm.running if e else 0,
+                "llm_background_waiting": e.llm.background_waiting if e else 0,
+            },
+        }
+
+    def update_gauges(self) -> None:
+        if self.engines is None:
+            return
+        q = self.metrics.queue_depth
+        q.labels("asr").set(self.engines.asr.queue_depth)
+        q.labels("tts").set(self.engines.tts.queue_depth)
+        q.labels("llm_running").set(self.engines.llm.running)
+        q.labels("llm_background_waiting").set(self.engines.llm.background_waiting)

@@ -1,0 +1,140 @@
+"""One spoken reply: LLM tokens -> clauses -> TTS audio -> the playout buffer.
+
+The three stages overlap: the first clause goes to TTS while the LLM is still
+generating, and its audio is playable while later clauses are being synthesised. A
+reply can be *gated*: prepared speculatively while the user pauses, and released
+only when the turn is confirmed over (or cancelled if the user goes on).
+
+Cancelling :meth:`Response.run` aborts the vLLM request (LlmEngine.generate) and the
+queued TTS work (TtsEngine.synthesize) and re-raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from voicebot.engines.llm import GenerationStats, Lane, LlmEngine
+from voicebot.engines.tts import TtsEngine
+from voicebot.session.clauses import ClauseChunker
+from voicebot.session.playout import Playout
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ResponseTimes:
+    """Wall-clock (time.monotonic) marks of one reply."""
+
+    requested: float = field(default_factory=time.monotonic)
+    first_clause: float | None = None
+    first_audio: float | None = None  # first synthesised audio of the first clause
+    first_clause_synth_start: float | None = None
+    done_generating: float | None = None
+
+
+class Response:
+    def __init__(
+        self,
+        response_id: str,
+        item_id: str,
+        prompt_ids: list[int],
+        llm: LlmEngine,
+        tts: TtsEngine,
+        *,
+        voice: str | None,
+        speed: float | None,
+        max_tokens: int,
+        first_clause_words: int,
+        max_clause_words: int,
+        gated: bool,
+    ) -> None:
+        self.id = response_id
+        self.item_id = item_id
+        self.prompt_ids = prompt_ids
+        self._llm = llm
+        self._tts = tts
+        self._voice = voice
+        self._speed = speed
+        self._max_tokens = max_tokens
+        self._chunker = ClauseChunker(first_clause_words, max_clause_words)
+        self.playout = Playout(tts.sample_rate)
+        self.stats = GenerationStats(request_id=response_id, lane=Lane.INTERACTIVE)
+        self.times = ResponseTimes()
+        self.released = asyncio.Event()
+        if not gated:
+            self.released.set()
+        self.text_parts: list[str] = []
+        # Text deltas for the client; read by the session's forwarder after release.
+        # Bounded by max_tokens (one entry per LLM delta), so it cannot grow without end.
+        self.deltas: asyncio.Queue[str | None] = asyncio.Queue()
+        self.generated = False  # LLM and TTS finished
+        self.drained = asyncio.Event()  # generated, and the pacer sent the last sample
+        self._room = asyncio.Event()
+        self._room.set()
+        self.failed: BaseException | None = None
+
+    @property
+    def full_text(self) -> str:
+        return "".join(self.text_parts).strip()
+
+    def release(self) -> None:
+        self.released.set()
+
+    def notify_drained(self) -> None:
+        """The pacer took audio: a waiting synthesiser may go on."""
+        if self.playout.has_room():
+            self._room.set()
+
+    async def run(self) -> None:
+        clauses: asyncio.Queue[str | None] = asyncio.Queue(maxsize=8)
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self._generate(clauses))
+                tg.create_task(self._synthesize(clauses))
+        finally:
+            self.generated = True
+            self.deltas.put_nowait(None)
+
+    async def _generate(self, clauses: asyncio.Queue[str | None]) -> None:
+        async with contextlib.aclosing(
+            self._llm.generate(self.prompt_ids, max_tokens=self._max_tokens, stats=self.stats)
+        ) as stream:
+            async for delta in stream:
+                self.text_parts.append(delta.text)
+                self.deltas.put_nowait(delta.text)
+                for clause in self._chunker.push(delta.text):
+                    await self._put_clause(clauses, clause)
+        if (rest := self._chunker.flush()) is not None:
+            await self._put_clause(clauses, rest)
+        self.times.done_generating = time.monotonic()
+        await clauses.put(None)
+
+    async def _put_clause(self, clauses: asyncio.Queue[str | None], clause: str) -> None:
+        if self.times.first_clause is None:
+            self.times.first_clause = time.monotonic()
+        await clauses.put(clause)
+
+    async def _synthesize(self, clauses: asyncio.Queue[str | None]) -> None:
+        while (clause := await clauses.get()) is not None:
+            if self.times.first_clause_synth_start is None:
+                self.times.first_clause_synth_start = time.monotonic()
+            async with contextlib.aclosing(
+                self._tts.synthesize(clause, voice=self._voice, speed=self._speed)
+            ) as audio_stream:
+                async for chunk in audio_stream:
+                    if self.times.first_audio is None:
+                        self.times.first_audio = time.monotonic()
+                    await self._wait_for_room()
+                    self.playout.add(np.asarray(chunk, dtype=np.float32))
+            self.playout.end_clause(clause)
+
+    async def _wait_for_room(self) -> None:
+        while not self.playout.has_room():
+            self._room.clear()
+            await self._room.wait()

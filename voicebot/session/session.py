@@ -1,0 +1,606 @@
+"""One call: the per-session state machine that every transport drives.
+
+    audio in -> resample to 16 kHz -> VAD -> turn detector -> streaming ASR
+      -> end of turn -> LLM (interactive lane) -> clauses -> TTS -> playout, paced
+
+States: listening -> user speaking -> thinking -> speaking -> listening. The session
+owns all its tasks in one TaskGroup (nothing it starts outlives it); transports only
+translate wire messages to the methods below and :class:`SessionEvent` back to wire.
+
+Speculation: when the user pauses (``vad.speculative_silence_ms``) the final
+transcript is decoded and the reply is generated *gated*; when the pause becomes the
+end of the turn (``vad.min_silence_ms``) the gate opens, so the endpointing wait
+overlaps ASR, LLM and TTS. If the user goes on, the speculation is cancelled (the vLLM
+request aborted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from voicebot.audio import ASR_RATE, Resampler, pcm16_to_float
+from voicebot.config import Config
+from voicebot.engines import Engines
+from voicebot.engines.asr import Transcript
+from voicebot.engines.llm import Lane
+from voicebot.errors import BadAudio, VoicebotError
+from voicebot.metrics import Metrics
+from voicebot.session.events import (
+    BargeIn,
+    ErrorEvent,
+    ResponseAudio,
+    ResponseAudioStarted,
+    ResponseDone,
+    ResponseStarted,
+    ResponseTextDelta,
+    SessionEvent,
+    SpeechStarted,
+    SpeechStopped,
+    TranscriptFinal,
+    TranscriptPartial,
+    TurnTimings,
+)
+from voicebot.session.history import Conversation, Message
+from voicebot.session.playout import Playout
+from voicebot.session.response import Response
+from voicebot.session.settings import SessionSettings
+from voicebot.session.turns import Signal, SilenceTurnDetector
+
+log = logging.getLogger(__name__)
+
+_FRAME_MS = 20
+_VAD_WINDOW_MS = 32.0
+
+
+class SessionLog(logging.LoggerAdapter):
+    def process(self, msg, kwargs):  # type: ignore[no-untyped-def]
+        return f"[{self.extra['session']}] {msg}", kwargs  # type: ignore[index]
+
+
+class SlowConsumer(VoicebotError):
+    code = "slow_consumer"
+    fatal = True
+
+
+@dataclass
+class _Turn:
+    """A user turn whose transcript is being (or has been) decoded."""
+
+    item_id: str
+    seq: int
+    final: asyncio.Task[Transcript]
+    asr_started: float = field(default_factory=time.monotonic)
+    asr_done: float | None = None
+    speech_end: float | None = None  # wall clock of the last speech audio
+    committed_at: float | None = None
+    response: Response | None = None
+
+
+class Session:
+    def __init__(
+        self,
+        engines: Engines,
+        settings: SessionSettings | None = None,
+        *,
+        metrics: Metrics | None = None,
+        session_id: str | None = None,
+        transport: str = "native",
+    ) -> None:
+        cfg: Config = engines.cfg
+        self.cfg = cfg
+        self.engines = engines
+        self.settings = settings or SessionSettings.from_config(cfg)
+        self.id = session_id or f"sess_{uuid.uuid4().hex[:12]}"
+        self.transport = transport
+        self.metrics = metrics
+        self.log = SessionLog(log, {"session": self.id})
+        # Control events are few; audio frames are paced at 50/s. A client that stops
+        # reading for out_queue_frames events is dropped instead of growing memory.
+        self._out: asyncio.Queue[SessionEvent] = asyncio.Queue(maxsize=cfg.session.out_queue_frames)
+        self._vad = engines.vad.stream()
+        self._asr = engines.asr.stream(language=self.settings.language)
+        self._turns = SilenceTurnDetector(self.settings.vad)
+        self._resamplers: dict[int, Resampler] = {}
+        ring_ms = self.settings.vad.prefix_padding_ms + self.settings.vad.barge_in_min_ms + 100
+        self._ring: deque[np.ndarray] = deque()
+        self._ring_samples = 0
+        self._ring_max = int(ring_ms * ASR_RATE / 1000)
+        self.conversation = Conversation(
+            engines.llm.tokenizer,
+            self.settings.system_prompt,
+            cfg.session.history_tokens,
+            self.settings.max_tokens,
+        )
+        self._ids = itertools.count(1)
+        self._turn_seq = 0
+        self._item_id: str | None = None  # the open user turn
+        self._turn_open_at = 0.0
+        self._last_speech_wall: float | None = None
+        self._pending: _Turn | None = None  # decoded speculatively, not yet committed
+        self._response: Response | None = None
+        self._response_turn: _Turn | None = None
+        self._response_task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()  # pacer: a response was released
+        self._tasks: set[asyncio.Task[object]] = set()
+        self._tg: asyncio.TaskGroup | None = None
+        self._main: asyncio.Task[None] | None = None
+        self._closing = asyncio.Event()
+        self._ready = asyncio.Event()
+        self._played_override: int | None = None
+        # Playouts of recent replies, so a client can still truncate them to what it heard.
+        self._heard: dict[str, Playout] = {}
+        self.input_ms = 0.0
+        self.closed_reason: str | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    async def __aenter__(self) -> Session:
+        self._main = asyncio.create_task(self._run(), name=f"{self.id}-main")
+        await self._ready.wait()
+        if self.metrics:
+            self.metrics.active_sessions.labels(self.transport).inc()
+            self.metrics.sessions.labels(self.transport).inc()
+        self.log.info("session opened (%s)", self.transport)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def _run(self) -> None:
+        async with asyncio.TaskGroup() as tg:
+            self._tg = tg
+            self._spawn(self._pace(), "pacer")
+            self._spawn(self._forward_partials(), "partials")
+            self._ready.set()
+            await self._closing.wait()
+            for task in list(self._tasks):
+                task.cancel()
+
+    async def aclose(self, reason: str = "closed") -> None:
+        if self._main is None or self._main.done():
+            return
+        self.closed_reason = self.closed_reason or reason
+        self._cancel_response(status="cancelled", emit=False)
+        self._closing.set()
+        try:
+            await self._main
+        finally:
+            await self._asr.aclose()
+            if self.metrics:
+                self.metrics.active_sessions.labels(self.transport).dec()
+            self.log.info("session closed (%s)", self.closed_reason)
+
+    def _spawn(self, coro, name: str) -> asyncio.Task:  # type: ignore[no-untyped-def]
+        assert self._tg is not None, "session not started"
+        task = self._tg.create_task(self._guard(coro), name=f"{self.id}-{name}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _guard(self, coro) -> None:  # type: ignore[no-untyped-def]
+        """An error in one task becomes an error event; the session goes on.
+        Cancellation propagates untouched."""
+        try:
+            await coro
+        except VoicebotError as exc:
+            self.error(exc.code, str(exc), fatal=exc.fatal)
+        except Exception as exc:
+            self.log.exception("task failed")
+            self.error("internal_error", f"{type(exc).__name__}: {exc}")
+
+    # -------------------------------------------------------------------- output
+    async def events(self):  # type: ignore[no-untyped-def]
+        """Events for the transport, until the session closes."""
+        while True:
+            get = asyncio.ensure_future(self._out.get())
+            closing = asyncio.ensure_future(self._closing.wait())
+            try:
+                done, _ = await asyncio.wait({get, closing}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                closing.cancel()
+                if not get.done():
+                    get.cancel()
+            if get in done and not get.cancelled():
+                yield get.result()
+            elif self._out.empty():
+                return
+
+    def emit(self, event: SessionEvent) -> None:
+        try:
+            self._out.put_nowait(event)
+        except asyncio.QueueFull:
+            self.log.warning("client is not reading events; closing")
+            self.closed_reason = "slow_consumer"
+            self._closing.set()
+
+    def error(self, code: str, message: str, *, event_id: str | None = None, fatal: bool = False) -> None:
+        if self.metrics:
+            self.metrics.errors.labels(code).inc()
+        self.emit(ErrorEvent(code=code, message=message, event_id=event_id, fatal=fatal))
+        if fatal:
+            self.closed_reason = code
+            self._closing.set()
+
+    # --------------------------------------------------------------------- input
+    def push_audio(self, audio: bytes | np.ndarray, sample_rate: int) -> None:
+        """Caller audio: PCM16 bytes or float32 samples, mono, any rate."""
+        if isinstance(audio, bytes | bytearray | memoryview):
+            try:
+                audio = pcm16_to_float(bytes(audio))
+            except ValueError as exc:
+                raise BadAudio(str(exc)) from None
+        if sample_rate != ASR_RATE:
+            rs = self._resamplers.get(sample_rate)
+            if rs is None:
+                rs = self._resamplers[sample_rate] = Resampler(sample_rate, ASR_RATE)
+            audio = rs.process(audio)
+        if audio.size == 0:
+            return
+        self.input_ms += 1000.0 * audio.size / ASR_RATE
+        if not self.settings.turn_detection:
+            self._asr.push(audio)  # the client decides when the turn ends
+            return
+        self._remember(audio)
+        pushed = False
+        bot_speaking = self._response is not None and self._response.released.is_set()
+        for prob in self._vad.process(audio):
+            if prob >= self.settings.vad.threshold and self._item_id is not None:
+                self._last_speech_wall = time.monotonic()
+            for sig in self._turns.update(float(prob), _VAD_WINDOW_MS, bot_speaking):
+                pushed |= self._on_signal(sig)
+        if self._item_id is not None and not pushed:
+            self._asr.push(audio)
+            if time.monotonic() - self._turn_open_at > self.cfg.session.max_turn_s:
+                for sig in self._turns.force_end():
+                    self._on_signal(sig)
+
+    def _remember(self, audio: np.ndarray) -> None:
+        """Keep the last few hundred ms: the start of speech precedes its detection."""
+        self._ring.append(audio)
+        self._ring_samples += audio.size
+        while self._ring_samples - self._ring[0].size >= self._ring_max:
+            self._ring_samples -= self._ring.popleft().size
+
+    def _on_signal(self, sig: Signal) -> bool:
+        """Act on a turn signal; True if the current chunk went to ASR already."""
+        if sig is Signal.SPEECH_START:
+            self._start_user_turn()
+            return True
+        if sig is Signal.PAUSE:
+            self._speculate()
+        elif sig is Signal.RESUME:
+            self._drop_speculation()
+        elif sig is Signal.END:
+            self._end_user_turn()
+        return False
+
+    def _start_user_turn(self) -> None:
+        if self._response is not None and self.settings.interrupt_response:
+            self._cancel_response(status="interrupted")
+        self._turn_seq += 1
+        self._item_id = f"item_{self.id[5:]}_{next(self._ids)}"
+        self._turn_open_at = time.monotonic()
+        self._last_speech_wall = time.monotonic()
+        self._asr.reset()
+        self._asr.push(np.concatenate(self._ring))
+        self.emit(SpeechStarted(audio_ms=int(self.input_ms), item_id=self._item_id))
+
+    def _speculate(self) -> None:
+        if self._item_id is None or not self.settings.create_response:
+            return
+        turn = _Turn(self._item_id, self._turn_seq, self._spawn_final())
+        turn.response = self._start_response(gated=True, turn=turn)
+        self._pending = turn
+
+    def _drop_speculation(self) -> None:
+        turn, self._pending = self._pending, None
+        if turn is None:
+            return
+        turn.final.cancel()
+        if turn.response is not None and turn.response is self._response:
+            self._cancel_response(status="cancelled", emit=False)
+
+    def _end_user_turn(self) -> None:
+        if self._item_id is None:
+            return
+        turn = self._pending or _Turn(self._item_id, self._turn_seq, self._spawn_final())
+        self._pending = None
+        turn.speech_end = self._last_speech_wall
+        turn.committed_at = time.monotonic()
+        self.emit(SpeechStopped(audio_ms=int(self.input_ms), item_id=self._item_id))
+        self._item_id = None
+        self._spawn(self._complete_turn(turn), "turn")
+
+    def _spawn_final(self) -> asyncio.Task[Transcript]:
+        assert self._tg is not None
+        return self._tg.create_task(self._asr.finalize())
+
+    async def _complete_turn(self, turn: _Turn) -> None:
+        transcript = await turn.final
+        turn.asr_done = time.monotonic()
+        text = transcript.text.strip()
+        self.emit(TranscriptFinal(item_id=turn.item_id, text=text))
+        if not text:  # a noise the VAD took for speech
+            if turn.response is not None and turn.response is self._response:
+                self._cancel_response(status="cancelled", emit=False)
+            return
+        self.conversation.append("user", text, turn.item_id)
+        self._trim_history()
+        if self.metrics:
+            self.metrics.turns.inc()
+        if turn.seq != self._turn_seq:
+            return  # the caller is already speaking again: no reply to this turn
+        if turn.response is not None and turn.response is self._response:
+            self._release(turn.response)
+        elif self.settings.create_response and self._response is None:
+            self._start_response(gated=False, turn=turn)
+
+    # ----------------------------------------------------------------- commands
+    def commit_input(self) -> str:
+        """Client-side turn end (turn detection off): transcribe what was sent."""
+        self._turn_seq += 1
+        item_id = f"item_{self.id[5:]}_{next(self._ids)}"
+        turn = _Turn(item_id, self._turn_seq, self._spawn_final())
+        turn.speech_end = turn.committed_at = time.monotonic()
+        self._spawn(self._commit_and_reset(turn), "commit")
+        return item_id
+
+    async def _commit_and_reset(self, turn: _Turn) -> None:
+        try:
+            await self._complete_turn(turn)
+        finally:
+            self._asr.reset()
+
+    def clear_input(self) -> None:
+        self._asr.reset()
+        self._drop_speculation()
+
+    def add_text(self, role: str, text: str, item_id: str | None = None) -> str:
+        item_id = item_id or f"item_{self.id[5:]}_{next(self._ids)}"
+        if role not in ("user", "assistant", "system"):
+            raise VoicebotError(f"unsupported role {role!r}", code="invalid_value")
+        self.conversation.append(role, text, item_id)  # type: ignore[arg-type]
+        self._trim_history()
+        return item_id
+
+    def create_response(self) -> str:
+        if self._response is not None:
+            self._cancel_response(status="cancelled")
+        return self._start_response(gated=False, turn=None).id
+
+    def cancel_response(self) -> bool:
+        if self._response is None:
+            return False
+        self._cancel_response(status="cancelled")
+        return True
+
+    def truncate(self, item_id: str, audio_end_ms: int) -> str | None:
+        """The client heard ``audio_end_ms`` of reply ``item_id``: keep only that."""
+        playout = self._heard.get(item_id)
+        if playout is None:
+            return None
+        heard = playout.heard_text(int(audio_end_ms * playout.sample_rate / 1000))
+        self.conversation.replace(item_id, heard)
+        return heard
+
+    def set_played(self, ms: int) -> None:
+        """A transport that knows how much reply audio was really played says so."""
+        self._played_override = ms
+
+    def update_settings(self, **changes: object) -> None:
+        new = self.settings.model_copy(update=changes)
+        new = SessionSettings.model_validate(new.model_dump())
+        self.settings = new
+        self.conversation.set_system_prompt(new.system_prompt)
+        self._turns.cfg = new.vad
+        self.conversation.reply_tokens = new.max_tokens
+
+    def item_history(self) -> list[Message]:
+        return list(self.conversation.messages)
+
+    # ------------------------------------------------------------------ replies
+    def _start_response(self, *, gated: bool, turn: _Turn | None) -> Response:
+        rid = f"resp_{self.id[5:]}_{next(self._ids)}"
+        item_id = f"item_{self.id[5:]}_{next(self._ids)}"
+        s = self.settings
+        resp = Response(
+            rid,
+            item_id,
+            [],
+            self.engines.llm,
+            self.engines.tts,
+            voice=s.voice,
+            speed=s.speed,
+            max_tokens=s.max_tokens,
+            first_clause_words=self.cfg.session.first_clause_words,
+            max_clause_words=self.cfg.session.max_clause_words,
+            gated=gated,
+        )
+        self._response = resp
+        self._response_turn = turn
+        self._response_task = self._spawn(self._drive(resp, turn), "response")
+        if not gated:
+            self._release(resp)
+        return resp
+
+    def _release(self, resp: Response) -> None:
+        resp.release()
+        self._wake.set()
+
+    async def _drive(self, resp: Response, turn: _Turn | None) -> None:
+        try:
+            if turn is not None:
+                # shield: this reply being cancelled must not cancel the turn's transcript.
+                transcript = await asyncio.shield(turn.final)
+                if not transcript.text.strip():
+                    return
+                in_history = any(m.item_id == turn.item_id for m in self.conversation.messages)
+                # A speculative reply runs before the turn is committed to the history.
+                user_text = None if in_history else transcript.text
+                resp.prompt_ids = self.conversation.prompt_ids(user_text=user_text)
+            else:
+                resp.prompt_ids = self.conversation.prompt_ids()
+            resp.times.requested = time.monotonic()
+            forward = self._spawn(self._forward_text(resp), "text")
+            try:
+                await resp.run()
+                await forward
+                await resp.released.wait()
+                if resp.playout.queued_samples:
+                    await resp.drained.wait()  # the pacer is still sending
+            finally:
+                forward.cancel()
+        except Exception:
+            if self._response is resp:
+                self._finish(resp, "failed")
+            raise
+        if self._response is resp:
+            self._finish(resp, "completed")
+
+    async def _forward_text(self, resp: Response) -> None:
+        await resp.released.wait()
+        self.emit(ResponseStarted(resp.id, resp.item_id))
+        while (text := await resp.deltas.get()) is not None:
+            self.emit(ResponseTextDelta(resp.id, resp.item_id, text))
+
+    def _cancel_response(self, *, status: str, emit: bool = True) -> None:
+        resp, task = self._response, self._response_task
+        if resp is None:
+            return
+        if task is not None:
+            task.cancel()  # aborts the vLLM request and pending TTS
+        if emit and resp.released.is_set():
+            dropped = resp.playout.clear()
+            self._finish(resp, status)
+            if status == "interrupted":
+                if self.metrics:
+                    self.metrics.barge_ins.inc()
+                self.log.info("barge-in: %d ms of reply audio dropped", 1000 * dropped // resp.playout.sample_rate)
+        self._response = None
+        self._response_task = None
+
+    def _finish(self, resp: Response, status: str) -> None:
+        rate = resp.playout.sample_rate
+        if status == "completed":
+            played = resp.playout.taken
+        elif self._played_override is not None:
+            played = int(self._played_override * rate / 1000)
+        else:
+            # The client holds up to the lead in its buffer: that part was not heard.
+            lead = int(self.cfg.session.playout_lead_ms * rate / 1000)
+            played = max(0, resp.playout.taken - lead)
+        heard = resp.playout.heard_text(played) if status != "completed" else resp.full_text
+        self.conversation.append("assistant", heard, resp.item_id)
+        self._heard[resp.item_id] = resp.playout
+        while len(self._heard) > 4:  # only recent replies can still be truncated
+            self._heard.pop(next(iter(self._heard)))
+        self._trim_history()
+        played_ms = 1000 * played // rate
+        if status == "interrupted":
+            self.emit(BargeIn(resp.id, played_ms, heard))
+        self.emit(ResponseDone(resp.id, resp.item_id, status, heard, resp.full_text, played_ms))  # type: ignore[arg-type]
+        self._played_override = None
+        if self._response is resp:
+            self._response = None
+            self._response_task = None
+
+    def _trim_history(self) -> None:
+        dropped = self.conversation.trim()
+        if dropped and self.cfg.llm.background_concurrency > 0:
+            self._spawn(self._summarise(dropped), "summary")
+
+    async def _summarise(self, dropped: list[Message]) -> None:
+        """Fold dropped turns into a one-line summary, at background priority."""
+        lines = [f"{m.role}: {m.content}" for m in dropped]
+        if self.conversation.summary:
+            lines.insert(0, f"(earlier: {self.conversation.summary})")
+        tok = self.engines.llm.tokenizer
+        prompt = tok.apply_chat_template(
+            [
+                {"role": "system", "content": "Summarise the conversation in one short sentence."},
+                {"role": "user", "content": "\n".join(lines)},
+            ],
+            tokenize=True,
+            add_generation_prompt=True,
+            enable_thinking=False,
+        )
+        ids = list(prompt["input_ids"] if isinstance(prompt, dict) else prompt)
+        summary = await self.engines.llm.complete(ids, lane=Lane.BACKGROUND, max_tokens=64, temperature=0.0)
+        self.conversation.set_summary(summary)
+
+    # -------------------------------------------------------------------- pacer
+    async def _pace(self) -> None:
+        """Send reply audio in 20 ms frames in real time, ``playout_lead_ms`` ahead."""
+        lead_s = self.cfg.session.playout_lead_ms / 1000.0
+        while True:
+            resp = self._response
+            if resp is None or not resp.released.is_set() or resp.playout.queued_samples == 0:
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), 0.01)
+                continue
+            await self._play(resp, lead_s)
+
+    async def _play(self, resp: Response, lead_s: float) -> None:
+        rate = resp.playout.sample_rate
+        frame = rate * _FRAME_MS // 1000
+        if resp.times.first_audio is not None and resp.playout.taken == 0:
+            self.emit(ResponseAudioStarted(resp.id, resp.item_id))
+            self._report_timings(resp)
+        base = time.monotonic() - resp.playout.taken / rate
+        while self._response is resp:
+            due = (time.monotonic() - base + lead_s) * rate
+            while resp.playout.taken + frame <= due or (
+                resp.playout.queued_samples and resp.playout.taken < due and resp.generated
+            ):
+                chunk = resp.playout.take(frame)
+                if chunk.size == 0:
+                    break
+                await self._out.put(ResponseAudio(resp.id, resp.item_id, chunk, rate))
+                resp.notify_drained()
+                if resp.generated and resp.playout.queued_samples == 0:
+                    resp.drained.set()
+                if self._response is not resp:
+                    return
+            if resp.playout.queued_samples == 0:
+                return  # underrun or done: the outer loop waits for more
+            await asyncio.sleep(_FRAME_MS / 1000.0)
+
+    def _report_timings(self, resp: Response) -> None:
+        now = time.monotonic()
+        turn = self._response_turn if self._response is resp else None
+
+        def ms(a: float | None, b: float | None) -> float | None:
+            return None if a is None or b is None else round(1000.0 * (b - a), 1)
+
+        t = resp.times
+        timings = TurnTimings(
+            response_id=resp.id,
+            endpointing_ms=ms(turn.speech_end, turn.committed_at) if turn else None,
+            asr_final_ms=ms(turn.asr_started, turn.asr_done) if turn else None,
+            llm_ttft_ms=None if resp.stats.ttft_s is None else round(1000 * resp.stats.ttft_s, 1),
+            first_clause_ms=ms(t.requested, t.first_clause),
+            tts_first_audio_ms=ms(t.first_clause_synth_start, t.first_audio),
+            voice_to_voice_ms=ms(turn.speech_end, now) if turn else None,
+            cached_prompt_tokens=resp.stats.cached_tokens,
+            prompt_tokens=resp.stats.prompt_tokens,
+            speculative=bool(turn and turn.response is resp),
+        )
+        self.emit(timings)
+        if self.metrics:
+            self.metrics.observe_turn(timings)
+            self.metrics.cache_hit_ratio.set(self.engines.llm.cache_hit_ratio)
+
+    # ----------------------------------------------------------------- partials
+    async def _forward_partials(self) -> None:
+        async for partial in self._asr:
+            if self._item_id is not None:
+                self.emit(TranscriptPartial(self._item_id, partial.confirmed, partial.tentative))

@@ -1,0 +1,266 @@
+"""The native WebSocket protocol at ``/ws`` (documented in docs/protocol.md).
+
+Binary frames carry PCM16 mono little-endian audio both ways; text frames carry JSON
+events. The first text message configures the session::
+
+    {"type": "session.start", "sample_rate": 16000, "output_sample_rate": 24000,
+     "system_prompt": "...", "voice": null, "vad": {"min_silence_ms": 400}}
+
+Translation only: parsing is :func:`parse_command`, rendering is :func:`render_event`,
+both synchronous; the session core does the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from dataclasses import asdict
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from voicebot.audio import Resampler, float_to_pcm16
+from voicebot.errors import BadAudio, BadMessage, MessageTooLarge, VoicebotError
+from voicebot.server.state import ServerState
+from voicebot.session import events as ev
+from voicebot.session.session import Session
+from voicebot.session.settings import SessionSettings
+
+log = logging.getLogger(__name__)
+
+_RATES = (8000, 16000, 22050, 24000, 32000, 44100, 48000)
+
+
+class StartMessage(BaseModel):
+    """The first message of a native session."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: str = Field("session.start", pattern=r"^session\.start$")
+    sample_rate: int = Field(16000, description="Rate of the audio the client sends.")
+    output_sample_rate: int | None = Field(None, description="Rate of the audio the client wants back.")
+    system_prompt: str | None = Field(None, max_length=20_000)
+    voice: str | None = None
+    speed: float | None = Field(None, ge=0.25, le=4.0)
+    language: str | None = None
+    vad: dict[str, Any] | None = None
+    turn_detection: bool | None = None
+    max_tokens: int | None = Field(None, ge=1, le=4096)
+
+
+def _rate(value: int, what: str) -> int:
+    if value not in _RATES:
+        raise BadMessage(f"{what} {value} not supported; use one of {_RATES}", code="unsupported_format")
+    return value
+
+
+def settings_from_start(base: SessionSettings, msg: StartMessage) -> SessionSettings:
+    data = base.model_dump()
+    for key in ("system_prompt", "voice", "speed", "language", "turn_detection", "max_tokens"):
+        value = getattr(msg, key)
+        if value is not None:
+            data[key] = value
+    if msg.vad:
+        data["vad"] = {**data["vad"], **msg.vad}
+    try:
+        return SessionSettings.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise BadMessage(f"invalid session settings: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+
+
+def parse_json(text: str) -> dict[str, Any]:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise BadMessage(f"malformed JSON: {exc.msg}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("type"), str):
+        raise BadMessage("an event must be a JSON object with a string 'type'")
+    return data
+
+
+def apply_command(session: Session, data: dict[str, Any]) -> dict[str, Any] | None:
+    """Carry out one client event; may return an acknowledgement event."""
+    kind = data["type"]
+    if kind == "input.commit":
+        return {"type": "input.committed", "item_id": session.commit_input()}
+    if kind == "input.clear":
+        session.clear_input()
+        return {"type": "input.cleared"}
+    if kind == "response.create":
+        return {"type": "response.created", "response_id": session.create_response()}
+    if kind == "response.cancel":
+        session.cancel_response()
+        return None
+    if kind == "text.input":
+        text = data.get("text")
+        if not isinstance(text, str) or not text.strip():
+            raise BadMessage("text.input needs a non-empty 'text'")
+        item = session.add_text("user", text)
+        if data.get("respond", True):
+            session.create_response()
+        return {"type": "text.added", "item_id": item}
+    if kind == "session.update":
+        fields = {k: v for k, v in data.items() if k not in ("type", "event_id")}
+        if "vad" in fields:
+            fields["vad"] = session.settings.vad.model_copy(update=fields["vad"])
+        try:
+            session.update_settings(**fields)
+        except (ValidationError, ValueError, TypeError) as exc:
+            raise BadMessage(f"invalid session.update: {exc}") from None
+        return {"type": "session.updated"}
+    if kind == "session.end":
+        raise _Hangup
+    raise BadMessage(f"unknown event type {kind!r}", code="unknown_event")
+
+
+class _Hangup(Exception):
+    pass
+
+
+def render_event(event: ev.SessionEvent) -> dict[str, Any] | None:
+    """Session event -> JSON event (audio is sent separately as binary)."""
+    match event:
+        case ev.SpeechStarted():
+            return {"type": "speech.started", **asdict(event)}
+        case ev.SpeechStopped():
+            return {"type": "speech.stopped", **asdict(event)}
+        case ev.TranscriptPartial():
+            return {"type": "transcript.partial", "text": event.text, **asdict(event)}
+        case ev.TranscriptFinal():
+            return {"type": "transcript.final", **asdict(event)}
+        case ev.ResponseStarted():
+            return {"type": "response.started", **asdict(event)}
+        case ev.ResponseTextDelta():
+            return {"type": "response.text.delta", **asdict(event)}
+        case ev.ResponseAudioStarted():
+            return {"type": "response.audio.started", **asdict(event)}
+        case ev.ResponseDone():
+            return {"type": "response.done", **asdict(event)}
+        case ev.BargeIn():
+            return {"type": "barge_in", **asdict(event)}
+        case ev.TurnTimings():
+            return {"type": "turn.timings", **asdict(event)}
+        case ev.Dtmf():
+            return {"type": "dtmf", **asdict(event)}
+        case ev.ErrorEvent():
+            return {"type": "error", **asdict(event)}
+    return None
+
+
+def endpoint(state: ServerState):  # type: ignore[no-untyped-def]
+    async def handle(ws: WebSocket) -> None:
+        await ws.accept()
+        try:
+            state.check_auth(ws.headers.get("authorization"), ws.query_params.get("token"))
+            start = await _read_start(ws)
+            settings = settings_from_start(state.default_settings(), start)
+            async with state.open_session("native", settings) as session:
+                out_rate = start.output_sample_rate or state.cfg.session.output_sample_rate
+                await ws.send_json(
+                    {
+                        "type": "session.started",
+                        "session_id": session.id,
+                        "sample_rate": start.sample_rate,
+                        "output_sample_rate": out_rate,
+                    }
+                )
+                await _run(ws, session, state, start.sample_rate, out_rate)
+        except WebSocketDisconnect:
+            return
+        except VoicebotError as exc:
+            state.metrics.errors.labels(exc.code).inc()
+            await _send_error_and_close(ws, exc)
+
+    return handle
+
+
+async def _read_start(ws: WebSocket) -> StartMessage:
+    try:
+        text = await asyncio.wait_for(ws.receive_text(), timeout=10.0)
+    except TimeoutError:
+        raise BadMessage("no session.start within 10 s") from None
+    except KeyError:
+        raise BadMessage("the first message must be a JSON session.start") from None
+    try:
+        msg = StartMessage.model_validate(parse_json(text))
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise BadMessage(f"session.start: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+    _rate(msg.sample_rate, "sample_rate")
+    if msg.output_sample_rate is not None:
+        _rate(msg.output_sample_rate, "output_sample_rate")
+    return msg
+
+
+async def _send_error_and_close(ws: WebSocket, exc: VoicebotError) -> None:
+    try:
+        await ws.send_json({"type": "error", "code": exc.code, "message": str(exc), "fatal": True})
+        await ws.close(code=1008 if exc.code == "unauthorized" else 1011 if exc.code == "internal_error" else 1000)
+    except (WebSocketDisconnect, RuntimeError):
+        pass
+
+
+async def _run(ws: WebSocket, session: Session, state: ServerState, in_rate: int, out_rate: int) -> None:
+    max_bytes = state.cfg.server.max_message_bytes
+
+    async def reader() -> None:
+        while True:
+            msg = await ws.receive()
+            if msg["type"] == "websocket.disconnect":
+                return
+            event_id = None
+            try:
+                if msg.get("bytes") is not None:
+                    data = msg["bytes"]
+                    if len(data) > max_bytes:
+                        raise MessageTooLarge(f"audio frame of {len(data)} bytes exceeds {max_bytes}")
+                    if len(data) % 2:
+                        raise BadAudio("PCM16 frames need an even number of bytes")
+                    session.push_audio(data, in_rate)
+                elif msg.get("text") is not None:
+                    if len(msg["text"]) > max_bytes:
+                        raise MessageTooLarge(f"message of {len(msg['text'])} bytes exceeds {max_bytes}")
+                    data = parse_json(msg["text"])
+                    event_id = data.get("event_id")
+                    reply = apply_command(session, data)
+                    if reply is not None:
+                        await ws.send_json(reply)
+            except _Hangup:
+                return
+            except VoicebotError as exc:
+                # Bad input costs the client an error event, nothing more.
+                session.error(exc.code, str(exc), event_id=event_id, fatal=exc.fatal)
+
+    async def writer() -> None:
+        resamplers: dict[str, Resampler] = {}
+        async for event in session.events():
+            if isinstance(event, ev.ResponseAudio):
+                rs = resamplers.get(event.response_id)
+                if rs is None:
+                    resamplers.clear()  # one reply plays at a time
+                    rs = resamplers[event.response_id] = Resampler(event.sample_rate, out_rate)
+                await ws.send_bytes(float_to_pcm16(rs.process(event.audio)))
+                continue
+            body = render_event(event)
+            if body is not None:
+                await ws.send_json(body)
+            if isinstance(event, ev.ErrorEvent) and event.fatal:
+                return
+
+    read = asyncio.create_task(reader())
+    write = asyncio.create_task(writer())
+    try:
+        done, _ = await asyncio.wait({read, write}, return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            task.result()  # surface a transport error
+    finally:
+        for task in (read, write):
+            task.cancel()
+        await asyncio.wait({read, write})
+        if session.closed_reason is None:
+            session.closed_reason = "client closed"
+    with contextlib.suppress(RuntimeError):
+        await ws.close()
