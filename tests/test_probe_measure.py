@@ -1,0 +1,315 @@
+"""The probe's pure parts (onsets, percentiles, clips, the turn state machine,
+the report) and one real-socket run of the driver against a scripted fake server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+from voicebot.errors import ConfigError
+from voicebot.probe.clips import load_clip
+from voicebot.probe.measure import OnsetDetector, block_levels, percentiles, speech_span
+from voicebot.probe.report import build_report, format_table, write_plot
+from voicebot.probe.turn import TurnRecord, TurnTracker
+
+RATE = 16000
+
+
+def tone(seconds: float, dbfs: float, rate: int = RATE) -> np.ndarray:
+    """A 440 Hz sine whose RMS is ``dbfs``."""
+    t = np.arange(int(seconds * rate)) / rate
+    amp = np.sqrt(2) * 10 ** (dbfs / 20)
+    return (amp * np.sin(2 * np.pi * 440 * t)).astype(np.float32)
+
+
+def silence(seconds: float, rate: int = RATE) -> np.ndarray:
+    return np.zeros(int(seconds * rate), dtype=np.float32)
+
+
+def pcm(audio: np.ndarray) -> bytes:
+    return (np.clip(audio, -1, 32767 / 32768) * 32768).astype("<i2").tobytes()
+
+
+# ---------------------------------------------------------------- onsets
+def test_block_levels_read_the_rms_of_each_10ms_block() -> None:
+    levels = block_levels(np.concatenate([silence(0.05), tone(0.05, -20.0)]), RATE)
+    assert levels.shape == (10,)
+    assert np.all(np.isneginf(levels[:5]))
+    assert np.allclose(levels[5:], -20.0, atol=0.2)
+
+
+def test_speech_span_uses_the_minus_40_dbfs_threshold() -> None:
+    audio = np.concatenate([silence(0.3), tone(0.2, -45.0), tone(0.5, -35.0), tone(0.4, -45.0)])
+    assert speech_span(audio, RATE) == (int(0.5 * RATE), int(1.0 * RATE))
+    assert speech_span(tone(1.0, -45.0), RATE) is None
+    assert speech_span(tone(1.0, -45.0), RATE, threshold_dbfs=-50.0) == (0, RATE)
+
+
+def test_streaming_detector_fires_on_the_chunk_that_completes_the_first_loud_block() -> None:
+    audio = np.concatenate([silence(0.205), tone(0.1, -30.0)])  # loud from 205 ms
+    det = OnsetDetector(RATE)
+    chunk = 7 * RATE // 1000  # 7 ms chunks straddle the 10 ms blocks
+    fired = [i for i, s in enumerate(range(0, audio.size, chunk)) if det.feed(audio[s : s + chunk])]
+    # block 200-210 ms holds 5 ms of tone at -30 dBFS: -33 dBFS, above -40; it completes in
+    # the chunk covering 203-210 ms, index 29
+    assert fired[0] == 29
+
+
+def test_detector_ignores_quiet_audio_and_reset_drops_the_partial_block() -> None:
+    det = OnsetDetector(RATE)
+    assert not det.feed(tone(0.5, -41.0))
+    det.feed(tone(0.005, -10.0))  # half a block, loud
+    det.reset()
+    assert not det.feed(silence(0.005))
+
+
+# ---------------------------------------------------------------- percentiles
+def test_percentiles() -> None:
+    p = percentiles(float(v) for v in range(1, 101))
+    assert p == {
+        "n": 100,
+        "p50": 50.5,
+        "p90": 90.1,
+        "p95": 95.0,
+        "p99": 99.0,
+        "mean": 50.5,
+        "min": 1.0,
+        "max": 100.0,
+    }
+    assert percentiles([250.0, float("nan")])["p99"] == 250.0
+    assert percentiles([]) == dict.fromkeys(
+        ("n", "p50", "p90", "p95", "p99", "mean", "min", "max")
+    ) | {"n": 0}
+
+
+# ---------------------------------------------------------------- clips
+@pytest.mark.parametrize("rate", [8000, 44100, 48000])
+def test_wav_of_another_rate_is_resampled_and_framed(tmp_path: Path, rate: int) -> None:
+    path = tmp_path / f"clip_{rate}.wav"
+    stereo = np.concatenate([silence(0.5, rate), tone(0.5, -20.0, rate), silence(0.31, rate)])
+    sf.write(path, np.stack([stereo, stereo], axis=1), rate)
+    clip = load_clip(str(path), RATE)
+    assert clip.rate == RATE
+    assert all(len(f) == 640 for f in clip.frames)  # 20 ms of PCM16 at 16 kHz
+    assert len(clip.frames) == 66  # 1.31 s, the last frame padded
+    assert abs(clip.first_speech_frame - 25) <= 1
+    assert abs(clip.last_speech_frame - 49) <= 1
+
+
+def test_clip_errors_are_config_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not found"):
+        load_clip(str(tmp_path / "missing.wav"), RATE)
+    quiet = tmp_path / "quiet.wav"
+    sf.write(quiet, tone(1.0, -50.0), RATE)
+    with pytest.raises(ConfigError, match="no audio above"):
+        load_clip(str(quiet), RATE)
+    junk = tmp_path / "junk.wav"
+    junk.write_bytes(b"not a wav")
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_clip(str(junk), RATE)
+
+
+# ---------------------------------------------------------------- turn state machine
+def ev(kind: str, **fields: Any) -> dict[str, Any]:
+    return {"type": kind, **fields}
+
+
+def test_turn_measures_from_end_of_speech_to_first_audible_reply() -> None:
+    tr = TurnTracker(TurnRecord(0, 0, "a.wav"), RATE)
+    tr.speech_ended(10.0)
+    tr.on_event(ev("transcript.final", item_id="i1", text="hello"), 10.2)
+    tr.on_event(ev("response.started", response_id="r1", item_id="i1"), 10.25)
+    tr.on_event(ev("response.audio.started", response_id="r1", item_id="i1"), 10.3)
+    tr.on_audio(pcm(silence(0.02)), 10.3)  # lead-in silence does not count
+    tr.on_audio(pcm(tone(0.02, -30.0)), 10.45)
+    tr.on_audio(pcm(tone(0.02, -30.0)), 10.47)
+    assert not tr.finished(10.5)
+    tr.on_event(
+        ev(
+            "response.done",
+            response_id="r1",
+            item_id="i1",
+            status="completed",
+            text="hi",
+            full_text="hi there",
+        ),
+        11.0,
+    )
+    assert not tr.finished(11.0)  # waits briefly for turn.timings
+    tr.on_event(ev("turn.timings", response_id="r1", llm_ttft_ms=80.0), 11.01)
+    assert tr.finished(11.01)
+    rec = tr.finish(11.01)
+    assert rec.status == "ok", rec.errors
+    assert rec.voice_to_voice_ms == pytest.approx(450.0)
+    assert (rec.transcript, rec.reply_text, rec.heard_text) == ("hello", "hi there", "hi")
+    assert rec.timings == {"llm_ttft_ms": 80.0}
+
+
+def test_a_cancelled_speculative_reply_does_not_end_the_turn() -> None:
+    tr = TurnTracker(TurnRecord(0, 0, "a.wav"), RATE, timings_grace_s=0.5)
+    tr.speech_ended(1.0)
+    tr.on_event(ev("response.started", response_id="spec"), 1.1)
+    tr.on_event(
+        ev("response.done", response_id="spec", status="cancelled", text="", full_text=""), 1.2
+    )
+    assert not tr.finished(5.0)
+    rec = tr.finish(30.0, timed_out=True)
+    assert rec.status == "timeout"
+    assert rec.voice_to_voice_ms is None
+
+
+def test_barge_in_measures_event_and_playout_stop() -> None:
+    tr = TurnTracker(TurnRecord(0, 0, "a.wav"), RATE, barge_after_s=0.6)
+    tr.speech_ended(1.0)
+    tr.on_event(ev("response.started", response_id="r1"), 1.2)
+    tr.on_event(ev("response.audio.started", response_id="r1"), 1.3)
+    tr.on_audio(pcm(tone(0.02, -20.0)), 1.3)
+    assert not tr.barge_due(1.8)
+    assert tr.barge_due(1.91)
+    assert not tr.barge_due(2.0)  # once
+    tr.barge_speech_started(2.0)
+    tr.on_audio(pcm(tone(0.02, -20.0)), 2.1)
+    tr.on_event(ev("barge_in", response_id="r1", played_ms=700, heard_text="x"), 2.25)
+    tr.on_audio(pcm(tone(0.02, -20.0)), 2.3)  # still the old reply: playout has not stopped
+    tr.on_event(
+        ev("response.done", response_id="r1", status="interrupted", text="x", full_text="x y"), 2.31
+    )
+    tr.barge_clip_ended(3.0)
+    assert not tr.finished(3.0)
+    tr.on_event(ev("response.started", response_id="r2"), 3.5)
+    tr.on_event(ev("response.audio.started", response_id="r2"), 3.6)
+    tr.on_audio(pcm(tone(0.02, -20.0)), 3.6)  # the new reply is not the barged one
+    tr.on_event(
+        ev("response.done", response_id="r2", status="completed", text="z", full_text="z"), 4.0
+    )
+    tr.on_event(ev("turn.timings", response_id="r1"), 4.0)
+    assert tr.finished(4.0)
+    rec = tr.finish(4.0)
+    assert rec.status == "ok", rec.errors
+    assert rec.barge_in == {
+        "event_ms": pytest.approx(250.0),
+        "playout_stop_ms": pytest.approx(300.0),
+    }
+    assert rec.reply_text == "x y"
+    assert [r["status"] for r in rec.replies] == ["interrupted", "completed"]
+
+
+def test_fatal_error_ends_the_turn_as_failed() -> None:
+    tr = TurnTracker(TurnRecord(0, 0, "a.wav"), RATE)
+    tr.on_event(ev("error", code="capacity_exceeded", message="full", fatal=True), 0.5)
+    assert tr.finished(0.5)
+    rec = tr.finish(0.5)
+    assert rec.status == "failed"
+    assert rec.errors == ["capacity_exceeded: full"]
+
+
+# ---------------------------------------------------------------- report
+def test_report_keeps_levels_and_the_merged_view(tmp_path: Path) -> None:
+    def rec(s: int, v2v: float | None) -> TurnRecord:
+        return TurnRecord(
+            s,
+            0,
+            "a.wav",
+            status="ok" if v2v else "failed",
+            voice_to_voice_ms=v2v,
+            timings={"llm_ttft_ms": 50.0},
+        )
+
+    report = build_report(
+        {"url": "ws://x"}, [(1, [rec(0, 400.0)]), (2, [rec(0, 500.0), rec(1, None)])]
+    )
+    assert report["voice_to_voice_ms"]["n"] == 2
+    assert report["voice_to_voice_ms"]["max"] == 500.0
+    assert [lv["sessions"] for lv in report["levels"]] == [1, 2]
+    assert report["levels"][1]["counts"] == {"turns": 2, "ok": 1, "failed": 1, "timeout": 0}
+    assert report["stages_ms"]["llm_ttft_ms"]["n"] == 3
+    assert [t["sessions"] for t in report["turns"]] == [1, 2, 2]
+    json.dumps(report)
+    assert "400" in format_table(report)
+    write_plot(report, tmp_path / "p.png")
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+# ---------------------------------------------------------------- real sockets
+async def test_driver_against_a_scripted_server(tmp_path: Path) -> None:
+    """A fake native server that answers 300 ms after the caller's audio stops."""
+    from websockets.asyncio.server import ServerConnection, serve
+
+    from voicebot.probe.client import ProbeConfig, run_level
+
+    async def handler(ws: ServerConnection) -> None:
+        start = json.loads(await ws.recv())
+        await ws.send(
+            json.dumps(
+                {
+                    "type": "session.started",
+                    "session_id": "s",
+                    "sample_rate": start["sample_rate"],
+                    "output_sample_rate": RATE,
+                }
+            )
+        )
+        quiet_ms, spoke, turn = 0, False, 0
+        async for msg in ws:
+            if not isinstance(msg, bytes):
+                continue
+            loud = np.abs(np.frombuffer(msg, "<i2")).max() > 300
+            spoke, quiet_ms = (True, 0) if loud else (spoke, quiet_ms + 20)
+            if spoke and quiet_ms >= 300:
+                spoke, rid = False, f"r{turn}"
+                turn += 1
+                await ws.send(
+                    json.dumps({"type": "response.started", "response_id": rid, "item_id": "i"})
+                )
+                await ws.send(
+                    json.dumps(
+                        {"type": "response.audio.started", "response_id": rid, "item_id": "i"}
+                    )
+                )
+                for _ in range(5):
+                    await ws.send(pcm(tone(0.02, -20.0)))
+                await ws.send(
+                    json.dumps(
+                        {
+                            "type": "response.done",
+                            "response_id": rid,
+                            "item_id": "i",
+                            "status": "completed",
+                            "text": "ok",
+                            "full_text": "ok",
+                        }
+                    )
+                )
+                await ws.send(
+                    json.dumps({"type": "turn.timings", "response_id": rid, "llm_ttft_ms": 1.0})
+                )
+
+    wav = tmp_path / "say.wav"
+    sf.write(wav, np.concatenate([tone(0.3, -20.0, 22050), silence(0.1, 22050)]), 22050)
+    async with serve(handler, "127.0.0.1", 0) as server:
+        port = server.sockets[0].getsockname()[1]
+        cfg = ProbeConfig(
+            url=f"ws://127.0.0.1:{port}/ws",
+            clips=(load_clip(str(wav), RATE),),
+            turns=2,
+            gap_s=0.1,
+            timeout_s=5.0,
+            stagger_s=0.05,
+        )
+        records = await asyncio.wait_for(run_level(cfg, 2), 30)
+    assert [(r.session, r.turn, r.status) for r in records] == [
+        (0, 0, "ok"),
+        (0, 1, "ok"),
+        (1, 0, "ok"),
+        (1, 1, "ok"),
+    ]
+    for r in records:
+        # 300 ms of server-side silence counting (one frame of it is the last speech frame's)
+        assert r.voice_to_voice_ms is not None and 250 <= r.voice_to_voice_ms <= 700, r
+        assert r.timings == {"llm_ttft_ms": 1.0}

@@ -1,0 +1,237 @@
+"""``voicebot probe``: argument parsing and the run. Heavy imports wait for the
+handler so ``voicebot --help`` stays fast."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+# What the server accepts in session.start (voicebot/transports/native.py); repeated
+# here so building the parser does not import the server stack.
+RATES = (8000, 16000, 22050, 24000, 32000, 44100, 48000)
+
+
+def _bounded(kind: type, lo: float, hi: float):  # type: ignore[no-untyped-def]
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a {kind.__name__}: {text!r}") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"{text} is outside [{lo:g}, {hi:g}]")
+        return value
+
+    return parse
+
+
+def add_probe_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from voicebot.probe.base import CLIENTS
+
+    p = sub.add_parser(
+        "probe",
+        help="measure voice-to-voice latency / generate load against a running server",
+        description="Play WAV files as caller turns in real time over N concurrent sessions and "
+        "measure voice-to-voice latency from the audio (-40 dBFS onsets).",
+    )
+    p.add_argument(
+        "--url",
+        default="ws://127.0.0.1:8080/ws",
+        help="server WebSocket URL (default: %(default)s)",
+    )
+    p.add_argument(
+        "--protocol",
+        choices=sorted(CLIENTS),
+        default="native",
+        help="wire protocol (default: %(default)s)",
+    )
+    p.add_argument(
+        "--audio",
+        nargs="+",
+        required=True,
+        metavar="PATH",
+        help="WAV files, any rate; turns cycle through them",
+    )
+    p.add_argument(
+        "--sessions",
+        nargs="+",
+        type=_bounded(int, 1, 256),
+        default=[1],
+        metavar="N",
+        help="concurrent sessions; several values run one level after another (default: 1)",
+    )
+    p.add_argument(
+        "--turns",
+        type=_bounded(int, 1, 10_000),
+        default=3,
+        help="turns per session (default: %(default)s)",
+    )
+    p.add_argument(
+        "--stagger-ms",
+        type=_bounded(float, 0, 60_000),
+        default=250.0,
+        help="delay between session starts (default: %(default)s)",
+    )
+    p.add_argument(
+        "--gap-ms",
+        type=_bounded(float, 0, 60_000),
+        default=500.0,
+        help="silence after response.done before the next turn (default: %(default)s)",
+    )
+    p.add_argument(
+        "--timeout-s",
+        type=_bounded(float, 1, 3600),
+        default=30.0,
+        help="limit per turn; a late turn is recorded as failed (default: %(default)s)",
+    )
+    p.add_argument(
+        "--connect-timeout-s",
+        type=_bounded(float, 0.1, 600),
+        default=10.0,
+        help="limit to connect and start a session (default: %(default)s)",
+    )
+    p.add_argument(
+        "--sample-rate",
+        type=int,
+        choices=RATES,
+        default=16000,
+        help="rate declared and sent (default: %(default)s)",
+    )
+    p.add_argument(
+        "--output-rate",
+        type=int,
+        choices=RATES,
+        default=None,
+        help="reply audio rate to ask for (default: the server's)",
+    )
+    p.add_argument(
+        "--threshold-dbfs",
+        type=_bounded(float, -120, 0),
+        default=-40.0,
+        help="speech onset level per 10 ms block (default: %(default)s)",
+    )
+    p.add_argument(
+        "--barge-in",
+        action="store_true",
+        help="speak over each reply and measure how fast playout stops",
+    )
+    p.add_argument(
+        "--barge-in-after-ms",
+        type=_bounded(float, 0, 60_000),
+        default=600.0,
+        help="wait after the reply becomes audible (default: %(default)s)",
+    )
+    p.add_argument(
+        "--barge-in-audio",
+        metavar="PATH",
+        help="clip to barge in with (default: the next --audio clip)",
+    )
+    p.add_argument("--system-prompt", help="session.start system_prompt")
+    p.add_argument("--voice", help="session.start voice")
+    p.add_argument("--token", help="API key, sent as 'Authorization: Bearer'")
+    p.add_argument("--json", type=Path, metavar="OUT.json", help="write the full report here")
+    p.add_argument(
+        "--plot",
+        type=Path,
+        metavar="OUT.png",
+        help="write a latency plot per concurrency level (matplotlib)",
+    )
+    p.add_argument(
+        "--save-audio", type=Path, metavar="DIR", help="write each turn's reply audio as WAV"
+    )
+    p.set_defaults(func=run_probe)
+
+
+def _check_out(path: Path | None, what: str) -> None:
+    from voicebot.errors import ConfigError
+
+    if path is not None and not path.resolve().parent.is_dir():
+        raise ConfigError(f"{what}: directory {path.resolve().parent} does not exist")
+
+
+def run_probe(args: argparse.Namespace) -> int:
+    """Exit codes: 0 every turn ok, 1 some turn failed (or the server is unreachable),
+    2 bad arguments or files."""
+    import asyncio
+    import importlib.util
+
+    from voicebot.errors import ConfigError
+    from voicebot.probe.client import ProbeConfig, check_reachable, run_level
+    from voicebot.probe.clips import load_clip
+    from voicebot.probe.report import build_report, format_table, write_plot
+
+    _check_out(args.json, "--json")
+    _check_out(args.plot, "--plot")
+    if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
+        raise ConfigError("--plot needs matplotlib: pip install matplotlib")
+    if args.save_audio is not None and not args.save_audio.is_dir():
+        raise ConfigError(f"--save-audio: {args.save_audio} is not a directory")
+    clips = tuple(
+        load_clip(p, args.sample_rate, threshold_dbfs=args.threshold_dbfs) for p in args.audio
+    )
+    barge_clip = None
+    if args.barge_in_audio:
+        barge_clip = load_clip(
+            args.barge_in_audio, args.sample_rate, threshold_dbfs=args.threshold_dbfs
+        )
+    start_fields = {
+        k: v for k, v in (("system_prompt", args.system_prompt), ("voice", args.voice)) if v
+    }
+    cfg = ProbeConfig(
+        url=args.url,
+        clips=clips,
+        turns=args.turns,
+        protocol=args.protocol,
+        sample_rate=args.sample_rate,
+        output_sample_rate=args.output_rate,
+        stagger_s=args.stagger_ms / 1000,
+        gap_s=args.gap_ms / 1000,
+        timeout_s=args.timeout_s,
+        connect_timeout_s=args.connect_timeout_s,
+        threshold_dbfs=args.threshold_dbfs,
+        barge_after_s=args.barge_in_after_ms / 1000 if args.barge_in else None,
+        barge_clip=barge_clip,
+        token=args.token,
+        start_fields=start_fields,
+        save_audio=args.save_audio,
+    )
+
+    async def main() -> list[tuple[int, list[Any]]]:
+        await check_reachable(cfg.url, cfg.connect_timeout_s)
+        levels = []
+        for n in args.sessions:
+            print(f"probe: {n} session(s) x {cfg.turns} turn(s) ...", file=sys.stderr, flush=True)
+            levels.append((n, await run_level(cfg, n)))
+        return levels
+
+    levels = asyncio.run(main())
+    config = {
+        "url": cfg.url,
+        "protocol": cfg.protocol,
+        "sessions": list(args.sessions),
+        "turns": cfg.turns,
+        "files": [c.path for c in clips],
+        "sample_rate": cfg.sample_rate,
+        "output_sample_rate": cfg.output_sample_rate,
+        "stagger_ms": args.stagger_ms,
+        "gap_ms": args.gap_ms,
+        "timeout_s": cfg.timeout_s,
+        "threshold_dbfs": cfg.threshold_dbfs,
+        "barge_in_after_ms": args.barge_in_after_ms if args.barge_in else None,
+    }
+    report = build_report(config, levels)
+    print(format_table(report))
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    if args.plot is not None:
+        write_plot(report, args.plot)
+    counts = report["counts"]
+    if counts["ok"] < counts["turns"]:
+        print(
+            f"probe: {counts['turns'] - counts['ok']} of {counts['turns']} turns failed",
+            file=sys.stderr,
+        )
+        return 1
+    return 0

@@ -1,0 +1,258 @@
+"""One user turn as the caller experiences it: a synchronous state machine fed with
+timestamped audio and events, no I/O (the driver in ``client`` does that).
+
+Voice-to-voice latency is measured from the audio itself: the send time of the frame
+holding the clip's last sample above -40 dBFS, to the arrival of the first received
+reply block above -40 dBFS. The server's own ``turn.timings`` are kept beside it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from voicebot.audio import pcm16_to_float
+from voicebot.probe.measure import THRESHOLD_DBFS, OnsetDetector
+
+# A response.done with one of these ends the wait; "cancelled" is a speculative reply
+# the server dropped because the caller went on talking, so the turn is not over.
+_FINAL = ("completed", "failed")
+
+
+@dataclass
+class TurnRecord:
+    """What the report keeps of a turn (JSON via dataclasses.asdict)."""
+
+    session: int
+    turn: int
+    audio: str
+    status: str = "pending"  # ok | failed | timeout
+    transcript: str = ""
+    reply_text: str = ""  # full_text of the reply heard first
+    heard_text: str = ""  # the part the server says was played
+    voice_to_voice_ms: float | None = None
+    timings: dict[str, Any] = field(default_factory=dict)  # the server's turn.timings
+    barge_in: dict[str, float | None] | None = None  # event_ms, playout_stop_ms
+    replies: list[dict[str, Any]] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Response:
+    started_t: float | None = None
+    audio_t: float | None = None
+    done: dict[str, Any] | None = None
+    done_t: float | None = None
+
+
+class TurnTracker:
+    def __init__(
+        self,
+        record: TurnRecord,
+        output_rate: int,
+        *,
+        barge_after_s: float | None = None,
+        threshold_dbfs: float = THRESHOLD_DBFS,
+        timings_grace_s: float = 1.0,
+        keep_audio_s: float = 60.0,
+    ) -> None:
+        self.record = record
+        self.output_rate = output_rate
+        self.barge_after_s = barge_after_s
+        self.timings_grace_s = timings_grace_s
+        self._detector = OnsetDetector(output_rate, threshold_dbfs)
+        self._keep = int(keep_audio_s * output_rate)
+        self._audio: list[np.ndarray] = []
+        self._kept = 0
+        self._responses: dict[str, _Response] = {}
+        self._timings: dict[str, dict[str, Any]] = {}
+        self._transcripts: dict[str, str] = {}
+        self._playing: str | None = None  # response whose audio is arriving now
+        self.fatal = False
+        self.speech_end_t: float | None = None
+        self.onset_t: float | None = None
+        # barge-in
+        self.barge_state = (
+            "off" if barge_after_s is None else "waiting"
+        )  # waiting|sent|done|skipped
+        self._barged: str | None = None
+        self.barge_speech_t: float | None = None
+        self.barge_end_t: float | None = None
+        self._barge_event_t: float | None = None
+        self._last_barged_audio_t: float | None = None
+
+    # ----------------------------------------------------------- driver -> tracker
+    def speech_ended(self, t: float) -> None:
+        self.speech_end_t = t
+        self._detector.reset()  # only audio after the end of speech counts
+
+    def barge_speech_started(self, t: float) -> None:
+        self.barge_speech_t = t
+
+    def barge_clip_ended(self, t: float) -> None:
+        self.barge_end_t = t
+
+    def on_audio(self, pcm: bytes, t: float) -> None:
+        audio = pcm16_to_float(pcm)
+        if self._kept < self._keep:  # recorded for --save-audio, capped per turn
+            part = audio[: self._keep - self._kept]
+            self._audio.append(part)
+            self._kept += part.size
+        audible = self._detector.feed(audio)
+        if self.speech_end_t is None:
+            if audible and "reply audio during user speech" not in self.record.notes:
+                self.record.notes.append("reply audio during user speech")
+        elif self.onset_t is None and audible:
+            self.onset_t = t
+        if self.barge_speech_t is not None and self._playing == self._barged:
+            self._last_barged_audio_t = t
+
+    def on_event(self, data: dict[str, Any], t: float) -> None:
+        kind = data.get("type")
+        rid = str(data.get("response_id", ""))
+        if kind == "transcript.final":
+            self._transcripts[str(data.get("item_id"))] = str(data.get("text", ""))
+        elif kind == "response.started":
+            self._responses.setdefault(rid, _Response()).started_t = t
+        elif kind == "response.audio.started":
+            self._responses.setdefault(rid, _Response()).audio_t = t
+            self._playing = rid
+        elif kind == "response.done":
+            resp = self._responses.setdefault(rid, _Response())
+            resp.done, resp.done_t = data, t
+        elif kind == "turn.timings":
+            self._timings[rid] = {k: v for k, v in data.items() if k not in ("type", "response_id")}
+        elif kind == "barge_in":
+            if self.barge_speech_t is not None and self._barge_event_t is None:
+                self._barge_event_t = t
+            elif self.barge_speech_t is None:
+                self.record.notes.append("server reported a barge-in the probe did not make")
+        elif kind == "error":
+            self.record.errors.append(f"{data.get('code')}: {data.get('message')}")
+            self.fatal = self.fatal or bool(data.get("fatal"))
+
+    # ------------------------------------------------------------ driver queries
+    def barge_due(self, now: float) -> bool:
+        """Time to speak over the reply? (once per turn)"""
+        if self.barge_state != "waiting" or self.onset_t is None or self.barge_after_s is None:
+            return False
+        playing = self._responses.get(self._playing or "")
+        if playing is not None and playing.done is not None:
+            self.barge_state = "skipped"
+            self.record.notes.append("reply ended before the barge-in was due")
+            return False
+        if now - self.onset_t < self.barge_after_s:
+            return False
+        self.barge_state = "sent"
+        self._barged = self._playing
+        return True
+
+    def finished(self, now: float) -> bool:
+        if self.fatal:
+            return True
+        if self.barge_state == "waiting" and self.onset_t is None and self._final_done() is None:
+            return False
+        if self.barge_state == "waiting" and self.onset_t is not None:
+            return False  # barge_due() decides, skipping it if the reply ends first
+        if self.barge_state == "sent" and self.barge_end_t is None:
+            return False
+        done = self._final_done()
+        if done is None:
+            return False
+        if any(r.started_t is not None and r.done is None for r in self._responses.values()):
+            return False  # a reply is still open (say, to the barge-in clip)
+        primary = self._primary()
+        return (
+            primary is None
+            or primary in self._timings
+            or now - (done.done_t or now) >= self.timings_grace_s
+        )
+
+    def _last_speech_t(self) -> float | None:
+        return self.barge_end_t if self.barge_state == "sent" else self.speech_end_t
+
+    def _final_done(self) -> _Response | None:
+        """A completed/failed reply that ended after the caller stopped talking."""
+        since = self._last_speech_t()
+        if since is None:
+            return None
+        for resp in self._responses.values():
+            if (
+                resp.done is not None
+                and resp.done.get("status") in _FINAL
+                and (resp.done_t or 0) >= since
+            ):
+                return resp
+        return None
+
+    def _primary(self) -> str | None:
+        """The reply the caller heard first after the end of speech."""
+        end = self.speech_end_t
+        heard = [(r.audio_t, rid) for rid, r in self._responses.items() if r.audio_t is not None]
+        after = sorted(x for x in heard if end is not None and x[0] is not None and x[0] >= end)
+        if after:
+            return after[0][1]
+        if heard:  # it started before our end-of-speech (the server cut in early)
+            return sorted(x for x in heard if x[0] is not None)[-1][1]
+        for rid, r in self._responses.items():
+            if r.done is not None and r.done.get("status") != "cancelled":
+                return rid
+        return None
+
+    # ------------------------------------------------------------------- result
+    def reply_audio(self) -> np.ndarray:
+        return np.concatenate(self._audio) if self._audio else np.zeros(0, dtype=np.float32)
+
+    def finish(
+        self, now: float, *, timed_out: bool = False, reason: str | None = None
+    ) -> TurnRecord:
+        rec = self.record
+        if reason:
+            rec.errors.append(reason)
+        rec.transcript = " | ".join(t for t in self._transcripts.values() if t)
+        primary = self._primary()
+        if primary is not None:
+            resp = self._responses[primary]
+            if resp.done is not None:
+                rec.reply_text = str(resp.done.get("full_text", ""))
+                rec.heard_text = str(resp.done.get("text", ""))
+            rec.timings = self._timings.get(primary, {})
+        rec.replies = [
+            {
+                "response_id": rid,
+                "status": (r.done or {}).get("status"),
+                "text": (r.done or {}).get("full_text"),
+            }
+            for rid, r in self._responses.items()
+        ]
+        if self.speech_end_t is not None and self.onset_t is not None:
+            rec.voice_to_voice_ms = round(1000.0 * (self.onset_t - self.speech_end_t), 1)
+        if self.barge_state == "sent" and self.barge_speech_t is not None:
+            t0 = self.barge_speech_t
+            rec.barge_in = {
+                "event_ms": None
+                if self._barge_event_t is None
+                else round(1000.0 * (self._barge_event_t - t0), 1),
+                # no barged audio after our speech began: playout had already stopped
+                "playout_stop_ms": round(
+                    1000.0 * max(0.0, (self._last_barged_audio_t or t0) - t0), 1
+                ),
+            }
+            if self._barge_event_t is None:
+                rec.errors.append("no barge_in event after speaking over the reply")
+        done = self._final_done()
+        if done is not None and done.done is not None and done.done.get("status") == "failed":
+            rec.errors.append("reply failed")
+        if timed_out and not self.finished(now):
+            rec.status = "timeout"
+            rec.errors.append("turn timed out")
+        elif self.fatal or rec.voice_to_voice_ms is None or done is None or rec.errors:
+            rec.status = "failed"
+            if rec.voice_to_voice_ms is None and not rec.errors:
+                rec.errors.append("no audible reply after the end of speech")
+        else:
+            rec.status = "ok"
+        return rec
