@@ -12,6 +12,7 @@ Cancelling the consumer of :meth:`LlmEngine.generate` aborts the vLLM request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import itertools
 import logging
@@ -70,8 +71,11 @@ class LlmEngine:
         self._engine: AsyncLLM | None = None
         self._tokenizer: Any = None
         self._ids = itertools.count()
-        # Created per engine (not at module level) so each event loop / engine has its own.
-        self._background = asyncio.Semaphore(max(cfg.background_concurrency, 1))
+        # The background cap: a counter and an Event (not a Semaphore) so the limit can
+        # be tuned at run time and leaving never awaits. Per engine, never module level.
+        self.background_limit = max(cfg.background_concurrency, 1)
+        self._background_running = 0
+        self._background_freed = asyncio.Event()
         self._background_waiting = 0
         self._running: dict[str, GenerationStats] = {}
         self.requests_total = 0
@@ -148,11 +152,23 @@ class LlmEngine:
         return self._background_waiting
 
     @property
+    def background_running(self) -> int:
+        return self._background_running
+
+    def unfinished_requests(self) -> int:
+        """Requests vLLM itself still tracks (tests: an abort must bring this to 0)."""
+        if self._engine is None:
+            return 0
+        return int(self._engine.output_processor.get_num_unfinished_requests())
+
+    @property
     def cache_hit_ratio(self) -> float:
         return self.cached_tokens_total / self.prompt_tokens_total if self.prompt_tokens_total else 0.0
 
     # --------------------------------------------------------------- generation
-    def _sampling(self, max_tokens: int | None, temperature: float | None, stop: list[str] | None) -> Any:
+    def _sampling(
+        self, max_tokens: int | None, temperature: float | None, stop: list[str] | None, min_tokens: int
+    ) -> Any:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -163,6 +179,7 @@ class LlmEngine:
             top_p=c.top_p,
             seed=c.seed,
             stop=stop,
+            min_tokens=min_tokens,
             output_kind=RequestOutputKind.DELTA,
         )
 
@@ -174,6 +191,7 @@ class LlmEngine:
         max_tokens: int | None = None,
         temperature: float | None = None,
         stop: list[str] | None = None,
+        min_tokens: int = 0,
         stats: GenerationStats | None = None,
         request_id: str | None = None,
     ) -> AsyncIterator[TextDelta]:
@@ -188,17 +206,29 @@ class LlmEngine:
         st = stats or GenerationStats(request_id=rid, lane=lane)
         st.request_id, st.lane, st.prompt_tokens = rid, lane, len(prompt_ids)
         if lane is Lane.BACKGROUND:
-            self._background_waiting += 1
-            try:
-                await self._background.acquire()
-            finally:
-                self._background_waiting -= 1
+            await self._enter_background()
         try:
-            async for delta in self._stream(rid, prompt_ids, lane, st, max_tokens, temperature, stop):
-                yield delta
+            params = self._sampling(max_tokens, temperature, stop, min_tokens)
+            # aclosing: when our consumer stops early, the inner stream's cleanup
+            # (the abort) must run now, not whenever the generator is collected.
+            async with contextlib.aclosing(self._stream(rid, prompt_ids, lane, st, params)) as stream:
+                async for delta in stream:
+                    yield delta
         finally:
             if lane is Lane.BACKGROUND:
-                self._background.release()
+                self._background_running -= 1
+                self._background_freed.set()
+
+    async def _enter_background(self) -> None:
+        self._background_waiting += 1
+        try:
+            # Single-threaded loop: nothing runs between the check and the increment.
+            while self._background_running >= self.background_limit:
+                self._background_freed.clear()
+                await self._background_freed.wait()
+            self._background_running += 1
+        finally:
+            self._background_waiting -= 1
 
     async def _stream(
         self,
@@ -206,33 +236,30 @@ class LlmEngine:
         prompt_ids: list[int],
         lane: Lane,
         st: GenerationStats,
-        max_tokens: int | None,
-        temperature: float | None,
-        stop: list[str] | None,
+        params: Any,
     ) -> AsyncIterator[TextDelta]:
         assert self._engine is not None
         priority = self.cfg.interactive_priority if lane is Lane.INTERACTIVE else self.cfg.background_priority
         if self.cfg.scheduling_policy != "priority":
             priority = 0  # vLLM rejects a non-zero priority under FCFS
-        params = self._sampling(max_tokens, temperature, stop)
         st.submitted_at = time.monotonic()
         self._running[rid] = st
         finished = False
         try:
-            async for out in self._engine.generate(
-                {"prompt_token_ids": prompt_ids}, params, rid, priority=priority
-            ):
-                if out.num_cached_tokens is not None and st.first_token_at is None:
-                    st.cached_tokens = out.num_cached_tokens
-                comp = out.outputs[0]
-                if comp.token_ids and st.first_token_at is None:
-                    st.first_token_at = time.monotonic()
-                st.output_tokens += len(comp.token_ids)
-                if out.finished:
-                    finished = True
-                    st.finish_reason = comp.finish_reason
-                if comp.text or comp.token_ids:
-                    yield TextDelta(comp.text, len(comp.token_ids))
+            outputs = self._engine.generate({"prompt_token_ids": prompt_ids}, params, rid, priority=priority)
+            async with contextlib.aclosing(outputs):
+                async for out in outputs:
+                    if out.num_cached_tokens is not None and st.first_token_at is None:
+                        st.cached_tokens = out.num_cached_tokens
+                    comp = out.outputs[0]
+                    if comp.token_ids and st.first_token_at is None:
+                        st.first_token_at = time.monotonic()
+                    st.output_tokens += len(comp.token_ids)
+                    if out.finished:
+                        finished = True
+                        st.finish_reason = comp.finish_reason
+                    if comp.text or comp.token_ids:
+                        yield TextDelta(comp.text, len(comp.token_ids))
         finally:
             self._running.pop(rid, None)
             st.finished_at = time.monotonic()

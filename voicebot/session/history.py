@@ -7,6 +7,11 @@ and only the *new* text (the rendered conversation minus what was rendered befor
 tokenised and appended. Special tokens sit at every message border, so tokenising the
 pieces separately gives the same ids as tokenising the whole.
 
+A reply is appended as the model saw it: the generation prompt it was asked with,
+then its text. Templates such as Qwen3's render a past reply differently from the
+prompt that produced it (the empty ``<think></think>`` block of non-thinking mode is
+dropped from history); re-rendering would change tokens the KV cache already holds.
+
 The history is bounded by a token budget. When a reply could overflow it, the oldest
 turns are dropped (down to ``trim_to`` of the budget, so this happens rarely: each
 trim costs one full re-encode and one prefix-cache miss). Dropped turns are handed
@@ -31,6 +36,9 @@ class Message:
     item_id: str | None = None
 
 
+_PLACEHOLDER = Message("user", "...")
+
+
 class Conversation:
     def __init__(
         self,
@@ -47,8 +55,8 @@ class Conversation:
         self.trim_to = trim_to
         self.summary: str | None = None
         self.messages: list[Message] = []
-        self._text = ""
         self._ids: list[int] = []
+        self._placeholder_text = ""
         self.rebuilds = 0
         self._rebuild()
 
@@ -73,9 +81,48 @@ class Conversation:
     def _all(self) -> list[Message]:
         return [self._system_message(), *self.messages]
 
+    def _segment(self, history: list[Message], message: Message) -> str:
+        """How the template renders ``message`` after ``history``, mid-conversation.
+
+        Rendered with a placeholder user turn after it: some templates (Qwen3) render
+        the turns after the last user message differently, and a message must get the
+        form it will keep once the conversation goes on.
+        """
+        base = self._render([*history, _PLACEHOLDER], False)
+        grown = self._render([*history, message, _PLACEHOLDER], False)
+        tail = self._placeholder_text
+        if base.endswith(tail) and grown.endswith(tail) and grown.startswith(base[: -len(tail)]):
+            return grown[len(base) - len(tail) : len(grown) - len(tail)]
+        # A template that does not fit the pattern: plain difference of renders.
+        before = self._render(history, False)
+        after = self._render([*history, message], False)
+        return after[len(before) :] if after.startswith(before) else after
+
+    def _generation_text(self, history: list[Message]) -> str:
+        """What the template adds to ask for a reply (e.g. '<|im_start|>assistant\\n')."""
+        plain = self._render(history, False)
+        full = self._render(history, True)
+        return full[len(plain) :] if full.startswith(plain) else ""
+
+    def _message_ids(self, history: list[Message], message: Message) -> list[int]:
+        segment = self._segment(history, message)
+        if message.role == "assistant":
+            at = segment.rfind(message.content)
+            if at >= 0:
+                # As generated: the generation prompt it answered, its text, the closing.
+                segment = self._generation_text(history) + segment[at:]
+        return self._encode(segment)
+
     def _rebuild(self) -> None:
-        self._text = self._render(self._all(), generation_prompt=False)
-        self._ids = self._encode(self._text)
+        system = self._system_message()
+        self._placeholder_text = self._render([system, _PLACEHOLDER], False)[
+            len(self._render([system], False)) :
+        ]
+        self._ids = self._encode(self._render([system], False))
+        history = [system]
+        for m in self.messages:
+            self._ids.extend(self._message_ids(history, m))
+            history.append(m)
         self.rebuilds += 1
 
     # -------------------------------------------------------------------- public
@@ -87,16 +134,9 @@ class Conversation:
         content = content.strip()
         if not content:
             return
-        self.messages.append(Message(role, content, item_id))
-        text = self._render(self._all(), generation_prompt=False)
-        if text.startswith(self._text):
-            self._ids.extend(self._encode(text[len(self._text) :]))
-            self._text = text
-        else:
-            # The template re-rendered earlier turns (some do for the last assistant
-            # message); stay correct and pay one cache miss.
-            log.debug("chat template is not append-only here; re-encoding history")
-            self._rebuild()
+        message = Message(role, content, item_id)
+        self._ids.extend(self._message_ids(self._all(), message))
+        self.messages.append(message)
 
     def replace(self, item_id: str, content: str) -> bool:
         """Rewrite one message (a reply cut short after the fact); costs a re-encode."""
@@ -119,13 +159,13 @@ class Conversation:
         ``user_text`` adds a user message to the prompt without committing it to the
         history: a speculative reply for a turn that may not be over yet.
         """
-        messages = self._all()
-        if user_text:
-            messages.append(Message("user", user_text.strip()))
-        full = self._render(messages, generation_prompt=True)
-        if full.startswith(self._text):
-            return self._ids + self._encode(full[len(self._text) :])
-        return self._encode(full)
+        history = self._all()
+        ids = list(self._ids)
+        if user_text and user_text.strip():
+            message = Message("user", user_text.strip())
+            ids.extend(self._message_ids(history, message))
+            history.append(message)
+        return ids + self._encode(self._generation_text(history))
 
     def set_system_prompt(self, prompt: str) -> None:
         if prompt != self.system_prompt:

@@ -1,0 +1,58 @@
+from voicebot.session.clauses import ClauseChunker
+
+
+def feed(chunker: ClauseChunker, pieces: list[str]) -> list[str]:
+    out: list[str] = []
+    for p in pieces:
+        out.extend(chunker.push(p))
+    rest = chunker.flush()
+    return out + ([rest] if rest else [])
+
+
+def test_sentences_are_cut_at_punctuation_followed_by_space() -> None:
+    c = ClauseChunker()
+    pieces = ["The capital", " of France", " is Paris", ".", " It is", " lovely in", " spring", "."]
+    assert feed(c, pieces) == ["The capital of France is Paris.", "It is lovely in spring."]
+
+
+def test_never_cuts_mid_word() -> None:
+    c = ClauseChunker(first_clause_words=2)
+    # "Par" + "is" arrive as two tokens: no cut may fall between them.
+    assert c.push("Hello Par") == []
+    assert c.push("is") == []
+    assert c.push(" now ") == ["Hello Paris"]
+    assert c.flush() == "now"
+
+
+def test_first_clause_is_cut_early_at_a_comma() -> None:
+    c = ClauseChunker(first_clause_words=6, max_clause_words=24)
+    assert c.push("Well, I think ") == []  # one word is below the comma threshold
+    c2 = ClauseChunker(first_clause_words=6, max_clause_words=24)
+    assert c2.push("Sure thing, the answer ") == ["Sure thing,"]
+
+
+def test_later_clauses_need_more_words_before_a_comma_cut() -> None:
+    c = ClauseChunker(first_clause_words=6, max_clause_words=24)
+    assert c.push("Yes. ") == ["Yes."]
+    assert c.push("Red, green and blue, ") == []  # "Red," is too short for a later clause
+    assert c.push("and then some more words, ok ") == ["Red, green and blue, and then some more words,"]
+
+
+def test_forced_cut_without_punctuation() -> None:
+    c = ClauseChunker(first_clause_words=4, max_clause_words=6)
+    out = c.push("one two three four five six seven ")
+    assert out == ["one two three four"]
+    out = c.push("eight nine ten eleven twelve ")
+    assert out == ["five six seven eight nine ten"]
+
+
+def test_flush_returns_remaining_text_once() -> None:
+    c = ClauseChunker()
+    assert c.push("No punctuation here") == []
+    assert c.flush() == "No punctuation here"
+    assert c.flush() is None
+
+
+def test_decimal_numbers_are_not_sentence_ends() -> None:
+    c = ClauseChunker()
+    assert c.push("It costs 3.50 dollars") == []

@@ -1,0 +1,150 @@
+"""The LLM engine on real vLLM (CPU) with the small random Qwen3 of configs/test.yaml."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+
+from voicebot.config import ModelsConfig, load_config
+from voicebot.engines.llm import GenerationStats, Lane, LlmEngine
+from voicebot.provision import resolve_model
+from voicebot.session.history import Conversation
+
+
+@pytest.fixture(scope="module")
+async def llm_engine(models_config: ModelsConfig) -> AsyncIterator[LlmEngine]:
+    cfg = load_config("configs/test.yaml", [f"models.cache_dir={models_config.cache_dir}"])
+    engine = LlmEngine(cfg.llm, resolve_model(cfg.llm.model, cfg.models))
+    await engine.start()
+    try:
+        yield engine
+    finally:
+        await engine.aclose()
+
+
+SYSTEM = "You are a helpful voice assistant for a train company. " * 30  # > 2 KV blocks of 128
+
+
+async def first_token_time(engine: LlmEngine, ids: list[int], lane: Lane, out: dict[str, float], key: str, **kw) -> None:
+    async with contextlib.aclosing(engine.generate(ids, lane=lane, **kw)) as stream:
+        async for _ in stream:
+            out.setdefault(key, time.monotonic())
+
+
+async def test_second_turn_hits_the_prefix_cache(llm_engine: LlmEngine) -> None:
+    conv = Conversation(llm_engine.tokenizer, SYSTEM, budget_tokens=2000, reply_tokens=16)
+    conv.append("user", "When does the first train to Leeds leave?")
+    first = GenerationStats("", Lane.INTERACTIVE)
+    reply = await llm_engine.complete(conv.prompt_ids(), max_tokens=8, stats=first)
+    conv.append("assistant", reply or "At six.")
+    conv.append("user", "And the last one?")
+    second = GenerationStats("", Lane.INTERACTIVE)
+    ids = conv.prompt_ids()
+    await llm_engine.complete(ids, max_tokens=8, stats=second)
+    assert second.prompt_tokens == len(ids)
+    assert second.cached_tokens > 0, "the second turn should reuse the first turn's KV blocks"
+    assert second.cached_tokens >= 256  # the shared system prompt spans >= 2 CPU blocks
+
+
+async def test_each_turn_extends_the_previous_prompt_token_for_token(llm_engine: LlmEngine) -> None:
+    conv = Conversation(llm_engine.tokenizer, "Be brief.", budget_tokens=4000, reply_tokens=16)
+    prompts = []
+    for i in range(3):
+        conv.append("user", f"Question number {i}, please?")
+        prompts.append(conv.prompt_ids())
+        conv.append("assistant", f"Answer {i}. Fine, thanks!")
+    for earlier, later in zip(prompts, prompts[1:], strict=False):
+        assert later[: len(earlier)] == earlier
+    # Nothing is lost or reordered: the prompt holds every message in order.
+    decoded = llm_engine.tokenizer.decode(conv.prompt_ids())
+    positions = [decoded.index(m.content) for m in conv.messages]
+    assert positions == sorted(positions)
+    assert decoded.index("Be brief.") < positions[0]
+
+
+async def test_interactive_turn_goes_before_queued_background_work(llm_engine: LlmEngine) -> None:
+    max_seqs = llm_engine.cfg.max_num_seqs
+    tok = llm_engine.tokenizer
+    ids = tok.encode("Write a long story about a lighthouse keeper.", add_special_tokens=False)
+    firsts: dict[str, float] = {}
+    old_limit = llm_engine.background_limit
+    # Let every background request reach vLLM, so vLLM's own queue holds the extra ones.
+    llm_engine.background_limit = 2 * max_seqs
+    try:
+        async with asyncio.TaskGroup() as tg:
+            for i in range(2 * max_seqs):
+                tg.create_task(
+                    first_token_time(llm_engine, ids, Lane.BACKGROUND, firsts, f"bg{i}", max_tokens=48, min_tokens=48)
+                )
+            # Wait until the batch is full and the rest are queued inside vLLM.
+            while len(firsts) < max_seqs:
+                await asyncio.sleep(0.01)
+            assert llm_engine.unfinished_requests() == 2 * max_seqs
+            tg.create_task(first_token_time(llm_engine, ids, Lane.INTERACTIVE, firsts, "live", max_tokens=4))
+    finally:
+        llm_engine.background_limit = old_limit
+    queued = sorted(firsts[k] for k in firsts if k.startswith("bg"))[max_seqs:]
+    assert len(queued) == max_seqs
+    assert firsts["live"] < min(queued), "priority 0 must be scheduled before queued background requests"
+
+
+async def test_background_concurrency_is_capped(llm_engine: LlmEngine) -> None:
+    ids = llm_engine.tokenizer.encode("Summarise: hello.", add_special_tokens=False)
+    llm_engine.background_limit = 1
+    peak = 0
+
+    async def one() -> None:
+        nonlocal peak
+        async with contextlib.aclosing(
+            llm_engine.generate(ids, lane=Lane.BACKGROUND, max_tokens=6, min_tokens=6)
+        ) as stream:
+            async for _ in stream:
+                peak = max(peak, llm_engine.background_running)
+
+    await asyncio.wait_for(asyncio.gather(*(one() for _ in range(3))), 120)
+    assert peak == 1
+    assert llm_engine.background_running == 0
+
+
+async def test_closing_the_stream_aborts_and_frees_the_slot(llm_engine: LlmEngine) -> None:
+    ids = llm_engine.tokenizer.encode("Count to one thousand.", add_special_tokens=False)
+    async with contextlib.aclosing(llm_engine.generate(ids, max_tokens=400, min_tokens=400)) as stream:
+        async for _ in stream:
+            break  # the consumer stops listening after the first token
+    assert llm_engine.running == 0
+    await _until(lambda: llm_engine.unfinished_requests() == 0)
+    # The freed slots serve a full batch again.
+    max_seqs = llm_engine.cfg.max_num_seqs
+    got = await asyncio.wait_for(
+        asyncio.gather(*(llm_engine.complete(ids, max_tokens=2, min_tokens=2) for _ in range(max_seqs))), 120
+    )
+    assert len(got) == max_seqs
+
+
+async def test_cancelling_the_consumer_aborts_the_request(llm_engine: LlmEngine) -> None:
+    ids = llm_engine.tokenizer.encode("Count to one thousand.", add_special_tokens=False)
+    started = asyncio.Event()
+
+    async def consume() -> None:
+        async for _ in llm_engine.generate(ids, max_tokens=400, min_tokens=400):
+            started.set()
+
+    task = asyncio.create_task(consume())
+    await asyncio.wait_for(started.wait(), 60)
+    assert llm_engine.unfinished_requests() == 1
+    task.cancel()
+    await asyncio.wait([task])
+    assert task.cancelled()
+    await _until(lambda: llm_engine.unfinished_requests() == 0)
+    assert llm_engine.running == 0
+
+
+async def _until(cond, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.02)
