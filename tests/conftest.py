@@ -1,0 +1,66 @@
+"""Shared fixtures.
+
+Environment:
+- ``VOICEBOT_CACHE``: cache folder for downloads, built models and test data
+  (default: ``ModelsConfig().cache_dir``, i.e. ``~/.cache/voicebot``). Point it at an
+  empty folder to test a cold start; the bundle rebuilds itself there.
+- ``HF_HUB_OFFLINE`` is forced to 1: tests never reach the Hugging Face hub.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import pytest
+from speech import Clip, load_clips
+
+from voicebot.config import ModelsConfig
+from voicebot.errors import VoicebotError
+from voicebot.provision import pull
+
+# Before any test imports transformers / huggingface_hub, which read it at import.
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+
+@pytest.fixture(scope="session")
+def models_config() -> ModelsConfig:
+    """models.* settings for tests: the shared cache (or ``$VOICEBOT_CACHE``), offline."""
+    cache = os.environ.get("VOICEBOT_CACHE") or ModelsConfig().cache_dir
+    return ModelsConfig(cache_dir=cache, offline=True)
+
+
+@pytest.fixture(scope="session")
+def speech_clips(models_config: ModelsConfig) -> list[Clip]:
+    """Six real English utterances (16 kHz float32) with reference transcripts.
+
+    Fails, never skips, when the data cannot be fetched: a test suite that silently
+    skips its speech tests would pass without testing anything.
+    """
+    try:
+        clips = load_clips(models_config)
+    except Exception as exc:
+        pytest.fail(f"speech_clips: cannot provide test speech: {exc}", pytrace=False)
+    assert len(clips) == 6, [c.name for c in clips]
+    return clips
+
+
+@pytest.fixture(scope="session")
+def bundle_dir(models_config: ModelsConfig) -> Callable[[str], str]:
+    """``bundle_dir("NAME")``: the built directory of a bundle entry, built on first use.
+
+    Fails (never skips) when it cannot be built, with the BundleError's one-line fix.
+    """
+
+    def get(name: str) -> str:
+        try:
+            return str(pull([name], models_config, log=lambda _: None, verify=False)[name])
+        except VoicebotError as exc:
+            pytest.fail(f"bundle:{name}: {exc}", pytrace=False)
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def whisper_tiny_dir(bundle_dir: Callable[[str], str]) -> str:
+    return bundle_dir("whisper-tiny.en")
