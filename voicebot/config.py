@@ -32,6 +32,10 @@ class ServerConfig(_Section):
     api_key: str | None = Field(None, description="If set, clients must send 'Authorization: Bearer <key>' (or an ephemeral secret).")
     web_root: str = Field("web", description="Directory served at '/' (the browser client).")
     max_message_bytes: int = Field(1 << 20, ge=1024, le=64 << 20, description="Largest WebSocket message accepted.")
+    transports: list[Literal["native", "realtime", "twilio", "webrtc"]] = Field(
+        default_factory=lambda: ["native", "realtime", "twilio", "webrtc"],
+        description="Wire protocols served (native /ws, OpenAI Realtime, Twilio Media Streams, WebRTC).",
+    )
 
 
 class ModelsConfig(_Section):
@@ -112,6 +116,24 @@ class SessionConfig(_Section):
     language: str | None = Field("en", description="Language of the conversation.")
 
 
+class TelephonyConfig(_Section):
+    """Phone calls (Twilio / Telnyx Media Streams at ``/twilio``, docs/telephony.md)."""
+
+    public_url: str | None = Field(None, pattern=r"^wss?://[^?#\s]+$", description="Base URL the media streams connect to (wss://host[/prefix]); '/twilio' is appended; None: taken from the webhook request's Host / X-Forwarded-* headers.")
+    hangup_digit: str | None = Field(None, pattern=r"^[0-9*#A-D]$", description="DTMF key that ends the call (None: no key hangs up).")
+    dtmf_to_llm: bool = Field(True, description="Pass keypad entries to the assistant as a user message.")
+    dtmf_terminator: str | None = Field("#", pattern=r"^[0-9*#A-D]$", description="DTMF key that ends a keypad entry (None: only the pause ends it).")
+    dtmf_timeout_s: float = Field(3.0, ge=0.0, le=60.0, description="Pause that ends a keypad entry without its terminator (0: wait for the terminator).")
+    dtmf_max_digits: int = Field(32, ge=1, le=256, description="Longest keypad entry; a longer one is sent as is.")
+    mark_interval_ms: int = Field(100, ge=20, le=2000, description="Reply audio between marks: the resolution of 'what the caller heard'.")
+
+    @model_validator(mode="after")
+    def _distinct(self) -> TelephonyConfig:
+        if self.hangup_digit is not None and self.hangup_digit == self.dtmf_terminator:
+            raise ValueError("telephony.hangup_digit and telephony.dtmf_terminator must differ")
+        return self
+
+
 class Config(_Section):
     server: ServerConfig = Field(default_factory=ServerConfig)
     models: ModelsConfig = Field(default_factory=ModelsConfig)
@@ -120,6 +142,7 @@ class Config(_Section):
     tts: TtsConfig = Field(default_factory=TtsConfig)
     vad: VadConfig = Field(default_factory=VadConfig)
     session: SessionConfig = Field(default_factory=SessionConfig)
+    telephony: TelephonyConfig = Field(default_factory=TelephonyConfig)
 
     @model_validator(mode="after")
     def _check(self) -> Config:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -19,27 +20,21 @@ from pathlib import Path
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import BaseRoute, Mount, Route, WebSocketRoute
+from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from voicebot.config import Config
 from voicebot.engines import load_engines
 from voicebot.server.state import ServerState
-from voicebot.transports import native
 
 log = logging.getLogger(__name__)
 
 
 def transport_routes(state: ServerState) -> list[BaseRoute]:
-    routes: list[BaseRoute] = [WebSocketRoute("/ws", native.endpoint(state))]
-    # Optional transports register themselves if their module is present.
-    for name in ("realtime", "twilio", "webrtc"):
-        try:
-            module = __import__(f"voicebot.transports.{name}", fromlist=["routes"])
-        except ModuleNotFoundError as exc:
-            if exc.name != f"voicebot.transports.{name}":
-                raise
-            continue
+    """Routes of the configured transports; each module exposes ``routes(state)``."""
+    routes: list[BaseRoute] = []
+    for name in state.cfg.server.transports:
+        module = importlib.import_module(f"voicebot.transports.{name}")
         routes.extend(module.routes(state))
     return routes
 

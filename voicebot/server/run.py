@@ -26,7 +26,9 @@ def serve(cfg: Config, *, pull_models: bool = True) -> int:
         host=cfg.server.host,
         port=cfg.server.port,
         ws="websockets",
-        ws_max_size=cfg.server.max_message_bytes,
+        # Up to 4x the limit reaches our handler, which answers with an error event and
+        # goes on; beyond that the connection is closed (1009) before it is buffered.
+        ws_max_size=4 * cfg.server.max_message_bytes,
         ws_ping_interval=20.0,
         ws_ping_timeout=20.0,
         log_level="info",

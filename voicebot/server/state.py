@@ -8,8 +8,9 @@ import hmac
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from voicebot.config import Config
 from voicebot.engines import Engines
@@ -36,6 +37,11 @@ class ServerState:
     # Ephemeral client secrets (WebRTC/browser): value -> expiry (monotonic).
     ephemeral: dict[str, float] = field(default_factory=dict)
     started_at: float = field(default_factory=time.monotonic)
+    # Live WebRTC peer connections (transports/webrtc.py), so shutdown and tests can see them.
+    peer_connections: set[Any] = field(default_factory=set)
+    # Awaited by close_all() after the sessions close: a transport whose work outlives
+    # the request that started it (a WebRTC call) waits for that work here.
+    shutdown_hooks: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
 
     @property
     def ready(self) -> bool:
@@ -104,6 +110,7 @@ class ServerState:
 
     async def close_all(self) -> None:
         await asyncio.gather(*(s.aclose("server shutdown") for s in list(self.sessions.values())), return_exceptions=True)
+        await asyncio.gather(*(hook() for hook in self.shutdown_hooks), return_exceptions=True)
 
     def health(self) -> dict[str, object]:
         e = self.engines

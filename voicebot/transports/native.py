@@ -20,6 +20,7 @@ from dataclasses import asdict
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.routing import BaseRoute, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from voicebot.audio import Resampler, float_to_pcm16
@@ -148,6 +149,10 @@ def render_event(event: ev.SessionEvent) -> dict[str, Any] | None:
         case ev.ErrorEvent():
             return {"type": "error", **asdict(event)}
     return None
+
+
+def routes(state: ServerState) -> list[BaseRoute]:
+    return [WebSocketRoute("/ws", endpoint(state))]
 
 
 def endpoint(state: ServerState):  # type: ignore[no-untyped-def]

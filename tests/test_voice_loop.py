@@ -1,0 +1,304 @@
+"""The voice loop end to end: real engines, real sockets, the native protocol.
+
+The LLM here is the real Qwen2.5-0.5B of the offline bundle (the random test model's
+nonsense would make the reply-transcript checks meaningless); TTS is espeak-ng.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import jiwer
+import numpy as np
+import pytest
+import websockets
+from servers import RunningServer, running_server
+from speech import Clip
+
+from voicebot.audio import dbfs, float_to_pcm16, pcm16_to_float, resample
+from voicebot.config import ModelsConfig, load_config
+from voicebot.probe.base import Audio, ClientClosed, ConnectOptions, Event
+from voicebot.probe.native import NativeClient
+
+OUT_RATE = 16000
+FRAME = 320  # 20 ms at 16 kHz
+
+
+def norm(text: str) -> str:
+    return re.sub(r"[^a-z0-9' ]+", " ", text.lower()).strip()
+
+
+def wer(ref: str, hyp: str) -> float:
+    return jiwer.wer(norm(ref), norm(hyp) or "<empty>")
+
+
+@pytest.fixture(scope="module")
+async def server(models_config: ModelsConfig) -> AsyncIterator[RunningServer]:
+    cfg = load_config(
+        "configs/test.yaml",
+        [
+            f"models.cache_dir={models_config.cache_dir}",
+            "llm.model=bundle:qwen2.5-0.5b-instruct",
+            "llm.max_tokens=48",
+            "llm.max_num_seqs=4",
+            "server.max_sessions=3",
+            "server.transports=[native]",
+        ],
+    )
+    async with running_server(cfg) as running:
+        yield running
+
+
+@dataclass
+class Call:
+    """One scripted caller: streams clips in real time, records what comes back."""
+
+    client: NativeClient
+    events: list[dict] = field(default_factory=list)
+    audio: list[tuple[float, str | None, bytes]] = field(default_factory=list)  # (t, response_id, pcm)
+    _current_response: str | None = None
+    _reader: asyncio.Task | None = None
+    _silence: asyncio.Task | None = None
+    _lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one sender of mic frames at a time
+
+    @classmethod
+    async def open(cls, server: RunningServer, **start: object) -> Call:
+        client = NativeClient(ConnectOptions(server.ws(), 16000, OUT_RATE, start_fields=dict(start)))
+        await client.connect()
+        call = cls(client)
+        call._reader = asyncio.create_task(call._read())
+        call._silence = asyncio.create_task(call._send_silence())
+        return call
+
+    @property
+    def session_id(self) -> str:
+        assert self.client.session_id
+        return self.client.session_id
+
+    async def _read(self) -> None:
+        try:
+            while True:
+                item = await self.client.receive()
+                if isinstance(item, Audio):
+                    self.audio.append((item.t, self._current_response, item.pcm))
+                elif isinstance(item, Event):
+                    item.data["_t"] = item.t
+                    if item.data["type"] == "response.started":
+                        self._current_response = item.data["response_id"]
+                    self.events.append(item.data)
+        except ClientClosed:
+            return
+
+    async def _send_silence(self) -> None:
+        # A phone line is never quiet on the wire: silence frames keep the VAD clock going.
+        silence = bytes(2 * FRAME)
+        while True:
+            async with self._lock:
+                await self.client.send_audio(silence)
+            await asyncio.sleep(0.02)
+
+    async def say(self, audio: np.ndarray) -> float:
+        """Stream ``audio`` (16 kHz) in real time; return when its last frame was sent."""
+        async with self._lock:
+            start = time.monotonic()
+            for i in range(0, audio.size, FRAME):
+                await self.client.send_audio(float_to_pcm16(audio[i : i + FRAME]))
+                # Sleep to the frame's due time, not a fixed 20 ms: no drift.
+                await asyncio.sleep(max(0.0, start + (i + FRAME) / 16000 - time.monotonic()))
+            return time.monotonic()
+
+    async def wait_for(self, kind: str, timeout: float = 60.0, **match: object) -> dict:
+        async with asyncio.timeout(timeout):
+            while True:
+                for e in self.events:
+                    if e["type"] == kind and all(e.get(k) == v for k, v in match.items()):
+                        return e
+                await asyncio.sleep(0.02)
+
+    def of(self, kind: str) -> list[dict]:
+        return [e for e in self.events if e["type"] == kind]
+
+    def reply_audio(self, response_id: str) -> np.ndarray:
+        pcm = b"".join(p for _, rid, p in self.audio if rid == response_id)
+        return pcm16_to_float(pcm)
+
+    async def close(self) -> None:
+        for task in (self._silence, self._reader):
+            if task is not None:
+                task.cancel()
+        await self.client.close()
+        await asyncio.gather(*(t for t in (self._silence, self._reader) if t), return_exceptions=True)
+
+
+async def test_a_clip_gets_its_transcript_and_a_spoken_reply(server: RunningServer, speech_clips: list[Clip]) -> None:
+    clip = speech_clips[0]  # "and mister john dashwood had then leisure to consider ..."
+    call = await Call.open(server, system_prompt="You are a helpful assistant. Reply with one short sentence.")
+    try:
+        await call.say(clip.audio)
+        final = await call.wait_for("transcript.final")
+        assert wer(clip.text, final["text"]) <= 0.15, final["text"]
+        assert call.of("speech.started") and call.of("speech.stopped")
+        partials = call.of("transcript.partial")
+        assert partials and partials[0]["_t"] < final["_t"], "partials come before the final"
+        done = await call.wait_for("response.done", timeout=90)
+        assert done["status"] == "completed"
+        assert done["full_text"].strip()
+        timings = await call.wait_for("turn.timings")
+        assert timings["voice_to_voice_ms"] > 0
+        reply = call.reply_audio(done["response_id"])
+        assert reply.size > OUT_RATE // 2, "at least half a second of reply audio"
+        assert dbfs(reply) > -40.0, "the reply is not silent"
+        heard = await server.state.engines.asr.transcribe(resample(reply, OUT_RATE, 16000))
+        assert norm(heard.text), "the reply's own audio transcribes to words"
+        metrics = server.state.metrics.render().decode()
+        assert re.search(r"voicebot_voice_to_voice_seconds_count [1-9]", metrics), "the turn was measured"
+    finally:
+        await call.close()
+
+
+async def test_barge_in_stops_playout_and_keeps_only_what_was_heard(
+    server: RunningServer, speech_clips: list[Clip]
+) -> None:
+    call = await Call.open(
+        server,
+        system_prompt="You are a storyteller. Always answer with a long story of at least five sentences.",
+        max_tokens=96,
+    )
+    try:
+        await call.say(speech_clips[4].audio)  # "he might even have been made amiable himself"
+        started = await call.wait_for("response.audio.started", timeout=90)
+        rid = started["response_id"]
+        await asyncio.sleep(1.0)  # let about a second of the reply play
+        interrupt_at = time.monotonic()
+        speaking = asyncio.create_task(call.say(speech_clips[5].audio))  # "go forward ten meters"
+        barge = await call.wait_for("barge_in", timeout=10, response_id=rid)
+        detect_ms = 1000 * (barge["_t"] - interrupt_at)
+        assert detect_ms < 1500, detect_ms
+        done = await call.wait_for("response.done", response_id=rid)
+        assert done["status"] == "interrupted"
+        # Playout stopped: what arrived after the barge-in event is at most the
+        # frames already on the wire (100 ms allowance).
+        late = sum(len(p) // 2 for t, r, p in call.audio if r == rid and t > barge["_t"])
+        assert late <= 0.1 * OUT_RATE, f"{late} samples of the old reply after barge-in"
+        heard, full = done["text"].split(), done["full_text"].split()
+        assert heard == full[: len(heard)], "the heard text is a prefix of the reply"
+        assert len(heard) < len(full), "the reply was cut"
+        assert heard == barge["heard_text"].split()
+        session = server.state.sessions[call.session_id]
+        stored = [m.content for m in session.conversation.messages if m.item_id == done["item_id"]]
+        assert stored == ([done["text"]] if heard else []), "history keeps only the played part"
+        # The interruption is a new turn that gets its own reply.
+        final = await call.wait_for("transcript.final", timeout=30, item_id=call.of("speech.started")[-1]["item_id"])
+        assert wer("go forward ten meters", final["text"]) <= 0.5
+        await speaking
+    finally:
+        await call.close()
+
+
+async def test_two_concurrent_sessions_never_mix(server: RunningServer, speech_clips: list[Clip]) -> None:
+    a, b = speech_clips[2], speech_clips[5]
+    calls = [await Call.open(server), await Call.open(server)]
+    try:
+        await asyncio.gather(calls[0].say(a.audio), calls[1].say(b.audio))
+        finals = await asyncio.gather(*(c.wait_for("transcript.final") for c in calls))
+        assert wer(a.text, finals[0]["text"]) <= 0.15, finals[0]["text"]
+        assert wer(b.text, finals[1]["text"]) <= 0.3, finals[1]["text"]
+        await asyncio.gather(*(c.wait_for("response.done", timeout=90) for c in calls))
+        ids = [{e.get("item_id") for e in c.events} - {None} for c in calls]
+        assert not ids[0] & ids[1]
+        sessions = [server.state.sessions[c.session_id] for c in calls]
+        users = [[m.content for m in s.conversation.messages if m.role == "user"] for s in sessions]
+        assert users == [[finals[0]["text"]], [finals[1]["text"]]]
+    finally:
+        await asyncio.gather(*(c.close() for c in calls))
+
+
+async def test_disconnect_mid_turn_leaves_no_task_and_no_vllm_request(
+    server: RunningServer, speech_clips: list[Clip]
+) -> None:
+    state = server.state
+    call = await Call.open(server, system_prompt="Always answer with a long story.", max_tokens=96)
+    sid = call.session_id
+    await call.say(speech_clips[1].audio)
+    await call.wait_for("response.started", timeout=60)
+    assert state.engines.llm.unfinished_requests() >= 1 or call.of("response.done")
+    await call.close()  # hang up while the reply is being generated
+    async with asyncio.timeout(10):
+        while sid in state.sessions or state.engines.llm.unfinished_requests():
+            await asyncio.sleep(0.05)
+    assert state.engines.llm.running == 0
+    leftovers = [t.get_name() for t in asyncio.all_tasks() if sid in t.get_name() and not t.done()]
+    assert leftovers == []
+
+
+async def test_bad_input_gets_error_events_and_the_session_goes_on(server: RunningServer) -> None:
+    async with websockets.connect(server.ws()) as ws:
+        await ws.send(json.dumps({"type": "session.start", "sample_rate": 16000}))
+        assert json.loads(await ws.recv())["type"] == "session.started"
+        cases = [
+            (b"\x00\x01\x02", "invalid_audio"),
+            ("{not json", "invalid_event"),
+            (json.dumps({"type": "no.such.event", "event_id": "e1"}), "unknown_event"),
+            (json.dumps({"type": "session.update", "vad": {"threshold": 7}}), "invalid_event"),
+            (json.dumps({"type": "x", "pad": "a" * (2 << 20)}), "message_too_large"),
+        ]
+        for message, code in cases:
+            await ws.send(message)
+            async with asyncio.timeout(5):
+                while True:
+                    reply = await ws.recv()
+                    if isinstance(reply, str) and json.loads(reply)["type"] == "error":
+                        break
+            err = json.loads(reply)
+            assert err["code"] == code, err
+        assert err["fatal"] is False
+        await ws.send(json.dumps({"type": "input.clear"}))
+        assert json.loads(await ws.recv())["type"] == "input.cleared"
+
+
+async def test_start_errors_close_the_connection_with_a_code(server: RunningServer) -> None:
+    async with websockets.connect(server.ws()) as ws:
+        await ws.send(json.dumps({"type": "session.start", "sample_rate": 12345}))
+        err = json.loads(await ws.recv())
+        assert err["type"] == "error" and err["code"] == "unsupported_format"
+    cfg = server.state.cfg.server
+    old, cfg.max_sessions = cfg.max_sessions, 1
+    first = await Call.open(server)
+    try:
+        async with websockets.connect(server.ws()) as ws:
+            await ws.send(json.dumps({"type": "session.start"}))
+            err = json.loads(await ws.recv())
+            assert err["code"] == "capacity_exceeded" and err["fatal"] is True
+            with pytest.raises(websockets.ConnectionClosed):
+                await asyncio.wait_for(ws.recv(), 5)
+    finally:
+        cfg.max_sessions = old
+        await first.close()
+
+
+async def test_health_and_metrics(server: RunningServer) -> None:
+    import urllib.request
+
+    def get(path: str) -> tuple[int, bytes]:
+        with urllib.request.urlopen(server.http + path, timeout=5) as r:
+            return r.status, r.read()
+
+    status, body = await asyncio.to_thread(get, "/healthz")
+    health = json.loads(body)
+    assert status == 200 and health["ready"] is True and health["capacity"] == 3
+    _, metrics = await asyncio.to_thread(get, "/metrics")
+    text = metrics.decode()
+    for name in (
+        "voicebot_voice_to_voice_seconds_bucket",
+        "voicebot_llm_ttft_seconds_bucket",
+        "voicebot_asr_final_seconds_bucket",
+        "voicebot_active_sessions",
+        "voicebot_barge_ins_total",
+        "voicebot_llm_prefix_cache_hit_ratio",
+    ):
+        assert name in text, name
