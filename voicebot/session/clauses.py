@@ -29,7 +29,8 @@ class ClauseChunker:
     def _limits(self) -> tuple[int, int]:
         """(words needed before a comma cut, words that force a cut)."""
         if self._emitted == 0:
-            return 2, self.first_clause_words
+            # "Sure," alone is a fine first clause: the caller hears something sooner.
+            return 1, self.first_clause_words
         return 5, self.max_clause_words
 
     def push(self, text: str) -> list[str]:

@@ -77,6 +77,11 @@ class ResponseDone:
     text: str  # what the caller heard: the whole reply, or the part played before a cut
     full_text: str  # everything the model generated
     played_ms: int
+    # The LLM's finish reason ("length": cut at max_tokens) and token counts; protocols
+    # that report them (OpenAI Realtime: status "incomplete", usage) read these.
+    finish_reason: str | None = None
+    input_tokens: int = 0
+    output_tokens: int = 0
 
 
 @dataclass(frozen=True)

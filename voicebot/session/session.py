@@ -32,7 +32,7 @@ from voicebot.config import Config
 from voicebot.engines import Engines
 from voicebot.engines.asr import Transcript
 from voicebot.engines.llm import Lane
-from voicebot.errors import BadAudio, VoicebotError
+from voicebot.errors import BadAudio, BadMessage, VoicebotError
 from voicebot.metrics import Metrics
 from voicebot.session.events import (
     BargeIn,
@@ -99,6 +99,7 @@ class Session:
         self.cfg = cfg
         self.engines = engines
         self.settings = settings or SessionSettings.from_config(cfg)
+        self._check_voice(self.settings.voice)
         self.id = session_id or f"sess_{uuid.uuid4().hex[:12]}"
         self.transport = transport
         self.metrics = metrics
@@ -395,9 +396,19 @@ class Session:
         """A transport that knows how much reply audio was really played says so."""
         self._played_override = ms
 
+    def _check_voice(self, voice: str | None) -> None:
+        # Only voices the server loaded: a client must never make the engine open a
+        # file path of its choosing.
+        if voice is not None and voice.split("+", 1)[0] not in self.engines.tts.voices():
+            raise BadMessage(
+                f"unknown voice {voice!r}; available: {', '.join(self.engines.tts.voices()[:20])}",
+                code="invalid_voice",
+            )
+
     def update_settings(self, **changes: object) -> None:
         new = self.settings.model_copy(update=changes)
         new = SessionSettings.model_validate(new.model_dump())
+        self._check_voice(new.voice)
         self.settings = new
         self.conversation.set_system_prompt(new.system_prompt)
         self._turns.cfg = new.vad
@@ -506,7 +517,13 @@ class Session:
         played_ms = 1000 * played // rate
         if status == "interrupted":
             self.emit(BargeIn(resp.id, played_ms, heard))
-        self.emit(ResponseDone(resp.id, resp.item_id, status, heard, resp.full_text, played_ms))  # type: ignore[arg-type]
+        st = resp.stats
+        self.emit(
+            ResponseDone(
+                resp.id, resp.item_id, status, heard, resp.full_text, played_ms,  # type: ignore[arg-type]
+                st.finish_reason, st.prompt_tokens, st.output_tokens,
+            )
+        )
         self._played_override = None
         if self._response is resp:
             self._response = None
