@@ -46,7 +46,7 @@ async def load_engines(cfg: Config) -> Engines:
     tok_path = await asyncio.to_thread(resolve_model, cfg.llm.tokenizer, m) if cfg.llm.tokenizer else None
     voice_path = await asyncio.to_thread(resolve_model, cfg.tts.voice, m) if cfg.tts.engine == "piper" else None
 
-    asr = AsrEngine(cfg.asr, asr_path)
+    asr = AsrEngine(cfg.asr, asr_path, agreement_n=cfg.asr.agreement_n)
     llm = LlmEngine(cfg.llm, llm_path, tok_path)
     tts = create_tts(cfg.tts, voice_path)
     vad = SileroVad()

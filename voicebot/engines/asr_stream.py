@@ -1,0 +1,211 @@
+"""One session's streaming utterance on the shared :class:`~voicebot.engines.asr.AsrEngine`.
+
+``AsrStream`` buffers audio, asks the engine for a partial decode every
+``partial_interval_ms`` of new audio (at most one queued or running per stream, which
+is what keeps the engine's partial queue fair), stabilises partials with
+LocalAgreement-n and decodes the final on demand. All of it runs on the event loop; the
+engine calls the ``_``-methods below when it dispatches or finishes this stream's jobs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from voicebot.audio import ASR_RATE
+from voicebot.engines.agreement import LocalAgreement, join_text, split_words
+from voicebot.engines.asr_queue import DecodeJob, Priority
+from voicebot.errors import EngineError
+
+if TYPE_CHECKING:
+    from voicebot.engines.asr import AsrEngine
+
+_PARTIALS_BUFFERED = 4  # per stream; a newer partial supersedes the oldest
+
+
+@dataclass(frozen=True)
+class Transcript:
+    text: str
+    audio_s: float
+    decode_s: float
+
+
+@dataclass(frozen=True)
+class Partial:
+    confirmed: str
+    tentative: str
+    audio_s: float
+
+    @property
+    def text(self) -> str:
+        return join_text(self.confirmed, self.tentative)
+
+
+def as_mono_f32(audio: np.ndarray) -> np.ndarray:
+    audio = np.asarray(audio, dtype=np.float32)
+    if audio.ndim != 1:
+        raise ValueError(f"ASR audio must be 1-D 16 kHz mono, got shape {audio.shape}")
+    return audio
+
+
+class AsrStream:
+    """One session's utterance. Not thread-safe: use it from the event loop only."""
+
+    def __init__(self, engine: AsrEngine, language: str | None) -> None:
+        self.engine = engine
+        self.language = language
+        cfg = engine.cfg
+        self._interval = int(cfg.partial_interval_ms * ASR_RATE / 1000)
+        self._max_samples = int(cfg.max_utterance_s * ASR_RATE)
+        self._chunks: deque[np.ndarray] = deque()
+        self._samples = 0
+        self._new_samples = 0  # since the last partial was scheduled
+        self._agreement = LocalAgreement(n=engine.agreement_n)
+        self._generation = 0  # bumped by reset(): results of older audio are dropped
+        self._last_final_seq = 0  # partials dispatched before this final are stale
+        self._partial_job: DecodeJob | None = None  # queued or running
+        self._partials: asyncio.Queue[Partial | None] = asyncio.Queue(_PARTIALS_BUFFERED)
+        self._closed = False
+
+    @property
+    def buffered_s(self) -> float:
+        return self._samples / ASR_RATE
+
+    @property
+    def confirmed(self) -> str:
+        return self._agreement.confirmed_text
+
+    def push(self, audio: np.ndarray) -> None:
+        if self._closed:
+            raise RuntimeError("push() on a closed AsrStream")
+        audio = as_mono_f32(audio)
+        if audio.size == 0:
+            return
+        self._chunks.append(audio.copy())  # the caller may reuse its buffer
+        self._samples += audio.size
+        self._new_samples += audio.size
+        # Keep the *latest* audio: Whisper sees at most 30 s, and the end of the turn is
+        # what is still open and what the reply answers. Words of the dropped head stay
+        # confirmed (they are the forced prefix); only head words not yet confirmed are lost.
+        while self._samples > self._max_samples:
+            excess = self._samples - self._max_samples
+            head = self._chunks[0]
+            if head.size <= excess:
+                self._chunks.popleft()
+                self._samples -= head.size
+            else:
+                self._chunks[0] = head[excess:]
+                self._samples -= excess
+        self._maybe_schedule_partial()
+
+    async def finalize(self) -> Transcript:
+        """Decode the whole buffered utterance at final priority (keeps the buffer)."""
+        if self._closed:
+            raise RuntimeError("finalize() on a closed AsrStream")
+        job = DecodeJob(
+            Priority.FINAL,
+            self,
+            audio=self._snapshot(),
+            # The prefix as of now is used only if reset() happens before dispatch.
+            prefix=self._agreement.confirmed_text,
+            language=self.language,
+            generation=self._generation,
+        )
+        text, decode_s = await self.engine._run_final(job)
+        assert job.audio is not None
+        return Transcript(text, job.audio.size / ASR_RATE, decode_s)
+
+    def reset(self) -> None:
+        self._generation += 1
+        self._chunks.clear()
+        self._samples = self._new_samples = 0
+        self._agreement.reset()
+        if self._partial_job is not None and self.engine._queue.remove(self._partial_job):
+            self._partial_job = None
+        while not self._partials.empty():  # previews of the old utterance are stale
+            self._partials.get_nowait()
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for job in self.engine._queue.remove_owner(self):
+            job.fail(EngineError("ASR stream closed"))
+        self.engine._space.set()
+        self._partial_job = None
+        self._emit(None)
+
+    def __aiter__(self) -> AsrStream:
+        return self
+
+    async def __anext__(self) -> Partial:
+        item = await self._partials.get()
+        if item is None:
+            self._partials.put_nowait(None)  # later calls end too
+            raise StopAsyncIteration
+        return item
+
+    async def __aenter__(self) -> AsrStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # -- called by the engine, on the event loop -------------------------------------
+
+    def _snapshot(self) -> np.ndarray:
+        if not self._chunks:
+            return np.zeros(0, dtype=np.float32)
+        return np.concatenate(self._chunks)
+
+    def _maybe_schedule_partial(self) -> None:
+        if self._partial_job is not None or self._new_samples < self._interval or self._closed:
+            return
+        job = DecodeJob(Priority.PARTIAL, self, language=self.language)
+        if self.engine._offer_partial(job):
+            self._partial_job = job
+            self._new_samples = 0
+
+    def _prepare_partial(self, job: DecodeJob) -> None:
+        if self._closed or job is not self._partial_job:
+            return  # job.audio stays None: the worker skips it
+        job.audio = self._snapshot()
+        job.prefix = self._agreement.confirmed_text
+        job.generation = self._generation
+
+    def _final_prefix(self, job: DecodeJob) -> str:
+        if job.generation != self._generation:
+            return job.prefix
+        # Partials dispatched before now saw less audio than this final: drop their
+        # results so the confirmed words cannot grow past what the final was given.
+        self._last_final_seq = job.seq
+        return self._agreement.confirmed_text
+
+    def _partial_done(self, job: DecodeJob, text: str | None) -> None:
+        if job is self._partial_job:
+            self._partial_job = None
+        fresh = job.generation == self._generation and job.seq > self._last_final_seq
+        if text is not None and fresh and not self._closed and job.audio is not None:
+            self._agreement.update(split_words(text))
+            self._emit(
+                Partial(
+                    self._agreement.confirmed_text,
+                    self._agreement.tentative_text,
+                    job.audio.size / ASR_RATE,
+                )
+            )
+        self._maybe_schedule_partial()
+
+    def _partial_dropped(self, job: DecodeJob) -> None:
+        if job is self._partial_job:
+            self._partial_job = None
+            self._new_samples = max(self._new_samples, self._interval)  # retry on next push
+
+    def _emit(self, item: Partial | None) -> None:
+        if self._partials.full():
+            self._partials.get_nowait()  # drop the oldest: the newer one supersedes it
+        self._partials.put_nowait(item)
