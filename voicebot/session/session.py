@@ -71,6 +71,12 @@ class SlowConsumer(VoicebotError):
     fatal = True
 
 
+def _first_leaf(exc: BaseException) -> BaseException:
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return exc
+
+
 @dataclass
 class _Turn:
     """A user turn whose transcript is being (or has been) decoded."""
@@ -191,11 +197,15 @@ class Session:
         Cancellation propagates untouched."""
         try:
             await coro
-        except VoicebotError as exc:
-            self.error(exc.code, str(exc), fatal=exc.fatal)
         except Exception as exc:
-            self.log.exception("task failed")
-            self.error("internal_error", f"{type(exc).__name__}: {exc}")
+            # TaskGroups wrap failures in ExceptionGroups; report the underlying error.
+            leaf = _first_leaf(exc)
+            if isinstance(leaf, VoicebotError):
+                self.log.warning("%s: %s", leaf.code, leaf)
+                self.error(leaf.code, str(leaf), fatal=leaf.fatal)
+            else:
+                self.log.exception("task failed")
+                self.error("internal_error", f"{type(leaf).__name__}: {leaf}")
 
     # -------------------------------------------------------------------- output
     async def events(self):  # type: ignore[no-untyped-def]
@@ -470,6 +480,14 @@ class Session:
             finally:
                 forward.cancel()
         except Exception:
+            if not resp.released.is_set():
+                # Speculative work is invisible to the caller: drop it; the committed
+                # turn starts a fresh reply (and reports its failure, if any).
+                self.log.warning("speculative reply failed", exc_info=True)
+                if self._response is resp:
+                    self._response = None
+                    self._response_task = None
+                return
             if self._response is resp:
                 self._finish(resp, "failed")
             raise

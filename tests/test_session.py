@@ -1,0 +1,349 @@
+"""Session logic with fakes of our own engine interfaces: timing-exact and fast.
+
+The real engines are exercised end to end in test_voice_loop.py; here the question is
+the state machine: speculation and its cancellation, barge-in and what the history
+keeps, manual turns, failures and bounded output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+from transformers import AutoTokenizer
+
+from voicebot.config import Config
+from voicebot.engines import Engines
+from voicebot.engines.asr import Partial, Transcript
+from voicebot.engines.llm import GenerationStats, TextDelta
+from voicebot.errors import BadMessage, EngineError
+from voicebot.session import events as ev
+from voicebot.session.session import Session
+from voicebot.session.settings import SessionSettings
+
+RATE = 16000
+FRAME = 320
+
+
+class FakeVadStream:
+    """Speech is any window whose RMS is above 0.01."""
+
+    def __init__(self) -> None:
+        self._rest = np.zeros(0, dtype=np.float32)
+
+    def process(self, audio: np.ndarray) -> np.ndarray:
+        audio = np.concatenate([self._rest, audio])
+        n = audio.size // 512
+        self._rest = audio[n * 512 :]
+        windows = audio[: n * 512].reshape(n, 512)
+        return (np.sqrt((windows**2).mean(axis=1)) > 0.01).astype(np.float32) * 0.9
+
+    def reset(self) -> None:
+        self._rest = np.zeros(0, dtype=np.float32)
+
+
+class FakeVad:
+    def stream(self) -> FakeVadStream:
+        return FakeVadStream()
+
+
+class FakeAsrStream:
+    def __init__(self, engine: FakeAsr) -> None:
+        self.engine = engine
+        self.samples = 0
+        self._partials: asyncio.Queue[Partial | None] = asyncio.Queue()
+
+    def push(self, audio: np.ndarray) -> None:
+        self.samples += audio.size
+
+    async def finalize(self) -> Transcript:
+        self.engine.finals += 1
+        await asyncio.sleep(0.03)
+        return Transcript(self.engine.text, self.samples / RATE, 0.03)
+
+    def reset(self) -> None:
+        self.samples = 0
+
+    def __aiter__(self) -> FakeAsrStream:
+        return self
+
+    async def __anext__(self) -> Partial:
+        item = await self._partials.get()
+        if item is None:
+            raise StopAsyncIteration
+        return item
+
+    async def aclose(self) -> None:
+        self._partials.put_nowait(None)
+
+
+@dataclass
+class FakeAsr:
+    text: str = "what is the weather like"
+    finals: int = 0
+    queue_depth: int = 0
+
+    def stream(self, *, language: str | None = None) -> FakeAsrStream:
+        return FakeAsrStream(self)
+
+
+@dataclass
+class FakeLlm:
+    tokenizer: object
+    reply: str = "It is sunny and warm today, with a light breeze from the west and no rain at all."
+    word_delay: float = 0.02
+    fail: bool = False
+    started: list[str] = field(default_factory=list)
+    aborted: list[str] = field(default_factory=list)
+    completed: list[str] = field(default_factory=list)
+    running: int = 0
+    background_waiting: int = 0
+    cache_hit_ratio: float = 0.0
+
+    async def generate(self, prompt_ids: list[int], *, stats: GenerationStats | None = None, **_: object) -> AsyncIterator[TextDelta]:
+        rid = f"r{len(self.started)}"
+        self.started.append(rid)
+        finished = False
+        try:
+            if self.fail:
+                raise EngineError("the model fell over")
+            for i, word in enumerate(self.reply.split()):
+                await asyncio.sleep(self.word_delay)
+                if stats is not None and stats.first_token_at is None:
+                    stats.first_token_at = time.monotonic()
+                yield TextDelta(("" if i == 0 else " ") + word, 1)
+            finished = True
+            self.completed.append(rid)
+        finally:
+            if not finished:
+                self.aborted.append(rid)
+
+    async def complete(self, prompt_ids: list[int], **kw: object) -> str:
+        return "".join([d.text async for d in self.generate(prompt_ids, **kw)])
+
+
+class FakeTts:
+    """100 ms of tone per word, one chunk per clause."""
+
+    sample_rate = RATE
+    queue_depth = 0
+
+    def voices(self) -> list[str]:
+        return ["fake"]
+
+    async def synthesize(self, text: str, *, voice: str | None = None, speed: float | None = None) -> AsyncIterator[np.ndarray]:
+        await asyncio.sleep(0.005)
+        yield np.full(len(text.split()) * RATE // 10, 0.2, dtype=np.float32)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(bundle_dir: Callable[[str], str]):  # type: ignore[no-untyped-def]
+    return AutoTokenizer.from_pretrained(bundle_dir("qwen3-tokenizer"))
+
+
+def make_engines(tokenizer, **llm_kw) -> Engines:  # type: ignore[no-untyped-def]
+    cfg = Config.model_validate(
+        {
+            "vad": {"min_speech_ms": 96, "speculative_silence_ms": 160, "min_silence_ms": 480, "barge_in_min_ms": 192},
+            "session": {"playout_lead_ms": 0, "out_queue_frames": 4096},
+        }
+    )
+    return Engines(cfg, FakeAsr(), FakeLlm(tokenizer, **llm_kw), FakeTts(), FakeVad())  # type: ignore[arg-type]
+
+
+class Caller:
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self.events: list[object] = []
+        self._task = asyncio.create_task(self._collect())
+
+    async def _collect(self) -> None:
+        async for e in self.session.events():
+            self.events.append(e)
+
+    async def speak(self, ms: int) -> None:
+        await self._push(ms, 0.1)
+
+    async def silence(self, ms: int) -> None:
+        await self._push(ms, 0.0)
+
+    async def _push(self, ms: int, level: float) -> None:
+        start = time.monotonic()
+        for i in range(ms // 20):
+            self.session.push_audio(np.full(FRAME, level, dtype=np.float32), RATE)
+            await asyncio.sleep(max(0.0, start + (i + 1) * 0.02 - time.monotonic()))
+
+    def of(self, kind: type) -> list:
+        return [e for e in self.events if isinstance(e, kind)]
+
+    async def wait_for(self, kind: type, timeout: float = 5.0):  # type: ignore[no-untyped-def]
+        async with asyncio.timeout(timeout):
+            while not self.of(kind):
+                await asyncio.sleep(0.01)
+        return self.of(kind)[0]
+
+    async def close(self) -> None:
+        await self.session.aclose()
+        await asyncio.wait([self._task], timeout=2)
+
+
+@contextlib.asynccontextmanager
+async def call(engines: Engines, **settings: object) -> AsyncIterator[Caller]:
+    base = SessionSettings.from_config(engines.cfg).model_copy(update=settings)
+    session = Session(engines, base)
+    async with session:
+        caller = Caller(session)
+        try:
+            yield caller
+        finally:
+            await caller.close()
+
+
+async def test_a_turn_is_answered_speculatively(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    engines = make_engines(tokenizer)
+    async with call(engines) as c:
+        await c.speak(600)
+        await c.silence(700)
+        done = await c.wait_for(ev.ResponseDone, timeout=10)
+        assert done.status == "completed"
+        assert engines.asr.finals == 1, "one decode: the speculative final is the final"
+        timings = c.of(ev.TurnTimings)[0]
+        assert timings.speculative is True
+        kinds = [type(e).__name__ for e in c.events if not isinstance(e, ev.ResponseAudio)]
+        assert kinds.index("SpeechStopped") < kinds.index("ResponseStarted"), "nothing is said before the turn ends"
+        assert kinds.index("TranscriptFinal") < kinds.index("ResponseAudioStarted")
+        history = c.session.conversation.messages
+        assert [m.role for m in history] == ["user", "assistant"]
+        assert history[1].content == engines.llm.reply
+
+
+async def test_resuming_speech_cancels_the_speculation(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    engines = make_engines(tokenizer, word_delay=0.05)
+    async with call(engines) as c:
+        await c.speak(600)
+        await c.silence(300)  # past the speculative point, short of the end of turn
+        assert engines.llm.started, "the reply was being prepared"
+        await c.speak(400)  # the caller goes on
+        assert engines.llm.aborted == engines.llm.started[:1], "the speculative vLLM request was aborted"
+        assert not c.of(ev.ResponseStarted) and not c.of(ev.SpeechStopped)
+        await c.silence(800)
+        done = await c.wait_for(ev.ResponseDone, timeout=10)
+        assert done.status == "completed"
+        assert len(c.of(ev.SpeechStarted)) == 1 and len(c.of(ev.ResponseDone)) == 1
+
+
+async def test_barge_in_stops_playout_and_history_keeps_the_played_words(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    engines = make_engines(tokenizer, word_delay=0.01)
+    async with call(engines) as c:
+        await c.speak(600)
+        await c.silence(500)
+        await c.wait_for(ev.ResponseAudioStarted)
+        await asyncio.sleep(0.6)  # about six words (100 ms each) played
+        t0 = time.monotonic()
+        await c.speak(260)
+        barge = await c.wait_for(ev.BargeIn)
+        assert time.monotonic() - t0 < 0.5
+        frames_at_barge = len(c.of(ev.ResponseAudio))
+        await asyncio.sleep(0.2)
+        assert len(c.of(ev.ResponseAudio)) == frames_at_barge, "playout stopped"
+        done = c.of(ev.ResponseDone)[0]
+        full = engines.llm.reply.split()
+        heard = barge.heard_text.split()
+        assert done.status == "interrupted" and done.text == barge.heard_text
+        assert 3 <= len(heard) < len(full) and heard == full[: len(heard)]
+        played_words = sum(e.audio.size for e in c.of(ev.ResponseAudio)) / (RATE / 10)
+        assert abs(len(heard) - played_words) <= 1.01, (heard, played_words)
+        assistant = [m for m in c.session.conversation.messages if m.role == "assistant"]
+        assert [m.content for m in assistant] == [barge.heard_text]
+
+
+async def test_short_noise_does_not_interrupt(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    engines = make_engines(tokenizer, word_delay=0.01)
+    async with call(engines) as c:
+        await c.speak(600)
+        await c.silence(500)
+        await c.wait_for(ev.ResponseAudioStarted)
+        await c.speak(100)  # a cough: below barge_in_min_ms
+        await c.silence(200)
+        assert not c.of(ev.BargeIn)
+        done = await c.wait_for(ev.ResponseDone, timeout=10)
+        assert done.status == "completed"
+
+
+async def test_manual_turns_without_server_vad(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    engines = make_engines(tokenizer)
+    async with call(engines, turn_detection=False, create_response=False) as c:
+        await c.speak(500)
+        assert not c.of(ev.SpeechStarted), "no VAD events in manual mode"
+        item = c.session.commit_input()
+        final = await c.wait_for(ev.TranscriptFinal)
+        assert final.item_id == item and final.text == engines.asr.text
+        await asyncio.sleep(0.1)
+        assert not c.of(ev.ResponseStarted), "no reply until the client asks"
+        rid = c.session.create_response()
+        done = await c.wait_for(ev.ResponseDone)
+        assert done.response_id == rid and done.status == "completed"
+
+
+async def test_cancel_and_truncate(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    engines = make_engines(tokenizer, word_delay=0.01)
+    async with call(engines, turn_detection=False) as c:
+        c.session.add_text("user", "Tell me about the weather.")
+        c.session.create_response()
+        await c.wait_for(ev.ResponseAudioStarted)
+        await asyncio.sleep(0.5)
+        assert c.session.cancel_response()
+        done = await c.wait_for(ev.ResponseDone)
+        assert done.status == "cancelled" and done.text
+        # The client heard only 200 ms of it (2 words), and says so.
+        assert c.session.truncate(done.item_id, 200) == " ".join(engines.llm.reply.split()[:2])
+        assistant = [m for m in c.session.conversation.messages if m.role == "assistant"]
+        assert [m.content for m in assistant] == ["It is"]
+
+
+async def test_an_engine_failure_is_an_error_event_and_the_session_goes_on(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    engines = make_engines(tokenizer, fail=True)
+    async with call(engines) as c:
+        await c.speak(600)
+        await c.silence(700)
+        err = await c.wait_for(ev.ErrorEvent)
+        assert err.code == "engine_error" and not err.fatal
+        assert (await c.wait_for(ev.ResponseDone)).status == "failed"
+        engines.llm.fail = False
+        await c.speak(600)
+        await c.silence(700)
+        async with asyncio.timeout(5):
+            while len(c.of(ev.ResponseDone)) < 2:
+                await asyncio.sleep(0.01)
+        assert c.of(ev.ResponseDone)[1].status == "completed"
+
+
+async def test_unknown_voice_is_refused(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    engines = make_engines(tokenizer)
+    with pytest.raises(BadMessage) as info:
+        Session(engines, SessionSettings.from_config(engines.cfg).model_copy(update={"voice": "/etc/passwd"}))
+    assert info.value.code == "invalid_voice"
+
+
+async def test_a_client_that_stops_reading_is_dropped_not_buffered(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    engines = make_engines(tokenizer)
+    cfg = engines.cfg.model_copy(update={"session": engines.cfg.session.model_copy(update={"out_queue_frames": 16})})
+    engines.cfg = cfg
+    session = Session(engines, SessionSettings.from_config(cfg))
+    async with session:
+        for _ in range(3):  # nobody reads events
+            for _ in range(40):
+                session.push_audio(np.full(FRAME, 0.1, dtype=np.float32), RATE)
+            for _ in range(40):
+                session.push_audio(np.zeros(FRAME, dtype=np.float32), RATE)
+            await asyncio.sleep(0.05)
+        async with asyncio.timeout(5):
+            while session.closed_reason is None:
+                await asyncio.sleep(0.01)
+        assert session.closed_reason == "slow_consumer"
+        assert session._out.qsize() <= 16
