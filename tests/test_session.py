@@ -347,3 +347,18 @@ async def test_a_client_that_stops_reading_is_dropped_not_buffered(tokenizer) ->
                 await asyncio.sleep(0.01)
         assert session.closed_reason == "slow_consumer"
         assert session._out.qsize() <= 16
+
+
+async def test_a_silent_wire_ends_the_session(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    engines = make_engines(tokenizer)
+    engines.cfg = engines.cfg.model_copy(
+        update={"session": engines.cfg.session.model_copy(update={"idle_timeout_s": 1.0})}
+    )
+    async with call(engines) as c:
+        await c.speak(100)
+        err = await c.wait_for(ev.ErrorEvent, timeout=5)
+        assert err.code == "idle_timeout" and err.fatal
+        async with asyncio.timeout(2):
+            while c.session.closed_reason is None:
+                await asyncio.sleep(0.01)
+        assert c.session.closed_reason == "idle_timeout"

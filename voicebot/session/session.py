@@ -146,6 +146,7 @@ class Session:
         # Playouts of recent replies, so a client can still truncate them to what it heard.
         self._heard: dict[str, Playout] = {}
         self.input_ms = 0.0
+        self._last_input = time.monotonic()
         self.closed_reason: str | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -166,6 +167,7 @@ class Session:
             self._tg = tg
             self._spawn(self._pace(), "pacer")
             self._spawn(self._forward_partials(), "partials")
+            self._spawn(self._watch_idle(), "idle")
             self._ready.set()
             await self._closing.wait()
             for task in list(self._tasks):
@@ -255,6 +257,7 @@ class Session:
             audio = rs.process(audio)
         if audio.size == 0:
             return
+        self._last_input = time.monotonic()
         self.input_ms += 1000.0 * audio.size / ASR_RATE
         if not self.settings.turn_detection:
             self._asr.push(audio)  # the client decides when the turn ends
@@ -633,6 +636,16 @@ class Session:
         if self.metrics:
             self.metrics.observe_turn(timings)
             self.metrics.cache_hit_ratio.set(self.engines.llm.cache_hit_ratio)
+
+    async def _watch_idle(self) -> None:
+        """Close a session whose client went silent on the wire (no audio at all)."""
+        limit = self.cfg.session.idle_timeout_s
+        while True:
+            idle = time.monotonic() - self._last_input
+            if idle >= limit and self._response is None:
+                self.error("idle_timeout", f"no audio for {limit:g} s", fatal=True)
+                return
+            await asyncio.sleep(max(limit - idle, 1.0))
 
     # ----------------------------------------------------------------- partials
     async def _forward_partials(self) -> None:
