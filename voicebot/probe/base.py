@@ -68,6 +68,9 @@ class ProbeClient(Protocol):
 # (aiortc for webrtc, say) are not needed to probe another.
 CLIENTS: dict[str, str] = {
     "native": "voicebot.probe.native:NativeClient",
+    "realtime": "voicebot.probe.realtime:RealtimeClient",
+    "webrtc": "voicebot.probe.webrtc:WebRTCClient",
+    "twilio": "voicebot.probe.twilio:TwilioClient",
 }
 
 
