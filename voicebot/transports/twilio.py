@@ -1,0 +1,340 @@
+"""Phone calls: Twilio Media Streams (and Telnyx) at ``/twilio``; TwiML at ``/twilio/voice``.
+
+    caller <-> Twilio <-> ws /twilio: JSON {event: connected|start|media|dtmf|mark|stop}
+                                      back: {event: media|mark|clear}
+
+Inbound μ-law 8 kHz goes to the session as float32 at 8 kHz (the session resamples it
+to 16 kHz with a stateful soxr stream). Reply audio is resampled to 8 kHz per reply,
+re-cut into exact 160-byte frames and re-paced one per 20 ms (soxr emits blocks of
+3-4 frames), with a mark every ``telephony.mark_interval_ms``; the echoed
+marks keep ``session.set_played`` current, so a barge-in cuts the history at what
+the caller really heard. Parsing and bookkeeping live in :mod:`.twilio_protocol`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import logging
+import time
+from collections import deque
+
+import numpy as np
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Route, WebSocketRoute
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from voicebot.audio import Resampler
+from voicebot.errors import AuthError, BadMessage, VoicebotError
+from voicebot.server.state import ServerState
+from voicebot.session import events as ev
+from voicebot.session.session import Session
+from voicebot.transports import twilio_protocol as tp
+
+log = logging.getLogger(__name__)
+
+_START_TIMEOUT_S = 10.0
+_LOGGED_BAD = 5
+_PACER_LEAD_S = 0.04
+_MAX_QUEUED = 3000  # messages (~50 s of audio with its marks)  # a broken stream would log every 20 ms; the rest go to DEBUG
+
+
+def routes(state: ServerState) -> list[BaseRoute]:
+    return [
+        WebSocketRoute("/twilio", _stream_endpoint(state)),
+        Route("/twilio/voice", _voice_webhook(state), methods=["GET", "POST"]),
+    ]
+
+
+# ---------------------------------------------------------------- TwiML webhook
+def _basic_password(authorization: str | None) -> str | None:
+    """Twilio sends webhook credentials as HTTP basic auth (https://user:key@host/...)."""
+    if not authorization or not authorization.lower().startswith("basic "):
+        return None
+    try:
+        user, _, password = base64.b64decode(authorization[6:]).decode().partition(":")
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return password or user
+
+
+def _voice_webhook(state: ServerState):  # type: ignore[no-untyped-def]
+    async def voice(request: Request) -> Response:
+        auth = request.headers.get("authorization")
+        bearer = auth if auth and auth.lower().startswith("bearer ") else None
+        try:
+            state.check_auth(bearer, request.query_params.get("token") or _basic_password(auth))
+        except AuthError as exc:
+            return Response(str(exc), 401, {"WWW-Authenticate": 'Basic realm="voicebot"'})
+        params = {k: v for k, v in request.query_params.items() if k in tp.CALL_FIELDS}
+        if state.cfg.server.api_key is not None:
+            # Twilio cannot send headers on the stream: a short-lived secret goes in the
+            # TwiML instead of the long-lived key.
+            try:
+                params["token"], _ = state.mint_secret(ttl_s=120.0)
+            except VoicebotError as exc:
+                return Response(str(exc), 503)
+        host = request.headers.get("host") or f"{request.url.hostname}:{request.url.port}"
+        headers = {k.lower(): v for k, v in request.headers.items()}
+        url = tp.stream_url(state.cfg.telephony.public_url, headers, request.url.scheme, host)
+        return Response(tp.twiml_connect(url, params), media_type="application/xml")
+
+    return voice
+
+
+# --------------------------------------------------------------- media stream
+def _stream_endpoint(state: ServerState):  # type: ignore[no-untyped-def]
+    async def handle(ws: WebSocket) -> None:
+        await ws.accept()
+        try:
+            authed = _header_auth(state, ws)
+            start = await _read_start(ws)
+            if not authed:
+                token = start.custom.get("token")
+                if not token:
+                    raise AuthError("missing credentials: pass the key as customParameter 'token' or ?token=")
+                state.check_auth(None, token)
+            settings = tp.call_settings(state.default_settings(), start.custom)
+            async with state.open_session("twilio", settings) as session:
+                session.log.info("call %s stream %s (%s, %s)", start.call_id, start.stream_id, start.dialect, start.encoding)
+                await _Call(ws, session, state, start).run()
+        except WebSocketDisconnect:
+            return
+        except VoicebotError as exc:
+            # Twilio has no error message: log it, count it, close with the code as reason.
+            state.metrics.errors.labels(exc.code).inc()
+            log.warning("twilio stream refused: %s: %s", exc.code, exc)
+            code = 1008 if exc.code == "unauthorized" else 1011 if exc.code == "internal_error" else 1000
+            with contextlib.suppress(WebSocketDisconnect, RuntimeError):
+                await ws.close(code, f"{exc.code}: {exc}"[:120])
+            return
+        with contextlib.suppress(RuntimeError):
+            await ws.close()
+
+    return handle
+
+
+def _header_auth(state: ServerState, ws: WebSocket) -> bool:
+    """True if authenticated by header or ?token= (Telnyx, tests); False: wait for start."""
+    if state.cfg.server.api_key is None:
+        return True
+    auth, token = ws.headers.get("authorization"), ws.query_params.get("token")
+    if not auth and not token:
+        return False
+    state.check_auth(auth, token)
+    return True
+
+
+async def _read_start(ws: WebSocket) -> tp.Start:
+    """Skip ``connected`` (and anything else) until ``start``, within 10 s."""
+    try:
+        async with asyncio.timeout(_START_TIMEOUT_S):
+            while True:
+                msg = await ws.receive()
+                if msg["type"] == "websocket.disconnect":
+                    raise WebSocketDisconnect(msg.get("code", 1000))
+                if msg.get("text") is None:
+                    continue
+                parsed = tp.parse_message(msg["text"])
+                if isinstance(parsed, tp.Start):
+                    return parsed
+                if isinstance(parsed, tp.Stop):
+                    raise WebSocketDisconnect(1000)
+    except TimeoutError:
+        raise BadMessage(f"no 'start' message within {_START_TIMEOUT_S:g} s") from None
+
+
+class _Call:
+    """One call: reader, writer, pacer and keypad timer, all ended together."""
+
+    def __init__(self, ws: WebSocket, session: Session, state: ServerState, start: tp.Start) -> None:
+        self.ws, self.session = ws, session
+        self.cfg = state.cfg.telephony
+        self.max_bytes = state.cfg.server.max_message_bytes
+        self.out = tp.Outbound(start.stream_id, start.dialect)
+        self.fmt = start.encoding
+        self.marks = tp.PlayoutMarks(self.cfg.mark_interval_ms)
+        self.framer = tp.Framer()
+        self.keypad = tp.DtmfCollector(self.cfg)
+        self._keypad_wake = asyncio.Event()
+        # The session's own lead (playout_lead_ms) waits in our queue; the pacer adds
+        # only this much, so frames leave one per 20 ms instead of in soxr's blocks.
+        self._pacer = tp.Pacer(_PACER_LEAD_S)
+        # (is media, message) waiting for the pacer. The session produces reply audio
+        # in real time and the pacer sends it in real time, so this holds about the
+        # lead plus one resampler block; _MAX_QUEUED only trips if the socket stalls.
+        self._queue: deque[tuple[bool, str]] = deque()
+        self._more = asyncio.Event()
+        self._send_lock = asyncio.Lock()
+        self._playing: str | None = None  # reply whose audio is going out
+        self._resampler: Resampler | None = None
+        self._bad = 0
+
+    async def run(self) -> None:
+        tasks = {
+            asyncio.create_task(self._reader(), name=f"{self.session.id}-twilio-in"),
+            asyncio.create_task(self._writer(), name=f"{self.session.id}-twilio-out"),
+            asyncio.create_task(self._keypad_timer(), name=f"{self.session.id}-keypad"),
+            asyncio.create_task(self._pace(), name=f"{self.session.id}-twilio-pace"),
+        }
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()  # surface a transport error
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.wait(tasks)
+            if self.session.closed_reason is None:
+                self.session.closed_reason = "call ended"
+
+    # ------------------------------------------------------------------ inbound
+    async def _reader(self) -> None:
+        while True:
+            msg = await self.ws.receive()
+            if msg["type"] == "websocket.disconnect":
+                return
+            text = msg.get("text")
+            if text is None:
+                continue  # Twilio sends no binary frames
+            try:
+                if len(text) > self.max_bytes:
+                    raise BadMessage(f"message of {len(text)} bytes exceeds {self.max_bytes}", code="message_too_large")
+                if self._handle(tp.parse_message(text)):
+                    return
+            except VoicebotError as exc:
+                self._bad += 1
+                level = logging.WARNING if self._bad <= _LOGGED_BAD else logging.DEBUG
+                self.session.log.log(level, "bad message from the carrier: %s: %s", exc.code, exc)
+
+    def _handle(self, msg: tp.Inbound) -> bool:
+        """Act on one message; True when the call is over."""
+        match msg:
+            case tp.Media(payload, track):
+                if track in ("inbound", "inbound_track") and payload:
+                    self.session.push_audio(tp.decode_audio(self.fmt, payload), tp.RATE)
+            case tp.MarkEcho(name):
+                heard = self.marks.echoed(name)
+                if heard is not None:
+                    # Kept current so the session's own barge-in cuts at what was heard.
+                    self.session.set_played(heard)
+            case tp.DtmfPress(digit):
+                self.session.emit(ev.Dtmf(digit))
+                action = self.keypad.press(digit, time.monotonic())
+                if isinstance(action, tp.Hangup):
+                    self.session.log.info("caller pressed %s: hanging up", digit)
+                    self.session.closed_reason = "hangup digit"
+                    return True
+                if isinstance(action, tp.KeypadEntry):
+                    self._to_assistant(action)
+                self._keypad_wake.set()
+            case tp.Stop():
+                self.session.closed_reason = "call ended"
+                return True
+            case tp.Start():
+                self.session.log.warning("second 'start' on one stream ignored")
+            case tp.Other(event):
+                self.session.log.debug("carrier event %r ignored", event)
+        return False
+
+    def _to_assistant(self, entry: tp.KeypadEntry) -> None:
+        self.session.log.info("keypad entry: %s", entry.digits)
+        self.session.add_text("user", entry.text)
+        self.session.create_response()  # cuts a reply in progress, like speech would
+
+    async def _keypad_timer(self) -> None:
+        """Sends digits typed without the terminator once the caller pauses."""
+        while True:
+            deadline = self.keypad.deadline()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(None if deadline is None else max(0.0, deadline - time.monotonic())):
+                    await self._keypad_wake.wait()
+            self._keypad_wake.clear()
+            entry = self.keypad.poll(time.monotonic())
+            if entry is not None:
+                self._to_assistant(entry)
+
+    # ----------------------------------------------------------------- outbound
+    async def _writer(self) -> None:
+        async for event in self.session.events():
+            match event:
+                case ev.ResponseAudio():
+                    self._play(event)
+                case ev.BargeIn(response_id=rid):
+                    await self._cut(rid)
+                case ev.ResponseDone(response_id=rid, status="completed"):
+                    self._end(rid)
+                case ev.ResponseDone(response_id=rid):
+                    await self._cut(rid)
+                case ev.ErrorEvent(code=code, message=message, fatal=fatal):
+                    self.session.log.warning("session error %s: %s", code, message)
+                    if fatal:
+                        return
+            if len(self._queue) > _MAX_QUEUED:
+                self.session.log.warning("carrier is not taking audio; ending the call")
+                self.session.closed_reason = "slow_consumer"
+                return
+
+    def _play(self, event: ev.ResponseAudio) -> None:
+        if event.response_id != self._playing:
+            self._playing = event.response_id
+            self._resampler = Resampler(event.sample_rate, tp.RATE)
+            self.framer.reset()
+            # Nothing of this reply is confirmed heard yet; also clears a stale value
+            # left by late marks of the previous reply.
+            self.session.set_played(0)
+            self._enqueue_mark(self.marks.begin(event.response_id))
+        assert self._resampler is not None
+        self._enqueue(self.framer.push(self._resampler.process(event.audio)))
+
+    def _enqueue(self, frames: list[np.ndarray]) -> None:
+        for frame in frames:
+            self._queue.append((True, self.out.media(tp.encode_audio(self.fmt, frame))))
+            self._enqueue_mark(self.marks.sent_samples(frame.size))
+        self._more.set()
+
+    def _enqueue_mark(self, name: str | None) -> None:
+        if name is not None:
+            self._queue.append((False, self.out.mark(name)))
+            self._more.set()
+
+    def _end(self, response_id: str) -> None:
+        if response_id != self._playing or self._resampler is None:
+            return
+        self._enqueue(self.framer.push(self._resampler.flush()) + self.framer.flush())
+        self._enqueue_mark(self.marks.end())
+        self._playing, self._resampler = None, None
+
+    async def _cut(self, response_id: str) -> None:
+        if response_id != self._playing:
+            return
+        heard = self.marks.cut()
+        self.session.log.info("reply %s cut after %d ms heard (by marks)", response_id, heard)
+        self._queue.clear()  # never sent, so never heard
+        self._pacer.reset()
+        self._playing, self._resampler = None, None
+        self.framer.reset()
+        await self._send(self.out.clear())
+
+    async def _pace(self) -> None:
+        """Sends queued media one 20 ms frame at a time, marks right after their audio."""
+        while True:
+            if not self._queue:
+                self._more.clear()
+                await self._more.wait()
+                continue
+            is_media, text = self._queue[0]
+            if is_media:
+                delay = self._pacer.delay(time.monotonic())
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                    continue  # the queue may have been cleared meanwhile
+                self._pacer.sent()
+            self._queue.popleft()
+            await self._send(text)
+
+    async def _send(self, text: str) -> None:
+        async with self._send_lock:  # the pacer and a clear may send at once
+            await self.ws.send_text(text)

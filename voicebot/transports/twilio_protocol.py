@@ -1,0 +1,387 @@
+"""Twilio Media Streams, and Telnyx's near-identical dialect: pure, synchronous parts.
+
+No I/O here: parsing inbound messages, building outbound ones, cutting reply audio
+into 20 ms frames, the mark bookkeeping that says how much of a reply the caller
+really heard, keypad (DTMF) entry, per-call settings from ``customParameters`` and
+the TwiML for the voice webhook. :mod:`voicebot.transports.twilio` moves data
+between these and the session.
+
+Wire format (docs/telephony.md): JSON text frames with an ``event`` field; audio is
+base64 G.711 (μ-law, or A-law on Telnyx) at 8 kHz, 160 bytes per 20 ms frame.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Literal
+from xml.sax.saxutils import escape
+
+import numpy as np
+from pydantic import ValidationError
+
+from voicebot.audio import float_to_pcm16, pcm16_to_float
+from voicebot.config import TelephonyConfig
+from voicebot.errors import BadAudio, BadMessage
+from voicebot.session.settings import SessionSettings
+from voicebot.transports import g711
+
+RATE = g711.RATE
+FRAME = 160  # samples (= G.711 bytes) in 20 ms at 8 kHz
+
+Dialect = Literal["twilio", "telnyx"]
+
+_ENCODINGS: dict[str, g711.G711] = {
+    "audio/x-mulaw": "audio/pcmu", "pcmu": "audio/pcmu", "mulaw": "audio/pcmu", "ulaw": "audio/pcmu",
+    "audio/x-alaw": "audio/pcma", "pcma": "audio/pcma", "alaw": "audio/pcma",
+}
+_DIGIT = re.compile(r"^[0-9*#A-D]$")
+
+
+# --------------------------------------------------------------------- inbound
+@dataclass(frozen=True)
+class Connected:
+    pass
+
+
+@dataclass(frozen=True)
+class Start:
+    stream_id: str  # Twilio streamSid / Telnyx stream_id: outbound messages name it
+    call_id: str  # Twilio callSid / Telnyx call_control_id (for logs)
+    encoding: g711.G711
+    custom: dict[str, str]  # Twilio customParameters (<Parameter> in the TwiML)
+    dialect: Dialect
+
+
+@dataclass(frozen=True)
+class Media:
+    payload: bytes  # G.711 bytes, one per sample
+    track: str  # "inbound" is the caller
+
+
+@dataclass(frozen=True)
+class DtmfPress:
+    digit: str
+
+
+@dataclass(frozen=True)
+class MarkEcho:
+    name: str  # a mark we sent, now played (or dropped by a clear)
+
+
+@dataclass(frozen=True)
+class Stop:
+    pass
+
+
+@dataclass(frozen=True)
+class Other:
+    event: str  # e.g. Telnyx "error": logged, not fatal
+
+
+Inbound = Connected | Start | Media | DtmfPress | MarkEcho | Stop | Other
+
+
+def _obj(data: dict[str, Any], key: str) -> dict[str, Any]:
+    value = data.get(key)
+    if not isinstance(value, dict):
+        raise BadMessage(f"'{data.get('event')}' message without a '{key}' object")
+    return value
+
+
+def _params(raw: object) -> dict[str, str]:
+    """Twilio sends an object; Telnyx may send a list of {name, value}."""
+    if isinstance(raw, list):
+        raw = {p.get("name"): p.get("value") for p in raw if isinstance(p, dict)}
+    if not isinstance(raw, dict):
+        return {}
+    return {str(k): str(v) for k, v in raw.items() if k is not None and v is not None}
+
+
+def _start(data: dict[str, Any]) -> Start:
+    body = _obj(data, "start")
+    telnyx = "stream_id" in data or "media_format" in body
+    fmt = body.get("media_format" if telnyx else "mediaFormat") or {}
+    name = str(fmt.get("encoding", "audio/x-mulaw")).lower()
+    rate = int(fmt.get("sample_rate" if telnyx else "sampleRate", RATE))
+    if name not in _ENCODINGS or rate != RATE:
+        raise BadMessage(f"unsupported media format {name}/{rate}: use G.711 at 8000 Hz", code="unsupported_format")
+    stream = data.get("stream_id") if telnyx else body.get("streamSid") or data.get("streamSid")
+    if not isinstance(stream, str) or not stream:
+        raise BadMessage("'start' message without a stream id")
+    call = body.get("call_control_id" if telnyx else "callSid") or ""
+    custom = _params(body.get("custom_parameters" if telnyx else "customParameters"))
+    return Start(stream, str(call), _ENCODINGS[name], custom, "telnyx" if telnyx else "twilio")
+
+
+def parse_message(text: str) -> Inbound:
+    """One text frame from Twilio/Telnyx; BadMessage/BadAudio when it makes no sense."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise BadMessage(f"malformed JSON: {exc.msg}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("event"), str):
+        raise BadMessage("a message must be a JSON object with a string 'event'")
+    event = data["event"]
+    if event == "media":
+        media = _obj(data, "media")
+        try:
+            payload = base64.b64decode(media.get("payload") or "", validate=True)
+        except (binascii.Error, TypeError, ValueError):
+            raise BadAudio("media payload is not base64") from None
+        return Media(payload, str(media.get("track", "inbound")))
+    if event == "start":
+        return _start(data)
+    if event == "dtmf":
+        digit = str(_obj(data, "dtmf").get("digit", ""))
+        if not _DIGIT.match(digit):
+            raise BadMessage(f"invalid DTMF digit {digit!r}")
+        return DtmfPress(digit)
+    if event == "mark":
+        return MarkEcho(str(_obj(data, "mark").get("name", "")))
+    if event == "connected":
+        return Connected()
+    if event == "stop":
+        return Stop()
+    return Other(event)
+
+
+def decode_audio(fmt: g711.G711, payload: bytes) -> np.ndarray:
+    """G.711 bytes -> float32 samples at 8 kHz."""
+    return pcm16_to_float(g711.decode(fmt, payload))
+
+
+def encode_audio(fmt: g711.G711, audio: np.ndarray) -> bytes:
+    """float32 samples at 8 kHz -> G.711 bytes (clipped)."""
+    return g711.encode(fmt, float_to_pcm16(audio))
+
+
+# -------------------------------------------------------------------- outbound
+class Outbound:
+    """Builds what we send: media, mark and clear, addressed to the stream."""
+
+    def __init__(self, stream_id: str, dialect: Dialect) -> None:
+        # Telnyx takes no stream id on outbound frames; Twilio requires streamSid.
+        self._to = {} if dialect == "telnyx" else {"streamSid": stream_id}
+
+    def media(self, payload: bytes) -> str:
+        body = {"payload": base64.b64encode(payload).decode("ascii")}
+        return json.dumps({"event": "media", **self._to, "media": body})
+
+    def mark(self, name: str) -> str:
+        return json.dumps({"event": "mark", **self._to, "mark": {"name": name}})
+
+    def clear(self) -> str:
+        return json.dumps({"event": "clear", **self._to})
+
+
+class Framer:
+    """Re-cuts 8 kHz audio into exact 160-sample frames; a partial tail waits for more."""
+
+    def __init__(self, size: int = FRAME) -> None:
+        self.size = size
+        self._tail = np.zeros(0, dtype=np.float32)  # always shorter than one frame
+
+    def push(self, audio: np.ndarray) -> list[np.ndarray]:
+        buf = np.concatenate([self._tail, audio.astype(np.float32, copy=False)])
+        whole = buf.size - buf.size % self.size
+        self._tail = buf[whole:]
+        return [buf[i : i + self.size] for i in range(0, whole, self.size)]
+
+    def flush(self) -> list[np.ndarray]:
+        """The tail padded with silence to a whole frame (end of a reply)."""
+        if self._tail.size == 0:
+            return []
+        frame = np.zeros(self.size, dtype=np.float32)
+        frame[: self._tail.size] = self._tail
+        self._tail = np.zeros(0, dtype=np.float32)
+        return [frame]
+
+    def reset(self) -> None:
+        self._tail = np.zeros(0, dtype=np.float32)
+
+
+class Pacer:
+    """When the next 20 ms frame may go: real time, ``lead_s`` ahead, no catch-up.
+
+    The session already paces reply audio, but a soxr stream gives its output in
+    blocks of ~3-4 frames, so the transport re-paces. After an underrun (TTS slower
+    than real time) the clock restarts instead of bursting to catch up.
+    """
+
+    def __init__(self, lead_s: float, frame_s: float = 0.02) -> None:
+        self.lead_s, self.frame_s = lead_s, frame_s
+        self._base: float | None = None
+        self._count = 0  # frames sent since _base
+
+    def delay(self, now: float) -> float:
+        """Seconds to wait before sending the next frame (0: send now)."""
+        if self._base is None or now - self._base > self._count * self.frame_s:
+            self._base, self._count = now, 0  # idle or behind: restart the clock
+        return max(0.0, self._base + self._count * self.frame_s - self.lead_s - now)
+
+    def sent(self) -> None:
+        self._count += 1
+
+    def reset(self) -> None:
+        self._base = None
+
+
+# ----------------------------------------------------------------------- marks
+def mark_name(response_id: str, ms: int, end: bool = False) -> str:
+    return f"{response_id}:{ms}" + (":end" if end else "")
+
+
+def parse_mark(name: str) -> tuple[str, int, bool] | None:
+    """(response id, ms of that reply played up to the mark, end of reply?) or None."""
+    parts = name.split(":")
+    if len(parts) not in (2, 3) or not parts[1].isdigit() or (len(parts) == 3 and parts[2] != "end"):
+        return None
+    return parts[0], int(parts[1]), len(parts) == 3
+
+
+class PlayoutMarks:
+    """What the caller heard of the reply now playing, from the marks echoed back.
+
+    The transport sends a mark every ``interval_ms`` of reply audio, named after the
+    reply and the position it follows. Twilio echoes a mark once the audio before it
+    has played, so the highest echoed position is a lower bound (by at most one
+    interval) of what the caller heard. After a ``clear`` Twilio also echoes the marks
+    it dropped, so echoes of a cut reply are ignored.
+    """
+
+    def __init__(self, interval_ms: int = 100) -> None:
+        self.interval = interval_ms * RATE // 1000
+        self.response_id: str | None = None
+        self.sent = 0  # samples of this reply sent
+        self.heard_ms = 0
+        self._last_mark = 0
+
+    def begin(self, response_id: str) -> str:
+        """A new reply starts playing; returns the mark that opens it."""
+        self.response_id, self.sent, self.heard_ms, self._last_mark = response_id, 0, 0, 0
+        return mark_name(response_id, 0)
+
+    def sent_samples(self, n: int) -> str | None:
+        """Audio went out; returns a mark to send after it when one is due."""
+        if self.response_id is None:
+            return None
+        self.sent += n
+        if self.sent - self._last_mark < self.interval:
+            return None
+        self._last_mark = self.sent
+        return mark_name(self.response_id, self.sent * 1000 // RATE)
+
+    def end(self) -> str | None:
+        """The reply was sent whole: the closing mark (its echo means all was heard)."""
+        if self.response_id is None:
+            return None
+        name = mark_name(self.response_id, self.sent * 1000 // RATE, end=True)
+        self.response_id = None
+        return name
+
+    def cut(self) -> int:
+        """The reply is cut (clear sent): ms heard; later echoes of it are ignored."""
+        self.response_id = None
+        return self.heard_ms
+
+    def echoed(self, name: str) -> int | None:
+        """A mark came back: the new heard position (ms) of the current reply, if it moved."""
+        parsed = parse_mark(name)
+        if parsed is None or parsed[0] != self.response_id or parsed[1] <= self.heard_ms:
+            return None
+        self.heard_ms = parsed[1]
+        return self.heard_ms
+
+
+# ------------------------------------------------------------------------ DTMF
+@dataclass(frozen=True)
+class Hangup:
+    pass
+
+
+@dataclass(frozen=True)
+class KeypadEntry:
+    digits: str
+
+    @property
+    def text(self) -> str:
+        """How the assistant is told about it."""
+        return "The caller pressed " + " ".join(self.digits) + " on the keypad."
+
+
+class DtmfCollector:
+    """Keypad digits -> hang-up, or entries for the assistant (terminator or pause)."""
+
+    def __init__(self, cfg: TelephonyConfig) -> None:
+        self.cfg = cfg
+        self._digits = ""
+        self._last = 0.0
+
+    def press(self, digit: str, now: float) -> Hangup | KeypadEntry | None:
+        if digit == self.cfg.hangup_digit:
+            return Hangup()
+        if not self.cfg.dtmf_to_llm:
+            return None
+        if digit == self.cfg.dtmf_terminator:
+            return self._take()
+        self._digits += digit
+        self._last = now
+        return self._take() if len(self._digits) >= self.cfg.dtmf_max_digits else None
+
+    def deadline(self) -> float | None:
+        """When the pending digits are sent without a terminator (None: nothing waits)."""
+        if not self._digits or self.cfg.dtmf_timeout_s <= 0:
+            return None
+        return self._last + self.cfg.dtmf_timeout_s
+
+    def poll(self, now: float) -> KeypadEntry | None:
+        deadline = self.deadline()
+        return self._take() if deadline is not None and now >= deadline else None
+
+    def _take(self) -> KeypadEntry | None:
+        digits, self._digits = self._digits, ""
+        return KeypadEntry(digits) if digits else None
+
+
+# ------------------------------------------------------------- per-call settings
+CALL_FIELDS = ("system_prompt", "voice", "speed", "language", "max_tokens")
+
+
+def call_settings(base: SessionSettings, custom: dict[str, str]) -> SessionSettings:
+    """Session settings with the call's customParameters applied (other keys ignored).
+
+    The voice is checked by the session against the voices the server loaded."""
+    data = base.model_dump()
+    data.update({k: v for k, v in custom.items() if k in CALL_FIELDS and v != ""})
+    try:
+        return SessionSettings.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise BadMessage(f"customParameters.{'.'.join(map(str, err['loc']))}: {err['msg']}", code="invalid_value") from None
+
+
+# ----------------------------------------------------------------------- TwiML
+def stream_url(public_url: str | None, headers: dict[str, str], scheme: str, host: str) -> str:
+    """wss://HOST/twilio for the TwiML, behind a proxy (X-Forwarded-*) or not."""
+    if public_url:
+        return public_url.rstrip("/") + "/twilio"
+    proto = headers.get("x-forwarded-proto", scheme).split(",")[0].strip().lower()
+    fwd = headers.get("x-forwarded-host", "").split(",")[0].strip()
+    return f"{'wss' if proto in ('https', 'wss') else 'ws'}://{fwd or host}/twilio"
+
+
+def _attr(value: str) -> str:
+    return '"' + escape(value, {'"': "&quot;", "\n": "&#10;"}) + '"'
+
+
+def twiml_connect(url: str, params: dict[str, str]) -> str:
+    """<Connect><Stream>: a bidirectional stream; the call ends when the socket closes."""
+    lines = [f"<Parameter name={_attr(k)} value={_attr(v)}/>" for k, v in params.items()]
+    return (
+        '<?xml version="1.0" encoding="UTF-8"?>'
+        f"<Response><Connect><Stream url={_attr(url)}>{''.join(lines)}</Stream></Connect></Response>"
+    )
