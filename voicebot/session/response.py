@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from voicebot.audio import resample
 from voicebot.engines.llm import GenerationStats, Lane, LlmEngine
 from voicebot.engines.tts import TtsEngine
 from voicebot.session.clauses import ClauseChunker
@@ -53,6 +54,7 @@ class Response:
         first_clause_words: int,
         max_clause_words: int,
         gated: bool,
+        output_rate: int | None = None,
     ) -> None:
         self.id = response_id
         self.item_id = item_id
@@ -63,7 +65,11 @@ class Response:
         self._speed = speed
         self._max_tokens = max_tokens
         self._chunker = ClauseChunker(first_clause_words, max_clause_words)
-        self.playout = Playout(tts.sample_rate)
+        # Each synthesised sentence is resampled once, whole, to the rate the transport
+        # sends: a streaming resampler here would release audio in uneven blocks and
+        # the pacer could not send exact 20 ms frames.
+        self._tts_rate = tts.sample_rate
+        self.playout = Playout(output_rate or tts.sample_rate)
         self.stats = GenerationStats(request_id=response_id, lane=Lane.INTERACTIVE)
         self.times = ResponseTimes()
         self.released = asyncio.Event()
@@ -131,7 +137,10 @@ class Response:
                     if self.times.first_audio is None:
                         self.times.first_audio = time.monotonic()
                     await self._wait_for_room()
-                    self.playout.add(np.asarray(chunk, dtype=np.float32))
+                    audio = np.asarray(chunk, dtype=np.float32)
+                    if self.playout.sample_rate != self._tts_rate:
+                        audio = resample(audio, self._tts_rate, self.playout.sample_rate)
+                    self.playout.add(audio)
             self.playout.end_clause(clause)
 
     async def _wait_for_room(self) -> None:

@@ -447,6 +447,7 @@ class Session:
             first_clause_words=self.cfg.session.first_clause_words,
             max_clause_words=self.cfg.session.max_clause_words,
             gated=gated,
+            output_rate=s.output_sample_rate,
         )
         self._response = resp
         self._response_turn = turn

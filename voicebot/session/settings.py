@@ -19,6 +19,9 @@ class SessionSettings(BaseModel):
     create_response: bool = Field(True, description="Reply automatically when a turn ends.")
     interrupt_response: bool = Field(True, description="Speech over the reply interrupts it.")
     max_tokens: int = Field(160, ge=1, le=4096, description="Longest reply, in tokens.")
+    output_sample_rate: int | None = Field(
+        None, ge=8000, le=48_000, description="Rate of reply audio events (None: the TTS engine's own rate)."
+    )
 
     @classmethod
     def from_config(cls, cfg: Config) -> SessionSettings:

@@ -162,8 +162,9 @@ def endpoint(state: ServerState):  # type: ignore[no-untyped-def]
             state.check_auth(ws.headers.get("authorization"), ws.query_params.get("token"))
             start = await _read_start(ws)
             settings = settings_from_start(state.default_settings(), start)
+            out_rate = start.output_sample_rate or state.cfg.session.output_sample_rate
+            settings.output_sample_rate = out_rate
             async with state.open_session("native", settings) as session:
-                out_rate = start.output_sample_rate or state.cfg.session.output_sample_rate
                 await ws.send_json(
                     {
                         "type": "session.started",
