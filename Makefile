@@ -31,10 +31,11 @@ $(STAMP): pyproject.toml constraints/cpu.txt
 	rm -f $(VENV)/.installed-*
 	touch $@
 
-# Debian packages: espeak-ng (TTS engine). Installed only if missing.
+# Debian packages: espeak-ng (TTS engine), chromium (browser tests). Installed only if missing.
 system-deps:
 	@missing=""; \
 	command -v espeak-ng >/dev/null || missing="$$missing espeak-ng"; \
+	command -v chromium >/dev/null || missing="$$missing chromium"; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing system packages:$$missing"; \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \

@@ -20,17 +20,15 @@ from typing import Any
 import jiwer
 import numpy as np
 import pytest
-import uvicorn
 import websockets
 from openai import AsyncOpenAI
+from servers import running_server
 from speech import Clip
 
 from voicebot.audio import dbfs, float_to_pcm16, pcm16_to_float, resample
 from voicebot.config import ModelsConfig, load_config
-from voicebot.engines import load_engines
 from voicebot.probe.client import ProbeConfig, run_level
 from voicebot.probe.clips import load_clip
-from voicebot.server.app import create_app
 from voicebot.server.state import ServerState
 from voicebot.session import events as se
 from voicebot.session.settings import SessionSettings
@@ -239,22 +237,8 @@ async def server(models_config: ModelsConfig) -> AsyncIterator[Running]:
         f"server.api_key={KEY}",
         "server.max_message_bytes=262144",
     ])
-    state = ServerState(cfg)
-    state.engines = await load_engines(cfg)
-    app = create_app(cfg, load=False, state=state)
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, ws="websockets",
-                                        lifespan="on", log_level="warning"))
-    task = asyncio.create_task(srv.serve())
-    try:
-        async with asyncio.timeout(60):
-            while not srv.started:
-                if task.done():
-                    task.result()
-                await asyncio.sleep(0.05)
-        yield Running(state, srv.servers[0].sockets[0].getsockname()[1])
-    finally:
-        srv.should_exit = True
-        await task  # the lifespan closes the sessions and the engines
+    async with running_server(cfg) as running:
+        yield Running(running.state, running.port)
 
 
 @pytest.fixture(scope="module")

@@ -122,6 +122,7 @@ class ServerState:
                 "llm": e is not None,
                 "tts": e is not None,
             },
+            "voices": e.tts.voices() if e else [],
             "active_sessions": len(self.sessions),
             "capacity": self.cfg.server.max_sessions,
             "uptime_s": round(time.monotonic() - self.started_at, 1),
