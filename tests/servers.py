@@ -38,7 +38,13 @@ async def running_server(cfg: Config, state: ServerState | None = None) -> Async
     state = state or ServerState(cfg)
     if state.engines is None:
         state.engines = await load_engines(cfg)
-    app = create_app(cfg, load=False, state=state)
+    try:
+        app = create_app(cfg, load=False, state=state)
+    except BaseException:
+        # Nothing will run the lifespan that would close them: no engine process may
+        # outlive a failed start.
+        await state.engines.aclose()
+        raise
     server = uvicorn.Server(
         uvicorn.Config(
             app,

@@ -12,6 +12,7 @@ Cancelling the consumer of :meth:`LlmEngine.generate` aborts the vLLM request.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import enum
 import itertools
@@ -71,12 +72,12 @@ class LlmEngine:
         self._engine: AsyncLLM | None = None
         self._tokenizer: Any = None
         self._ids = itertools.count()
-        # The background cap: a counter and an Event (not a Semaphore) so the limit can
-        # be tuned at run time and leaving never awaits. Per engine, never module level.
-        self.background_limit = max(cfg.background_concurrency, 1)
+        # The background cap: a FIFO of waiters, each handed a freed slot directly, so a
+        # task that resubmits at once cannot jump the queue (a bare Event let it take
+        # the slot back every time); the limit can be tuned at run time. Per engine.
+        self._background_limit = max(cfg.background_concurrency, 1)
         self._background_running = 0
-        self._background_freed = asyncio.Event()
-        self._background_waiting = 0
+        self._background_queue: collections.deque[asyncio.Future[None]] = collections.deque()
         self._running: dict[str, GenerationStats] = {}
         self.requests_total = 0
         self.prompt_tokens_total = 0
@@ -149,7 +150,17 @@ class LlmEngine:
 
     @property
     def background_waiting(self) -> int:
-        return self._background_waiting
+        return sum(1 for f in self._background_queue if not f.done())
+
+    @property
+    def background_limit(self) -> int:
+        return self._background_limit
+
+    @background_limit.setter
+    def background_limit(self, value: int) -> None:
+        self._background_limit = max(value, 1)
+        while self._background_running < self._background_limit and self._hand_over():
+            pass
 
     @property
     def background_running(self) -> int:
@@ -216,19 +227,37 @@ class LlmEngine:
                     yield delta
         finally:
             if lane is Lane.BACKGROUND:
-                self._background_running -= 1
-                self._background_freed.set()
+                self._leave_background()
 
     async def _enter_background(self) -> None:
-        self._background_waiting += 1
-        try:
-            # Single-threaded loop: nothing runs between the check and the increment.
-            while self._background_running >= self.background_limit:
-                self._background_freed.clear()
-                await self._background_freed.wait()
+        if self._background_running < self._background_limit and not self._background_queue:
             self._background_running += 1
-        finally:
-            self._background_waiting -= 1
+            return
+        slot: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._background_queue.append(slot)
+        try:
+            await slot
+        except asyncio.CancelledError:
+            if slot.done() and not slot.cancelled():
+                self._leave_background()  # handed a slot just as we were cancelled
+            else:
+                self._background_queue.remove(slot)
+            raise
+
+    def _hand_over(self) -> bool:
+        """Give a slot to the first live waiter; False if nobody waits."""
+        while self._background_queue:
+            slot = self._background_queue.popleft()
+            if not slot.done():
+                self._background_running += 1
+                slot.set_result(None)
+                return True
+        return False
+
+    def _leave_background(self) -> None:
+        self._background_running -= 1
+        if self._background_running < self._background_limit:
+            self._hand_over()
 
     async def _stream(
         self,

@@ -1,0 +1,600 @@
+"""LLM-stage load benchmark: our ``LlmEngine`` under a voice-shaped load, on a GPU.
+
+    python benchmarks/llm_load.py --model-dir DIR --sessions 64 256 --duration-s 30 --json OUT
+
+What it drives is the server's own code: ``voicebot.engines.llm.LlmEngine`` (lanes,
+background cap) built from the ``llm`` section of ``--config`` (configs/gpu.yaml by
+default) with ``load_format="dummy"`` (a config.json of the real model's shape is
+enough: speed does not depend on the weights), and one
+``voicebot.session.history.Conversation`` per simulated session, so every turn's
+prompt extends the last and the prefix cache can hit.
+
+Each session: the shared system prompt (~``--system-tokens``), then turns of a
+~``--user-tokens`` utterance and a reply of exactly ``--reply-tokens`` tokens in the
+INTERACTIVE lane, then ``--think-s`` of think time. Measured per turn: TTFT and TT10
+(time to the 10th token, a first spoken clause), both from the call of
+``LlmEngine.generate``; cached/prompt tokens; the time to build the prompt.
+
+Scenarios, each bounded by ``--duration-s`` (turns in flight at the end finish):
+  interactive  for each N in ``--sessions``: N sessions alone.
+  background   ``--bg-sessions`` sessions plus ``--bg-requests`` workers that keep long
+               BACKGROUND requests (``--bg-prompt-tokens`` unique prompt tokens,
+               ``--bg-reply-tokens`` generated) outstanding, once per cap in
+               ``--bg-caps`` (the lane's concurrency cap; 0 = uncapped).
+
+Prints a table at the end and writes JSON (rewritten after every scenario). Needs a
+CUDA GPU with vLLM; stops by itself (``--max-wall-s`` is a hard stop as well).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import logging
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from voicebot.config import LlmConfig, load_config  # noqa: E402  (pydantic, pyyaml)
+from voicebot.session.history import Conversation  # noqa: E402  (no dependencies)
+
+
+def _load_llm_module() -> Any:
+    """``voicebot.engines.llm`` without ``voicebot/engines/__init__.py``.
+
+    The package's ``__init__`` imports the ASR, TTS and VAD engines (faster-whisper,
+    piper, onnxruntime ...), which a GPU machine that only runs this benchmark lacks.
+    llm.py itself needs only voicebot.config and voicebot.errors.
+    """
+    name = "voicebot.engines.llm"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, ROOT / "voicebot" / "engines" / "llm.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+_llm = _load_llm_module()
+LlmEngine = _llm.LlmEngine
+Lane = _llm.Lane
+GenerationStats = _llm.GenerationStats
+
+log = logging.getLogger("llm_load")
+
+SYSTEM_PARAGRAPHS = [
+    "You are Ava, the voice assistant of Northline Rail, a regional train operator. You speak "
+    "with travellers on the phone and in the app. Answer in one or two short spoken sentences; "
+    "never use lists, markdown, emoji or abbreviations a speech synthesiser would stumble over.",
+    "You can help with timetables, platform changes, delays and cancellations, ticket types and "
+    "prices, season tickets, railcards, refunds and delay compensation, seat reservations, "
+    "bicycles on trains, assistance for travellers with reduced mobility, lost property, and "
+    "station facilities such as parking, lifts, toilets and ticket machines.",
+    "When a traveller asks about a specific train, ask for the departure station, the "
+    "destination and the approximate time if they have not given them. Read times in the "
+    "twelve-hour clock with morning or evening, and read platform numbers as words.",
+    "Delay compensation: delays of fifteen to twenty-nine minutes earn a quarter of the single "
+    "fare back, thirty to fifty-nine minutes half, and an hour or more the full fare. Claims "
+    "must be made within twenty-eight days through the website or the app, with the ticket.",
+    "Refunds on unused advance tickets are not possible, but they can be changed before the "
+    "departure of the booked train for a fee of ten pounds plus any difference in fare. Anytime "
+    "and off-peak tickets can be refunded minus a ten pound administration fee.",
+    "Bicycles: folding bicycles travel free at any time. Full-size bicycles need a free "
+    "reservation on intercity services and are not allowed on local trains arriving in the city "
+    "between seven and half past nine in the morning or leaving between four and seven.",
+    "Assistance: travellers who need help boarding should book at least two hours ahead, "
+    "although staff will always try to help without a booking. Ramps are available at every "
+    "staffed station. Tell the traveller the number to call if they want to speak to a person.",
+    "If you do not know an answer, say so briefly and offer to connect the caller to a member of "
+    "staff. Never invent train times. Keep a calm, warm tone, especially with upset travellers, "
+    "and do not repeat the question back to the caller before answering it.",
+]
+
+WORDS = (
+    "when does the next train to the city leave from platform two and is it running late today "
+    "i need a ticket for tomorrow morning can i bring my bike on the eight fifteen service how much "
+    "is a return to the airport with a railcard my train was cancelled yesterday evening what can "
+    "i claim back is there a lift at the central station could you check whether the coast line is "
+    "open again after the storm i left my bag on the seven forty from the harbour where do i ask "
+    "please tell me the quickest way to get to the university by rail on sunday afternoon thanks"
+).split()
+
+
+def build_system_prompt(tok: Any, target_tokens: int) -> str:
+    parts: list[str] = []
+    i = 0
+    while len(tok.encode(" ".join(parts), add_special_tokens=False)) < target_tokens:
+        parts.append(SYSTEM_PARAGRAPHS[i % len(SYSTEM_PARAGRAPHS)])
+        i += 1
+    text = " ".join(parts)
+    ids = tok.encode(text, add_special_tokens=False)
+    return tok.decode(ids[:target_tokens]).strip()
+
+
+def build_utterances(tok: Any, n: int, target_tokens: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    out: list[str] = []
+    for _ in range(n):
+        words: list[str] = []
+        while True:
+            words.append(rng.choice(WORDS))
+            text = " ".join(words)
+            if len(tok.encode(text, add_special_tokens=False)) >= target_tokens:
+                break
+        out.append(text[0].upper() + text[1:] + "?")
+    return out
+
+
+# --------------------------------------------------------------------------- stats
+def pct(values: list[float], p: float) -> float | None:
+    if not values:
+        return None
+    v = sorted(values)
+    k = (len(v) - 1) * p / 100.0
+    lo = int(k)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (k - lo)
+
+
+def summarise(values_s: list[float]) -> dict[str, Any]:
+    ms = [x * 1000.0 for x in values_s]
+    if not ms:
+        return {"n": 0}
+    return {
+        "n": len(ms),
+        "p50": round(pct(ms, 50), 1),
+        "p95": round(pct(ms, 95), 1),
+        "p99": round(pct(ms, 99), 1),
+        "mean": round(sum(ms) / len(ms), 1),
+        "max": round(max(ms), 1),
+    }
+
+
+@dataclass
+class Turn:
+    session: int
+    index: int
+    started: float  # since the scenario's start, s
+    ttft: float | None
+    tt10: float | None
+    total: float
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    build_s: float
+
+
+@dataclass
+class BgRequest:
+    worker: int
+    started: float
+    waited: float  # in our lane queue, before vLLM saw it
+    ttft: float | None
+    total: float
+    output_tokens: int
+
+
+class Scenario:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.turns: list[Turn] = []
+        self.bg: list[BgRequest] = []
+        self.errors: list[str] = []
+
+
+# ------------------------------------------------------------------------ workload
+async def session_loop(
+    engine: Any,
+    conv: Conversation,
+    sid: int,
+    utterances: list[str],
+    args: argparse.Namespace,
+    sc: Scenario,
+    t_start: float,
+    t_end: float,
+    rng: random.Random,
+) -> None:
+    await asyncio.sleep(rng.uniform(0.0, args.think_s[1]))  # stagger the first turns
+    index = 0
+    while time.monotonic() < t_end:
+        user = utterances[rng.randrange(len(utterances))]
+        b0 = time.perf_counter()
+        prompt = conv.prompt_ids(user)
+        build = time.perf_counter() - b0
+        st = GenerationStats(request_id="", lane=Lane.INTERACTIVE)
+        first = tenth = None
+        n = 0
+        parts: list[str] = []
+        t0 = time.monotonic()
+        try:
+            async for delta in engine.generate(
+                prompt,
+                lane=Lane.INTERACTIVE,
+                max_tokens=args.reply_tokens,
+                min_tokens=args.reply_tokens,  # dummy weights: no early EOS, fixed reply length
+                stats=st,
+            ):
+                now = time.monotonic()
+                n += delta.token_count
+                if first is None and n >= 1:
+                    first = now - t0
+                if tenth is None and n >= 10:
+                    tenth = now - t0
+                parts.append(delta.text)
+        except Exception as exc:  # noqa: BLE001 - record and go on
+            sc.errors.append(f"session {sid}: {type(exc).__name__}: {exc}")
+            return
+        sc.turns.append(
+            Turn(sid, index, t0 - t_start, first, tenth, time.monotonic() - t0,
+                 st.prompt_tokens, st.cached_tokens, n, build)
+        )
+        b0 = time.perf_counter()
+        conv.append("user", user)
+        conv.append("assistant", "".join(parts))  # what the model said, as a session does
+        if conv.over_budget():
+            conv.trim()
+        sc.turns[-1].build_s += time.perf_counter() - b0
+        index += 1
+        think = rng.uniform(*args.think_s)
+        if time.monotonic() + think >= t_end:
+            return  # the next turn would start after the end: stop now, not after the pause
+        await asyncio.sleep(think)
+
+
+async def background_loop(
+    engine: Any, wid: int, args: argparse.Namespace, sc: Scenario, t_start: float, t_end: float,
+    rng: random.Random,
+) -> None:
+    await asyncio.sleep(rng.uniform(0.0, args.bg_start_spread_s))
+    while time.monotonic() < t_end:
+        # Unique random ids (no special tokens): every background prompt is a cache miss.
+        prompt = [rng.randrange(0, 151_000) for _ in range(args.bg_prompt_tokens)]
+        st = GenerationStats(request_id="", lane=Lane.BACKGROUND)
+        t0 = time.monotonic()
+        n = 0
+        try:
+            async for delta in engine.generate(
+                prompt,
+                lane=Lane.BACKGROUND,
+                max_tokens=args.bg_reply_tokens,
+                min_tokens=args.bg_reply_tokens,
+                stats=st,
+            ):
+                n += delta.token_count
+        except Exception as exc:  # noqa: BLE001
+            sc.errors.append(f"background {wid}: {type(exc).__name__}: {exc}")
+            return
+        sc.bg.append(
+            BgRequest(wid, t0 - t_start, st.submitted_at - t0, st.ttft_s, time.monotonic() - t0, n)
+        )
+        if args.bg_pause_s[1] > 0:
+            await asyncio.sleep(rng.uniform(*args.bg_pause_s))
+
+
+async def run_scenario(
+    engine: Any,
+    tok: Any,
+    system_prompt: str,
+    utterances: list[str],
+    args: argparse.Namespace,
+    name: str,
+    sessions: int,
+    bg_workers: int = 0,
+    bg_cap: int | None = None,
+) -> dict[str, Any]:
+    sc = Scenario(name)
+    budget = args.history_tokens
+    convs = [Conversation(tok, system_prompt, budget, args.reply_tokens) for _ in range(sessions)]
+    saved_cap = engine.background_limit
+    if bg_cap is not None:
+        engine.background_limit = bg_cap if bg_cap > 0 else 1_000_000
+    p0, c0, r0 = engine.prompt_tokens_total, engine.cached_tokens_total, engine.requests_total
+    t_start = time.monotonic()
+    t_end = t_start + args.duration_s
+    base = random.Random(f"{args.seed}-{name}")
+    tasks = [
+        asyncio.create_task(session_loop(engine, convs[i], i, utterances, args, sc, t_start, t_end,
+                                         random.Random(base.random())))
+        for i in range(sessions)
+    ]
+    tasks += [
+        asyncio.create_task(background_loop(engine, w, args, sc, t_start, t_end, random.Random(base.random())))
+        for w in range(bg_workers)
+    ]
+    # Background peak of our lane, sampled while it runs.
+    peak = {"bg_running": 0, "bg_waiting": 0, "running": 0}
+
+    async def sample() -> None:
+        while True:
+            peak["bg_running"] = max(peak["bg_running"], engine.background_running)
+            peak["bg_waiting"] = max(peak["bg_waiting"], engine.background_waiting)
+            peak["running"] = max(peak["running"], engine.running)
+            await asyncio.sleep(0.05)
+
+    # Event-loop lag: how late a 5 ms sleep wakes up. TTFT is read on this loop, so a
+    # busy loop (output processing, prompt building) shows up in TTFT as well.
+    lags: list[float] = []
+
+    async def lag_probe() -> None:
+        while True:
+            a = time.monotonic()
+            await asyncio.sleep(0.005)
+            lags.append(time.monotonic() - a - 0.005)
+
+    sampler = asyncio.create_task(sample())
+    prober = asyncio.create_task(lag_probe())
+    cpu0 = os.times()
+    # Sessions finish the turn in flight at t_end (background load goes on meanwhile);
+    # then the background requests still queued or running are cut (the abort path).
+    _, late = await asyncio.wait(tasks[:sessions], timeout=args.duration_s + args.drain_s)
+    pending = [t for t in tasks if not t.done()]
+    for t in pending:
+        t.cancel()
+    if pending:
+        await asyncio.gather(*pending, return_exceptions=True)
+    sampler.cancel()
+    prober.cancel()
+    cpu1 = os.times()
+    wall = time.monotonic() - t_start
+    engine.background_limit = saved_cap
+
+    measured = [t for t in sc.turns if t.started >= args.warmup_s]
+    ttft = [t.ttft for t in measured if t.ttft is not None]
+    tt10 = [t.tt10 for t in measured if t.tt10 is not None]
+    prompt_tok = sum(t.prompt_tokens for t in measured)
+    cached_tok = sum(t.cached_tokens for t in measured)
+    dp, dc = engine.prompt_tokens_total - p0, engine.cached_tokens_total - c0
+    out_tok = sum(t.output_tokens for t in sc.turns) + sum(b.output_tokens for b in sc.bg)
+    res: dict[str, Any] = {
+        "name": name,
+        "sessions": sessions,
+        "duration_s": args.duration_s,
+        "wall_s": round(wall, 2),
+        "turns": len(sc.turns),
+        "turns_measured": len(measured),
+        "ttft_ms": summarise(ttft),
+        "tt10_ms": summarise(tt10),
+        "turn_total_ms": summarise([t.total for t in measured]),
+        "prompt_build_ms": summarise([t.build_s for t in measured]),
+        "prompt_tokens_mean": round(prompt_tok / len(measured), 1) if measured else None,
+        "interactive_cache_hit": round(cached_tok / prompt_tok, 4) if prompt_tok else None,
+        "engine_cache_hit": round(dc / dp, 4) if dp else None,
+        "engine_requests": engine.requests_total - r0,
+        "turns_per_s": round(len(sc.turns) / args.duration_s, 2),
+        "output_tokens_per_s": round(out_tok / wall, 1),
+        "short_replies": sum(1 for t in sc.turns if t.output_tokens != args.reply_tokens),
+        "peak": peak,
+        "loop_lag_ms": summarise(lags),
+        # CPU seconds per wall second of this (the API) process, all its threads; the
+        # engine core is a separate process.
+        "api_process_cpu": round((cpu1.user - cpu0.user + cpu1.system - cpu0.system) / wall, 2),
+        "errors": sc.errors[:20],
+        "n_errors": len(sc.errors),
+        "sessions_cut": len(late),
+        # Every turn: [start s, TTFT ms, TT10 ms, prompt tokens, cached tokens] (time series).
+        "raw_turns": [[round(t.started, 3), round((t.ttft or 0) * 1000, 1), round((t.tt10 or 0) * 1000, 1),
+                       t.prompt_tokens, t.cached_tokens] for t in sc.turns],
+    }
+    if bg_workers:
+        res["background"] = {
+            "workers": bg_workers,
+            "cap": bg_cap,
+            "prompt_tokens": args.bg_prompt_tokens,
+            "reply_tokens": args.bg_reply_tokens,
+            "completed": len(sc.bg),
+            # The lane cap's fairness: how many workers ever got a slot, and the spread.
+            "workers_served": len({b.worker for b in sc.bg}),
+            "per_worker_max": max((sum(1 for b in sc.bg if b.worker == w) for w in range(bg_workers)), default=0),
+            "cut_at_end": len(pending) - len(late),
+            "lane_wait_ms": summarise([b.waited for b in sc.bg]),
+            "ttft_ms": summarise([b.ttft for b in sc.bg if b.ttft is not None]),
+            "total_ms": summarise([b.total for b in sc.bg]),
+            "tokens_per_s": round(sum(b.output_tokens for b in sc.bg) / wall, 1),
+            "start_spread_s": args.bg_start_spread_s,
+            "pause_s": args.bg_pause_s,
+            "raw": [[b.worker, round(b.started, 3), round(b.waited * 1000, 1), round((b.ttft or 0) * 1000, 1),
+                     round(b.total * 1000, 1)] for b in sc.bg],
+        }
+    return res
+
+
+# ----------------------------------------------------------------------------- main
+def device_name() -> str:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=20,
+        )
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def versions() -> dict[str, str]:
+    v: dict[str, str] = {"python": sys.version.split()[0]}
+    for mod in ("vllm", "torch", "transformers", "flashinfer"):
+        try:
+            v[mod] = str(__import__(mod).__version__)
+        except Exception:  # noqa: BLE001
+            v[mod] = "n/a"
+    return v
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    head = (f"{'scenario':<26}{'sess':>5}{'turns':>7}{'TTFT p50/p95/p99 ms':>24}"
+            f"{'TT10 p50/p95 ms':>18}{'hit %':>8}{'bg done':>9}")
+    lines = [head, "-" * len(head)]
+    for r in results:
+        f, t = r["ttft_ms"], r["tt10_ms"]
+        ttft = f"{f.get('p50')}/{f.get('p95')}/{f.get('p99')}"
+        tt10 = f"{t.get('p50')}/{t.get('p95')}"
+        hit = r["interactive_cache_hit"]
+        bg = r.get("background", {}).get("completed", "")
+        lines.append(f"{r['name']:<26}{r['sessions']:>5}{r['turns_measured']:>7}{ttft:>24}{tt10:>18}"
+                     f"{(hit or 0) * 100:>8.1f}{bg!s:>9}")
+    return "\n".join(lines)
+
+
+async def amain(args: argparse.Namespace) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    full = load_config(args.config)
+    overrides = dict(kv.split("=", 1) for kv in args.llm_set)
+    cfg = LlmConfig(**{**full.llm.model_dump(), "model": str(args.model_dir), "tokenizer": None,
+                       "load_format": args.load_format, **overrides})
+    if args.background_concurrency is not None:
+        cfg.background_concurrency = args.background_concurrency
+    args.history_tokens = args.history_tokens or full.session.history_tokens
+
+    tok = AutoTokenizer.from_pretrained(str(args.model_dir))
+    system_prompt = build_system_prompt(tok, args.system_tokens)
+    utterances = build_utterances(tok, 2048, args.user_tokens, args.seed)
+    probe = Conversation(tok, system_prompt, args.history_tokens, args.reply_tokens)
+    report: dict[str, Any] = {
+        "device": device_name(),
+        "versions": versions(),
+        "model_dir": str(args.model_dir),
+        "model_config": json.loads((Path(args.model_dir) / "config.json").read_text()),
+        "llm_config": cfg.model_dump(),
+        "llm_overrides": overrides,
+        "workload": {
+            "system_prompt_tokens": len(tok.encode(system_prompt, add_special_tokens=False)),
+            "first_prompt_tokens": len(probe.prompt_ids(utterances[0])),
+            "user_tokens_mean": round(sum(len(tok.encode(u, add_special_tokens=False))
+                                          for u in utterances[:256]) / 256, 1),
+            "reply_tokens": args.reply_tokens,
+            "think_s": args.think_s,
+            "duration_s": args.duration_s,
+            "warmup_s": args.warmup_s,
+            "history_tokens": args.history_tokens,
+        },
+        "argv": sys.argv,
+        "scenarios": [],
+    }
+
+    def dump() -> None:
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(report, indent=2, default=str))
+
+    engine = LlmEngine(cfg, str(args.model_dir))
+    t0 = time.monotonic()
+    await engine.start()
+    report["engine_start_s"] = round(time.monotonic() - t0, 1)
+    print(f"[llm_load] engine up in {report['engine_start_s']} s on {report['device']}", flush=True)
+    dump()
+    try:
+        # Warm-up: a short burst at several batch sizes, not measured.
+        for batch in (1, 16, 64):
+            conv = Conversation(tok, system_prompt, args.history_tokens, args.reply_tokens)
+            await asyncio.gather(*[
+                engine.complete(conv.prompt_ids(utterances[i]), max_tokens=args.reply_tokens,
+                                min_tokens=args.reply_tokens)
+                for i in range(batch)
+            ])
+        print("[llm_load] warm-up done", flush=True)
+
+        for n in args.sessions:
+            res = await run_scenario(engine, tok, system_prompt, utterances, args, f"interactive-{n}", n)
+            report["scenarios"].append(res)
+            dump()
+            print(f"[llm_load] {res['name']}: TTFT {res['ttft_ms']} TT10 {res['tt10_ms']} "
+                  f"hit {res['interactive_cache_hit']} errors {res['n_errors']}", flush=True)
+        if args.bg_requests > 0:
+            for cap in args.bg_caps:
+                label = f"bg{args.bg_requests}-cap{cap if cap > 0 else 'off'}"
+                res = await run_scenario(engine, tok, system_prompt, utterances, args,
+                                         f"{label}-{args.bg_sessions}", args.bg_sessions,
+                                         bg_workers=args.bg_requests, bg_cap=cap)
+                report["scenarios"].append(res)
+                dump()
+                print(f"[llm_load] {res['name']}: TTFT {res['ttft_ms']} TT10 {res['tt10_ms']} "
+                      f"bg {res['background']['completed']} done, peak {res['peak']}", flush=True)
+        report["engine_cache_hit_ratio_total"] = round(engine.cache_hit_ratio, 4)
+        report["unfinished_after"] = engine.unfinished_requests()
+        dump()
+    finally:
+        await engine.aclose()
+    return report
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-dir", required=True, type=Path, help="config.json + tokenizer (weights not needed with dummy)")
+    p.add_argument("--config", default=str(ROOT / "configs" / "gpu.yaml"), help="YAML whose llm section is used")
+    p.add_argument("--load-format", default="dummy")
+    p.add_argument("--sessions", type=int, nargs="+", default=[64, 256])
+    p.add_argument("--duration-s", type=float, default=30.0)
+    p.add_argument("--warmup-s", type=float, default=2.0, help="turns that start earlier are not counted")
+    p.add_argument("--drain-s", type=float, default=30.0, help="wait this long for turns in flight at the end")
+    p.add_argument("--system-tokens", type=int, default=400)
+    p.add_argument("--user-tokens", type=int, default=20)
+    p.add_argument("--reply-tokens", type=int, default=48)
+    p.add_argument("--think-s", type=float, nargs=2, default=[2.0, 4.0])
+    p.add_argument("--history-tokens", type=int, default=None, help="default: the config's session.history_tokens")
+    p.add_argument("--bg-sessions", type=int, default=64, help="interactive sessions in the background scenarios")
+    p.add_argument("--bg-requests", type=int, default=64, help="background requests kept outstanding (0: skip)")
+    p.add_argument("--bg-caps", type=int, nargs="+", default=[32], help="background lane caps to run (0 = uncapped)")
+    p.add_argument("--bg-prompt-tokens", type=int, default=2048)
+    p.add_argument("--bg-reply-tokens", type=int, default=512)
+    p.add_argument("--bg-start-spread-s", type=float, default=0.0, help="background workers start within this window")
+    p.add_argument("--bg-pause-s", type=float, nargs=2, default=[0.0, 0.0], help="pause between a worker's requests")
+    p.add_argument("--llm-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one field of the llm section (e.g. max_num_batched_tokens=2048)")
+    p.add_argument("--background-concurrency", type=int, default=None, help="override the config's cap")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None)
+    p.add_argument("--max-wall-s", type=float, default=570.0, help="hard stop for the whole run")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+    def hard_stop() -> None:
+        print(f"[llm_load] --max-wall-s {args.max_wall_s} reached: exiting", file=sys.stderr, flush=True)
+        os._exit(3)
+
+    timer = threading.Timer(args.max_wall_s, hard_stop)
+    timer.daemon = True
+    timer.start()
+    report = asyncio.run(amain(args))
+    timer.cancel()
+    print()
+    print(f"device: {report['device']}  versions: {report['versions']}  engine start: {report['engine_start_s']} s")
+    print(f"workload: {report['workload']}")
+    for r in report["scenarios"]:
+        if "background" in r:
+            b = r["background"]
+            print(f"{r['name']}: background completed {b['completed']}, {b['tokens_per_s']} tok/s, "
+                  f"lane wait p50/max {b['lane_wait_ms'].get('p50')}/{b['lane_wait_ms'].get('max')} ms, "
+                  f"workers served {b['workers_served']}/{b['workers']}, peak {r['peak']}")
+        print(f"{r['name']}: prompt build p50/p95 {r['prompt_build_ms'].get('p50')}/"
+              f"{r['prompt_build_ms'].get('p95')} ms, prompt mean {r['prompt_tokens_mean']} tok, "
+              f"short replies {r['short_replies']}, errors {r['n_errors']}, loop lag p50/p99/max "
+              f"{r['loop_lag_ms'].get('p50')}/{r['loop_lag_ms'].get('p99')}/{r['loop_lag_ms'].get('max')} ms, "
+              f"API process CPU {r['api_process_cpu']}")
+    print(table(report["scenarios"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""The background lane's cap, without an engine: admission order and cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+
+from voicebot.config import LlmConfig
+from voicebot.engines.llm import LlmEngine
+
+
+def engine(limit: int) -> LlmEngine:
+    return LlmEngine(LlmConfig(background_concurrency=limit), model_path="unused")
+
+
+async def test_freed_slots_go_to_waiters_in_arrival_order() -> None:
+    e = engine(1)
+    order: list[int] = []
+
+    async def worker(i: int, rounds: int) -> None:
+        for _ in range(rounds):
+            await e._enter_background()
+            order.append(i)
+            await asyncio.sleep(0)
+            e._leave_background()  # and straight back in line: must not jump the queue
+
+    await asyncio.gather(*(worker(i, 3) for i in range(4)))
+    assert order == [0, 1, 2, 3] * 3
+    assert e.background_running == 0 and e.background_waiting == 0
+
+
+async def test_cancelled_waiter_leaves_the_queue_and_no_slot_leaks() -> None:
+    e = engine(1)
+    await e._enter_background()
+    waiter = asyncio.create_task(e._enter_background())
+    await asyncio.sleep(0)
+    assert e.background_waiting == 1
+    waiter.cancel()
+    await asyncio.wait([waiter])
+    assert e.background_waiting == 0
+    e._leave_background()
+    assert e.background_running == 0
+
+
+async def test_raising_the_limit_admits_waiters() -> None:
+    e = engine(1)
+    await e._enter_background()
+    waiters = [asyncio.create_task(e._enter_background()) for _ in range(3)]
+    await asyncio.sleep(0)
+    e.background_limit = 3
+    await asyncio.sleep(0)
+    assert sum(w.done() for w in waiters) == 2 and e.background_running == 3
+    for w in waiters:
+        w.cancel()
+    await asyncio.wait(waiters)
