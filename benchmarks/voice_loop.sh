@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Voice-to-voice benchmark of the whole pipeline: start the server on a config, probe it
+# at several concurrency levels with real recorded speech, stop the server.
+#
+#   benchmarks/voice_loop.sh [CONFIG] [OUT_DIR] [extra probe args...]
+#   e.g. benchmarks/voice_loop.sh configs/default.yaml artifacts/v2v --sessions 1 2 4 --turns 3
+#
+# Audio: every WAV in ../shared/audio (jfk.wav included) unless AUDIO is set.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+CONFIG=${1:-configs/default.yaml}; OUT=${2:-artifacts/v2v}; shift $(( $# > 2 ? 2 : $# ))
+PORT=${PORT:-8090}
+AUDIO=${AUDIO:-$(ls ../shared/audio/*.wav)}
+mkdir -p "$OUT"
+.venv/bin/voicebot serve --config "$CONFIG" --port "$PORT" > "$OUT/server.log" 2>&1 &
+SERVER=$!
+trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true' EXIT
+for _ in $(seq 1 180); do
+  curl -sf "http://127.0.0.1:$PORT/healthz" >/dev/null && break
+  kill -0 $SERVER 2>/dev/null || { echo "server died; see $OUT/server.log"; exit 1; }
+  sleep 1
+done
+# shellcheck disable=SC2086
+.venv/bin/voicebot probe --url "ws://127.0.0.1:$PORT/ws" --audio $AUDIO \
+  --json "$OUT/probe.json" --plot "$OUT/probe.png" --timeout-s 60 "$@"
+curl -s "http://127.0.0.1:$PORT/metrics" > "$OUT/metrics.txt"
