@@ -62,9 +62,10 @@ class ProbeConfig:
 async def check_reachable(url: str, timeout_s: float) -> None:
     """Fail fast, with one clear message, when nothing listens at ``url``."""
     parts = urlsplit(url)
-    if parts.scheme not in ("ws", "wss") or not parts.hostname:
-        raise VoicebotError(f"--url must be ws:// or wss://, got {url!r}", code="invalid_config")
-    port = parts.port or (443 if parts.scheme == "wss" else 80)
+    # http(s): the WebRTC probe posts its SDP offer to an HTTP endpoint.
+    if parts.scheme not in ("ws", "wss", "http", "https") or not parts.hostname:
+        raise VoicebotError(f"--url must be ws(s):// or http(s)://, got {url!r}", code="invalid_config")
+    port = parts.port or (443 if parts.scheme in ("wss", "https") else 80)
     try:
         _, writer = await asyncio.wait_for(asyncio.open_connection(parts.hostname, port), timeout_s)
     except (OSError, TimeoutError) as exc:

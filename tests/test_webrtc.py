@@ -1,0 +1,311 @@
+"""WebRTC transport: real app, real engines, aiortc on loopback as the page.
+
+The client is the probe's WebRTCClient (a real aiortc peer: Opus mic track out, remote
+track in, Realtime events on "oai-events"), so these tests cover the probe as well.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import AsyncIterator
+
+import httpx
+import jiwer
+import numpy as np
+import pytest
+from aiortc import RTCConfiguration, RTCPeerConnection
+from servers import RunningServer, running_server
+from speech import Clip
+
+from voicebot.audio import dbfs, float_to_pcm16, pcm16_to_float
+from voicebot.config import ModelsConfig, load_config
+from voicebot.probe.base import Audio, ClientClosed, ConnectOptions, Event
+from voicebot.probe.webrtc import WebRTCClient
+from voicebot.transports import webrtc_call
+from voicebot.transports.webrtc_tracks import FRAME, RATE, ReplyTrack
+
+pytestmark = [pytest.mark.engines, pytest.mark.timeout(170)]
+
+_FRAME_16K = 320  # 20 ms at 16 kHz
+
+
+@pytest.fixture(scope="module")
+async def server(models_config: ModelsConfig) -> AsyncIterator[RunningServer]:
+    cfg = load_config(
+        "configs/test.yaml", [f"models.cache_dir={models_config.cache_dir}", "llm.max_tokens=12"]
+    )
+    async with running_server(cfg) as running:
+        yield running
+
+
+def _normalize(text: str) -> str:
+    return " ".join(re.sub(r"[^a-z0-9' ]", " ", text.lower().replace("-", " ")).split())
+
+
+class _Mouth:
+    """The page's microphone: a clip when asked, silence otherwise, in real time."""
+
+    def __init__(self, client: WebRTCClient) -> None:
+        self.client = client
+        self.frames: list[bytes] = []
+
+    def say(self, audio: np.ndarray) -> None:
+        padded = np.pad(audio, (0, -len(audio) % _FRAME_16K))
+        self.frames = [float_to_pcm16(f) for f in padded.reshape(-1, _FRAME_16K)]
+
+    async def run(self) -> None:
+        silence = bytes(2 * _FRAME_16K)
+        t0, k = time.monotonic(), 0
+        while True:
+            await self.client.send_audio(self.frames.pop(0) if self.frames else silence)
+            k += 1
+            await asyncio.sleep(max(0.0, t0 + k * 0.02 - time.monotonic()))
+
+
+async def _settled(server: RunningServer, deadline_s: float = 10.0) -> None:
+    """Wait until nothing of any call is left server-side."""
+    state = server.state
+    assert state.engines is not None
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if (
+            not state.sessions
+            and not state.peer_connections
+            and state.engines.llm.unfinished_requests() == 0
+        ):
+            break
+        await asyncio.sleep(0.05)
+    assert not state.sessions, list(state.sessions)
+    assert not state.peer_connections
+    assert state.engines.llm.unfinished_requests() == 0
+    names = [
+        t.get_name() for t in asyncio.all_tasks() if t.get_name().startswith(("webrtc-", "sess_"))
+    ]
+    assert not names, names
+
+
+async def test_voice_turn_and_barge_in_over_webrtc(
+    server: RunningServer, speech_clips: list[Clip]
+) -> None:
+    # 3.3 s ("he might even have been made amiable himself"), then 5.3 s over the reply
+    turn, barge = speech_clips[4], speech_clips[2]
+    # A longer reply than the suite's 12 tokens, so there is a reply to talk over.
+    client = WebRTCClient(ConnectOptions(url=server.http, start_fields={"max_output_tokens": 64}))
+    await client.connect()
+    assert client.call_path and client.call_path.startswith("/v1/realtime/calls/rtc_")
+    assert len(server.state.peer_connections) == 1
+    mouth = _Mouth(client)
+    speaker = asyncio.create_task(mouth.run())
+    transcript: str | None = None
+    types: list[str] = []
+    statuses: list[str] = []
+    loud_ms = 0.0
+    barged = False
+    cleared_at: float | None = None
+    loud_after_clear: list[float] = []
+    try:
+        mouth.say(turn.audio)
+        async with asyncio.timeout(60):
+            while cleared_at is None or time.monotonic() < cleared_at + 1.5:
+                item = await client.receive()
+                if isinstance(item, Event):
+                    types.append(item.data["type"])
+                    if item.data["type"] == "transcript.final" and item.data["text"]:
+                        transcript = transcript or item.data["text"]
+                    if item.data["type"] == "barge_in":
+                        cleared_at = item.t
+                    if item.data["type"] == "response.done":
+                        statuses.append(item.data["status"])
+                    continue
+                assert isinstance(item, Audio)
+                if transcript is None or dbfs(pcm16_to_float(item.pcm)) <= -40:
+                    continue
+                if cleared_at is not None:
+                    loud_after_clear.append(item.t - cleared_at)
+                    continue
+                loud_ms += 1000 * len(item.pcm) / 2 / client.output_rate
+                if loud_ms >= 300 and not barged:
+                    barged = True
+                    mouth.say(barge.audio)  # talk over the reply
+    finally:
+        speaker.cancel()
+        await client.close()
+    wer = jiwer.wer(_normalize(turn.text), _normalize(transcript or ""))
+    assert wer <= 0.25, (transcript, turn.text)
+    assert "output_audio_buffer.started" in client.seen
+    assert not any("audio.delta" in t for t in client.seen)  # audio goes on the media track
+    assert "output_audio_buffer.cleared" in client.seen
+    assert "interrupted" in statuses, (statuses, types)
+    # Flushed: what was queued is not played out after the barge-in (jitter buffer aside).
+    assert not [t for t in loud_after_clear if t > 0.3], loud_after_clear
+    await _settled(server)
+
+
+async def test_ephemeral_secret_with_auth_on(server: RunningServer) -> None:
+    state = server.state
+    state.cfg.server.api_key = "sk-test-key"
+    try:
+        async with httpx.AsyncClient(base_url=server.http, timeout=10) as http:
+            r = await http.post("/v1/realtime/client_secrets", json={})
+            assert r.status_code == 401
+            assert r.json()["error"]["code"] == "unauthorized"
+            r = await http.post(
+                "/v1/realtime/client_secrets",
+                headers={"Authorization": "Bearer sk-test-key"},
+                json={
+                    "expires_after": {"anchor": "created_at", "seconds": 60},
+                    "session": {"type": "realtime", "instructions": "Answer like a pirate."},
+                },
+            )
+            assert r.status_code == 200, r.text
+            secret = r.json()
+            assert secret["value"].startswith("ek_") and secret["expires_at"] > time.time() + 30
+            # The ephemeral secret cannot mint more secrets.
+            r = await http.post(
+                "/v1/realtime/client_secrets",
+                headers={"Authorization": f"Bearer {secret['value']}"},
+            )
+            assert r.status_code == 401
+            r = await http.post(
+                "/v1/realtime/calls", content="v=0\r\n", headers={"Content-Type": "application/sdp"}
+            )
+            assert r.status_code == 401 and r.json()["error"]["type"] == "invalid_request_error"
+
+        refused = WebRTCClient(ConnectOptions(url=server.http, token="ek_wrong"))
+        with pytest.raises(Exception, match="HTTP 401"):
+            await refused.connect()
+        await refused.close()
+
+        client = WebRTCClient(ConnectOptions(url=server.http, token=secret["value"]))
+        await client.connect()
+        (session,) = state.sessions.values()
+        assert (
+            session.settings.system_prompt == "Answer like a pirate."
+        )  # the secret's session config
+        await client.close()
+    finally:
+        state.cfg.server.api_key = None
+    await _settled(server)
+
+
+async def test_bad_requests_and_capacity_are_json_errors(server: RunningServer) -> None:
+    state = server.state
+    async with httpx.AsyncClient(base_url=server.http, timeout=10) as http:
+        r = await http.post(
+            "/v1/realtime/calls", content="hello", headers={"Content-Type": "application/sdp"}
+        )
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_sdp"
+        r = await http.post(
+            "/v1/realtime", content="hello", headers={"Content-Type": "application/sdp"}
+        )
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_sdp"  # beta path
+        r = await http.post("/v1/realtime/calls", json={"sdp": "v=0"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_media_type"
+        r = await http.post("/v1/realtime/client_secrets", json={"expires_after": {"seconds": 1}})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_value"
+
+        pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+        pc.addTransceiver("audio")
+        pc.createDataChannel("oai-events")
+        await pc.setLocalDescription(await pc.createOffer())
+        saved = state.cfg.server.max_sessions
+        state.cfg.server.max_sessions = 1
+        state.sessions["sess_placeholder"] = None  # type: ignore[assignment]
+        try:
+            r = await http.post(
+                "/v1/realtime/calls",
+                content=pc.localDescription.sdp,
+                headers={"Content-Type": "application/sdp"},
+            )
+        finally:
+            state.sessions.pop("sess_placeholder")
+            state.cfg.server.max_sessions = saved
+            await pc.close()
+        assert r.status_code == 429
+        assert r.json()["error"] == {
+            "type": "rate_limit_error",
+            "code": "capacity_exceeded",
+            "message": r.json()["error"]["message"],
+        }
+    await _settled(server)
+
+
+@pytest.mark.parametrize("how", ["data_channel", "abandoned", "shutdown"])
+async def test_call_ends_and_cleans_up(
+    server: RunningServer, how: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """However the call ends, its session, peer connection and tasks go with it."""
+    state = server.state
+    monkeypatch.setattr(webrtc_call, "_CONNECT_TIMEOUT_S", 1.0)
+    if how == "abandoned":
+        # An offer answered but never connected (the page navigated away).
+        pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+        pc.addTransceiver("audio")
+        pc.createDataChannel("oai-events")
+        await pc.setLocalDescription(await pc.createOffer())
+        async with httpx.AsyncClient(base_url=server.http, timeout=10) as http:
+            # The unified interface: multipart sdp + session, as a backend would send it.
+            form = {"sdp": pc.localDescription.sdp, "session": '{"instructions": "Be brief."}'}
+            r = await http.post("/v1/realtime/calls", files={k: (None, v) for k, v in form.items()})
+        await pc.close()
+        assert r.status_code == 201, r.text
+        assert r.headers["location"].startswith("/v1/realtime/calls/rtc_")
+        assert r.text.startswith("v=0") and r.headers["content-type"].startswith("application/sdp")
+        (session,) = state.sessions.values()
+        assert session.settings.system_prompt == "Be brief."
+        await _settled(server)
+        return
+    client = WebRTCClient(ConnectOptions(url=server.http))
+    await client.connect()
+    assert len(state.sessions) == 1 and len(state.peer_connections) == 1
+    if how == "data_channel":
+        client._channel.close()  # the page closes "oai-events" but keeps the connection
+        await _settled(server)
+    else:
+        await state.close_all()  # what the app's lifespan does on shutdown
+        assert not state.sessions and not state.peer_connections
+        with pytest.raises(ClientClosed):
+            async with asyncio.timeout(10):
+                while True:
+                    await client.receive()
+    await client.close()
+    await _settled(server)
+
+
+async def test_reply_track_paces_flushes_and_reports() -> None:
+    """The outbound track: one resample to 48 kHz, real-time frames, silence, flush."""
+    seen: list[tuple[str, str]] = []
+
+    class Listener:
+        def audio_started(self, rid: str) -> None:
+            seen.append(("started", rid))
+
+        def audio_sent(self, rid: str, ms: int) -> None:
+            pass
+
+        def audio_stopped(self, rid: str) -> None:
+            seen.append(("stopped", rid))
+
+    track = ReplyTrack(listener=Listener())
+    tone = (0.5 * np.sin(np.arange(2400) * 2 * np.pi * 440 / 24000)).astype(np.float32)  # 100 ms
+    track.push("r1", tone, 24000)
+    track.finish("r1")
+    assert track.queued_ms >= 100
+    t0 = time.monotonic()
+    frames = [await track.recv() for _ in range(10)]
+    elapsed = time.monotonic() - t0
+    assert 0.15 <= elapsed <= 0.4  # 9 frame periods after the first: paced, not burst
+    assert all(f.sample_rate == RATE and f.samples == FRAME for f in frames)
+    assert [f.pts for f in frames] == [i * FRAME for i in range(10)]
+    levels = [dbfs(f.to_ndarray().reshape(-1) / 32768.0) for f in frames]
+    assert all(level > -10 for level in levels[:5]) and levels[-1] == float("-inf")
+    assert seen == [("started", "r1"), ("stopped", "r1")]
+
+    track.push("r2", np.tile(tone, 10), 24000)  # 1 s
+    assert track.flush() >= 900
+    assert track.queued_ms == 0
+    track.push("r2", tone, 24000)  # late audio of a flushed reply is dropped
+    assert track.queued_ms == 0
+    track.stop()

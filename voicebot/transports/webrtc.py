@@ -1,0 +1,244 @@
+"""WebRTC in the OpenAI Realtime style, on the same port as everything else.
+
+    POST /v1/realtime/client_secrets   server API key -> short-lived "ek_..." secret
+    POST /v1/realtime/calls            SDP offer (application/sdp, or multipart with
+                                       sdp + session) -> 201, SDP answer, Location
+    POST /v1/realtime                  the same, for the beta flow (?model= ignored)
+    POST /v1/realtime/calls/{id}/hangup  end a call from a trusted backend
+
+So OpenAI's browser examples work with only the base URL changed: the page POSTs its
+offer with ``Authorization: Bearer <ek_...>``, Opus audio flows both ways on the media
+track, and Realtime events (minus audio deltas) travel on the data channel
+``oai-events``. Each answered offer becomes one :class:`~voicebot.transports.webrtc_call.Call`
+running beside the request; every call registers with the server state so shutdown
+closes its peer connection and waits for it.
+
+Errors are OpenAI-shaped JSON: ``{"error": {"type", "code", "message"}}`` with 400,
+401, 415, 429 (no session slot) or 503 (models still loading).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Route
+
+from voicebot.errors import AuthError, BadMessage, CapacityError, ProtocolError, VoicebotError
+from voicebot.server.state import NotReady, ServerState
+from voicebot.transports.webrtc_call import Call
+
+log = logging.getLogger(__name__)
+
+_MAX_SDP_BYTES = 64 << 10  # real offers are 2-8 KiB
+_DEFAULT_TTL_S = 600  # OpenAI's default client secret lifetime
+_MIN_TTL_S, _MAX_TTL_S = 10, 7200
+_ANSWER_TIMEOUT_S = 15.0  # ICE gathering is host-only, so answering takes milliseconds
+_SHUTDOWN_WAIT_S = 5.0
+
+
+def error_response(status: int, type_: str, code: str, message: str) -> JSONResponse:
+    return JSONResponse(
+        {"error": {"type": type_, "code": code, "message": message}}, status_code=status
+    )
+
+
+def _from_exception(exc: VoicebotError) -> JSONResponse:
+    """A VoicebotError -> the HTTP status and OpenAI error type a page can act on."""
+    if isinstance(exc, AuthError):
+        return error_response(401, "invalid_request_error", exc.code, str(exc))
+    if isinstance(exc, CapacityError):
+        return error_response(429, "rate_limit_error", exc.code, str(exc))
+    if isinstance(exc, NotReady):
+        return error_response(503, "server_error", exc.code, str(exc))
+    if isinstance(exc, ProtocolError):
+        return error_response(400, "invalid_request_error", exc.code, str(exc))
+    return error_response(500, "server_error", exc.code, str(exc))
+
+
+class Calls:
+    """The live calls of one server, and the session config attached to secrets."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+        self.live: dict[str, Call] = {}
+        # Strong references: a call task is only referenced from here (RUF006).
+        self._tasks: set[asyncio.Task[None]] = set()
+        # Bounded like state.ephemeral (pruned with it): secret -> Realtime session config.
+        self.secret_sessions: dict[str, dict[str, Any]] = {}
+
+    def start(self, call: Call) -> None:
+        task = asyncio.create_task(call.run(), name=f"webrtc-{call.id}")
+        self.live[call.id] = call
+        self._tasks.add(task)
+
+        def done(t: asyncio.Task[None]) -> None:
+            self._tasks.discard(t)
+            self.live.pop(call.id, None)
+
+        task.add_done_callback(done)
+
+    async def aclose(self) -> None:
+        """Server shutdown: end every call and wait for its peer connection to close."""
+        for call in list(self.live.values()):
+            call.end("server shutdown")
+        tasks = set(self._tasks)
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=_SHUTDOWN_WAIT_S)
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.wait(pending)
+        for pc in list(self.state.peer_connections):  # belt and braces: nothing may survive
+            with contextlib.suppress(Exception):
+                await pc.close()
+            self.state.peer_connections.discard(pc)
+
+    def session_for(self, secret: str | None) -> dict[str, Any]:
+        live = self.state.ephemeral
+        for key in [k for k in self.secret_sessions if k not in live]:
+            del self.secret_sessions[key]
+        return dict(self.secret_sessions.get(secret or "", {}))
+
+
+def _bearer(request: Request) -> str | None:
+    auth = request.headers.get("authorization")
+    return auth[7:].strip() if auth and auth.lower().startswith("bearer ") else None
+
+
+async def _read_offer(request: Request) -> tuple[str, dict[str, Any]]:
+    """The SDP offer and the optional Realtime session config of a calls request."""
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if ctype == "multipart/form-data":
+        async with request.form(max_files=0, max_fields=8, max_part_size=_MAX_SDP_BYTES) as form:
+            sdp, session = form.get("sdp"), form.get("session")
+        if not isinstance(sdp, str):
+            raise BadMessage("multipart body needs an 'sdp' field", code="invalid_sdp")
+        config: dict[str, Any] = {}
+        if isinstance(session, str) and session.strip():
+            try:
+                config = json.loads(session)
+            except json.JSONDecodeError as exc:
+                raise BadMessage(f"'session' is not JSON: {exc.msg}") from None
+            if not isinstance(config, dict):
+                raise BadMessage("'session' must be a JSON object")
+        return sdp, config
+    if ctype not in ("application/sdp", "text/plain", ""):
+        raise BadMessage(
+            f"send the offer as application/sdp, not {ctype}", code="unsupported_media_type"
+        )
+    body = await request.body()
+    if len(body) > _MAX_SDP_BYTES:
+        raise BadMessage(f"SDP offer of {len(body)} bytes is too large", code="invalid_sdp")
+    return body.decode("utf-8", errors="replace"), {}
+
+
+def routes(state: ServerState) -> list[BaseRoute]:
+    calls = Calls(state)
+    state.shutdown_hooks.append(calls.aclose)
+
+    async def create_call(request: Request) -> Response:
+        try:
+            state.check_auth(request.headers.get("authorization"))
+            sdp, config = await _read_offer(request)
+            if not sdp.lstrip().startswith("v=0"):
+                raise BadMessage(
+                    "the body is not an SDP offer (it must start with 'v=0')", code="invalid_sdp"
+                )
+            # Fail fast with a clear status before any WebRTC work is done.
+            if state.engines is None:
+                raise NotReady(
+                    state.load_error or "the server is still loading its models; retry shortly"
+                )
+            if len(state.sessions) >= state.cfg.server.max_sessions:
+                raise CapacityError(
+                    f"server at capacity ({state.cfg.server.max_sessions} sessions)"
+                )
+            session_config = {**calls.session_for(_bearer(request)), **config}
+            # The beta flow (POST /v1/realtime) gets the beta event names, as on OpenAI.
+            beta = (
+                request.url.path == "/v1/realtime"
+                or request.headers.get("openai-beta", "").lower() == "realtime=v1"
+            )
+            call = Call(state, sdp, session_config, beta=beta)
+            calls.start(call)
+            try:
+                answer = await asyncio.wait_for(asyncio.shield(call.answer), _ANSWER_TIMEOUT_S)
+            except TimeoutError:
+                call.end("answer timed out")
+                raise VoicebotError("could not answer the offer in time") from None
+        except VoicebotError as exc:
+            state.metrics.errors.labels(exc.code).inc()
+            return _from_exception(exc)
+        return Response(
+            answer,
+            status_code=201,
+            media_type="application/sdp",
+            headers={"Location": f"/v1/realtime/calls/{call.id}"},
+        )
+
+    async def hangup(request: Request) -> Response:
+        try:
+            state.check_api_key(request.headers.get("authorization"))
+        except AuthError as exc:
+            return _from_exception(exc)
+        call = calls.live.get(request.path_params["call_id"])
+        if call is None:
+            return error_response(404, "invalid_request_error", "call_not_found", "no such call")
+        call.end("hangup")
+        return Response(status_code=200)
+
+    async def client_secret(request: Request) -> Response:
+        try:
+            state.check_api_key(request.headers.get("authorization"))
+            body = await _json_body(request)
+            ttl = _ttl(body.get("expires_after"))
+            session = body.get("session") or {}
+            if not isinstance(session, dict):
+                raise BadMessage("'session' must be an object")
+            value, expires_at = state.mint_secret(ttl)
+        except VoicebotError as exc:
+            state.metrics.errors.labels(exc.code).inc()
+            return _from_exception(exc)
+        if session:
+            calls.secret_sessions[value] = session
+        effective = {"type": "realtime", "object": "realtime.session", **session}
+        return JSONResponse({"value": value, "expires_at": int(expires_at), "session": effective})
+
+    return [
+        Route("/v1/realtime/client_secrets", client_secret, methods=["POST"]),
+        Route("/v1/realtime/calls", create_call, methods=["POST"]),
+        Route("/v1/realtime/calls/{call_id}/hangup", hangup, methods=["POST"]),
+        # Beta flow; the WebSocket route at the same path only matches websocket scopes.
+        Route("/v1/realtime", create_call, methods=["POST"]),
+    ]
+
+
+async def _json_body(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise BadMessage(f"malformed JSON: {exc.msg}") from None
+    if not isinstance(body, dict):
+        raise BadMessage("the body must be a JSON object")
+    return body
+
+
+def _ttl(expires_after: object) -> float:
+    """OpenAI's ``expires_after: {"anchor": "created_at", "seconds": N}``, bounded."""
+    if expires_after is None:
+        return _DEFAULT_TTL_S
+    seconds = expires_after.get("seconds") if isinstance(expires_after, dict) else None
+    if not isinstance(seconds, int | float) or not _MIN_TTL_S <= seconds <= _MAX_TTL_S:
+        raise BadMessage(
+            f"expires_after.seconds must be {_MIN_TTL_S}..{_MAX_TTL_S}", code="invalid_value"
+        )
+    return float(seconds)
