@@ -270,7 +270,9 @@ class Session:
                 self._last_speech_wall = time.monotonic()
             for sig in self._turns.update(float(prob), _VAD_WINDOW_MS, bot_speaking):
                 pushed |= self._on_signal(sig)
-        if self._item_id is not None and not pushed:
+        # During a pause the speculative final already has the audio; decoding the
+        # silence as partials would only compete with it and the LLM for the cores.
+        if self._item_id is not None and not pushed and not self._turns.paused:
             self._asr.push(audio)
             if time.monotonic() - self._turn_open_at > self.cfg.session.max_turn_s:
                 for sig in self._turns.force_end():
