@@ -65,3 +65,19 @@ def test_summary_goes_into_the_system_message(tokenizer) -> None:  # type: ignor
     conv.set_summary("The caller asked about trains to Leeds.")
     text = tokenizer.decode(conv.prompt_ids())
     assert "Earlier in this call: The caller asked about trains to Leeds." in text
+
+
+def test_a_finished_reply_is_stored_as_generated(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    conv = Conversation(tokenizer, "Be brief.", budget_tokens=10_000, reply_tokens=32)
+    conv.append("user", "Hi.")
+    prompt = conv.prompt_ids()
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    # A non-canonical split of " Hello there!" plus the end-of-turn token, as a model may emit it.
+    generated = [*tokenizer.encode("Hello", add_special_tokens=False), *tokenizer.encode(" there!", add_special_tokens=False), end]
+    conv.append("assistant", "Hello there!", token_ids=generated)
+    conv.append("user", "Bye.")
+    later = conv.prompt_ids()
+    assert later[: len(prompt)] == prompt
+    assert later[len(prompt) : len(prompt) + len(generated)] == generated
+    assert later[len(prompt) + len(generated)] != end, "the closing token is not doubled"
+    assert "Hello there!<|im_end|>\n<|im_start|>user\nBye." in tokenizer.decode(later)

@@ -61,7 +61,14 @@ class FakeAsrStream:
     def push(self, audio: np.ndarray) -> None:
         self.samples += audio.size
 
-    async def finalize(self) -> Transcript:
+    @property
+    def buffered_s(self) -> float:
+        return self.samples / RATE
+
+    def request_partial(self) -> None:
+        self.engine.partial_requests += 1
+
+    async def finalize(self, covering_s: float | None = None) -> Transcript:
         self.engine.finals += 1
         await asyncio.sleep(0.03)
         return Transcript(self.engine.text, self.samples / RATE, 0.03)
@@ -86,6 +93,7 @@ class FakeAsrStream:
 class FakeAsr:
     text: str = "what is the weather like"
     finals: int = 0
+    partial_requests: int = 0
     queue_depth: int = 0
 
     def stream(self, *, language: str | None = None) -> FakeAsrStream:
@@ -212,6 +220,7 @@ async def test_a_turn_is_answered_speculatively(tokenizer) -> None:  # type: ign
         done = await c.wait_for(ev.ResponseDone, timeout=10)
         assert done.status == "completed"
         assert engines.asr.finals == 1, "one decode: the speculative final is the final"
+        assert engines.asr.partial_requests >= 1, "a decode was asked for as soon as the caller went quiet"
         timings = c.of(ev.TurnTimings)[0]
         assert timings.speculative is True
         kinds = [type(e).__name__ for e in c.events if not isinstance(e, ev.ResponseAudio)]

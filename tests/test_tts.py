@@ -90,12 +90,21 @@ async def collect(engine: TtsEngine, text: str, **kw: object) -> list[np.ndarray
 
 
 def child_pids() -> set[int]:
-    """Live child processes of this process (espeak-ng runs as one)."""
+    """Live espeak-ng child processes of this process.
+
+    Only espeak-ng: other test modules leave long-lived helpers of their own (vLLM's
+    multiprocessing resource tracker) that are not this engine's business.
+    """
     pids: set[int] = set()
     for task in Path(f"/proc/{os.getpid()}/task").iterdir():
         with contextlib.suppress(FileNotFoundError):  # thread ended meanwhile
             pids.update(int(p) for p in (task / "children").read_text().split())
-    return pids
+    espeak = set()
+    for pid in pids:
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            if Path(f"/proc/{pid}/comm").read_text().strip().startswith("espeak"):
+                espeak.add(pid)
+    return espeak
 
 
 async def until(cond: Callable[[], bool]) -> None:

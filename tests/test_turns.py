@@ -21,9 +21,10 @@ def test_turn_start_pause_end() -> None:
     det = SilenceTurnDetector(cfg())
     signals = run(det, [0.9] * 10 + [0.05] * 12)
     kinds = [s for _, s in signals]
-    assert kinds == [Signal.SPEECH_START, Signal.PAUSE, Signal.END]
+    assert kinds == [Signal.SPEECH_START, Signal.QUIET, Signal.PAUSE, Signal.END]
     idx = {s: i for i, s in signals}
     assert idx[Signal.SPEECH_START] == 2  # 3 windows = 96 ms of speech
+    assert idx[Signal.QUIET] == 10  # the first silent window
     assert idx[Signal.PAUSE] == 10 + 3  # 4 windows = 128 ms of silence
     assert idx[Signal.END] == 10 + 9  # 10 windows = 320 ms of silence
 
@@ -36,7 +37,9 @@ def test_short_noise_is_not_a_turn() -> None:
 def test_resume_after_pause_cancels_speculation() -> None:
     det = SilenceTurnDetector(cfg())
     kinds = [s for _, s in run(det, [0.9] * 5 + [0.1] * 5 + [0.9] * 3 + [0.1] * 11)]
-    assert kinds == [Signal.SPEECH_START, Signal.PAUSE, Signal.RESUME, Signal.PAUSE, Signal.END]
+    assert kinds == [
+        Signal.SPEECH_START, Signal.QUIET, Signal.PAUSE, Signal.RESUME, Signal.QUIET, Signal.PAUSE, Signal.END
+    ]
 
 
 def test_barge_in_needs_longer_speech_while_bot_speaks() -> None:

@@ -68,6 +68,11 @@ class AsrStream:
         self._generation = 0  # bumped by reset(): results of older audio are dropped
         self._last_final_seq = 0  # partials dispatched before this final are stale
         self._partial_job: DecodeJob | None = None  # queued or running
+        self._partial_settled = asyncio.Event()  # the queued/running partial finished
+        self._partial_settled.set()
+        # Latest partial hypothesis (full text, seconds of audio it saw): a final may
+        # reuse it when it already covers the end of speech.
+        self._latest: tuple[str, float] | None = None
         self._partials: asyncio.Queue[Partial | None] = asyncio.Queue(_PARTIALS_BUFFERED)
         self._closed = False
 
@@ -102,10 +107,34 @@ class AsrStream:
                 self._samples -= excess
         self._maybe_schedule_partial()
 
-    async def finalize(self) -> Transcript:
-        """Decode the whole buffered utterance at final priority (keeps the buffer)."""
+    def request_partial(self) -> None:
+        """Decode now rather than at the next interval (the caller just went quiet)."""
+        self._new_samples = max(self._new_samples, self._interval)
+        self._maybe_schedule_partial()
+
+    async def finalize(self, covering_s: float | None = None) -> Transcript:
+        """The transcript of the whole buffered utterance (keeps the buffer).
+
+        With ``covering_s`` (where speech ended, in seconds of buffered audio), a partial
+        hypothesis that saw at least that much audio *is* the final: decoded with the
+        same settings from the same audio up to the end of speech. It is used (awaited,
+        if it is still decoding) instead of a second decode, which on a busy CPU is
+        the largest part of the time between the end of speech and the reply.
+        """
         if self._closed:
             raise RuntimeError("finalize() on a closed AsrStream")
+        if covering_s is not None and self.engine.cfg.partial_beam_size >= self.engine.cfg.beam_size:
+            generation = self._generation
+            if self._partial_job is not None and self._partial_job.audio is not None:
+                await self._partial_settled.wait()
+            latest = self._latest
+            if generation == self._generation and latest is not None and latest[1] >= covering_s:
+                return Transcript(latest[0], latest[1], 0.0)
+        queued = self._partial_job
+        if queued is not None and queued.audio is None and self.engine._queue.remove(queued):
+            # Not started yet: the final supersedes it, and it would only compete.
+            self._partial_job = None
+            self._partial_settled.set()
         job = DecodeJob(
             Priority.FINAL,
             self,
@@ -124,8 +153,10 @@ class AsrStream:
         self._chunks.clear()
         self._samples = self._new_samples = 0
         self._agreement.reset()
+        self._latest = None
         if self._partial_job is not None and self.engine._queue.remove(self._partial_job):
             self._partial_job = None
+            self._partial_settled.set()
         while not self._partials.empty():  # previews of the old utterance are stale
             self._partials.get_nowait()
 
@@ -137,6 +168,7 @@ class AsrStream:
             job.fail(EngineError("ASR stream closed"))
         self.engine._space.set()
         self._partial_job = None
+        self._partial_settled.set()
         self._emit(None)
 
     def __aiter__(self) -> AsrStream:
@@ -168,6 +200,7 @@ class AsrStream:
         job = DecodeJob(Priority.PARTIAL, self, language=self.language)
         if self.engine._offer_partial(job):
             self._partial_job = job
+            self._partial_settled.clear()
             self._new_samples = 0
 
     def _prepare_partial(self, job: DecodeJob) -> None:
@@ -188,8 +221,10 @@ class AsrStream:
     def _partial_done(self, job: DecodeJob, text: str | None) -> None:
         if job is self._partial_job:
             self._partial_job = None
+            self._partial_settled.set()
         fresh = job.generation == self._generation and job.seq > self._last_final_seq
         if text is not None and fresh and not self._closed and job.audio is not None:
+            self._latest = (join_text(job.prefix, text), job.audio.size / ASR_RATE)
             self._agreement.update(split_words(text))
             self._emit(
                 Partial(
@@ -203,6 +238,7 @@ class AsrStream:
     def _partial_dropped(self, job: DecodeJob) -> None:
         if job is self._partial_job:
             self._partial_job = None
+            self._partial_settled.set()
             self._new_samples = max(self._new_samples, self._interval)  # retry on next push
 
     def _emit(self, item: Partial | None) -> None:

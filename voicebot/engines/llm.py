@@ -60,6 +60,7 @@ class GenerationStats:
 class TextDelta:
     text: str
     token_count: int
+    token_ids: tuple[int, ...] = ()
 
 
 class LlmEngine:
@@ -288,7 +289,7 @@ class LlmEngine:
                         finished = True
                         st.finish_reason = comp.finish_reason
                     if comp.text or comp.token_ids:
-                        yield TextDelta(comp.text, len(comp.token_ids))
+                        yield TextDelta(comp.text, len(comp.token_ids), tuple(comp.token_ids))
         finally:
             self._running.pop(rid, None)
             st.finished_at = time.monotonic()

@@ -39,6 +39,15 @@ class Message:
 _PLACEHOLDER = Message("user", "...")
 
 
+def _after_overlap(generated: list[int], tail: list[int]) -> list[int]:
+    """``tail`` minus what ``generated`` already ends with (the end-of-turn token the
+    model emitted is also the first token of the template's closing)."""
+    for k in range(min(len(generated), len(tail)), 0, -1):
+        if list(generated[-k:]) == tail[:k]:
+            return tail[k:]
+    return tail
+
+
 class Conversation:
     def __init__(
         self,
@@ -104,13 +113,19 @@ class Conversation:
         full = self._render(history, True)
         return full[len(plain) :] if full.startswith(plain) else ""
 
-    def _message_ids(self, history: list[Message], message: Message) -> list[int]:
+    def _message_ids(
+        self, history: list[Message], message: Message, token_ids: list[int] | None = None
+    ) -> list[int]:
         segment = self._segment(history, message)
         if message.role == "assistant":
             at = segment.rfind(message.content)
             if at >= 0:
                 # As generated: the generation prompt it answered, its text, the closing.
-                segment = self._generation_text(history) + segment[at:]
+                generation = self._generation_text(history)
+                if token_ids:
+                    tail = self._encode(segment[at + len(message.content) :])
+                    return self._encode(generation) + list(token_ids) + _after_overlap(token_ids, tail)
+                segment = generation + segment[at:]
         return self._encode(segment)
 
     def _rebuild(self) -> None:
@@ -130,12 +145,16 @@ class Conversation:
     def token_count(self) -> int:
         return len(self._ids)
 
-    def append(self, role: Role, content: str, item_id: str | None = None) -> None:
+    def append(
+        self, role: Role, content: str, item_id: str | None = None, token_ids: list[int] | None = None
+    ) -> None:
+        """Add a message. ``token_ids``: an assistant reply exactly as the model generated
+        it (its text must be ``content``), so the next prompt matches the KV cache."""
         content = content.strip()
         if not content:
             return
         message = Message(role, content, item_id)
-        self._ids.extend(self._message_ids(self._all(), message))
+        self._ids.extend(self._message_ids(self._all(), message, token_ids))
         self.messages.append(message)
 
     def replace(self, item_id: str, content: str) -> bool:

@@ -76,6 +76,7 @@ class Response:
         if not gated:
             self.released.set()
         self.text_parts: list[str] = []
+        self.token_ids: list[int] = []  # as generated: the history stores a finished reply so
         # Text deltas for the client; read by the session's forwarder after release.
         # Bounded by max_tokens (one entry per LLM delta), so it cannot grow without end.
         self.deltas: asyncio.Queue[str | None] = asyncio.Queue()
@@ -113,6 +114,7 @@ class Response:
         ) as stream:
             async for delta in stream:
                 self.text_parts.append(delta.text)
+                self.token_ids.extend(delta.token_ids)
                 self.deltas.put_nowait(delta.text)
                 for clause in self._chunker.push(delta.text):
                     await self._put_clause(clauses, clause)

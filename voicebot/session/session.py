@@ -132,6 +132,7 @@ class Session:
         self._item_id: str | None = None  # the open user turn
         self._turn_open_at = 0.0
         self._last_speech_wall: float | None = None
+        self._speech_end_asr_s: float | None = None
         self._pending: _Turn | None = None  # decoded speculatively, not yet committed
         self._response: Response | None = None
         self._response_turn: _Turn | None = None
@@ -265,9 +266,11 @@ class Session:
         self._remember(audio)
         pushed = False
         bot_speaking = self._response is not None and self._response.released.is_set()
-        for prob in self._vad.process(audio):
+        for i, prob in enumerate(self._vad.process(audio)):
             if prob >= self.settings.vad.threshold and self._item_id is not None:
                 self._last_speech_wall = time.monotonic()
+                # Where speech ends in the ASR buffer (up to one window late: safe).
+                self._speech_end_asr_s = self._asr.buffered_s + (i + 1) * _VAD_WINDOW_MS / 1000
             for sig in self._turns.update(float(prob), _VAD_WINDOW_MS, bot_speaking):
                 pushed |= self._on_signal(sig)
         # During a pause the speculative final already has the audio; decoding the
@@ -290,7 +293,9 @@ class Session:
         if sig is Signal.SPEECH_START:
             self._start_user_turn()
             return True
-        if sig is Signal.PAUSE:
+        if sig is Signal.QUIET:
+            self._asr.request_partial()
+        elif sig is Signal.PAUSE:
             self._speculate()
         elif sig is Signal.RESUME:
             self._drop_speculation()
@@ -312,7 +317,7 @@ class Session:
     def _speculate(self) -> None:
         if self._item_id is None or not self.settings.create_response:
             return
-        turn = _Turn(self._item_id, self._turn_seq, self._spawn_final())
+        turn = _Turn(self._item_id, self._turn_seq, self._spawn_final(self._speech_end_asr_s))
         turn.response = self._start_response(gated=True, turn=turn)
         self._pending = turn
 
@@ -327,7 +332,7 @@ class Session:
     def _end_user_turn(self) -> None:
         if self._item_id is None:
             return
-        turn = self._pending or _Turn(self._item_id, self._turn_seq, self._spawn_final())
+        turn = self._pending or _Turn(self._item_id, self._turn_seq, self._spawn_final(self._speech_end_asr_s))
         self._pending = None
         turn.speech_end = self._last_speech_wall
         turn.committed_at = time.monotonic()
@@ -335,9 +340,9 @@ class Session:
         self._item_id = None
         self._spawn(self._complete_turn(turn), "turn")
 
-    def _spawn_final(self) -> asyncio.Task[Transcript]:
+    def _spawn_final(self, covering_s: float | None = None) -> asyncio.Task[Transcript]:
         assert self._tg is not None
-        return self._tg.create_task(self._asr.finalize())
+        return self._tg.create_task(self._asr.finalize(covering_s))
 
     async def _complete_turn(self, turn: _Turn) -> None:
         transcript = await turn.final
@@ -533,7 +538,11 @@ class Session:
             lead = int(self.cfg.session.playout_lead_ms * rate / 1000)
             played = max(0, resp.playout.taken - lead)
         heard = resp.playout.heard_text(played) if status != "completed" else resp.full_text
-        self.conversation.append("assistant", heard, resp.item_id)
+        # A reply played in full is stored as the tokens the model produced: the next
+        # prompt then reuses its KV blocks from the prefix cache as well.
+        self.conversation.append(
+            "assistant", heard, resp.item_id, token_ids=resp.token_ids if status == "completed" else None
+        )
         self._heard[resp.item_id] = resp.playout
         while len(self._heard) > 4:  # only recent replies can still be truncated
             self._heard.pop(next(iter(self._heard)))

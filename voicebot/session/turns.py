@@ -5,6 +5,8 @@ without audio or clocks. It speaks in signals; the session decides what they mea
 
     SPEECH_START    speech lasted ``min_speech_ms`` (``barge_in_min_ms`` while the bot
                     talks, so a cough does not cut the reply off)
+    QUIET           the first silent window after speech: decode what was said now, so
+                    the transcript is ready by the time the pause is long enough
     PAUSE           ``speculative_silence_ms`` of silence after speech: a good moment to
                     start preparing the reply before the turn is certain to be over
     RESUME          speech came back after PAUSE, before END: drop the speculation
@@ -24,6 +26,7 @@ from voicebot.config import VadConfig
 
 class Signal(enum.Enum):
     SPEECH_START = "speech_start"
+    QUIET = "quiet"
     PAUSE = "pause"
     RESUME = "resume"
     END = "end"
@@ -75,6 +78,8 @@ class SilenceTurnDetector:
         if not self.in_speech:
             return out
         self._silence_run += window_ms
+        if not self.paused and self._silence_run == window_ms:
+            out.append(Signal.QUIET)
         if not self.paused and self._silence_run >= self.cfg.speculative_silence_ms:
             self.paused = True
             out.append(Signal.PAUSE)
