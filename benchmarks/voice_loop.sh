@@ -6,13 +6,15 @@
 #   e.g. benchmarks/voice_loop.sh configs/default.yaml artifacts/v2v --sessions 1 2 4 --turns 3
 #
 # Audio: every WAV in ../shared/audio (jfk.wav included) unless AUDIO is set.
+# SERVER_ARGS: extra `voicebot serve` options, e.g. SERVER_ARGS="--set vad.min_silence_ms=500".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CONFIG=${1:-configs/default.yaml}; OUT=${2:-artifacts/v2v}; shift $(( $# > 2 ? 2 : $# ))
 PORT=${PORT:-8090}
 AUDIO=${AUDIO:-$(ls ../shared/audio/*.wav)}
 mkdir -p "$OUT"
-.venv/bin/voicebot serve --config "$CONFIG" --port "$PORT" > "$OUT/server.log" 2>&1 &
+# shellcheck disable=SC2086
+.venv/bin/voicebot serve --config "$CONFIG" --port "$PORT" ${SERVER_ARGS:-} > "$OUT/server.log" 2>&1 &
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true' EXIT
 for _ in $(seq 1 180); do
