@@ -274,3 +274,20 @@ def resolve_speed(speed: float | None, default: float) -> float:
         raise ValueError(f"speed must be positive, got {speed!r}")
     # Same bounds as TtsConfig.speed: beyond them both engines turn to mush.
     return min(max(value, 0.25), 4.0)
+
+
+class PooledTts:
+    """What both engines share: synthesis jobs run on one bounded :class:`WorkerPool`."""
+
+    _pool: WorkerPool
+
+    async def aclose(self) -> None:
+        await self._pool.aclose()
+
+    @property
+    def queue_depth(self) -> int:
+        return self._pool.depth
+
+    @property
+    def pool(self) -> WorkerPool:
+        return self._pool

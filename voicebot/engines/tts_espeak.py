@@ -26,7 +26,14 @@ import numpy as np
 
 from voicebot.audio import resample
 from voicebot.config import TtsConfig
-from voicebot.engines.tts import WorkerPool, clean_text, resolve_speed, split_sentences, stream_jobs
+from voicebot.engines.tts import (
+    PooledTts,
+    WorkerPool,
+    clean_text,
+    resolve_speed,
+    split_sentences,
+    stream_jobs,
+)
 from voicebot.errors import EngineError, ModelError
 
 log = logging.getLogger(__name__)
@@ -98,7 +105,7 @@ def _synth_sentence(argv: list[str], text: str, proc: _Process, rate: int) -> np
     return audio
 
 
-class EspeakTts:
+class EspeakTts(PooledTts):
     """espeak-ng voices by language name ("en-us", "en-gb", "de" ...; "+f3"-style variants allowed)."""
 
     sample_rate: int = ESPEAK_RATE
@@ -127,17 +134,6 @@ class EspeakTts:
         if self._default_voice.split("+", 1)[0] not in self._voices:
             raise ModelError(f"tts.voice={self._default_voice!r} is not an espeak-ng voice")
         log.info("espeak-ng ready: %d voices, default %s", len(self._voices), self._default_voice)
-
-    async def aclose(self) -> None:
-        await self._pool.aclose()
-
-    @property
-    def queue_depth(self) -> int:
-        return self._pool.depth
-
-    @property
-    def pool(self) -> WorkerPool:
-        return self._pool
 
     def voices(self) -> list[str]:
         return list(self._voices)

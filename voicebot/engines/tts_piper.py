@@ -23,7 +23,14 @@ from piper import PiperVoice, SynthesisConfig
 
 from voicebot.audio import resample
 from voicebot.config import TtsConfig
-from voicebot.engines.tts import WorkerPool, clean_text, resolve_speed, split_sentences, stream_jobs
+from voicebot.engines.tts import (
+    PooledTts,
+    WorkerPool,
+    clean_text,
+    resolve_speed,
+    split_sentences,
+    stream_jobs,
+)
 from voicebot.errors import EngineError, ModelError
 
 log = logging.getLogger(__name__)
@@ -64,7 +71,7 @@ def _load_voice(model: Path, config: Path) -> PiperVoice:
     return voice
 
 
-class PiperTts:
+class PiperTts(PooledTts):
     """Piper voices; the default one from ``voice_path``, others loaded on first use."""
 
     def __init__(self, cfg: TtsConfig, voice_path: str) -> None:
@@ -83,17 +90,6 @@ class PiperTts:
     async def start(self) -> None:
         self._default = await asyncio.to_thread(_load_voice, *self._default_files)
         self._pool.start()
-
-    async def aclose(self) -> None:
-        await self._pool.aclose()
-
-    @property
-    def queue_depth(self) -> int:
-        return self._pool.depth
-
-    @property
-    def pool(self) -> WorkerPool:
-        return self._pool
 
     def voices(self) -> list[str]:
         """Loaded voices by name (default first); a voice directory is accepted too."""

@@ -29,6 +29,7 @@ from voicebot.server.state import ServerState
 from voicebot.session import events as ev
 from voicebot.session.session import Session
 from voicebot.session.settings import SessionSettings
+from voicebot.transports.tasks import run_until_first_ends
 
 log = logging.getLogger(__name__)
 
@@ -256,17 +257,6 @@ async def _run(ws: WebSocket, session: Session, state: ServerState, in_rate: int
             if isinstance(event, ev.ErrorEvent) and event.fatal:
                 return
 
-    read = asyncio.create_task(reader())
-    write = asyncio.create_task(writer())
-    try:
-        done, _ = await asyncio.wait({read, write}, return_when=asyncio.FIRST_COMPLETED)
-        for task in done:
-            task.result()  # surface a transport error
-    finally:
-        for task in (read, write):
-            task.cancel()
-        await asyncio.wait({read, write})
-        if session.closed_reason is None:
-            session.closed_reason = "client closed"
+    await run_until_first_ends(session, {"ws-in": reader(), "ws-out": writer()}, reason="client closed")
     with contextlib.suppress(RuntimeError):
         await ws.close()

@@ -29,6 +29,7 @@ from voicebot.session import events as se
 from voicebot.session.session import Session
 from voicebot.transports import realtime_events as rt
 from voicebot.transports.realtime_session import RealtimeTranslator
+from voicebot.transports.tasks import run_until_first_ends
 
 log = logging.getLogger(__name__)
 
@@ -127,17 +128,6 @@ async def _run(ws: WebSocket, session: Session, tr: RealtimeTranslator, state: S
                 return
 
     await send(tr.opening())
-    read = asyncio.create_task(reader(), name=f"{session.id}-rt-reader")
-    write = asyncio.create_task(writer(), name=f"{session.id}-rt-writer")
-    try:
-        done, _ = await asyncio.wait({read, write}, return_when=asyncio.FIRST_COMPLETED)
-        for task in done:
-            task.result()  # surface a transport error
-    finally:
-        for task in (read, write):
-            task.cancel()
-        await asyncio.wait({read, write})
-        if session.closed_reason is None:
-            session.closed_reason = "client closed"
+    await run_until_first_ends(session, {"rt-reader": reader(), "rt-writer": writer()}, reason="client closed")
     with contextlib.suppress(RuntimeError):
         await ws.close()

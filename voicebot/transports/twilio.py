@@ -32,6 +32,7 @@ from voicebot.server.state import ServerState
 from voicebot.session import events as ev
 from voicebot.session.session import Session
 from voicebot.transports import twilio_protocol as tp
+from voicebot.transports.tasks import run_until_first_ends
 
 log = logging.getLogger(__name__)
 
@@ -173,22 +174,16 @@ class _Call:
         self._bad = 0
 
     async def run(self) -> None:
-        tasks = {
-            asyncio.create_task(self._reader(), name=f"{self.session.id}-twilio-in"),
-            asyncio.create_task(self._writer(), name=f"{self.session.id}-twilio-out"),
-            asyncio.create_task(self._keypad_timer(), name=f"{self.session.id}-keypad"),
-            asyncio.create_task(self._pace(), name=f"{self.session.id}-twilio-pace"),
-        }
-        try:
-            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                task.result()  # surface a transport error
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.wait(tasks)
-            if self.session.closed_reason is None:
-                self.session.closed_reason = "call ended"
+        await run_until_first_ends(
+            self.session,
+            {
+                "twilio-in": self._reader(),
+                "twilio-out": self._writer(),
+                "keypad": self._keypad_timer(),
+                "twilio-pace": self._pace(),
+            },
+            reason="call ended",
+        )
 
     # ------------------------------------------------------------------ inbound
     async def _reader(self) -> None:
