@@ -7,6 +7,7 @@
 #
 # Audio: every WAV in ../shared/audio (jfk.wav included) unless AUDIO is set.
 # SERVER_ARGS: extra `voicebot serve` options, e.g. SERVER_ARGS="--set vad.min_silence_ms=500".
+# PROTOCOL: native (default), realtime, twilio or webrtc.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CONFIG=${1:-configs/default.yaml}; OUT=${2:-artifacts/v2v}; shift $(( $# > 2 ? 2 : $# ))
@@ -22,7 +23,15 @@ for _ in $(seq 1 180); do
   kill -0 $SERVER 2>/dev/null || { echo "server died; see $OUT/server.log"; exit 1; }
   sleep 1
 done
+PROTOCOL=${PROTOCOL:-native}
+case $PROTOCOL in
+  native) URL="ws://127.0.0.1:$PORT/ws" ;;
+  realtime) URL="ws://127.0.0.1:$PORT/v1/realtime" ;;
+  twilio) URL="ws://127.0.0.1:$PORT/twilio" ;;
+  webrtc) URL="http://127.0.0.1:$PORT" ;;
+  *) echo "unknown PROTOCOL=$PROTOCOL"; exit 2 ;;
+esac
 # shellcheck disable=SC2086
-.venv/bin/voicebot probe --url "ws://127.0.0.1:$PORT/ws" --audio $AUDIO \
+.venv/bin/voicebot probe --protocol "$PROTOCOL" --url "$URL" --audio $AUDIO \
   --json "$OUT/probe.json" --plot "$OUT/probe.png" --timeout-s 60 "$@"
 curl -s "http://127.0.0.1:$PORT/metrics" > "$OUT/metrics.txt"
