@@ -52,3 +52,13 @@ def test_room_is_bounded() -> None:
     assert not p.has_room()
     p.take(100)
     assert p.has_room()
+
+
+def test_a_reply_starts_with_its_first_audible_sample() -> None:
+    from voicebot.session.response import trim_leading_silence
+
+    rate = 16000
+    audio = np.concatenate([np.zeros(rate // 10, np.float32), np.full(rate // 10, 0.2, np.float32)])
+    trimmed = trim_leading_silence(audio, rate)
+    assert trimmed.size == rate // 10 + rate // 100  # 10 ms of lead-in kept
+    assert trim_leading_silence(np.zeros(100, np.float32), rate).size == 100  # all quiet: untouched

@@ -140,6 +140,8 @@ class Response:
                         self.times.first_audio = time.monotonic()
                     await self._wait_for_room()
                     audio = np.asarray(chunk, dtype=np.float32)
+                    if self.playout.added == 0:
+                        audio = trim_leading_silence(audio, self._tts_rate)
                     if self.playout.sample_rate != self._tts_rate:
                         audio = resample(audio, self._tts_rate, self.playout.sample_rate)
                     self.playout.add(audio)
@@ -149,3 +151,18 @@ class Response:
         while not self.playout.has_room():
             self._room.clear()
             await self._room.wait()
+
+
+def trim_leading_silence(audio: np.ndarray, rate: int, floor_dbfs: float = -45.0) -> np.ndarray:
+    """Drop the quiet lead-in (TTS engines start with 0-70 ms of it) of a reply's first
+    audio: the caller waits for the first *audible* sample. Keeps 10 ms before onset."""
+    block = max(rate // 200, 1)  # 5 ms
+    n = audio.size // block
+    if n == 0:
+        return audio
+    rms = np.sqrt(np.mean(np.square(audio[: n * block].reshape(n, block)), axis=1))
+    loud = np.flatnonzero(rms > 10 ** (floor_dbfs / 20))
+    if loud.size == 0:
+        return audio
+    start = max(int(loud[0]) * block - rate // 100, 0)
+    return audio[start:]
