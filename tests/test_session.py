@@ -71,6 +71,8 @@ class FakeAsrStream:
     async def finalize(self, covering_s: float | None = None) -> Transcript:
         self.engine.finals += 1
         await asyncio.sleep(0.03)
+        if self.engine.fail:
+            raise EngineError("ASR decode failed: out of memory")
         return Transcript(self.engine.text, self.samples / RATE, 0.03)
 
     def reset(self) -> None:
@@ -94,6 +96,7 @@ class FakeAsr:
     text: str = "what is the weather like"
     finals: int = 0
     partial_requests: int = 0
+    fail: bool = False
     queue_depth: int = 0
 
     def stream(self, *, language: str | None = None) -> FakeAsrStream:
@@ -371,3 +374,19 @@ async def test_a_silent_wire_ends_the_session(tokenizer) -> None:  # type: ignor
             while c.session.closed_reason is None:
                 await asyncio.sleep(0.01)
         assert c.session.closed_reason == "idle_timeout"
+
+
+async def test_a_failed_transcript_is_reported_and_the_call_goes_on(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    engines = make_engines(tokenizer)
+    engines.asr.fail = True
+    async with call(engines) as c:
+        await c.speak(600)
+        await c.silence(700)
+        err = await c.wait_for(ev.ErrorEvent)
+        assert err.code == "engine_error" and not err.fatal
+        assert not c.of(ev.ResponseStarted), "nothing heard, nothing answered"
+        engines.asr.fail = False
+        await c.speak(600)
+        await c.silence(700)
+        done = await c.wait_for(ev.ResponseDone, timeout=10)
+        assert done.status == "completed"

@@ -342,7 +342,22 @@ class Session:
 
     def _spawn_final(self, covering_s: float | None = None) -> asyncio.Task[Transcript]:
         assert self._tg is not None
-        return self._tg.create_task(self._asr.finalize(covering_s))
+        task = self._tg.create_task(self._final(covering_s), name=f"{self.id}-final")
+        self._tasks.add(task)  # cancelled at close like every other task
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _final(self, covering_s: float | None) -> Transcript:
+        # A failed decode must not take the session's TaskGroup (and the call) down:
+        # it is reported, and the turn goes on as one with nothing said.
+        try:
+            return await self._asr.finalize(covering_s)
+        except VoicebotError as exc:
+            self.error(exc.code, str(exc))
+        except Exception as exc:
+            self.log.exception("final transcript failed")
+            self.error("engine_error", f"ASR failed: {exc}")
+        return Transcript("", 0.0, 0.0)
 
     async def _complete_turn(self, turn: _Turn) -> None:
         transcript = await turn.final
