@@ -390,3 +390,21 @@ async def test_a_failed_transcript_is_reported_and_the_call_goes_on(tokenizer) -
         await c.silence(700)
         done = await c.wait_for(ev.ResponseDone, timeout=10)
         assert done.status == "completed"
+
+
+async def test_old_turns_are_summarised_in_the_background(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    engines = make_engines(tokenizer, word_delay=0.0)
+    engines.cfg = engines.cfg.model_copy(
+        update={"session": engines.cfg.session.model_copy(update={"history_tokens": 220})}
+    )
+    async with call(engines, turn_detection=False, max_tokens=20) as c:
+        for i in range(6):
+            c.session.add_text("user", f"Question number {i} about the weather in some faraway town?")
+            c.session.add_text("assistant", f"Answer number {i}: it will be sunny and warm there.")
+        async with asyncio.timeout(5):
+            while c.session.conversation.summary is None:
+                await asyncio.sleep(0.01)
+        conv = c.session.conversation
+        assert conv.token_count + conv.reply_tokens <= conv.budget_tokens
+        assert conv.summary == engines.llm.reply.strip()
+        assert conv.messages[-1].content.startswith("Answer number 5")
