@@ -125,11 +125,16 @@ class AsrStream:
             raise RuntimeError("finalize() on a closed AsrStream")
         if covering_s is not None and self.engine.cfg.partial_beam_size >= self.engine.cfg.beam_size:
             generation = self._generation
-            if self._partial_job is not None and self._partial_job.audio is not None:
+            # A running partial that started before the end of speech is followed at
+            # once by one that saw it (request_partial); wait for the one that covers.
+            while generation == self._generation:
+                latest = self._latest
+                if latest is not None and latest[1] >= covering_s:
+                    return Transcript(latest[0], latest[1], 0.0)
+                running = self._partial_job
+                if running is None or running.audio is None:
+                    break  # nothing decoding: a final decode it is
                 await self._partial_settled.wait()
-            latest = self._latest
-            if generation == self._generation and latest is not None and latest[1] >= covering_s:
-                return Transcript(latest[0], latest[1], 0.0)
         queued = self._partial_job
         if queued is not None and queued.audio is None and self.engine._queue.remove(queued):
             # Not started yet: the final supersedes it, and it would only compete.
