@@ -50,7 +50,7 @@ async def running_server(cfg: Config, state: ServerState | None = None) -> Async
             app,
             host="127.0.0.1",
             port=0,
-            ws="websockets",
+            ws="websockets-sansio",
             ws_max_size=16 << 20,
             lifespan="on",
             log_level="warning",

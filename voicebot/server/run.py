@@ -25,7 +25,7 @@ def serve(cfg: Config, *, pull_models: bool = True) -> int:
         app,
         host=cfg.server.host,
         port=cfg.server.port,
-        ws="websockets",
+        ws="websockets-sansio",
         # Up to 4x the limit reaches our handler, which answers with an error event and
         # goes on; beyond that the connection is closed (1009) before it is buffered.
         ws_max_size=4 * cfg.server.max_message_bytes,
