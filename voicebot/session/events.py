@@ -7,7 +7,7 @@ its wire rate.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
@@ -120,12 +120,6 @@ class ErrorEvent:
     fatal: bool = False
 
 
-@dataclass(frozen=True)
-class SessionClosed:
-    reason: str = "closed"
-    extra: dict[str, str] = field(default_factory=dict)
-
-
 SessionEvent = (
     SpeechStarted
     | SpeechStopped
@@ -140,5 +134,4 @@ SessionEvent = (
     | TurnTimings
     | Dtmf
     | ErrorEvent
-    | SessionClosed
 )

@@ -84,7 +84,6 @@ class Response:
         self.drained = asyncio.Event()  # generated, and the pacer sent the last sample
         self._room = asyncio.Event()
         self._room.set()
-        self.failed: BaseException | None = None
 
     @property
     def full_text(self) -> str:

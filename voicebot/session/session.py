@@ -66,11 +66,6 @@ class SessionLog(logging.LoggerAdapter):
         return f"[{self.extra['session']}] {msg}", kwargs  # type: ignore[index]
 
 
-class SlowConsumer(VoicebotError):
-    code = "slow_consumer"
-    fatal = True
-
-
 def _first_leaf(exc: BaseException) -> BaseException:
     while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
         exc = exc.exceptions[0]

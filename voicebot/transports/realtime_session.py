@@ -341,7 +341,7 @@ class RealtimeTranslator:
             case se.Dtmf(digit=digit):
                 return [{"type": "input_audio_buffer.dtmf_event_received", "event": digit,
                          "received_at": int(time.time())}]
-        return []  # TurnTimings, SessionClosed, ResponseAudioStarted: nothing on this wire
+        return []  # TurnTimings, ResponseAudioStarted: nothing on this wire
 
     def _transcript_delta(self, item_id: str, delta: str) -> dict[str, Any]:
         return {"type": "conversation.item.input_audio_transcription.delta", "item_id": item_id,
