@@ -84,6 +84,13 @@ def test_parse_telnyx_start_and_alaw() -> None:
         ('{"event": "dtmf", "dtmf": {"digit": "x"}}', BadMessage),
         ('{"event": "start", "start": {"streamSid": "MZ", "mediaFormat": {"encoding": "audio/x-l16", "sampleRate": 16000}}}', BadMessage),
         ('{"event": "start", "start": {"mediaFormat": {}}}', BadMessage),
+        # Each of these used to escape as ValueError / AttributeError / RecursionError
+        # and drop the call with a traceback.
+        ('{"event": "start", "start": {"streamSid": "MZ", "mediaFormat": {"encoding": "audio/x-mulaw", "sampleRate": "fast"}}}', BadMessage),
+        ('{"event": "start", "start": {"streamSid": "MZ", "mediaFormat": {"sampleRate": [8000]}}}', BadMessage),
+        ('{"event": "start", "start": {"streamSid": "MZ", "mediaFormat": "audio/x-mulaw"}}', BadMessage),
+        ('{"event": "start", "start": {"streamSid": "MZ", "mediaFormat": {"encoding": 7}}}', BadMessage),
+        ('{"event": "media", "media": ' + "[" * 100_000 + "]" * 100_000 + "}", BadMessage),
     ],
 )
 def test_parse_rejects(text: str, error: type[Exception]) -> None:

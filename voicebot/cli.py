@@ -53,16 +53,33 @@ def _setup_logging(verbose: int) -> None:
             logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+# Secrets given as --set would sit in `ps` output and shell history for every local user.
+_SECRET_KEYS = ("server.api_key", "telephony.auth_token")
+
+
 def _serve(args: argparse.Namespace) -> int:
     from voicebot.config import load_config
+    from voicebot.errors import ConfigError
+    from voicebot.server import edge
     from voicebot.server.run import serve
 
+    for item in args.overrides:
+        key = item.partition("=")[0].strip()
+        if key in _SECRET_KEYS:
+            raise ConfigError(
+                f"{key} on the command line is visible to every user of this machine (ps, shell "
+                "history): put API keys in $VOICEBOT_API_KEYS or server.api_key_file, the Twilio "
+                "token in $TWILIO_AUTH_TOKEN, or either in the config file"
+            )
     overrides = list(args.overrides)
     if args.host:
         overrides.append(f"server.host={args.host}")
     if args.port is not None:
         overrides.append(f"server.port={args.port}")
     cfg = load_config(args.config, overrides)
+    warning = edge.check_exposure(cfg)  # ConfigError (exit 2) when exposed without a key
+    if warning:
+        logging.getLogger("voicebot").warning("%s", warning)
     return serve(cfg, pull_models=not args.no_pull)
 
 

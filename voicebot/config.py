@@ -29,13 +29,27 @@ class ServerConfig(_Section):
     host: str = Field("127.0.0.1", description="Address to listen on.")
     port: int = Field(8080, ge=0, le=65535, description="TCP port for HTTP, WebSocket and WebRTC signalling.")
     max_sessions: int = Field(8, ge=1, le=4096, description="Concurrent sessions accepted; more get a 'capacity' error.")
-    api_key: str | None = Field(None, description="If set, clients must send 'Authorization: Bearer <key>' (or an ephemeral secret).")
+    api_key: str | None = Field(None, description="A key clients send as 'Authorization: Bearer <key>' (or an ephemeral secret); prefer api_keys_env / api_key_file, never the command line.")
+    api_keys_env: str = Field("VOICEBOT_API_KEYS", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description="Environment variable holding API keys, comma-separated (several keys: rotate without downtime).")
+    api_key_file: str | None = Field(None, description="File of API keys, one a line ('#' comments); read once at start-up.")
+    allow_unauthenticated: bool = Field(False, description="Serve a non-loopback host without any API key (otherwise start-up refuses).")
+    allowed_origins: list[str] = Field(default_factory=list, description="Browser origins (scheme://host[:port]) allowed besides the server's own host and loopback pages; '*' allows any.")
+    max_sessions_per_client: int | None = Field(None, ge=1, le=4096, description="Concurrent sessions from one client address (None: only max_sessions; keep None behind a proxy that hides client addresses). Twilio calls are not counted per address.")
+    max_audio_message_ms: int = Field(1000, ge=20, le=60_000, description="Longest audio in one message; longer ones are refused (send real-time chunks).")
+    input_rate: float = Field(1.1, ge=1.0, le=100.0, description="Sustained caller audio accepted, as a multiple of real time (a little over 1 absorbs clock drift).")
+    input_burst_ms: int = Field(2000, ge=20, le=600_000, description="Audio a client may send ahead of real time before input_rate applies.")
     web_root: str = Field("web", description="Directory served at '/' (the browser client).")
     max_message_bytes: int = Field(1 << 20, ge=1024, le=64 << 20, description="Largest WebSocket message accepted.")
     transports: list[Literal["native", "realtime", "twilio", "webrtc"]] = Field(
         default_factory=lambda: ["native", "realtime", "twilio", "webrtc"],
         description="Wire protocols served (native /ws, OpenAI Realtime, Twilio Media Streams, WebRTC).",
     )
+
+    @model_validator(mode="after")
+    def _burst_holds_a_message(self) -> ServerConfig:
+        if self.input_burst_ms < self.max_audio_message_ms:
+            raise ValueError("server.input_burst_ms must be at least server.max_audio_message_ms")
+        return self
 
 
 class ModelsConfig(_Section):
@@ -127,6 +141,9 @@ class TelephonyConfig(_Section):
     dtmf_timeout_s: float = Field(3.0, ge=0.0, le=60.0, description="Pause that ends a keypad entry without its terminator (0: wait for the terminator).")
     dtmf_max_digits: int = Field(32, ge=1, le=256, description="Longest keypad entry; a longer one is sent as is.")
     mark_interval_ms: int = Field(100, ge=20, le=2000, description="Reply audio between marks: the resolution of 'what the caller heard'.")
+    auth_token: str | None = Field(None, description="Twilio account auth token: X-Twilio-Signature is checked on /twilio/voice and /twilio (prefer auth_token_env).")
+    auth_token_env: str = Field("TWILIO_AUTH_TOKEN", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description="Environment variable read for the auth token when auth_token is unset.")
+    busy_message: str = Field("Sorry, all our lines are busy. Please call again later.", min_length=1, max_length=500, description="Said (TwiML <Say>) before hanging up when no session slot is free.")
 
     @model_validator(mode="after")
     def _distinct(self) -> TelephonyConfig:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import secrets
 import time
@@ -16,6 +15,7 @@ from voicebot.config import Config
 from voicebot.engines import Engines
 from voicebot.errors import AuthError, CapacityError, VoicebotError
 from voicebot.metrics import Metrics
+from voicebot.server import edge
 from voicebot.session.session import Session
 from voicebot.session.settings import SessionSettings
 
@@ -43,35 +43,46 @@ class ServerState:
     # the request that started it (a WebRTC call) waits for that work here.
     shutdown_hooks: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
 
+    # Keys from the environment / key file, read once (server.api_key is read per request).
+    api_keys: tuple[str, ...] = ()
+    # Open sessions per client address (edge.check_admission's per-client limit).
+    client_sessions: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.api_keys = edge.load_api_keys(self.cfg.server)
+
     @property
     def ready(self) -> bool:
         return self.engines is not None
 
     # ------------------------------------------------------------------ auth
-    def check_auth(self, authorization: str | None, token: str | None = None) -> None:
-        """Accept the server API key or a live ephemeral secret, as a Bearer header or token."""
+    def keys(self) -> tuple[str, ...]:
         key = self.cfg.server.api_key
-        if key is None:
+        return (*self.api_keys, key) if key else self.api_keys
+
+    @property
+    def auth_required(self) -> bool:
+        return bool(self.keys())
+
+    def check_auth(self, authorization: str | None, token: str | None = None) -> None:
+        """Accept an API key or a live ephemeral secret, as a Bearer header or token."""
+        keys = self.keys()
+        if not keys:
             return
-        supplied = token
-        if authorization and authorization.lower().startswith("bearer "):
-            supplied = authorization[7:].strip()
+        supplied = edge.bearer(authorization) or token
         if not supplied:
             raise AuthError("missing credentials: send 'Authorization: Bearer <key>'")
-        if hmac.compare_digest(supplied.encode(), key.encode()):
+        if edge.key_matches(supplied, keys):
             return
         self._expire_secrets()
-        if supplied in self.ephemeral:
+        if supplied in self.ephemeral:  # random 192-bit values: a dict lookup leaks nothing useful
             return
         raise AuthError("invalid credentials")
 
     def check_api_key(self, authorization: str | None) -> None:
-        """Only the long-lived key (minting ephemeral secrets needs it)."""
-        key = self.cfg.server.api_key
-        if key is None:
-            return
-        supplied = authorization[7:].strip() if authorization and authorization.lower().startswith("bearer ") else ""
-        if not hmac.compare_digest(supplied.encode(), key.encode()):
+        """Only a long-lived key (minting ephemeral secrets needs one)."""
+        keys = self.keys()
+        if keys and not edge.key_matches(edge.bearer(authorization) or "", keys):
             raise AuthError("invalid API key")
 
     def mint_secret(self, ttl_s: float = 60.0) -> tuple[str, float]:
@@ -93,20 +104,28 @@ class ServerState:
 
     @contextlib.asynccontextmanager
     async def open_session(
-        self, transport: str, settings: SessionSettings | None = None
+        self, transport: str, settings: SessionSettings | None = None, *, client: str | None = None
     ) -> AsyncIterator[Session]:
-        """Admit a session (or raise CapacityError / NotReady) and close it however it ends."""
-        if self.engines is None:
-            raise NotReady(self.load_error or "the server is still loading its models; retry shortly")
-        if len(self.sessions) >= self.cfg.server.max_sessions:
-            raise CapacityError(f"server at capacity ({self.cfg.server.max_sessions} sessions)")
+        """Admit a session (or raise CapacityError / NotReady) and close it however it ends.
+
+        ``client``: the caller's address, for ``server.max_sessions_per_client``."""
+        edge.check_admission(self, client)
+        assert self.engines is not None  # check_admission raised otherwise
         session = Session(self.engines, settings or self.default_settings(), metrics=self.metrics, transport=transport)
         self.sessions[session.id] = session
+        if client is not None:
+            self.client_sessions[client] = self.client_sessions.get(client, 0) + 1
         try:
             async with session:
                 yield session
         finally:
             self.sessions.pop(session.id, None)
+            if client is not None:
+                left = self.client_sessions.get(client, 1) - 1
+                if left > 0:
+                    self.client_sessions[client] = left
+                else:
+                    self.client_sessions.pop(client, None)
 
     async def close_all(self) -> None:
         await asyncio.gather(*(s.aclose("server shutdown") for s in list(self.sessions.values())), return_exceptions=True)

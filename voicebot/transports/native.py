@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from dataclasses import asdict
 from typing import Any
@@ -24,12 +23,13 @@ from starlette.routing import BaseRoute, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from voicebot.audio import Resampler, float_to_pcm16
-from voicebot.errors import BadAudio, BadMessage, MessageTooLarge, VoicebotError
+from voicebot.errors import BadAudio, BadMessage, VoicebotError
+from voicebot.server import edge
 from voicebot.server.state import ServerState
 from voicebot.session import events as ev
 from voicebot.session.session import Session
 from voicebot.session.settings import SessionSettings
-from voicebot.transports.tasks import run_until_first_ends
+from voicebot.transports.tasks import close_quietly, run_until_first_ends
 
 log = logging.getLogger(__name__)
 
@@ -74,13 +74,7 @@ def settings_from_start(base: SessionSettings, msg: StartMessage) -> SessionSett
 
 
 def parse_json(text: str) -> dict[str, Any]:
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise BadMessage(f"malformed JSON: {exc.msg}") from None
-    if not isinstance(data, dict) or not isinstance(data.get("type"), str):
-        raise BadMessage("an event must be a JSON object with a string 'type'")
-    return data
+    return edge.load_event(text)  # bounded in depth: never a RecursionError
 
 
 def apply_command(session: Session, data: dict[str, Any]) -> dict[str, Any] | None:
@@ -107,10 +101,15 @@ def apply_command(session: Session, data: dict[str, Any]) -> dict[str, Any] | No
     if kind == "session.update":
         fields = {k: v for k, v in data.items() if k not in ("type", "event_id")}
         if "vad" in fields:
+            if not isinstance(fields["vad"], dict):  # model_copy(update=5) raised AttributeError
+                raise BadMessage("invalid session.update: 'vad' must be an object of VAD settings")
             fields["vad"] = session.settings.vad.model_copy(update=fields["vad"])
         try:
             session.update_settings(**fields)
-        except (ValidationError, ValueError, TypeError) as exc:
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            raise BadMessage(f"invalid session.update: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+        except (ValueError, TypeError) as exc:
             raise BadMessage(f"invalid session.update: {exc}") from None
         return {"type": "session.updated"}
     if kind == "session.end":
@@ -158,14 +157,21 @@ def routes(state: ServerState) -> list[BaseRoute]:
 
 def endpoint(state: ServerState):  # type: ignore[no-untyped-def]
     async def handle(ws: WebSocket) -> None:
+        try:
+            edge.check_origin(ws.headers, state.cfg.server)
+        except VoicebotError as exc:  # a foreign page: refused at the handshake (HTTP 403)
+            state.metrics.errors.labels(exc.code).inc()
+            await close_quietly(ws, edge.close_code(exc.code))
+            return
         await ws.accept()
         try:
             state.check_auth(ws.headers.get("authorization"), ws.query_params.get("token"))
-            start = await _read_start(ws)
+            start = await _read_start(ws, state.cfg.server.max_message_bytes)
             settings = settings_from_start(state.default_settings(), start)
             out_rate = start.output_sample_rate or state.cfg.session.output_sample_rate
             settings.output_sample_rate = out_rate
-            async with state.open_session("native", settings) as session:
+            client = ws.client.host if ws.client else None
+            async with state.open_session("native", settings, client=client) as session:
                 await ws.send_json(
                     {
                         "type": "session.started",
@@ -184,13 +190,14 @@ def endpoint(state: ServerState):  # type: ignore[no-untyped-def]
     return handle
 
 
-async def _read_start(ws: WebSocket) -> StartMessage:
+async def _read_start(ws: WebSocket, max_bytes: int) -> StartMessage:
     try:
         text = await asyncio.wait_for(ws.receive_text(), timeout=10.0)
     except TimeoutError:
         raise BadMessage("no session.start within 10 s") from None
     except KeyError:
         raise BadMessage("the first message must be a JSON session.start") from None
+    edge.check_size(len(text), max_bytes)
     try:
         msg = StartMessage.model_validate(parse_json(text))
     except ValidationError as exc:
@@ -203,15 +210,14 @@ async def _read_start(ws: WebSocket) -> StartMessage:
 
 
 async def _send_error_and_close(ws: WebSocket, exc: VoicebotError) -> None:
-    try:
+    with contextlib.suppress(WebSocketDisconnect, RuntimeError, OSError):
         await ws.send_json({"type": "error", "code": exc.code, "message": str(exc), "fatal": True})
-        await ws.close(code=1008 if exc.code == "unauthorized" else 1011 if exc.code == "internal_error" else 1000)
-    except (WebSocketDisconnect, RuntimeError):
-        pass
+    await close_quietly(ws, edge.close_code(exc.code))
 
 
 async def _run(ws: WebSocket, session: Session, state: ServerState, in_rate: int, out_rate: int) -> None:
     max_bytes = state.cfg.server.max_message_bytes
+    gate = edge.AudioGate.from_config(state.cfg.server)
 
     async def reader() -> None:
         while True:
@@ -222,16 +228,15 @@ async def _run(ws: WebSocket, session: Session, state: ServerState, in_rate: int
             try:
                 if msg.get("bytes") is not None:
                     data = msg["bytes"]
-                    if len(data) > max_bytes:
-                        raise MessageTooLarge(f"audio frame of {len(data)} bytes exceeds {max_bytes}")
+                    edge.check_size(len(data), max_bytes, "audio frame")
                     if len(data) % 2:
                         raise BadAudio("PCM16 frames need an even number of bytes")
+                    gate.check(len(data) // 2, in_rate)  # length and rate: refused, not queued
                     session.push_audio(data, in_rate)
                 elif msg.get("text") is not None:
-                    if len(msg["text"]) > max_bytes:
-                        raise MessageTooLarge(f"message of {len(msg['text'])} bytes exceeds {max_bytes}")
+                    edge.check_size(len(msg["text"]), max_bytes)
                     data = parse_json(msg["text"])
-                    event_id = data.get("event_id")
+                    event_id = data.get("event_id") if isinstance(data.get("event_id"), str) else None
                     reply = apply_command(session, data)
                     if reply is not None:
                         await ws.send_json(reply)
@@ -258,5 +263,4 @@ async def _run(ws: WebSocket, session: Session, state: ServerState, in_rate: int
                 return
 
     await run_until_first_ends(session, {"ws-in": reader(), "ws-out": writer()}, reason="client closed")
-    with contextlib.suppress(RuntimeError):
-        await ws.close()
+    await close_quietly(ws)

@@ -23,13 +23,14 @@ from typing import Any
 from starlette.routing import BaseRoute, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from voicebot.errors import AuthError, BadMessage, MessageTooLarge, VoicebotError
+from voicebot.errors import AuthError, BadMessage, MessageTooLarge, ProtocolError, VoicebotError
+from voicebot.server import edge
 from voicebot.server.state import ServerState
 from voicebot.session import events as se
 from voicebot.session.session import Session
 from voicebot.transports import realtime_events as rt
 from voicebot.transports.realtime_session import RealtimeTranslator
-from voicebot.transports.tasks import run_until_first_ends
+from voicebot.transports.tasks import close_quietly, run_until_first_ends
 
 log = logging.getLogger(__name__)
 
@@ -55,14 +56,22 @@ def _auth(ws: WebSocket) -> tuple[str | None, str | None, bool]:
 
 def endpoint(state: ServerState):  # type: ignore[no-untyped-def]
     async def handle(ws: WebSocket) -> None:
+        try:
+            edge.check_origin(ws.headers, state.cfg.server)
+        except VoicebotError as exc:  # a foreign page: refused at the handshake (HTTP 403)
+            state.metrics.errors.labels(exc.code).inc()
+            await close_quietly(ws, edge.close_code(exc.code))
+            return
         subprotocol, key, beta = _auth(ws)
         await ws.accept(subprotocol=subprotocol)
         try:
             state.check_auth(ws.headers.get("authorization"), key)
-            async with state.open_session("realtime") as session:
+            client = ws.client.host if ws.client else None
+            async with state.open_session("realtime", client=client) as session:
                 model = ws.query_params.get("model") or state.cfg.llm.model
+                server = state.cfg.server
                 translator = RealtimeTranslator(session, session_id=session.id, model=model, beta=beta,
-                                                voices=_voices(state))
+                                                voices=_voices(state), audio_gate=edge.AudioGate.from_config(server))
                 await _run(ws, session, translator, state)
         except WebSocketDisconnect:
             return
@@ -81,11 +90,11 @@ def _voices(state: ServerState) -> frozenset[str] | None:
 
 
 async def _refuse(ws: WebSocket, exc: VoicebotError) -> None:
-    kind = "invalid_request_error" if isinstance(exc, AuthError) else "server_error"
+    kind = "invalid_request_error" if isinstance(exc, AuthError | ProtocolError) else "server_error"
     body = {"type": "error", "event_id": "event_0", **rt.error(exc.code, str(exc), kind=kind)}
-    with contextlib.suppress(WebSocketDisconnect, RuntimeError):
+    with contextlib.suppress(WebSocketDisconnect, RuntimeError, OSError):
         await ws.send_text(json.dumps(body))
-        await ws.close(code=1008 if isinstance(exc, AuthError) else 1011 if exc.code == "internal_error" else 1000)
+    await close_quietly(ws, edge.close_code(exc.code))
 
 
 async def _run(ws: WebSocket, session: Session, tr: RealtimeTranslator, state: ServerState) -> None:
@@ -129,5 +138,4 @@ async def _run(ws: WebSocket, session: Session, tr: RealtimeTranslator, state: S
 
     await send(tr.opening())
     await run_until_first_ends(session, {"rt-reader": reader(), "rt-writer": writer()}, reason="client closed")
-    with contextlib.suppress(RuntimeError):
-        await ws.close()
+    await close_quietly(ws)

@@ -13,13 +13,13 @@ in both; the session *fields* differ (GA nests ``audio.input.format``, beta has 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from voicebot.errors import BadMessage
+from voicebot.server import edge
 
 AudioFormat = Literal["audio/pcm", "audio/pcmu", "audio/pcma"]
 PCM_RATE = 24_000  # the only PCM rate the Realtime API defines
@@ -192,9 +192,9 @@ CLIENT_EVENT_TYPES = frozenset(
 
 def load_json(text: str) -> dict[str, Any]:
     try:
-        data = json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as exc:
-        raise RealtimeRequestError(f"malformed JSON: {getattr(exc, 'msg', exc)}") from None
+        data = edge.load_json(text)  # bounded in depth
+    except BadMessage as exc:
+        raise RealtimeRequestError(str(exc)) from None
     if not isinstance(data, dict) or not isinstance(data.get("type"), str):
         raise RealtimeRequestError("an event must be a JSON object with a string 'type'", param="type")
     return data

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 from pydantic import ValidationError
 
 from voicebot.errors import VoicebotError
+from voicebot.server import edge
 from voicebot.session import events as se
 from voicebot.session.settings import SessionSettings
 from voicebot.transports import g711
@@ -26,7 +27,7 @@ from voicebot.transports import realtime_events as rt
 from voicebot.transports.realtime_replies import Replies, Wire
 
 _MIN_COMMIT_MS = 100.0  # OpenAI refuses to commit less audio than this
-_SERVER_ERRORS = frozenset({"internal_error", "engine_error", "capacity_exceeded", "not_ready",
+_SERVER_ERRORS = frozenset({"internal_error", "engine_error", "capacity_exceeded", "not_ready", "draining",
                             "model_unavailable", "slow_consumer"})
 _SETTING_PARAMS = {"system_prompt": "instructions", "vad": "turn_detection", "speed": "speed",
                    "voice": "voice", "max_tokens": "max_output_tokens"}
@@ -57,8 +58,9 @@ class SessionPort(Protocol):
 
 class RealtimeTranslator:
     def __init__(self, session: SessionPort, *, session_id: str, model: str, beta: bool = False,
-                 voices: Collection[str] | None = None) -> None:
+                 voices: Collection[str] | None = None, audio_gate: edge.AudioGate | None = None) -> None:
         self.session = session
+        self.audio_gate = audio_gate  # wire limits on caller audio (None: unlimited, for tests)
         self.wire = Wire(fam=rt.BETA if beta else rt.GA)
         self.replies = Replies(self.wire, self.view, self._link)
         self.id, self.model = session_id, model
@@ -237,6 +239,11 @@ class RealtimeTranslator:
             pcm, rate = raw, rt.PCM_RATE
         else:
             pcm, rate = g711.decode(fmt, raw), g711.RATE
+        if pcm and self.audio_gate is not None:
+            try:
+                self.audio_gate.check(len(pcm) // 2, rate)
+            except VoicebotError as exc:
+                raise rt.RealtimeRequestError(str(exc), code=exc.code, param="audio") from None
         if pcm:
             self.session.push_audio(pcm, rate)
             self._buffered_ms += 1000.0 * len(pcm) / 2 / rate

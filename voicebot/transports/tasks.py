@@ -1,10 +1,13 @@
-"""The one way a transport runs its connection's tasks."""
+"""The one way a transport runs its connection's tasks, and closes its socket."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Coroutine
 from typing import Any
+
+from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from voicebot.session.session import Session
 
@@ -28,3 +31,13 @@ async def run_until_first_ends(
         await asyncio.wait(tasks)
         if session.closed_reason is None:
             session.closed_reason = reason
+
+
+async def close_quietly(ws: WebSocket, code: int = 1000, reason: str = "") -> None:
+    """Close a WebSocket that the client may already have closed.
+
+    Starlette raises WebSocketDisconnect (the server's ClientDisconnected, an OSError)
+    when the peer is gone and RuntimeError when we closed it already: a hang-up is the
+    normal end of a call, never a traceback."""
+    with contextlib.suppress(WebSocketDisconnect, RuntimeError, OSError):
+        await ws.close(code, reason.encode()[:120].decode(errors="ignore"))  # at most 123 bytes

@@ -17,6 +17,7 @@ import asyncio
 import base64
 import contextlib
 import logging
+import os
 import time
 from collections import deque
 
@@ -28,18 +29,20 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from voicebot.audio import Resampler
 from voicebot.errors import AuthError, BadMessage, VoicebotError
+from voicebot.server import edge
 from voicebot.server.state import ServerState
 from voicebot.session import events as ev
 from voicebot.session.session import Session
 from voicebot.transports import twilio_protocol as tp
-from voicebot.transports.tasks import run_until_first_ends
+from voicebot.transports.tasks import close_quietly, run_until_first_ends
 
 log = logging.getLogger(__name__)
 
 _START_TIMEOUT_S = 10.0
-_LOGGED_BAD = 5
+_LOGGED_BAD = 5  # a broken stream would log every 20 ms; the rest go to DEBUG
 _PACER_LEAD_S = 0.04
-_MAX_QUEUED = 3000  # messages (~50 s of audio with its marks)  # a broken stream would log every 20 ms; the rest go to DEBUG
+_MAX_QUEUED = 3000  # messages (~50 s of audio with its marks)
+_MAX_WEBHOOK_BODY = 64 << 10  # Twilio's call webhook: ~30 short form fields
 
 
 def routes(state: ServerState) -> list[BaseRoute]:
@@ -61,24 +64,59 @@ def _basic_password(authorization: str | None) -> str | None:
     return password or user
 
 
+def _auth_token(state: ServerState) -> str | None:
+    """The Twilio account's auth token (config, else its environment variable), per request."""
+    tel = state.cfg.telephony
+    return tel.auth_token or os.environ.get(tel.auth_token_env) or None
+
+
+def _signed_url(state: ServerState, scope_scheme: str, headers: dict[str, str], host: str,
+                path: str, query: str) -> str:
+    return tp.request_url(state.cfg.telephony.public_url, headers, scope_scheme, host, path, query)
+
+
 def _voice_webhook(state: ServerState):  # type: ignore[no-untyped-def]
     async def voice(request: Request) -> Response:
         auth = request.headers.get("authorization")
-        bearer = auth if auth and auth.lower().startswith("bearer ") else None
+        headers = {k.lower(): v for k, v in request.headers.items()}
+        host = request.headers.get("host") or f"{request.url.hostname}:{request.url.port}"
+        token = _auth_token(state)
         try:
-            state.check_auth(bearer, request.query_params.get("token") or _basic_password(auth))
+            if token is not None:
+                # Twilio signs the URL it called plus the POSTed form fields.
+                request = await edge.read_body(request, _MAX_WEBHOOK_BODY)
+                form: list[tuple[str, str]] = []
+                if request.method == "POST":
+                    async with request.form(max_files=0, max_fields=200) as data:
+                        form = [(k, v) for k, v in data.multi_items() if isinstance(v, str)]
+                url = _signed_url(state, request.url.scheme, headers, host, request.url.path, request.url.query)
+                if not tp.signature_valid(token, url, form, request.headers.get("x-twilio-signature")):
+                    raise AuthError("missing or invalid X-Twilio-Signature")
+            else:
+                bearer = auth if auth and auth.lower().startswith("bearer ") else None
+                state.check_auth(bearer, request.query_params.get("token") or _basic_password(auth))
         except AuthError as exc:
+            state.metrics.errors.labels(exc.code).inc()
+            log.warning("twilio webhook refused: %s", exc)
+            if token:  # a bad signature: credentials would not help
+                return Response(str(exc), 403)
             return Response(str(exc), 401, {"WWW-Authenticate": 'Basic realm="voicebot"'})
+        except VoicebotError as exc:
+            return Response(str(exc), edge.http_status(exc))
+        try:
+            edge.check_admission(state)  # calls come from Twilio's servers: not per client
+        except VoicebotError as exc:
+            state.metrics.errors.labels(exc.code).inc()
+            log.warning("twilio call refused: %s: %s", exc.code, exc)
+            return Response(tp.twiml_busy(state.cfg.telephony.busy_message), media_type="application/xml")
         params = {k: v for k, v in request.query_params.items() if k in tp.CALL_FIELDS}
-        if state.cfg.server.api_key is not None:
+        if state.auth_required:
             # Twilio cannot send headers on the stream: a short-lived secret goes in the
             # TwiML instead of the long-lived key.
             try:
                 params["token"], _ = state.mint_secret(ttl_s=120.0)
             except VoicebotError as exc:
                 return Response(str(exc), 503)
-        host = request.headers.get("host") or f"{request.url.hostname}:{request.url.port}"
-        headers = {k.lower(): v for k, v in request.headers.items()}
         url = tp.stream_url(state.cfg.telephony.public_url, headers, request.url.scheme, host)
         return Response(tp.twiml_connect(url, params), media_type="application/xml")
 
@@ -91,7 +129,7 @@ def _stream_endpoint(state: ServerState):  # type: ignore[no-untyped-def]
         await ws.accept()
         try:
             authed = _header_auth(state, ws)
-            start = await _read_start(ws)
+            start = await _read_start(ws, state.cfg.server.max_message_bytes)
             if not authed:
                 token = start.custom.get("token")
                 if not token:
@@ -102,33 +140,42 @@ def _stream_endpoint(state: ServerState):  # type: ignore[no-untyped-def]
                 session.log.info("call %s stream %s (%s, %s)", start.call_id, start.stream_id, start.dialect, start.encoding)
                 await _Call(ws, session, state, start).run()
         except WebSocketDisconnect:
-            return
+            return  # the caller (or Twilio) hung up: nothing to close
         except VoicebotError as exc:
             # Twilio has no error message: log it, count it, close with the code as reason.
             state.metrics.errors.labels(exc.code).inc()
             log.warning("twilio stream refused: %s: %s", exc.code, exc)
-            code = 1008 if exc.code == "unauthorized" else 1011 if exc.code == "internal_error" else 1000
-            with contextlib.suppress(WebSocketDisconnect, RuntimeError):
-                await ws.close(code, f"{exc.code}: {exc}"[:120])
+            await close_quietly(ws, edge.close_code(exc.code), f"{exc.code}: {exc}")
             return
-        with contextlib.suppress(RuntimeError):
-            await ws.close()
+        await close_quietly(ws)  # a hang-up while we close is not an error
 
     return handle
 
 
 def _header_auth(state: ServerState, ws: WebSocket) -> bool:
-    """True if authenticated by header or ?token= (Telnyx, tests); False: wait for start."""
-    if state.cfg.server.api_key is None:
+    """True if authenticated at the upgrade: by Twilio's signature, a header or ?token=
+    (Telnyx, tests); False: wait for the token in the start message's parameters."""
+    token = _auth_token(state)
+    signed = ws.headers.get("x-twilio-signature")
+    if token is not None and signed is not None:
+        headers = {k.lower(): v for k, v in ws.headers.items()}
+        host = ws.headers.get("host") or f"{ws.url.hostname}:{ws.url.port}"
+        url = _signed_url(state, ws.url.scheme, headers, host, ws.url.path, ws.url.query)
+        if not tp.signature_valid(token, url, (), signed):
+            raise AuthError("invalid X-Twilio-Signature")
         return True
-    auth, token = ws.headers.get("authorization"), ws.query_params.get("token")
-    if not auth and not token:
+    if not state.auth_required:
+        if token is not None:  # only Twilio's signature can authenticate this server's calls
+            raise AuthError("missing X-Twilio-Signature")
+        return True
+    auth, query_token = ws.headers.get("authorization"), ws.query_params.get("token")
+    if not auth and not query_token:
         return False
-    state.check_auth(auth, token)
+    state.check_auth(auth, query_token)
     return True
 
 
-async def _read_start(ws: WebSocket) -> tp.Start:
+async def _read_start(ws: WebSocket, max_bytes: int) -> tp.Start:
     """Skip ``connected`` (and anything else) until ``start``, within 10 s."""
     try:
         async with asyncio.timeout(_START_TIMEOUT_S):
@@ -138,6 +185,7 @@ async def _read_start(ws: WebSocket) -> tp.Start:
                     raise WebSocketDisconnect(msg.get("code", 1000))
                 if msg.get("text") is None:
                     continue
+                edge.check_size(len(msg["text"]), max_bytes)
                 parsed = tp.parse_message(msg["text"])
                 if isinstance(parsed, tp.Start):
                     return parsed
@@ -154,6 +202,7 @@ class _Call:
         self.ws, self.session = ws, session
         self.cfg = state.cfg.telephony
         self.max_bytes = state.cfg.server.max_message_bytes
+        self.gate = edge.AudioGate.from_config(state.cfg.server)
         self.out = tp.Outbound(start.stream_id, start.dialect)
         self.fmt = start.encoding
         self.marks = tp.PlayoutMarks(self.cfg.mark_interval_ms)
@@ -195,8 +244,7 @@ class _Call:
             if text is None:
                 continue  # Twilio sends no binary frames
             try:
-                if len(text) > self.max_bytes:
-                    raise BadMessage(f"message of {len(text)} bytes exceeds {self.max_bytes}", code="message_too_large")
+                edge.check_size(len(text), self.max_bytes)
                 if self._handle(tp.parse_message(text)):
                     return
             except VoicebotError as exc:
@@ -209,6 +257,12 @@ class _Call:
         match msg:
             case tp.Media(payload, track):
                 if track in ("inbound", "inbound_track") and payload:
+                    try:
+                        self.gate.check(len(payload), tp.RATE)  # G.711: one byte a sample
+                    except VoicebotError as exc:
+                        if self.gate.report_due():
+                            self.session.log.warning("carrier audio refused: %s", exc)
+                        return False
                     self.session.push_audio(tp.decode_audio(self.fmt, payload), tp.RATE)
             case tp.MarkEcho(name):
                 heard = self.marks.echoed(name)

@@ -14,10 +14,14 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
+import hmac
 import json
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
+from urllib.parse import urlsplit, urlunsplit
 from xml.sax.saxutils import escape
 
 import numpy as np
@@ -26,6 +30,7 @@ from pydantic import ValidationError
 from voicebot.audio import float_to_pcm16, pcm16_to_float
 from voicebot.config import TelephonyConfig
 from voicebot.errors import BadAudio, BadMessage
+from voicebot.server import edge
 from voicebot.session.settings import SessionSettings
 from voicebot.transports import g711
 
@@ -105,10 +110,14 @@ def _start(data: dict[str, Any]) -> Start:
     body = _obj(data, "start")
     telnyx = "stream_id" in data or "media_format" in body
     fmt = body.get("media_format" if telnyx else "mediaFormat") or {}
+    if not isinstance(fmt, dict):
+        raise BadMessage("'start.mediaFormat' must be an object", code="unsupported_format")
     name = str(fmt.get("encoding", "audio/x-mulaw")).lower()
-    rate = int(fmt.get("sample_rate" if telnyx else "sampleRate", RATE))
+    raw_rate = fmt.get("sample_rate" if telnyx else "sampleRate", RATE)
+    # Twilio sends a number; a numeric string is tolerated, anything else is refused.
+    rate = int(raw_rate) if isinstance(raw_rate, int | str) and str(raw_rate).isdigit() else None
     if name not in _ENCODINGS or rate != RATE:
-        raise BadMessage(f"unsupported media format {name}/{rate}: use G.711 at 8000 Hz", code="unsupported_format")
+        raise BadMessage(f"unsupported media format {name[:40]}/{str(raw_rate)[:20]}: use G.711 at 8000 Hz", code="unsupported_format")
     stream = data.get("stream_id") if telnyx else body.get("streamSid") or data.get("streamSid")
     if not isinstance(stream, str) or not stream:
         raise BadMessage("'start' message without a stream id")
@@ -119,12 +128,7 @@ def _start(data: dict[str, Any]) -> Start:
 
 def parse_message(text: str) -> Inbound:
     """One text frame from Twilio/Telnyx; BadMessage/BadAudio when it makes no sense."""
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise BadMessage(f"malformed JSON: {exc.msg}") from None
-    if not isinstance(data, dict) or not isinstance(data.get("event"), str):
-        raise BadMessage("a message must be a JSON object with a string 'event'")
+    data = edge.load_event(text, "event")  # bounded depth: never a RecursionError
     event = data["event"]
     if event == "media":
         media = _obj(data, "media")
@@ -372,6 +376,63 @@ def stream_url(public_url: str | None, headers: dict[str, str], scheme: str, hos
     proto = headers.get("x-forwarded-proto", scheme).split(",")[0].strip().lower()
     fwd = headers.get("x-forwarded-host", "").split(",")[0].strip()
     return f"{'wss' if proto in ('https', 'wss') else 'ws'}://{fwd or host}/twilio"
+
+
+def twiml_busy(message: str) -> str:
+    """No session slot: say so and hang up (a caller hears why, instead of dead air)."""
+    return (
+        '<?xml version="1.0" encoding="UTF-8"?>'
+        f"<Response><Say>{escape(message)}</Say><Hangup/></Response>"
+    )
+
+
+# ------------------------------------------------------------ request signatures
+def signature(auth_token: str, url: str, params: Iterable[tuple[str, str]] = ()) -> str:
+    """Twilio's X-Twilio-Signature: base64(HMAC-SHA1(token, url + each name+value)), the
+    POST parameters sorted by name (then value), concatenated without separators."""
+    data = url + "".join(k + v for k, v in sorted(params))
+    return base64.b64encode(hmac.new(auth_token.encode(), data.encode(), hashlib.sha1).digest()).decode()
+
+
+def _port_variants(url: str) -> list[str]:
+    """The URL as given, without its port and with the scheme's default port: Twilio signs
+    the URL exactly as configured, and a proxy may add or drop a default port."""
+    parts = urlsplit(url)
+    default = {"https": 443, "wss": 443, "http": 80, "ws": 80}.get(parts.scheme)
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    bare = urlunsplit(parts._replace(netloc=host))
+    with_port = urlunsplit(parts._replace(netloc=f"{host}:{parts.port or default}")) if default else url
+    return list(dict.fromkeys([url, bare, with_port]))
+
+
+def signature_valid(auth_token: str, url: str, params: Iterable[tuple[str, str]], header: str | None) -> bool:
+    if not header:
+        return False
+    items = list(params)
+    expected = [signature(auth_token, u, items) for u in _port_variants(url)]
+    found = False
+    for sig in expected:  # constant time each, no early exit
+        found |= hmac.compare_digest(sig.encode(), header.strip().encode())
+    return found
+
+
+def request_url(public_url: str | None, headers: dict[str, str], scheme: str, host: str,
+                path: str, query: str) -> str:
+    """The URL Twilio requested, as it saw it (behind a proxy: X-Forwarded-*; with
+    telephony.public_url: that host), for checking the signature."""
+    if public_url:
+        parts = urlsplit(public_url)
+        base_scheme = {"wss": "https", "ws": "http"}[parts.scheme] if not scheme.startswith("ws") else parts.scheme
+        base = f"{base_scheme}://{parts.netloc}{parts.path.rstrip('/')}"
+    else:
+        proto = headers.get("x-forwarded-proto", "").split(",")[0].strip().lower() or scheme
+        if scheme.startswith("ws"):  # the proxy reports http(s) for an upgraded request
+            proto = {"https": "wss", "http": "ws"}.get(proto, proto)
+        fwd = headers.get("x-forwarded-host", "").split(",")[0].strip()
+        base = f"{proto}://{fwd or host}"
+    return base + path + (f"?{query}" if query else "")
 
 
 def _attr(value: str) -> str:

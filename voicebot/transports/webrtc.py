@@ -14,14 +14,14 @@ running beside the request; every call registers with the server state so shutdo
 closes its peer connection and waits for it.
 
 Errors are OpenAI-shaped JSON: ``{"error": {"type", "code", "message"}}`` with 400,
-401, 415, 429 (no session slot) or 503 (models still loading).
+401, 403 (a browser origin not allowed), 413 (body too large), 415, 429 (no session
+slot) or 503 (models still loading, or draining).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from typing import Any
 
@@ -29,13 +29,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from voicebot.errors import AuthError, BadMessage, CapacityError, ProtocolError, VoicebotError
-from voicebot.server.state import NotReady, ServerState
+from voicebot.errors import AuthError, BadMessage, ProtocolError, VoicebotError
+from voicebot.server import edge
+from voicebot.server.state import ServerState
 from voicebot.transports.webrtc_call import Call
 
 log = logging.getLogger(__name__)
 
 _MAX_SDP_BYTES = 64 << 10  # real offers are 2-8 KiB
+_MAX_SECRET_BODY = 64 << 10  # a session config: instructions (20k chars max) and a few fields
 _DEFAULT_TTL_S = 600  # OpenAI's default client secret lifetime
 _MIN_TTL_S, _MAX_TTL_S = 10, 7200
 _ANSWER_TIMEOUT_S = 15.0  # ICE gathering is host-only, so answering takes milliseconds
@@ -49,16 +51,10 @@ def error_response(status: int, type_: str, code: str, message: str) -> JSONResp
 
 
 def _from_exception(exc: VoicebotError) -> JSONResponse:
-    """A VoicebotError -> the HTTP status and OpenAI error type a page can act on."""
-    if isinstance(exc, AuthError):
-        return error_response(401, "invalid_request_error", exc.code, str(exc))
-    if isinstance(exc, CapacityError):
-        return error_response(429, "rate_limit_error", exc.code, str(exc))
-    if isinstance(exc, NotReady):
-        return error_response(503, "server_error", exc.code, str(exc))
-    if isinstance(exc, ProtocolError):
-        return error_response(400, "invalid_request_error", exc.code, str(exc))
-    return error_response(500, "server_error", exc.code, str(exc))
+    """A VoicebotError -> the HTTP status (edge.http_status) and OpenAI error type."""
+    status = edge.http_status(exc)
+    kind = "rate_limit_error" if status == 429 else "server_error" if status >= 500 else "invalid_request_error"
+    return error_response(status, kind, exc.code, str(exc))
 
 
 class Calls:
@@ -114,6 +110,12 @@ def _bearer(request: Request) -> str | None:
 async def _read_offer(request: Request) -> tuple[str, dict[str, Any]]:
     """The SDP offer and the optional Realtime session config of a calls request."""
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if ctype not in ("multipart/form-data", "application/sdp", "text/plain", ""):
+        raise BadMessage(
+            f"send the offer as application/sdp, not {ctype}", code="unsupported_media_type"
+        )
+    # The whole body is bounded before anything parses it (multipart adds the session).
+    request = await edge.read_body(request, 2 * _MAX_SDP_BYTES)
     if ctype == "multipart/form-data":
         async with request.form(max_files=0, max_fields=8, max_part_size=_MAX_SDP_BYTES) as form:
             sdp, session = form.get("sdp"), form.get("session")
@@ -121,20 +123,13 @@ async def _read_offer(request: Request) -> tuple[str, dict[str, Any]]:
             raise BadMessage("multipart body needs an 'sdp' field", code="invalid_sdp")
         config: dict[str, Any] = {}
         if isinstance(session, str) and session.strip():
-            try:
-                config = json.loads(session)
-            except json.JSONDecodeError as exc:
-                raise BadMessage(f"'session' is not JSON: {exc.msg}") from None
+            config = edge.load_json(session)
             if not isinstance(config, dict):
                 raise BadMessage("'session' must be a JSON object")
         return sdp, config
-    if ctype not in ("application/sdp", "text/plain", ""):
-        raise BadMessage(
-            f"send the offer as application/sdp, not {ctype}", code="unsupported_media_type"
-        )
     body = await request.body()
     if len(body) > _MAX_SDP_BYTES:
-        raise BadMessage(f"SDP offer of {len(body)} bytes is too large", code="invalid_sdp")
+        raise ProtocolError(f"SDP offer of {len(body)} bytes is too large", code="payload_too_large")
     return body.decode("utf-8", errors="replace"), {}
 
 
@@ -144,20 +139,17 @@ def routes(state: ServerState) -> list[BaseRoute]:
 
     async def create_call(request: Request) -> Response:
         try:
+            # Before anything else: a foreign page's text/plain POST needs no CORS
+            # preflight, so the origin is the only thing that stops it opening calls.
+            edge.check_origin(request.headers, state.cfg.server)
             state.check_auth(request.headers.get("authorization"))
+            client = request.client.host if request.client else None
+            # Fail fast with a clear status before the body is read or WebRTC work done.
+            edge.check_admission(state, client)
             sdp, config = await _read_offer(request)
             if not sdp.lstrip().startswith("v=0"):
                 raise BadMessage(
                     "the body is not an SDP offer (it must start with 'v=0')", code="invalid_sdp"
-                )
-            # Fail fast with a clear status before any WebRTC work is done.
-            if state.engines is None:
-                raise NotReady(
-                    state.load_error or "the server is still loading its models; retry shortly"
-                )
-            if len(state.sessions) >= state.cfg.server.max_sessions:
-                raise CapacityError(
-                    f"server at capacity ({state.cfg.server.max_sessions} sessions)"
                 )
             session_config = {**calls.session_for(_bearer(request)), **config}
             # The beta flow (POST /v1/realtime) gets the beta event names, as on OpenAI.
@@ -165,7 +157,7 @@ def routes(state: ServerState) -> list[BaseRoute]:
                 request.url.path == "/v1/realtime"
                 or request.headers.get("openai-beta", "").lower() == "realtime=v1"
             )
-            call = Call(state, sdp, session_config, beta=beta)
+            call = Call(state, sdp, session_config, beta=beta, client=client)
             calls.start(call)
             try:
                 answer = await asyncio.wait_for(asyncio.shield(call.answer), _ANSWER_TIMEOUT_S)
@@ -184,6 +176,7 @@ def routes(state: ServerState) -> list[BaseRoute]:
 
     async def hangup(request: Request) -> Response:
         try:
+            edge.check_origin(request.headers, state.cfg.server)
             state.check_api_key(request.headers.get("authorization"))
         except AuthError as exc:
             return _from_exception(exc)
@@ -195,8 +188,9 @@ def routes(state: ServerState) -> list[BaseRoute]:
 
     async def client_secret(request: Request) -> Response:
         try:
+            edge.check_origin(request.headers, state.cfg.server)
             state.check_api_key(request.headers.get("authorization"))
-            body = await _json_body(request)
+            body = await _json_body(await edge.read_body(request, _MAX_SECRET_BODY))
             ttl = _ttl(body.get("expires_after"))
             session = body.get("session") or {}
             if not isinstance(session, dict):
@@ -223,10 +217,7 @@ async def _json_body(request: Request) -> dict[str, Any]:
     raw = await request.body()
     if not raw.strip():
         return {}
-    try:
-        body = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise BadMessage(f"malformed JSON: {exc.msg}") from None
+    body = edge.load_json(raw)
     if not isinstance(body, dict):
         raise BadMessage("the body must be a JSON object")
     return body

@@ -29,6 +29,7 @@ from aiortc.exceptions import InvalidStateError
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 
 from voicebot.errors import BadMessage, VoicebotError
+from voicebot.server import edge
 from voicebot.server.state import ServerState
 from voicebot.session import events as ev
 from voicebot.session.session import Session
@@ -65,8 +66,13 @@ class Call:
         session_config: dict[str, Any],
         *,
         beta: bool = False,
+        client: str | None = None,
     ) -> None:
         self.state = state
+        self.client = client  # the caller's address, for the per-client session limit
+        server = state.cfg.server
+        self.max_bytes = server.max_message_bytes
+        self.gate = edge.AudioGate.from_config(server)
         self.beta = beta  # the beta flow (POST /v1/realtime) gets the beta event names
         self.id = f"rtc_{uuid.uuid4().hex[:20]}"
         self.offer_sdp = offer_sdp
@@ -98,7 +104,7 @@ class Call:
         try:
             settings = self.state.default_settings()
             settings.output_sample_rate = RATE  # the session resamples replies once, to Opus' rate
-            async with self.state.open_session("webrtc", settings) as session:
+            async with self.state.open_session("webrtc", settings, client=self.client) as session:
                 self.session = session
                 self._tr = RealtimeTranslator(
                     session,
@@ -213,6 +219,10 @@ class Call:
         if not isinstance(message, str):
             self._send_error("invalid_event", "events are JSON text; audio goes on the media track")
             return
+        if len(message) > self.max_bytes:  # the same limit as a WebSocket message
+            self._send_error("message_too_large",
+                             f"message of {len(message)} bytes exceeds server.max_message_bytes ({self.max_bytes})")
+            return
         try:
             self._commands.put_nowait(message)
         except asyncio.QueueFull:
@@ -235,6 +245,12 @@ class Call:
                 self.end("mic track ended")
                 return
             if isinstance(frame, av.AudioFrame):  # an audio track yields nothing else
+                try:
+                    self.gate.check(frame.samples, frame.sample_rate)
+                except VoicebotError as exc:  # a peer sending faster than real time
+                    if self.gate.report_due():
+                        self._send_error(exc.code, str(exc))
+                    continue
                 session.push_audio(frame_to_mono(frame), frame.sample_rate)
 
     async def _outbound(self, session: Session) -> None:

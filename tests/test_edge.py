@@ -1,0 +1,268 @@
+"""The edge helpers (voicebot/server/edge.py): pure, fast, no engines."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from voicebot.cli import main as cli_main
+from voicebot.config import Config, ServerConfig, load_config
+from voicebot.errors import (
+    AuthError,
+    BadMessage,
+    CapacityError,
+    ConfigError,
+    MessageTooLarge,
+    ProtocolError,
+)
+from voicebot.server import edge
+from voicebot.server.state import NotReady, ServerState
+
+
+# ------------------------------------------------------------------ credentials
+def test_bearer_parsing() -> None:
+    assert edge.bearer("Bearer abc") == "abc"
+    assert edge.bearer("bearer   abc  ") == "abc"
+    assert edge.bearer("Basic abc") is None
+    assert edge.bearer("Bearer ") is None
+    assert edge.bearer(None) is None
+
+
+def test_keys_from_env_and_file(tmp_path: Path) -> None:
+    keyfile = tmp_path / "keys"
+    keyfile.write_text("# rotated 2025-01\nsk-file-1\n\n  sk-file-2  \n")
+    cfg = ServerConfig(api_key_file=str(keyfile), api_keys_env="VB_KEYS")
+    keys = edge.load_api_keys(cfg, {"VB_KEYS": " sk-env-1, ,sk-env-2,sk-file-1"})
+    assert keys == ("sk-env-1", "sk-env-2", "sk-file-1", "sk-file-2")
+    assert edge.load_api_keys(ServerConfig(), {}) == ()
+    with pytest.raises(ConfigError, match="api_key_file"):
+        edge.load_api_keys(ServerConfig(api_key_file=str(tmp_path / "missing")), {})
+
+
+def test_every_key_is_accepted_and_nothing_else(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VOICEBOT_API_KEYS", "sk-one,sk-two")
+    state = ServerState(Config(server=ServerConfig(api_key="sk-three")))
+    for key in ("sk-one", "sk-two", "sk-three"):
+        state.check_auth(f"Bearer {key}")
+        state.check_auth(None, key)
+        state.check_api_key(f"Bearer {key}")
+    for bad in ("sk-on", "sk-one2", "", "SK-ONE"):
+        with pytest.raises(AuthError) as err:
+            state.check_auth(f"Bearer {bad}", bad)
+        assert bad not in str(err.value) or not bad  # never echoed
+    secret, _ = state.mint_secret(60)
+    state.check_auth(f"Bearer {secret}")  # ephemeral secrets still open sessions...
+    with pytest.raises(AuthError):
+        state.check_api_key(f"Bearer {secret}")  # ...but cannot mint more
+    state.cfg.server.api_key = None  # read per request
+    state.check_auth("Bearer sk-one")
+    with pytest.raises(AuthError):
+        state.check_auth("Bearer sk-three")
+
+
+def test_no_keys_means_open() -> None:
+    state = ServerState(Config(server=ServerConfig(api_keys_env="VB_TEST_UNSET_VAR")))
+    state.check_auth(None)
+    state.check_api_key(None)
+    assert not state.auth_required
+
+
+# ----------------------------------------------------------------------- origins
+@pytest.mark.parametrize(
+    ("origin", "host", "allowed", "ok"),
+    [
+        (None, "bot.example.com", [], True),  # not a browser
+        ("https://bot.example.com", "bot.example.com", [], True),  # same origin
+        ("https://bot.example.com", "bot.example.com:443", [], True),
+        ("http://bot.example.com:8080", "bot.example.com:8080", [], True),
+        ("http://bot.example.com:8081", "bot.example.com:8080", [], False),
+        ("https://evil.example", "127.0.0.1:8080", [], False),  # the CSRF case
+        ("http://localhost:3000", "127.0.0.1:8080", [], True),  # a local dev page
+        ("http://127.0.0.1:5173", "127.0.0.1:8080", [], True),
+        ("http://[::1]:5173", "127.0.0.1:8080", [], True),
+        ("null", "127.0.0.1:8080", [], False),  # sandboxed frame / file://
+        ("https://app.example.com", "voice.example.com", ["https://app.example.com/"], True),
+        ("https://APP.example.com", "voice.example.com", ["https://app.example.com"], True),
+        ("https://other.example.com", "voice.example.com", ["https://app.example.com"], False),
+        ("https://other.example.com", "voice.example.com", ["*"], True),
+        ("https://127.0.0.1.evil.example", "127.0.0.1", [], False),
+    ],
+)
+def test_origin_allow_list(origin: str | None, host: str, allowed: list[str], ok: bool) -> None:
+    assert edge.origin_allowed(origin, [host], allowed) is ok
+
+
+def test_check_origin_uses_forwarded_host() -> None:
+    cfg = ServerConfig()
+    edge.check_origin({"origin": "https://bot.example.com", "host": "127.0.0.1:8080",
+                       "x-forwarded-host": "bot.example.com"}, cfg)
+    with pytest.raises(AuthError) as err:
+        edge.check_origin({"origin": "https://evil.example", "host": "127.0.0.1:8080"}, cfg)
+    assert err.value.code == "origin_not_allowed"
+    assert edge.close_code(err.value.code) == 1008 and edge.http_status(err.value) == 403
+
+
+# -------------------------------------------------------------------------- JSON
+@pytest.mark.parametrize(
+    ("text", "depth"),
+    [
+        ("{}", 1),
+        ('{"a": [1, {"b": []}]}', 4),
+        ('{"a": "[[[[[[[["}', 1),  # brackets inside a string do not count
+        ('{"a": "\\"[[[[", "b": [[]]}', 3),  # an escaped quote does not end the string
+        ('{"a": "\\\\", "b": [[]]}', 3),  # an escaped backslash does not escape the quote
+        ('"plain"', 0),
+        ("", 0),
+    ],
+)
+def test_json_depth(text: str, depth: int) -> None:
+    assert edge.json_depth(text) == depth
+
+
+def test_deep_json_is_a_bad_message_not_a_recursion_error() -> None:
+    for text in ("[" * 100_000 + "]" * 100_000, '{"a":' * 70 + "1" + "}" * 70, "[" * 1_000_000):
+        with pytest.raises(BadMessage, match="nested deeper"):
+            edge.load_json(text)
+    ok = '{"a":' * 60 + "1" + "}" * 60
+    assert edge.load_json(ok)["a"]["a"]
+    # Many brackets, shallow: allowed, and the exact scan is fast on a 1 MiB message.
+    wide = json.dumps({"type": "x", "items": [[] for _ in range(300_000)]})
+    started = time.perf_counter()
+    assert len(edge.load_json(wide)["items"]) == 300_000
+    assert time.perf_counter() - started < 1.0
+    with pytest.raises(BadMessage, match="malformed"):
+        edge.load_json("{not json")
+    with pytest.raises(BadMessage, match="UTF-8"):
+        edge.load_json(b"\xff\xfe")
+    with pytest.raises(BadMessage, match="string 'event'"):
+        edge.load_event('{"event": 5}', "event")
+
+
+def test_size_and_text_limits() -> None:
+    edge.check_size(10, 10)
+    with pytest.raises(MessageTooLarge):
+        edge.check_size(11, 10)
+
+
+# ------------------------------------------------------------------ caller audio
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_audio_gate_allows_real_time_and_a_burst_only() -> None:
+    clock = Clock()
+    gate = edge.AudioGate(max_message_ms=1000, rate=1.0, burst_ms=2000, clock=clock)
+    # 2 s burst at once: accepted; the next 100 ms is refused until time passes.
+    for _ in range(20):
+        gate.check(1600, 16000)
+    with pytest.raises(ProtocolError) as err:
+        gate.check(1600, 16000)
+    assert err.value.code == "input_rate_exceeded" and gate.refused_s == pytest.approx(0.1)
+    # Real time from then on (after a pause that refills half the bucket): every 100 ms
+    # chunk 100 ms after the last is accepted, for an hour.
+    clock.t += 1.0
+    for _ in range(36_000):
+        clock.t += 0.1
+        gate.check(2400, 24000)
+    # One message longer than the limit is refused whatever the bucket holds.
+    clock.t += 100
+    with pytest.raises(MessageTooLarge):
+        gate.check(16000 * 32, 16000)  # the 1 MiB, 32 s message
+    gate.check(16000, 16000)  # exactly the limit
+
+
+def test_audio_gate_reports_once_per_second() -> None:
+    clock = Clock()
+    gate = edge.AudioGate(max_message_ms=1000, rate=1.0, burst_ms=1000, clock=clock)
+    assert gate.report_due() and not gate.report_due()
+    clock.t += 1.0
+    assert gate.report_due()
+
+
+def test_burst_must_hold_one_message() -> None:
+    with pytest.raises(ValueError, match="input_burst_ms"):
+        ServerConfig(max_audio_message_ms=3000, input_burst_ms=2000)
+
+
+# --------------------------------------------------------------------- admission
+class _Engines:
+    pass
+
+
+def test_admission_ready_capacity_per_client_and_draining() -> None:
+    state = ServerState(Config(server=ServerConfig(max_sessions=3, max_sessions_per_client=2)))
+    with pytest.raises(NotReady):
+        edge.check_admission(state, "10.0.0.1")
+    state.engines = _Engines()  # type: ignore[assignment]
+    edge.check_admission(state, "10.0.0.1")
+    state.client_sessions["10.0.0.1"] = 2
+    with pytest.raises(CapacityError, match="one address"):
+        edge.check_admission(state, "10.0.0.1")
+    edge.check_admission(state, "10.0.0.2")
+    edge.check_admission(state, None)  # not counted per client (Twilio)
+    state.sessions.update({f"s{i}": None for i in range(3)})  # type: ignore[misc]
+    with pytest.raises(CapacityError, match="capacity"):
+        edge.check_admission(state, "10.0.0.2")
+    state.sessions.clear()
+    state.draining = True  # type: ignore[attr-defined]
+    with pytest.raises(NotReady) as err:
+        edge.check_admission(state, None)
+    assert err.value.code == "draining"
+
+
+def test_one_close_code_and_status_per_error() -> None:
+    assert edge.close_code("unauthorized") == 1008
+    for code in ("capacity_exceeded", "not_ready", "draining"):
+        assert edge.close_code(code) == 1013
+    assert edge.close_code("internal_error") == 1011
+    assert edge.close_code("invalid_event") == 1000
+    assert edge.http_status(AuthError("x")) == 401
+    assert edge.http_status(CapacityError("x")) == 429
+    assert edge.http_status(NotReady("x")) == 503
+    assert edge.http_status(BadMessage("x")) == 400
+    assert edge.http_status(BadMessage("x", code="payload_too_large")) == 413
+
+
+# ---------------------------------------------------------------------- start-up
+def test_exposure_check() -> None:
+    def cfg(**server: object) -> Config:
+        return Config(server=ServerConfig(api_keys_env="VB_TEST_UNSET_VAR", **server))  # type: ignore[arg-type]
+
+    assert edge.check_exposure(cfg(host="127.0.0.1"), {}) is None
+    assert edge.check_exposure(cfg(host="localhost"), {}) is None
+    assert edge.check_exposure(cfg(host="::1"), {}) is None
+    for host in ("0.0.0.0", "::", "10.1.2.3", "bot.example.com"):
+        with pytest.raises(ConfigError, match="not a loopback address"):
+            edge.check_exposure(cfg(host=host), {})
+    assert edge.check_exposure(cfg(host="0.0.0.0"), {"VB_TEST_UNSET_VAR": "sk-1"}) is None
+    assert edge.check_exposure(cfg(host="0.0.0.0", api_key="sk-1"), {}) is None
+    warning = edge.check_exposure(cfg(host="0.0.0.0", allow_unauthenticated=True), {})
+    assert warning and "without an API key" in warning
+
+
+def test_cli_refuses_an_exposed_server_and_keys_on_the_command_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("VOICEBOT_API_KEYS", raising=False)
+    assert cli_main(["serve", "--config", "configs/test.yaml", "--host", "0.0.0.0", "--no-pull"]) == 2
+    assert "not a loopback address" in capsys.readouterr().err
+    code = cli_main(["serve", "--config", "configs/test.yaml", "--set", "server.api_key=sk-secret-123"])
+    err = capsys.readouterr().err
+    assert code == 2 and "command line" in err and "sk-secret-123" not in err
+    code = cli_main(["serve", "--config", "configs/test.yaml", "--set", "telephony.auth_token=tw-secret"])
+    err = capsys.readouterr().err
+    assert code == 2 and "tw-secret" not in err
+
+
+def test_config_has_the_edge_fields() -> None:
+    cfg = load_config("configs/test.yaml")
+    assert cfg.server.allowed_origins == [] and cfg.server.max_sessions_per_client is None
+    assert cfg.server.max_audio_message_ms <= cfg.server.input_burst_ms
+    assert cfg.telephony.auth_token is None and cfg.telephony.auth_token_env == "TWILIO_AUTH_TOKEN"
