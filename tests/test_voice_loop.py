@@ -261,6 +261,97 @@ async def test_bad_input_gets_error_events_and_the_session_goes_on(server: Runni
         assert json.loads(await ws.recv())["type"] == "input.cleared"
 
 
+async def _started(ws: websockets.ClientConnection) -> None:
+    await ws.send(json.dumps({"type": "session.start", "sample_rate": 16000}))
+    assert json.loads(await ws.recv())["type"] == "session.started"
+
+
+async def _next_error(ws: websockets.ClientConnection) -> dict:
+    async with asyncio.timeout(5):
+        while True:
+            reply = await ws.recv()
+            if isinstance(reply, str) and json.loads(reply)["type"] == "error":
+                return json.loads(reply)
+
+
+@pytest.mark.parametrize(
+    ("message", "code"),
+    [
+        # Each one used to end the session: the reader died with a traceback, close 1011.
+        ("[" * 100_000 + "]" * 100_000, "invalid_event"),  # RecursionError in json.loads
+        ('{"type": "session.update", "vad": ' + "[" * 5000 + "]" * 5000 + "}", "invalid_event"),
+        (json.dumps({"type": "session.update", "vad": 5}), "invalid_event"),  # AttributeError
+        (json.dumps({"type": "session.update", "vad": "fast"}), "invalid_event"),
+        # Bounded by the edge: 2 s of audio in one message would stall the loop for everyone.
+        (bytes(2 * 32_000), "message_too_large"),
+        # Bounded by the session (session.max_text_chars), reported the same way.
+        (json.dumps({"type": "text.input", "text": "a" * 50_000}), "text_too_long"),
+    ],
+    ids=["deep_json", "deep_json_in_a_field", "vad_number", "vad_string", "audio_2s", "long_text"],
+)
+async def test_bad_message_is_an_error_event_and_the_session_goes_on(
+    server: RunningServer, message: str | bytes, code: str
+) -> None:
+    async with websockets.connect(server.ws()) as ws:
+        await _started(ws)
+        await ws.send(message)
+        err = await _next_error(ws)
+        assert (err["code"], err["fatal"]) == (code, False), err
+        await ws.send(json.dumps({"type": "input.clear"}))
+        async with asyncio.timeout(5):
+            while True:  # the session is alive and still answers
+                reply = await ws.recv()
+                if isinstance(reply, str) and json.loads(reply)["type"] == "input.cleared":
+                    break
+
+
+async def test_audio_faster_than_real_time_is_refused(server: RunningServer) -> None:
+    before = set(server.state.sessions)
+    async with websockets.connect(server.ws()) as ws:
+        await _started(ws)
+        (session_id,) = set(server.state.sessions) - before
+        session = server.state.sessions[session_id]
+        silence = bytes(2 * 1600)  # 100 ms at 16 kHz
+        for _ in range(60):  # 6 s at once: the 2 s burst passes, the rest is refused
+            await ws.send(silence)
+        err = await _next_error(ws)
+        assert err["code"] == "input_rate_exceeded" and err["fatal"] is False
+        await ws.send(json.dumps({"type": "input.clear"}))
+        async with asyncio.timeout(5):
+            while True:
+                reply = await ws.recv()
+                if isinstance(reply, str) and json.loads(reply)["type"] == "input.cleared":
+                    break
+        assert session.input_ms <= 2500, session.input_ms  # the refused audio was not processed
+
+
+async def test_per_client_limit(server: RunningServer) -> None:
+    cfg = server.state.cfg.server
+    cfg.max_sessions_per_client = 1
+    try:
+        async with websockets.connect(server.ws()) as first:
+            await _started(first)
+            async with websockets.connect(server.ws()) as second:
+                await second.send(json.dumps({"type": "session.start"}))
+                err = json.loads(await second.recv())
+                assert err["code"] == "capacity_exceeded" and "one address" in err["message"]
+                with pytest.raises(websockets.ConnectionClosed) as closed:
+                    await asyncio.wait_for(second.recv(), 5)
+                assert closed.value.rcvd is not None and closed.value.rcvd.code == 1013
+    finally:
+        cfg.max_sessions_per_client = None
+    assert not server.state.client_sessions or all(n > 0 for n in server.state.client_sessions.values())
+
+
+async def test_foreign_origin_is_refused_at_the_handshake(server: RunningServer) -> None:
+    with pytest.raises(websockets.InvalidStatus) as refused:
+        async with websockets.connect(server.ws(), origin="https://evil.example"):  # type: ignore[arg-type]
+            pass
+    assert refused.value.response.status_code == 403
+    async with websockets.connect(server.ws(), origin=f"http://127.0.0.1:{server.port}") as ws:  # type: ignore[arg-type]
+        await _started(ws)  # our own page
+
+
 async def test_start_errors_close_the_connection_with_a_code(server: RunningServer) -> None:
     async with websockets.connect(server.ws()) as ws:
         await ws.send(json.dumps({"type": "session.start", "sample_rate": 12345}))
@@ -274,8 +365,9 @@ async def test_start_errors_close_the_connection_with_a_code(server: RunningServ
             await ws.send(json.dumps({"type": "session.start"}))
             err = json.loads(await ws.recv())
             assert err["code"] == "capacity_exceeded" and err["fatal"] is True
-            with pytest.raises(websockets.ConnectionClosed):
+            with pytest.raises(websockets.ConnectionClosed) as closed:
                 await asyncio.wait_for(ws.recv(), 5)
+            assert closed.value.rcvd is not None and closed.value.rcvd.code == 1013  # try again later
     finally:
         cfg.max_sessions = old
         await first.close()
