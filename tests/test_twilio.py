@@ -205,6 +205,46 @@ def test_twiml_and_stream_url() -> None:
     assert '<Parameter name="system_prompt" value="Say &quot;hi&quot; &amp; &lt;go&gt;"/>' in xml
 
 
+def _twilio_signature(token: str, url: str, params: dict[str, str]) -> str:
+    """Written here from Twilio's docs (twilio.com/docs/usage/security), not imported: the
+    full URL, then each POST field's name and value in name order, HMAC-SHA1, base64."""
+    import hashlib
+    import hmac
+
+    message = url + "".join(name + params[name] for name in sorted(params))
+    return base64.b64encode(hmac.new(token.encode(), message.encode(), hashlib.sha1).digest()).decode()
+
+
+def test_twilio_signature_matches_twilios_published_vectors() -> None:
+    # From twilio-python's tests (tests/unit/test_request_validator.py).
+    url = "https://mycompany.com/myapp.php?foo=1&bar=2"
+    params = {"CallSid": "CA1234567890ABCDE", "Digits": "1234", "From": "+14158675309",
+              "To": "+18005551212", "Caller": "+14158675309"}
+    assert tp.signature("12345", url, params.items()) == "RSOYDt4T1cUTdK1PDd93/VVr8B8="
+    assert tp.signature_valid("12345", url, params.items(), "RSOYDt4T1cUTdK1PDd93/VVr8B8=")
+    # A proxy adding or dropping the port must not break it (Twilio's validator tries both).
+    assert tp.signature_valid("12345", url.replace(".com", ".com:1234"), params.items(), "RSOYDt4T1cUTdK1PDd93/VVr8B8=")
+    assert tp.signature_valid("12345", url, params.items(), "kvajT1Ptam85bY51eRf/AJRuM3w=")  # signed with :443
+    dup = [("Sid", "CA123"), ("SidAccount", "AC123"), ("Digits", "5678"), ("Digits", "1234")]
+    assert tp.signature("12345", url, dup) == "IK+Dwps556ElfBT0I3Rgjkr1wJU="
+    assert not tp.signature_valid("12345", url, params.items(), None)
+    assert not tp.signature_valid("12346", url, params.items(), "RSOYDt4T1cUTdK1PDd93/VVr8B8=")
+    assert not tp.signature_valid("12345", url + "&x=1", params.items(), "RSOYDt4T1cUTdK1PDd93/VVr8B8=")
+    assert _twilio_signature("12345", url, params) == "RSOYDt4T1cUTdK1PDd93/VVr8B8="
+
+
+def test_request_url_as_twilio_saw_it() -> None:
+    fwd = {"x-forwarded-proto": "https", "x-forwarded-host": "bot.example.com"}
+    assert tp.request_url(None, fwd, "http", "127.0.0.1:8080", "/twilio/voice", "a=1") == \
+        "https://bot.example.com/twilio/voice?a=1"
+    assert tp.request_url(None, fwd, "ws", "127.0.0.1:8080", "/twilio", "") == "wss://bot.example.com/twilio"
+    assert tp.request_url("wss://bot.example.com/vb", {}, "http", "h", "/twilio/voice", "") == \
+        "https://bot.example.com/vb/twilio/voice"
+    assert tp.request_url("wss://bot.example.com/vb", {}, "ws", "h", "/twilio", "") == "wss://bot.example.com/vb/twilio"
+    busy = tp.twiml_busy("Busy <now> & later")
+    assert busy.endswith("<Response><Say>Busy &lt;now&gt; &amp; later</Say><Hangup/></Response>")
+
+
 # ================================================================ real calls
 @pytest.fixture(scope="module")
 async def server(models_config: ModelsConfig) -> AsyncIterator[RunningServer]:
@@ -471,3 +511,96 @@ async def test_probe_speaks_twilio(server: RunningServer, speech_clips: list[Cli
     assert record.status == "ok", record
     assert record.voice_to_voice_ms is not None and record.voice_to_voice_ms > 0
     assert record.replies and record.replies[0]["status"] == "completed"
+
+
+@contextlib.contextmanager
+def server_errors() -> Any:
+    """Every ERROR the server logs (uvicorn's "Exception in ASGI application" included:
+    uvicorn's loggers do not propagate to the root logger that caplog watches)."""
+    import logging
+
+    seen: list[logging.LogRecord] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record)
+
+    handler = Catch(logging.ERROR)
+    loggers = [logging.getLogger(n) for n in ("", "uvicorn", "uvicorn.error", "voicebot")]
+    for lg in loggers:
+        lg.addHandler(handler)
+    try:
+        yield seen
+    finally:
+        for lg in loggers:
+            lg.removeHandler(handler)
+
+
+async def test_caller_hanging_up_logs_no_traceback(server: RunningServer) -> None:
+    with server_errors() as errors:
+        for _ in range(3):
+            async with twilio_call(server) as (call, session):
+                await asyncio.sleep(0.3)
+            # twilio_call closed the socket from our side: a hang-up without 'stop'.
+            await wait_for(lambda s=session: s.id not in server.state.sessions, 10, "session closed")
+        await asyncio.sleep(0.5)
+    assert not errors, [f"{r.name}: {r.getMessage()}" for r in errors]
+
+
+async def test_twilio_signature_on_webhook_and_stream(server: RunningServer) -> None:
+    tel = server.state.cfg.telephony
+    token = "tw-auth-token-test"
+    tel.auth_token = token
+    try:
+        async with httpx.AsyncClient(base_url=server.http) as http:
+            form = {"CallSid": "CA1", "From": "+15550100", "To": "+15550199", "AccountSid": "AC1"}
+            url = f"{server.http}/twilio/voice?voice=en-us"
+            good = _twilio_signature(token, url, form)
+            r = await http.post("/twilio/voice?voice=en-us", data=form, headers={"X-Twilio-Signature": good})
+            assert r.status_code == 200 and "<Connect><Stream" in r.text, r.text
+            for sig in (None, _twilio_signature("wrong", url, form), _twilio_signature(token, url, {**form, "To": "+1"})):
+                r = await http.post("/twilio/voice?voice=en-us", data=form,
+                                    headers={"X-Twilio-Signature": sig} if sig else {})
+                assert r.status_code == 403, (sig, r.status_code)
+            # Behind a proxy: Twilio signed the public https URL.
+            public = "https://bot.example.com/twilio/voice"
+            r = await http.post("/twilio/voice", data=form, headers={
+                "X-Twilio-Signature": _twilio_signature(token, public, form),
+                "X-Forwarded-Proto": "https", "X-Forwarded-Host": "bot.example.com"})
+            assert r.status_code == 200, r.text
+        # The stream's upgrade request is signed over the wss URL, without parameters.
+        stream_url = server.ws("/twilio")
+        for headers, accepted in (({"X-Twilio-Signature": _twilio_signature(token, stream_url, {})}, True),
+                                  ({"X-Twilio-Signature": _twilio_signature("nope", stream_url, {})}, False),
+                                  ({}, False)):
+            async with websockets.connect(stream_url, additional_headers=headers) as ws:
+                call = FakeTwilio(ws)
+                with contextlib.suppress(websockets.ConnectionClosed):  # refused at the upgrade
+                    await call.start()
+                if accepted:
+                    with pytest.raises(TimeoutError):
+                        await asyncio.wait_for(ws.wait_closed(), 0.5)
+                    await call.send("stop")
+                await asyncio.wait_for(ws.wait_closed(), 10)
+                if not accepted:
+                    assert ws.close_code == 1008 and ws.close_reason.startswith("unauthorized"), ws.close_reason
+    finally:
+        tel.auth_token = None
+
+
+async def test_no_free_line_says_so_and_hangs_up(server: RunningServer) -> None:
+    cfg = server.state.cfg.server
+    old, cfg.max_sessions = cfg.max_sessions, 1
+    server.state.sessions["sess_placeholder"] = None  # type: ignore[assignment]
+    try:
+        async with httpx.AsyncClient(base_url=server.http) as http:
+            r = await http.post("/twilio/voice")
+        assert r.status_code == 200 and r.headers["content-type"].startswith("application/xml")
+        assert "<Say>Sorry, all our lines are busy." in r.text and r.text.endswith("<Hangup/></Response>")
+        async with websockets.connect(server.ws("/twilio")) as ws:  # a stream anyway: 1013
+            await FakeTwilio(ws).start()
+            await asyncio.wait_for(ws.wait_closed(), 10)
+            assert ws.close_code == 1013 and ws.close_reason.startswith("capacity_exceeded")
+    finally:
+        server.state.sessions.pop("sess_placeholder")
+        cfg.max_sessions = old
