@@ -7,6 +7,7 @@ track in, Realtime events on "oai-events"), so these tests cover the probe as we
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 from collections.abc import AsyncIterator
@@ -202,7 +203,7 @@ async def test_bad_requests_and_capacity_are_json_errors(server: RunningServer) 
         )
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_sdp"  # beta path
         r = await http.post("/v1/realtime/calls", json={"sdp": "v=0"})
-        assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_media_type"
+        assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
         r = await http.post("/v1/realtime/client_secrets", json={"expires_after": {"seconds": 1}})
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_value"
 
@@ -229,6 +230,85 @@ async def test_bad_requests_and_capacity_are_json_errors(server: RunningServer) 
             "code": "capacity_exceeded",
             "message": r.json()["error"]["message"],
         }
+    await _settled(server)
+
+
+async def _offer() -> tuple[RTCPeerConnection, str]:
+    pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+    pc.addTransceiver("audio")
+    pc.createDataChannel("oai-events")
+    await pc.setLocalDescription(await pc.createOffer())
+    return pc, pc.localDescription.sdp
+
+
+async def test_a_foreign_page_cannot_open_calls(server: RunningServer) -> None:
+    """text/plain needs no CORS preflight: without the origin check any web page could
+    open calls on a keyless server (the browser cannot read the answer, but the call,
+    its session and its slot exist)."""
+    pc, sdp = await _offer()
+    try:
+        async with httpx.AsyncClient(base_url=server.http, timeout=10) as http:
+            for path in ("/v1/realtime/calls", "/v1/realtime"):
+                r = await http.post(path, content=sdp, headers={
+                    "Content-Type": "text/plain;charset=UTF-8", "Origin": "https://evil.example"})
+                assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed", r.text
+            r = await http.post("/v1/realtime/client_secrets", json={},
+                                headers={"Origin": "https://evil.example"})
+            assert r.status_code == 403
+            assert not server.state.sessions and not server.state.peer_connections
+            # Our own page (same origin) gets through to the next check.
+            r = await http.post("/v1/realtime/calls", content="hello", headers={
+                "Content-Type": "text/plain", "Origin": server.http})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_sdp"
+    finally:
+        await pc.close()
+    await _settled(server)
+
+
+async def test_request_bodies_are_bounded_as_they_stream(server: RunningServer) -> None:
+    big = "v=0\r\n" + "a=x-pad:" + "x" * (4 << 20)
+
+    async def chunked() -> AsyncIterator[bytes]:  # no Content-Length: only streaming can tell
+        data = big.encode()
+        for i in range(0, len(data), 64 << 10):
+            yield data[i : i + (64 << 10)]
+
+    async with httpx.AsyncClient(base_url=server.http, timeout=30) as http:
+        r = await http.post("/v1/realtime/calls", content=big, headers={"Content-Type": "application/sdp"})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large", r.text
+        r = await http.post("/v1/realtime/calls", content=chunked(), headers={"Content-Type": "application/sdp"})
+        assert r.status_code == 413, r.text
+        r = await http.post("/v1/realtime/client_secrets",
+                            json={"session": {"instructions": "a" * (1 << 20)}})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large", r.text
+        r = await http.post("/v1/realtime/client_secrets", content="[" * 100_000 + "]" * 100_000,
+                            headers={"Content-Type": "application/json"})
+        assert r.status_code in (400, 413), r.text
+    assert not server.state.ephemeral or all(v for v in server.state.ephemeral.values())
+
+
+async def test_data_channel_messages_have_the_size_limit(server: RunningServer) -> None:
+    cfg = server.state.cfg.server
+    old, cfg.max_message_bytes = cfg.max_message_bytes, 4096
+    client = WebRTCClient(ConnectOptions(url=server.http))
+    try:
+        await client.connect()
+        padded = json.dumps({"type": "input_audio_buffer.clear", "pad": "x" * 8000})
+        client._channel.send(padded)
+        async with asyncio.timeout(10):
+            while True:
+                item = await client.receive()
+                if isinstance(item, Event) and item.data["type"] == "error":
+                    break
+        assert item.data["code"] == "message_too_large", item.data
+        assert "input_audio_buffer.cleared" not in client.seen  # refused, not carried out
+        client._channel.send(json.dumps({"type": "input_audio_buffer.clear"}))
+        async with asyncio.timeout(10):
+            while "input_audio_buffer.cleared" not in client.seen:  # the call goes on
+                await asyncio.sleep(0.05)
+    finally:
+        cfg.max_message_bytes = old
+        await client.close()
     await _settled(server)
 
 
