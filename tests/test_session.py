@@ -3,13 +3,16 @@
 The real engines are exercised end to end in test_voice_loop.py; here the question is
 the state machine: speculation and its cancellation, barge-in and what the history
 keeps, manual turns, failures and bounded output.
+
+Time is virtual (:class:`VirtualClock`): the fakes' delays, the caller's 20 ms audio
+frames and the session's pacer all run on it, so the tests are exact on a loaded
+machine and take no wall-clock time to speak or wait.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -23,6 +26,7 @@ from voicebot.engines.asr import Partial, Transcript
 from voicebot.engines.llm import GenerationStats, TextDelta
 from voicebot.errors import BadMessage, EngineError
 from voicebot.session import events as ev
+from voicebot.session.clock import REAL_CLOCK, Clock, VirtualClock
 from voicebot.session.session import Session
 from voicebot.session.settings import SessionSettings
 
@@ -33,12 +37,16 @@ FRAME = 320
 class FakeVadStream:
     """Speech is any window whose RMS is above 0.01."""
 
-    def __init__(self) -> None:
+    def __init__(self, vad: FakeVad) -> None:
+        self._vad = vad
         self._rest = np.zeros(0, dtype=np.float32)
 
     def process(self, audio: np.ndarray) -> np.ndarray:
         audio = np.concatenate([self._rest, audio])
         n = audio.size // 512
+        self._vad.windows.append(n)
+        if self._vad.on_process is not None:
+            self._vad.on_process(n)
         self._rest = audio[n * 512 :]
         windows = audio[: n * 512].reshape(n, 512)
         return (np.sqrt((windows**2).mean(axis=1)) > 0.01).astype(np.float32) * 0.9
@@ -48,14 +56,19 @@ class FakeVadStream:
 
 
 class FakeVad:
+    def __init__(self) -> None:
+        self.windows: list[int] = []  # 32 ms windows per process() call
+        self.on_process: Callable[[int], None] | None = None
+
     def stream(self) -> FakeVadStream:
-        return FakeVadStream()
+        return FakeVadStream(self)
 
 
 class FakeAsrStream:
     def __init__(self, engine: FakeAsr) -> None:
         self.engine = engine
         self.samples = 0
+        self.closed = False
         self._partials: asyncio.Queue[Partial | None] = asyncio.Queue()
 
     def push(self, audio: np.ndarray) -> None:
@@ -70,9 +83,11 @@ class FakeAsrStream:
 
     async def finalize(self, covering_s: float | None = None) -> Transcript:
         self.engine.finals += 1
-        await asyncio.sleep(0.03)
+        await self.engine.clock.sleep(0.03)
         if self.engine.fail:
             raise EngineError("ASR decode failed: out of memory")
+        # Like the real stream, the decode sees the buffer as it is when it runs.
+        self.engine.final_audio_s.append(round(self.samples / RATE, 3))
         return Transcript(self.engine.text, self.samples / RATE, 0.03)
 
     def reset(self) -> None:
@@ -88,7 +103,10 @@ class FakeAsrStream:
         return item
 
     async def aclose(self) -> None:
-        self._partials.put_nowait(None)
+        if not self.closed:
+            self.closed = True
+            self.engine.closed += 1
+            self._partials.put_nowait(None)
 
 
 @dataclass
@@ -98,9 +116,14 @@ class FakeAsr:
     partial_requests: int = 0
     fail: bool = False
     queue_depth: int = 0
+    clock: Clock = REAL_CLOCK
+    streams: list[FakeAsrStream] = field(default_factory=list)
+    closed: int = 0
+    final_audio_s: list[float] = field(default_factory=list)
 
     def stream(self, *, language: str | None = None) -> FakeAsrStream:
-        return FakeAsrStream(self)
+        self.streams.append(FakeAsrStream(self))
+        return self.streams[-1]
 
 
 @dataclass
@@ -115,6 +138,7 @@ class FakeLlm:
     running: int = 0
     background_waiting: int = 0
     cache_hit_ratio: float = 0.0
+    clock: Clock = REAL_CLOCK
 
     async def generate(self, prompt_ids: list[int], *, stats: GenerationStats | None = None, **_: object) -> AsyncIterator[TextDelta]:
         rid = f"r{len(self.started)}"
@@ -124,9 +148,9 @@ class FakeLlm:
             if self.fail:
                 raise EngineError("the model fell over")
             for i, word in enumerate(self.reply.split()):
-                await asyncio.sleep(self.word_delay)
+                await self.clock.sleep(self.word_delay)
                 if stats is not None and stats.first_token_at is None:
-                    stats.first_token_at = time.monotonic()
+                    stats.first_token_at = self.clock.monotonic()
                 yield TextDelta(("" if i == 0 else " ") + word, 1)
             finished = True
             self.completed.append(rid)
@@ -134,8 +158,28 @@ class FakeLlm:
             if not finished:
                 self.aborted.append(rid)
 
+    # Background summaries: how many at once, what they were asked, how they ended.
+    summary_delay: float = 0.0
+    summary_fail: bool = False
+    summary_prompts: list[str] = field(default_factory=list)
+    summarising: int = 0
+    most_summarising: int = 0
+    summaries_cancelled: int = 0
+
     async def complete(self, prompt_ids: list[int], **kw: object) -> str:
-        return "".join([d.text async for d in self.generate(prompt_ids, **kw)])
+        self.summarising += 1
+        self.most_summarising = max(self.most_summarising, self.summarising)
+        try:
+            self.summary_prompts.append(self.tokenizer.decode(prompt_ids))  # type: ignore[attr-defined]
+            await self.clock.sleep(self.summary_delay)
+            if self.summary_fail:
+                raise EngineError("background lane: out of KV cache")
+            return f"Summary {len(self.summary_prompts)}."
+        except asyncio.CancelledError:
+            self.summaries_cancelled += 1
+            raise
+        finally:
+            self.summarising -= 1
 
 
 class FakeTts:
@@ -144,12 +188,28 @@ class FakeTts:
     sample_rate = RATE
     queue_depth = 0
 
+    def __init__(self, clock: Clock = REAL_CLOCK, delay: float = 0.005) -> None:
+        self.clock = clock
+        self.delay = delay
+        self.started = 0
+        self.finished = 0
+        self.aborted = 0
+
     def voices(self) -> list[str]:
         return ["fake"]
 
     async def synthesize(self, text: str, *, voice: str | None = None, speed: float | None = None) -> AsyncIterator[np.ndarray]:
-        await asyncio.sleep(0.005)
-        yield np.full(len(text.split()) * RATE // 10, 0.2, dtype=np.float32)
+        self.started += 1
+        done = False
+        try:
+            await self.clock.sleep(self.delay)
+            yield np.full(len(text.split()) * RATE // 10, 0.2, dtype=np.float32)
+            done = True
+        finally:
+            if done:
+                self.finished += 1
+            else:
+                self.aborted += 1
 
 
 @pytest.fixture(scope="module")
@@ -157,19 +217,49 @@ def tokenizer(bundle_dir: Callable[[str], str]):  # type: ignore[no-untyped-def]
     return AutoTokenizer.from_pretrained(bundle_dir("qwen3-tokenizer"))
 
 
-def make_engines(tokenizer, **llm_kw) -> Engines:  # type: ignore[no-untyped-def]
+def make_engines(tokenizer, clock: Clock | None = None, **llm_kw) -> Engines:  # type: ignore[no-untyped-def]
+    """Fake engines; every delay runs on ``clock`` (a fresh VirtualClock by default)."""
+    clock = clock or VirtualClock()
     cfg = Config.model_validate(
         {
             "vad": {"min_speech_ms": 96, "speculative_silence_ms": 160, "min_silence_ms": 480, "barge_in_min_ms": 192},
             "session": {"playout_lead_ms": 0, "out_queue_frames": 4096},
         }
     )
-    return Engines(cfg, FakeAsr(), FakeLlm(tokenizer, **llm_kw), FakeTts(), FakeVad())  # type: ignore[arg-type]
+    return Engines(
+        cfg, FakeAsr(clock=clock), FakeLlm(tokenizer, clock=clock, **llm_kw), FakeTts(clock), FakeVad()  # type: ignore[arg-type]
+    )
+
+
+def clock_of(engines: Engines) -> Clock:
+    return engines.asr.clock  # type: ignore[attr-defined, no-any-return]
+
+
+def with_session_cfg(engines: Engines, **changes: object) -> None:
+    engines.cfg = engines.cfg.model_copy(update={"session": engines.cfg.session.model_copy(update=changes)})
+
+
+async def elapse(clock: Clock, seconds: float) -> None:
+    """Let ``seconds`` pass: virtual time is moved on, real time is waited for."""
+    if isinstance(clock, VirtualClock):
+        await clock.advance(seconds)
+    else:
+        await asyncio.sleep(seconds)
+
+
+async def until(clock: Clock, condition: Callable[[], object], timeout: float = 5.0) -> None:
+    """Let time pass until ``condition()`` holds (``timeout`` seconds of that clock)."""
+    deadline = clock.monotonic() + timeout
+    while not condition():
+        if clock.monotonic() > deadline:
+            raise TimeoutError(f"condition not met within {timeout} s")
+        await elapse(clock, 0.01)
 
 
 class Caller:
-    def __init__(self, session: Session) -> None:
+    def __init__(self, session: Session, clock: Clock) -> None:
         self.session = session
+        self.clock = clock
         self.events: list[object] = []
         self._task = asyncio.create_task(self._collect())
 
@@ -184,18 +274,20 @@ class Caller:
         await self._push(ms, 0.0)
 
     async def _push(self, ms: int, level: float) -> None:
-        start = time.monotonic()
+        """One 20 ms frame every 20 ms of the clock, as a real-time client sends."""
+        start = self.clock.monotonic()
         for i in range(ms // 20):
             self.session.push_audio(np.full(FRAME, level, dtype=np.float32), RATE)
-            await asyncio.sleep(max(0.0, start + (i + 1) * 0.02 - time.monotonic()))
+            await elapse(self.clock, max(0.0, start + (i + 1) * 0.02 - self.clock.monotonic()))
+
+    async def pause(self, seconds: float) -> None:
+        await elapse(self.clock, seconds)
 
     def of(self, kind: type) -> list:
         return [e for e in self.events if isinstance(e, kind)]
 
     async def wait_for(self, kind: type, timeout: float = 5.0):  # type: ignore[no-untyped-def]
-        async with asyncio.timeout(timeout):
-            while not self.of(kind):
-                await asyncio.sleep(0.01)
+        await until(self.clock, lambda: self.of(kind), timeout)
         return self.of(kind)[0]
 
     async def close(self) -> None:
@@ -206,9 +298,10 @@ class Caller:
 @contextlib.asynccontextmanager
 async def call(engines: Engines, **settings: object) -> AsyncIterator[Caller]:
     base = SessionSettings.from_config(engines.cfg).model_copy(update=settings)
-    session = Session(engines, base)
+    clock = clock_of(engines)
+    session = Session(engines, base, clock=clock)
     async with session:
-        caller = Caller(session)
+        caller = Caller(session, clock)
         try:
             yield caller
         finally:
@@ -255,13 +348,13 @@ async def test_barge_in_stops_playout_and_history_keeps_the_played_words(tokeniz
         await c.speak(600)
         await c.silence(500)
         await c.wait_for(ev.ResponseAudioStarted)
-        await asyncio.sleep(0.6)  # about six words (100 ms each) played
-        t0 = time.monotonic()
+        await c.pause(0.6)  # about six words (100 ms each) played
+        t0 = c.clock.monotonic()
         await c.speak(260)
         barge = await c.wait_for(ev.BargeIn)
-        assert time.monotonic() - t0 < 0.5
+        assert c.clock.monotonic() - t0 < 0.5
         frames_at_barge = len(c.of(ev.ResponseAudio))
-        await asyncio.sleep(0.2)
+        await c.pause(0.2)
         assert len(c.of(ev.ResponseAudio)) == frames_at_barge, "playout stopped"
         done = c.of(ev.ResponseDone)[0]
         full = engines.llm.reply.split()
@@ -295,7 +388,7 @@ async def test_manual_turns_without_server_vad(tokenizer) -> None:  # type: igno
         item = c.session.commit_input()
         final = await c.wait_for(ev.TranscriptFinal)
         assert final.item_id == item and final.text == engines.asr.text
-        await asyncio.sleep(0.1)
+        await c.pause(0.1)
         assert not c.of(ev.ResponseStarted), "no reply until the client asks"
         rid = c.session.create_response()
         done = await c.wait_for(ev.ResponseDone)
@@ -308,7 +401,7 @@ async def test_cancel_and_truncate(tokenizer) -> None:  # type: ignore[no-untype
         c.session.add_text("user", "Tell me about the weather.")
         c.session.create_response()
         await c.wait_for(ev.ResponseAudioStarted)
-        await asyncio.sleep(0.5)
+        await c.pause(0.5)
         assert c.session.cancel_response()
         done = await c.wait_for(ev.ResponseDone)
         assert done.status == "cancelled" and done.text
@@ -329,9 +422,7 @@ async def test_an_engine_failure_is_an_error_event_and_the_session_goes_on(token
         engines.llm.fail = False
         await c.speak(600)
         await c.silence(700)
-        async with asyncio.timeout(5):
-            while len(c.of(ev.ResponseDone)) < 2:
-                await asyncio.sleep(0.01)
+        await until(c.clock, lambda: len(c.of(ev.ResponseDone)) >= 2)
         assert c.of(ev.ResponseDone)[1].status == "completed"
 
 
@@ -344,35 +435,31 @@ async def test_unknown_voice_is_refused(tokenizer) -> None:  # type: ignore[no-u
 
 async def test_a_client_that_stops_reading_is_dropped_not_buffered(tokenizer) -> None:  # type: ignore[no-untyped-def]
     engines = make_engines(tokenizer)
-    cfg = engines.cfg.model_copy(update={"session": engines.cfg.session.model_copy(update={"out_queue_frames": 16})})
-    engines.cfg = cfg
-    session = Session(engines, SessionSettings.from_config(cfg))
+    with_session_cfg(engines, out_queue_frames=16)
+    clock = clock_of(engines)
+    session = Session(engines, SessionSettings.from_config(engines.cfg), clock=clock)
     async with session:
         for _ in range(3):  # nobody reads events
             for _ in range(40):
                 session.push_audio(np.full(FRAME, 0.1, dtype=np.float32), RATE)
             for _ in range(40):
                 session.push_audio(np.zeros(FRAME, dtype=np.float32), RATE)
-            await asyncio.sleep(0.05)
-        async with asyncio.timeout(5):
-            while session.closed_reason is None:
-                await asyncio.sleep(0.01)
+            await elapse(clock, 0.05)
+        await until(clock, lambda: session.closed_reason is not None)
         assert session.closed_reason == "slow_consumer"
         assert session._out.qsize() <= 16
 
 
 async def test_a_silent_wire_ends_the_session(tokenizer) -> None:  # type: ignore[no-untyped-def]
     engines = make_engines(tokenizer)
-    engines.cfg = engines.cfg.model_copy(
-        update={"session": engines.cfg.session.model_copy(update={"idle_timeout_s": 1.0})}
-    )
+    with_session_cfg(engines, idle_timeout_s=1.0)
     async with call(engines) as c:
         await c.speak(100)
+        t0 = c.clock.monotonic()
         err = await c.wait_for(ev.ErrorEvent, timeout=5)
         assert err.code == "idle_timeout" and err.fatal
-        async with asyncio.timeout(2):
-            while c.session.closed_reason is None:
-                await asyncio.sleep(0.01)
+        assert 0.95 <= c.clock.monotonic() - t0 <= 1.05, "on time, to the virtual 10 ms"
+        await until(c.clock, lambda: c.session.closed_reason is not None, timeout=2)
         assert c.session.closed_reason == "idle_timeout"
 
 
@@ -393,18 +480,15 @@ async def test_a_failed_transcript_is_reported_and_the_call_goes_on(tokenizer) -
 
 
 async def test_old_turns_are_summarised_in_the_background(tokenizer) -> None:  # type: ignore[no-untyped-def]
-    engines = make_engines(tokenizer, word_delay=0.0)
-    engines.cfg = engines.cfg.model_copy(
-        update={"session": engines.cfg.session.model_copy(update={"history_tokens": 220})}
-    )
+    engines = make_engines(tokenizer, clock=REAL_CLOCK, word_delay=0.0)
+    with_session_cfg(engines, history_tokens=220)
     async with call(engines, turn_detection=False, max_tokens=20) as c:
         for i in range(6):
             c.session.add_text("user", f"Question number {i} about the weather in some faraway town?")
             c.session.add_text("assistant", f"Answer number {i}: it will be sunny and warm there.")
-        async with asyncio.timeout(5):
-            while c.session.conversation.summary is None:
-                await asyncio.sleep(0.01)
+        await until(c.clock, lambda: c.session.conversation.summary is not None)
         conv = c.session.conversation
         assert conv.token_count + conv.reply_tokens <= conv.budget_tokens
-        assert conv.summary == engines.llm.reply.strip()
+        assert conv.summary == "Summary 1."
         assert conv.messages[-1].content.startswith("Answer number 5")
+

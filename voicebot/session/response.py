@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,6 +24,7 @@ from voicebot.audio import resample
 from voicebot.engines.llm import GenerationStats, Lane, LlmEngine
 from voicebot.engines.tts import TtsEngine
 from voicebot.session.clauses import ClauseChunker
+from voicebot.session.clock import REAL_CLOCK, Clock
 from voicebot.session.playout import Playout
 
 log = logging.getLogger(__name__)
@@ -30,7 +32,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class ResponseTimes:
-    """Wall-clock (time.monotonic) marks of one reply."""
+    """Marks of one reply on the session's clock."""
 
     requested: float = field(default_factory=time.monotonic)
     first_clause: float | None = None
@@ -55,6 +57,8 @@ class Response:
         max_clause_words: int,
         gated: bool,
         output_rate: int | None = None,
+        clock: Clock = REAL_CLOCK,
+        on_audio: Callable[[], None] | None = None,
     ) -> None:
         self.id = response_id
         self.item_id = item_id
@@ -71,7 +75,10 @@ class Response:
         self._tts_rate = tts.sample_rate
         self.playout = Playout(output_rate or tts.sample_rate)
         self.stats = GenerationStats(request_id=response_id, lane=Lane.INTERACTIVE)
-        self.times = ResponseTimes()
+        self._clock = clock
+        self.times = ResponseTimes(requested=clock.monotonic())
+        # Called when audio lands in the playout: the pacer waits for it, not polls.
+        self._on_audio = on_audio
         self.released = asyncio.Event()
         if not gated:
             self.released.set()
@@ -119,24 +126,24 @@ class Response:
                     await self._put_clause(clauses, clause)
         if (rest := self._chunker.flush()) is not None:
             await self._put_clause(clauses, rest)
-        self.times.done_generating = time.monotonic()
+        self.times.done_generating = self._clock.monotonic()
         await clauses.put(None)
 
     async def _put_clause(self, clauses: asyncio.Queue[str | None], clause: str) -> None:
         if self.times.first_clause is None:
-            self.times.first_clause = time.monotonic()
+            self.times.first_clause = self._clock.monotonic()
         await clauses.put(clause)
 
     async def _synthesize(self, clauses: asyncio.Queue[str | None]) -> None:
         while (clause := await clauses.get()) is not None:
             if self.times.first_clause_synth_start is None:
-                self.times.first_clause_synth_start = time.monotonic()
+                self.times.first_clause_synth_start = self._clock.monotonic()
             async with contextlib.aclosing(
                 self._tts.synthesize(clause, voice=self._voice, speed=self._speed)
             ) as audio_stream:
                 async for chunk in audio_stream:
                     if self.times.first_audio is None:
-                        self.times.first_audio = time.monotonic()
+                        self.times.first_audio = self._clock.monotonic()
                     await self._wait_for_room()
                     audio = np.asarray(chunk, dtype=np.float32)
                     if self.playout.added == 0:
@@ -144,6 +151,8 @@ class Response:
                     if self.playout.sample_rate != self._tts_rate:
                         audio = resample(audio, self._tts_rate, self.playout.sample_rate)
                     self.playout.add(audio)
+                    if self._on_audio is not None:
+                        self._on_audio()
             self.playout.end_clause(clause)
 
     async def _wait_for_room(self) -> None:

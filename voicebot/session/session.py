@@ -17,13 +17,12 @@ request aborted).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
-import time
 import uuid
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -34,6 +33,7 @@ from voicebot.engines.asr import Transcript
 from voicebot.engines.llm import Lane
 from voicebot.errors import BadAudio, BadMessage, VoicebotError
 from voicebot.metrics import Metrics
+from voicebot.session.clock import REAL_CLOCK, Clock
 from voicebot.session.events import (
     BargeIn,
     ErrorEvent,
@@ -79,7 +79,7 @@ class _Turn:
     item_id: str
     seq: int
     final: asyncio.Task[Transcript]
-    asr_started: float = field(default_factory=time.monotonic)
+    asr_started: float
     asr_done: float | None = None
     speech_end: float | None = None  # wall clock of the last speech audio
     committed_at: float | None = None
@@ -95,6 +95,7 @@ class Session:
         metrics: Metrics | None = None,
         session_id: str | None = None,
         transport: str = "native",
+        clock: Clock | None = None,
     ) -> None:
         cfg: Config = engines.cfg
         self.cfg = cfg
@@ -104,6 +105,7 @@ class Session:
         self.id = session_id or f"sess_{uuid.uuid4().hex[:12]}"
         self.transport = transport
         self.metrics = metrics
+        self._clock: Clock = clock or REAL_CLOCK
         self.log = SessionLog(log, {"session": self.id})
         # Control events are few; audio frames are paced at 50/s. A client that stops
         # reading for out_queue_frames events is dropped instead of growing memory.
@@ -132,7 +134,7 @@ class Session:
         self._response: Response | None = None
         self._response_turn: _Turn | None = None
         self._response_task: asyncio.Task[None] | None = None
-        self._wake = asyncio.Event()  # pacer: a response was released
+        self._wake = asyncio.Event()  # pacer: a response was released or got audio
         self._tasks: set[asyncio.Task[object]] = set()
         self._tg: asyncio.TaskGroup | None = None
         self._main: asyncio.Task[None] | None = None
@@ -142,7 +144,7 @@ class Session:
         # Playouts of recent replies, so a client can still truncate them to what it heard.
         self._heard: dict[str, Playout] = {}
         self.input_ms = 0.0
-        self._last_input = time.monotonic()
+        self._last_input = self._clock.monotonic()
         self.closed_reason: str | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -188,6 +190,8 @@ class Session:
         task = self._tg.create_task(self._guard(coro), name=f"{self.id}-{name}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        # A task cancelled before its first step never awaits ``coro``: close it.
+        task.add_done_callback(lambda _: coro.close())
         return task
 
     async def _guard(self, coro) -> None:  # type: ignore[no-untyped-def]
@@ -253,7 +257,7 @@ class Session:
             audio = rs.process(audio)
         if audio.size == 0:
             return
-        self._last_input = time.monotonic()
+        self._last_input = self._clock.monotonic()
         self.input_ms += 1000.0 * audio.size / ASR_RATE
         if not self.settings.turn_detection:
             self._asr.push(audio)  # the client decides when the turn ends
@@ -263,7 +267,7 @@ class Session:
         bot_speaking = self._response is not None and self._response.released.is_set()
         for i, prob in enumerate(self._vad.process(audio)):
             if prob >= self.settings.vad.threshold and self._item_id is not None:
-                self._last_speech_wall = time.monotonic()
+                self._last_speech_wall = self._clock.monotonic()
                 # Where speech ends in the ASR buffer (up to one window late: safe).
                 self._speech_end_asr_s = self._asr.buffered_s + (i + 1) * _VAD_WINDOW_MS / 1000
             for sig in self._turns.update(float(prob), _VAD_WINDOW_MS, bot_speaking):
@@ -272,7 +276,7 @@ class Session:
         # silence as partials would only compete with it and the LLM for the cores.
         if self._item_id is not None and not pushed and not self._turns.paused:
             self._asr.push(audio)
-            if time.monotonic() - self._turn_open_at > self.cfg.session.max_turn_s:
+            if self._clock.monotonic() - self._turn_open_at > self.cfg.session.max_turn_s:
                 for sig in self._turns.force_end():
                     self._on_signal(sig)
 
@@ -303,8 +307,8 @@ class Session:
             self._cancel_response(status="interrupted")
         self._turn_seq += 1
         self._item_id = f"item_{self.id[5:]}_{next(self._ids)}"
-        self._turn_open_at = time.monotonic()
-        self._last_speech_wall = time.monotonic()
+        self._turn_open_at = self._clock.monotonic()
+        self._last_speech_wall = self._clock.monotonic()
         self._asr.reset()
         self._asr.push(np.concatenate(self._ring))
         self.emit(SpeechStarted(audio_ms=int(self.input_ms), item_id=self._item_id))
@@ -312,7 +316,7 @@ class Session:
     def _speculate(self) -> None:
         if self._item_id is None or not self.settings.create_response:
             return
-        turn = _Turn(self._item_id, self._turn_seq, self._spawn_final(self._speech_end_asr_s))
+        turn = self._new_turn(self._item_id, self._spawn_final(self._speech_end_asr_s))
         turn.response = self._start_response(gated=True, turn=turn)
         self._pending = turn
 
@@ -327,13 +331,16 @@ class Session:
     def _end_user_turn(self) -> None:
         if self._item_id is None:
             return
-        turn = self._pending or _Turn(self._item_id, self._turn_seq, self._spawn_final(self._speech_end_asr_s))
+        turn = self._pending or self._new_turn(self._item_id, self._spawn_final(self._speech_end_asr_s))
         self._pending = None
         turn.speech_end = self._last_speech_wall
-        turn.committed_at = time.monotonic()
+        turn.committed_at = self._clock.monotonic()
         self.emit(SpeechStopped(audio_ms=int(self.input_ms), item_id=self._item_id))
         self._item_id = None
         self._spawn(self._complete_turn(turn), "turn")
+
+    def _new_turn(self, item_id: str, final: asyncio.Task[Transcript]) -> _Turn:
+        return _Turn(item_id, self._turn_seq, final, asr_started=self._clock.monotonic())
 
     def _spawn_final(self, covering_s: float | None = None) -> asyncio.Task[Transcript]:
         assert self._tg is not None
@@ -356,7 +363,7 @@ class Session:
 
     async def _complete_turn(self, turn: _Turn) -> None:
         transcript = await turn.final
-        turn.asr_done = time.monotonic()
+        turn.asr_done = self._clock.monotonic()
         text = transcript.text.strip()
         self.emit(TranscriptFinal(item_id=turn.item_id, text=text))
         if not text:  # a noise the VAD took for speech
@@ -379,8 +386,8 @@ class Session:
         """Client-side turn end (turn detection off): transcribe what was sent."""
         self._turn_seq += 1
         item_id = f"item_{self.id[5:]}_{next(self._ids)}"
-        turn = _Turn(item_id, self._turn_seq, self._spawn_final())
-        turn.speech_end = turn.committed_at = time.monotonic()
+        turn = self._new_turn(item_id, self._spawn_final())
+        turn.speech_end = turn.committed_at = self._clock.monotonic()
         self._spawn(self._commit_and_reset(turn), "commit")
         return item_id
 
@@ -465,6 +472,8 @@ class Session:
             max_clause_words=self.cfg.session.max_clause_words,
             gated=gated,
             output_rate=s.output_sample_rate,
+            clock=self._clock,
+            on_audio=self._wake.set,
         )
         self._response = resp
         self._response_turn = turn
@@ -490,7 +499,7 @@ class Session:
                 resp.prompt_ids = self.conversation.prompt_ids(user_text=user_text)
             else:
                 resp.prompt_ids = self.conversation.prompt_ids()
-            resp.times.requested = time.monotonic()
+            resp.times.requested = self._clock.monotonic()
             forward = self._spawn(self._forward_text(resp), "text")
             try:
                 await resp.run()
@@ -592,7 +601,9 @@ class Session:
             add_generation_prompt=True,
             enable_thinking=False,
         )
-        ids = list(prompt["input_ids"] if isinstance(prompt, dict) else prompt)
+        # Newer transformers return a BatchEncoding (a Mapping, not a dict): its
+        # list() would be its keys.
+        ids = list(prompt["input_ids"] if isinstance(prompt, Mapping) else prompt)
         summary = await self.engines.llm.complete(ids, lane=Lane.BACKGROUND, max_tokens=64, temperature=0.0)
         self.conversation.set_summary(summary)
 
@@ -603,9 +614,9 @@ class Session:
         while True:
             resp = self._response
             if resp is None or not resp.released.is_set() or resp.playout.queued_samples == 0:
+                # Woken by a release or by new audio in the playout (no polling).
                 self._wake.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), 0.01)
+                await self._wake.wait()
                 continue
             await self._play(resp, lead_s)
 
@@ -615,9 +626,9 @@ class Session:
         if resp.times.first_audio is not None and resp.playout.taken == 0:
             self.emit(ResponseAudioStarted(resp.id, resp.item_id))
             self._report_timings(resp)
-        base = time.monotonic() - resp.playout.taken / rate
+        base = self._clock.monotonic() - resp.playout.taken / rate
         while self._response is resp:
-            due = (time.monotonic() - base + lead_s) * rate
+            due = (self._clock.monotonic() - base + lead_s) * rate
             while resp.playout.taken + frame <= due or (
                 resp.playout.queued_samples and resp.playout.taken < due and resp.generated
             ):
@@ -632,10 +643,10 @@ class Session:
                     return
             if resp.playout.queued_samples == 0:
                 return  # underrun or done: the outer loop waits for more
-            await asyncio.sleep(_FRAME_MS / 1000.0)
+            await self._clock.sleep(_FRAME_MS / 1000.0)
 
     def _report_timings(self, resp: Response) -> None:
-        now = time.monotonic()
+        now = self._clock.monotonic()
         turn = self._response_turn if self._response is resp else None
 
         def ms(a: float | None, b: float | None) -> float | None:
@@ -663,11 +674,11 @@ class Session:
         """Close a session whose client went silent on the wire (no audio at all)."""
         limit = self.cfg.session.idle_timeout_s
         while True:
-            idle = time.monotonic() - self._last_input
+            idle = self._clock.monotonic() - self._last_input
             if idle >= limit and self._response is None:
                 self.error("idle_timeout", f"no audio for {limit:g} s", fatal=True)
                 return
-            await asyncio.sleep(max(limit - idle, 1.0))
+            await self._clock.sleep(max(limit - idle, 0.05))  # wakes when it would expire
 
     # ----------------------------------------------------------------- partials
     async def _forward_partials(self) -> None:
