@@ -81,3 +81,76 @@ def test_a_finished_reply_is_stored_as_generated(tokenizer) -> None:  # type: ig
     assert later[len(prompt) : len(prompt) + len(generated)] == generated
     assert later[len(prompt) + len(generated)] != end, "the closing token is not doubled"
     assert "Hello there!<|im_end|>\n<|im_start|>user\nBye." in tokenizer.decode(later)
+
+
+class CountingTokenizer:
+    """The real tokenizer, counting the characters it is asked to tokenise."""
+
+    def __init__(self, tok) -> None:  # type: ignore[no-untyped-def]
+        self._tok = tok
+        self.encoded_chars = 0
+
+    def apply_chat_template(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        return self._tok.apply_chat_template(*args, **kwargs)
+
+    def encode(self, text: str, **kwargs):  # type: ignore[no-untyped-def]
+        self.encoded_chars += len(text)
+        return self._tok.encode(text, **kwargs)
+
+
+def long_conversation(tok, turns: int, budget: int = 100_000) -> Conversation:  # type: ignore[no-untyped-def]
+    conv = Conversation(tok, "Be brief.", budget_tokens=budget, reply_tokens=20)
+    for i in range(turns):
+        conv.append("user", f"This is user message number {i} with a few more words in it.", item_id=f"u{i}")
+        conv.append("assistant", f"This is reply number {i}, also a little longer than needed.", item_id=f"a{i}")
+    return conv
+
+
+def test_trims_and_summaries_do_not_retokenise_the_history(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """Re-encoding the whole history on the event loop at every trim (once per dropped
+    turn) and every summary stalled every session; only the system message may be."""
+    counting = CountingTokenizer(tokenizer)
+    conv = long_conversation(counting, 60)
+    conv.budget_tokens = conv.token_count  # the next reply would overflow: trim
+    history_chars = counting.encoded_chars
+    counting.encoded_chars = 0
+    dropped = conv.trim()
+    assert dropped and dropped[0].item_id == "u0"
+    conv.set_summary("The caller asked many numbered questions.")
+    conv.set_system_prompt("Be very brief.")
+    assert conv.replace(conv.messages[-1].item_id, "This is reply")  # type: ignore[arg-type]
+    assert counting.encoded_chars < 400 < history_chars / 10, (counting.encoded_chars, history_chars)
+    assert conv.rebuilds == 1
+
+
+def test_edits_give_the_ids_of_a_fresh_encoding(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    conv = long_conversation(tokenizer, 12)
+    conv.budget_tokens = conv.token_count
+    conv.trim()
+    conv.set_summary("Numbered questions so far.")
+    conv.replace("a11", "This is reply")
+    conv.delete("u11")
+    fresh = Conversation(tokenizer, "Be brief.", budget_tokens=100_000, reply_tokens=20)
+    fresh.set_summary("Numbered questions so far.")
+    for m in conv.messages:
+        fresh.append(m.role, m.content, m.item_id)
+    assert conv.prompt_ids() == fresh.prompt_ids()
+    assert conv.token_count + conv.reply_tokens <= conv.budget_tokens
+
+
+def test_prompts_extend_each_other_between_trims(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    conv = Conversation(tokenizer, "Be brief.", budget_tokens=300, reply_tokens=20)
+    previous: list[int] | None = None
+    trims = 0
+    for i in range(30):
+        conv.append("user", f"Question {i} about the weather in a faraway town?")
+        if conv.trim():
+            trims += 1
+            conv.set_summary(f"Summary after trim {trims}.")
+            previous = None  # a trim changes the prefix on purpose (one cache miss)
+        prompt = conv.prompt_ids()
+        if previous is not None:
+            assert prompt[: len(previous)] == previous
+        conv.append("assistant", f"Answer {i}: sunny.")
+        previous = conv.prompt_ids()[: conv.token_count]
+    assert trims >= 2

@@ -12,10 +12,18 @@ then its text. Templates such as Qwen3's render a past reply differently from th
 prompt that produced it (the empty ``<think></think>`` block of non-thinking mode is
 dropped from history); re-rendering would change tokens the KV cache already holds.
 
+Each message's ids are kept apart (``_parts``), so nothing is re-tokenised when the
+history changes at the front: a trim drops the oldest parts, a summary or a new
+system prompt re-encodes only the system message, a replaced message only itself.
+That keeps the event loop free (a full re-encode of a long history takes tens of ms
+and stalls every session's pacer) and is exact because a message's rendering does
+not depend on what precedes it once the system message is in place (the segment is
+rendered mid-conversation, see :meth:`Conversation._segment`).
+
 The history is bounded by a token budget. When a reply could overflow it, the oldest
 turns are dropped (down to ``trim_to`` of the budget, so this happens rarely: each
-trim costs one full re-encode and one prefix-cache miss). Dropped turns are handed
-back so the session can summarise them at background priority.
+trim costs one prefix-cache miss). Dropped turns are handed back so the session can
+summarise them at background priority.
 """
 
 from __future__ import annotations
@@ -64,10 +72,14 @@ class Conversation:
         self.trim_to = trim_to
         self.summary: str | None = None
         self.messages: list[Message] = []
-        self._ids: list[int] = []
+        self._system_ids: list[int] = []
+        self._parts: list[list[int]] = []  # ids of each message, as in the prompt
+        self._ids: list[int] = []  # system ids + every part: the prompt so far
         self._placeholder_text = ""
-        self.rebuilds = 0
-        self._rebuild()
+        self.rebuilds = 0  # full re-encodes of the history (only the first, so far)
+        self._encode_system()
+        self._ids = list(self._system_ids)
+        self.rebuilds += 1
 
     # ----------------------------------------------------------------- rendering
     def _system_message(self) -> Message:
@@ -128,17 +140,22 @@ class Conversation:
                 segment = generation + segment[at:]
         return self._encode(segment)
 
-    def _rebuild(self) -> None:
+    def _encode_system(self) -> None:
         system = self._system_message()
-        self._placeholder_text = self._render([system, _PLACEHOLDER], False)[
-            len(self._render([system], False)) :
-        ]
-        self._ids = self._encode(self._render([system], False))
-        history = [system]
-        for m in self.messages:
-            self._ids.extend(self._message_ids(history, m))
-            history.append(m)
-        self.rebuilds += 1
+        plain = self._render([system], False)
+        self._placeholder_text = self._render([system, _PLACEHOLDER], False)[len(plain) :]
+        self._system_ids = self._encode(plain)
+
+    def _join(self) -> None:
+        """The prompt from its parts: list copies only, no tokenising."""
+        ids = list(self._system_ids)
+        for part in self._parts:
+            ids.extend(part)
+        self._ids = ids
+
+    def _system_changed(self) -> None:
+        self._encode_system()
+        self._join()
 
     # -------------------------------------------------------------------- public
     @property
@@ -154,7 +171,9 @@ class Conversation:
         if not content:
             return
         message = Message(role, content, item_id)
-        self._ids.extend(self._message_ids(self._all(), message, token_ids))
+        part = self._message_ids(self._all(), message, token_ids)
+        self._parts.append(part)
+        self._ids.extend(part)
         self.messages.append(message)
 
     def replace(self, item_id: str, content: str) -> bool:
@@ -163,9 +182,12 @@ class Conversation:
             if m.item_id == item_id:
                 if content.strip():
                     self.messages[i] = Message(m.role, content.strip(), item_id)
+                    # Only this message is re-encoded (as text now: it was cut short).
+                    self._parts[i] = self._message_ids([self._system_message(), *self.messages[:i]], self.messages[i])
                 else:
                     del self.messages[i]
-                self._rebuild()
+                    del self._parts[i]
+                self._join()
                 return True
         return False
 
@@ -189,7 +211,7 @@ class Conversation:
     def set_system_prompt(self, prompt: str) -> None:
         if prompt != self.system_prompt:
             self.system_prompt = prompt
-            self._rebuild()
+            self._system_changed()
 
     def over_budget(self) -> bool:
         return self.token_count + self.reply_tokens > self.budget_tokens
@@ -198,16 +220,22 @@ class Conversation:
         """Drop the oldest turns until under ``trim_to`` of the budget; return them."""
         if not self.over_budget():
             return []
-        target = int(self.budget_tokens * self.trim_to) - self.reply_tokens
-        dropped: list[Message] = []
-        while self.messages and self.token_count > max(target, 0):
-            dropped.append(self.messages.pop(0))
+        target = max(int(self.budget_tokens * self.trim_to) - self.reply_tokens, 0)
+        count = len(self._ids)
+        n = 0
+        while n < len(self.messages) and count > target:
+            count -= len(self._parts[n])
+            n += 1
             # Never start the kept history with an assistant turn.
-            while self.messages and self.messages[0].role == "assistant":
-                dropped.append(self.messages.pop(0))
-            self._rebuild()
+            while n < len(self.messages) and self.messages[n].role == "assistant":
+                count -= len(self._parts[n])
+                n += 1
+        dropped = self.messages[:n]
+        del self.messages[:n]
+        del self._parts[:n]
+        self._join()
         return dropped
 
     def set_summary(self, summary: str) -> None:
         self.summary = summary.strip() or None
-        self._rebuild()
+        self._system_changed()
