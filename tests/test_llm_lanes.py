@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from voicebot.config import LlmConfig
-from voicebot.engines.llm import LlmEngine
+from voicebot.engines.llm import BackgroundQueueFull, LlmEngine
 
 
 def engine(limit: int) -> LlmEngine:
@@ -52,3 +54,23 @@ async def test_raising_the_limit_admits_waiters() -> None:
     for w in waiters:
         w.cancel()
     await asyncio.wait(waiters)
+
+
+async def test_waiting_background_requests_are_bounded() -> None:
+    e = LlmEngine(LlmConfig(background_concurrency=1, background_queue=2), model_path="unused")
+    await e._enter_background()
+    waiters = [asyncio.create_task(e._enter_background()) for _ in range(2)]
+    await asyncio.sleep(0)
+    assert e.background_waiting == 2
+    with pytest.raises(BackgroundQueueFull) as info:
+        await e._enter_background()  # refused at once, not queued
+    assert info.value.code == "background_queue_full"
+    assert e.background_waiting == 2 and e.background_running == 1
+    e._leave_background()  # the first waiter gets the slot; there is room to wait again
+    await asyncio.sleep(0)
+    late = asyncio.create_task(e._enter_background())
+    await asyncio.sleep(0)
+    assert e.background_waiting == 2
+    for w in [*waiters, late]:
+        w.cancel()
+    await asyncio.wait([*waiters, late])

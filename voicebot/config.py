@@ -93,6 +93,7 @@ class LlmConfig(_Section):
     top_p: float = Field(0.9, gt=0.0, le=1.0, description="Nucleus sampling for replies.")
     seed: int | None = Field(None, description="Sampling seed (tests set it for reproducibility).")
     background_concurrency: int = Field(1, ge=0, le=4096, description="Background requests running at once (summaries ...).")
+    background_queue: int = Field(64, ge=0, le=100_000, description="Background requests waiting for a slot; one more is refused at once (BackgroundQueueFull), never queued.")
     interactive_priority: int = Field(0, description="vLLM priority of live turns (lower is served first).")
     background_priority: int = Field(10, description="vLLM priority of background work.")
 

@@ -4,7 +4,10 @@ Live turns run in the INTERACTIVE lane at the highest vLLM priority. BACKGROUND 
 (summaries of old history, long answers) runs at a lower priority *and* under its own
 concurrency cap: vLLM's priority only reorders the waiting queue and never frees a
 running slot, so without the cap a burst of background requests fills
-``max_num_seqs`` and a voice turn waits behind it.
+``max_num_seqs`` and a voice turn waits behind it. Background requests waiting for a
+slot are bounded too (``background_queue``): one more is refused with
+:class:`BackgroundQueueFull` rather than queued, so a backlog cannot grow without end;
+background work is optional by nature and its caller drops it.
 
 Cancelling the consumer of :meth:`LlmEngine.generate` aborts the vLLM request.
 """
@@ -30,6 +33,12 @@ if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
 
 log = logging.getLogger(__name__)
+
+
+class BackgroundQueueFull(EngineError):
+    """Too many background requests already wait for a slot; this one is refused."""
+
+    code = "background_queue_full"
 
 
 class Lane(enum.Enum):
@@ -77,6 +86,7 @@ class LlmEngine:
         # task that resubmits at once cannot jump the queue (a bare Event let it take
         # the slot back every time); the limit can be tuned at run time. Per engine.
         self._background_limit = max(cfg.background_concurrency, 1)
+        self._background_queue_max = cfg.background_queue
         self._background_running = 0
         self._background_queue: collections.deque[asyncio.Future[None]] = collections.deque()
         self._running: dict[str, GenerationStats] = {}
@@ -234,6 +244,11 @@ class LlmEngine:
         if self._background_running < self._background_limit and not self._background_queue:
             self._background_running += 1
             return
+        if self.background_waiting >= self._background_queue_max:
+            raise BackgroundQueueFull(
+                f"{self.background_waiting} background requests already wait for a slot "
+                f"(llm.background_queue); this one is refused"
+            )
         slot: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._background_queue.append(slot)
         try:
