@@ -236,6 +236,9 @@ async def server(models_config: ModelsConfig) -> AsyncIterator[Running]:
         "llm.max_tokens=12",
         f"server.api_key={KEY}",
         "server.max_message_bytes=262144",
+        # These tests upload each clip at once, faster than real time; the input-rate
+        # test lowers it again for its own session.
+        "server.input_burst_ms=60000",
     ])
     async with running_server(cfg) as running:
         yield Running(running.state, running.port)
@@ -409,6 +412,13 @@ async def test_bad_input_gets_openai_shaped_errors_and_the_session_goes_on(serve
          "input_audio_buffer_commit_empty", "e9", None),
         (json.dumps({"type": "response.cancel", "event_id": "e10"}), "response_cancel_not_active", "e10", None),
         (b"\x00\x01", "invalid_event", None, None),
+        ("[" * 100_000 + "]" * 100_000, "invalid_event", None, None),
+        (json.dumps({"type": "input_audio_buffer.append", "event_id": "e11",
+                     "audio": base64.b64encode(bytes(2 * 24_000 * 2)).decode()}),  # 2 s in one message
+         "message_too_large", "e11", "audio"),
+        (json.dumps({"type": "conversation.item.create", "event_id": "e12", "item": {
+            "type": "message", "role": "user", "content": [{"type": "input_text", "text": "a" * 50_000}]}}),
+         "text_too_long", "e12", None),
     ]
     async with await raw(server) as ws:
         await next_of(ws, "session.created")
@@ -484,3 +494,43 @@ async def test_probe_speaks_realtime(server: Running, clip: Clip) -> None:
     assert record.status == "ok", record
     assert wer(clip.text, record.transcript) <= 0.25, record.transcript
     assert record.voice_to_voice_ms is not None and record.voice_to_voice_ms < 1000 * (time.monotonic() - started)
+
+
+async def test_audio_faster_than_real_time_is_refused(server: Running) -> None:
+    cfg = server.state.cfg.server
+    old, cfg.input_burst_ms = cfg.input_burst_ms, 2000
+    try:
+        async with await raw(server) as ws:
+            await next_of(ws, "session.created")
+            chunk = base64.b64encode(bytes(2 * 2400)).decode()  # 100 ms at 24 kHz
+            for i in range(40):  # 4 s at once: the 2 s burst passes, then refusals
+                await ws.send(json.dumps({"type": "input_audio_buffer.append", "event_id": f"a{i}", "audio": chunk}))
+            err = (await next_of(ws, "error"))["error"]
+            assert (err["code"], err["param"]) == ("input_rate_exceeded", "audio"), err
+            assert int(err["event_id"][1:]) >= 19  # the first 2 s were taken
+            (session,) = server.state.sessions.values()
+            await ws.send(json.dumps({"type": "input_audio_buffer.clear"}))
+            await next_of(ws, "input_audio_buffer.cleared")  # the session goes on
+            assert session.input_ms <= 2500, session.input_ms
+    finally:
+        cfg.input_burst_ms = old
+
+
+async def test_capacity_refusal_and_foreign_origin(server: Running) -> None:
+    cfg = server.state.cfg.server
+    old, cfg.max_sessions = cfg.max_sessions, 1
+    server.state.sessions["sess_placeholder"] = None  # type: ignore[assignment]
+    try:
+        async with await raw(server) as ws:
+            event = json.loads(await ws.recv())
+            assert event["type"] == "error" and event["error"]["code"] == "capacity_exceeded"
+            with pytest.raises(websockets.ConnectionClosed) as closed:
+                await ws.recv()
+            assert closed.value.rcvd is not None and closed.value.rcvd.code == 1013  # try again later
+    finally:
+        server.state.sessions.pop("sess_placeholder")
+        cfg.max_sessions = old
+    with pytest.raises(websockets.InvalidStatus) as refused:
+        async with await raw(server, origin="https://evil.example"):
+            pass
+    assert refused.value.response.status_code == 403
