@@ -24,7 +24,8 @@ from voicebot.config import Config
 from voicebot.engines import Engines
 from voicebot.engines.asr import Partial, Transcript
 from voicebot.engines.llm import GenerationStats, TextDelta
-from voicebot.errors import BadMessage, EngineError
+from voicebot.errors import BadAudio, BadMessage, EngineError
+from voicebot.metrics import Metrics
 from voicebot.session import events as ev
 from voicebot.session.clock import REAL_CLOCK, Clock, VirtualClock
 from voicebot.session.session import Session
@@ -492,3 +493,290 @@ async def test_old_turns_are_summarised_in_the_background(tokenizer) -> None:  #
         assert conv.summary == "Summary 1."
         assert conv.messages[-1].content.startswith("Answer number 5")
 
+
+# --------------------------------------------------------------- issue 8: teardown
+def active_sessions(metrics: Metrics) -> float | None:
+    return metrics.registry.get_sample_value("voicebot_active_sessions", {"transport": "native"})
+
+
+@pytest.mark.parametrize("ending", ["idle_timeout", "slow_consumer", "fatal_error"])
+async def test_a_session_that_ends_itself_is_torn_down_once(tokenizer, ending: str) -> None:  # type: ignore[no-untyped-def]
+    """aclose() skipped its teardown when the session had ended itself: the ASR stream
+    stayed open and the active-sessions gauge never went down."""
+    engines = make_engines(tokenizer)
+    with_session_cfg(engines, idle_timeout_s=1.0, out_queue_frames=8)
+    clock = clock_of(engines)
+    metrics = Metrics()
+    session = Session(engines, SessionSettings.from_config(engines.cfg), metrics=metrics, clock=clock)
+    async with session:
+        assert active_sessions(metrics) == 1
+        if ending == "slow_consumer":
+            for _ in range(9):  # nobody reads events
+                session.emit(ev.Dtmf("1"))
+        elif ending == "fatal_error":
+            session.error("engine_dead", "the engine died", fatal=True)
+        await until(clock, lambda: session._main is not None and session._main.done())
+        assert session.closed_reason == ending.replace("fatal_error", "engine_dead")
+        # Torn down as it ended, before anyone calls aclose().
+        assert engines.asr.closed == 1 and active_sessions(metrics) == 0
+        await session.aclose()
+    await session.aclose()
+    assert engines.asr.closed == 1 and active_sessions(metrics) == 0, "exactly once"
+
+
+async def test_a_closed_session_is_torn_down_once(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    engines = make_engines(tokenizer)
+    metrics = Metrics()
+    session = Session(engines, SessionSettings.from_config(engines.cfg), metrics=metrics, clock=clock_of(engines))
+    async with session:
+        pass
+    await session.aclose()
+    assert engines.asr.closed == 1 and active_sessions(metrics) == 0
+    never_opened = Session(engines, SessionSettings.from_config(engines.cfg), metrics=metrics)
+    await never_opened.aclose()
+    assert engines.asr.closed == 2 and active_sessions(metrics) == 0, "its stream is closed, the gauge untouched"
+
+
+# ------------------------------------------------------- issue 8: client-side turns
+async def test_audio_sent_during_a_commits_transcription_starts_the_next_turn(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """The reset after a committed turn's final wiped audio appended meanwhile."""
+    engines = make_engines(tokenizer)
+    async with call(engines, turn_detection=False, create_response=False) as c:
+        await c.speak(500)
+        first = c.session.commit_input()
+        await c.speak(300)  # sent while the first turn is being transcribed (30 ms)
+        await c.wait_for(ev.TranscriptFinal)
+        second = c.session.commit_input()
+        await until(c.clock, lambda: len(c.of(ev.TranscriptFinal)) == 2)
+        assert [f.item_id for f in c.of(ev.TranscriptFinal)] == [first, second]
+        assert engines.asr.final_audio_s == [0.5, 0.3], "each turn decodes exactly its own audio"
+        assert engines.asr.closed == 2, "each committed turn's stream is closed once decoded"
+
+
+# ------------------------------------------------------- issue 8: barge-in and queue
+async def reply_queued_unread(engines: Engines, seconds: float) -> tuple[Session, Clock]:
+    clock = clock_of(engines)
+    session = Session(engines, SessionSettings.from_config(engines.cfg), clock=clock)
+    await session.__aenter__()
+    for level, ms in ((0.1, 600), (0.0, 600)):
+        for _ in range(ms // 20):
+            session.push_audio(np.full(FRAME, level, dtype=np.float32), RATE)
+            await elapse(clock, 0.02)
+    await elapse(clock, seconds)  # the reply plays, nobody reads: its audio queues up
+    return session, clock
+
+
+def drain(session: Session) -> list[object]:
+    out = []
+    while not session._out.empty():
+        out.append(session._out.get_nowait())
+    return out
+
+
+@pytest.mark.parametrize("how", ["barge_in", "cancel"])
+async def test_an_interrupted_reply_drops_its_queued_audio(tokenizer, how: str) -> None:  # type: ignore[no-untyped-def]
+    """Barge-in cleared the playout but not the outgoing queue: up to out_queue_frames
+    of reply audio were still sent before the barge-in event."""
+    engines = make_engines(tokenizer, word_delay=0.01)
+    session, clock = await reply_queued_unread(engines, 0.6)
+    try:
+        resp = session._response
+        assert resp is not None and resp.playout.taken >= 25 * FRAME, "reply audio is waiting to be sent"
+        rid = resp.id
+        if how == "barge_in":
+            for _ in range(12):  # 240 ms of speech over the reply
+                session.push_audio(np.full(FRAME, 0.1, dtype=np.float32), RATE)
+        else:
+            assert session.cancel_response()
+        after = drain(session)
+        kinds = [type(e).__name__ for e in after]
+        assert not any(isinstance(e, ev.ResponseAudio) and e.response_id == rid for e in after), kinds
+        control = ["SpeechStarted", "SpeechStopped", "TranscriptFinal", "ResponseStarted", "ResponseAudioStarted"]
+        assert [k for k in kinds if k in control[1:]] == control[1:], "control events stay, in order"
+        done = next(e for e in after if isinstance(e, ev.ResponseDone))
+        assert done.status == ("interrupted" if how == "barge_in" else "cancelled")
+        assert done.played_ms == 0 and done.text == "", "nothing was sent, so nothing was heard"
+        if how == "barge_in":
+            assert kinds.index("BargeIn") == kinds.index("ResponseDone") - 1
+        await elapse(clock, 0.3)
+        assert not any(isinstance(e, ev.ResponseAudio) for e in drain(session)), "playout stopped"
+    finally:
+        await session.aclose()
+
+
+# ------------------------------------------------------------ issue 8: summaries
+def long_exchange(session: Session, start: int, turns: int) -> None:
+    for i in range(start, start + turns):
+        session.add_text("user", f"Question number {i} about the weather in some faraway town?")
+        session.add_text("assistant", f"Answer number {i}: it will be sunny and warm there.")
+
+
+async def test_summaries_run_one_at_a_time_and_fold_every_dropped_turn(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """Two summaries ran at once, both from the old summary: the later one lost the
+    turns of the other."""
+    engines = make_engines(tokenizer, clock=REAL_CLOCK)
+    engines.llm.summary_delay = 0.3
+    with_session_cfg(engines, history_tokens=220)
+    async with call(engines, turn_detection=False, max_tokens=20) as c:
+        long_exchange(c.session, 0, 6)  # a trim: the first summary starts
+        await until(c.clock, lambda: engines.llm.summarising >= 1)
+        long_exchange(c.session, 6, 6)  # more trims while it runs
+        await until(c.clock, lambda: len(engines.llm.summary_prompts) >= 2 and not engines.llm.summarising)
+        await asyncio.sleep(0.4)  # a third (there should be none) would have started by now
+        assert engines.llm.most_summarising == 1, "one summary at a time"
+        assert len(engines.llm.summary_prompts) == 2 and c.session.conversation.summary == "Summary 2."
+        first, second = engines.llm.summary_prompts
+        assert "(earlier: Summary 1.)" in second, "the second summary folds in the first"
+        kept = {m.content for m in c.session.conversation.messages}
+        for i in range(12):
+            q = f"Question number {i} about"
+            assert any(q in p for p in (first, second)) or any(q in k for k in kept), f"turn {i} lost"
+        assert not c.of(ev.ErrorEvent)
+
+
+async def test_a_failed_summary_is_logged_not_sent_to_the_caller(tokenizer, caplog) -> None:  # type: ignore[no-untyped-def]
+    engines = make_engines(tokenizer, clock=REAL_CLOCK)
+    engines.llm.summary_fail = True
+    with_session_cfg(engines, history_tokens=220)
+    async with call(engines, turn_detection=False, max_tokens=20) as c:
+        long_exchange(c.session, 0, 6)
+        await until(c.clock, lambda: engines.llm.summary_prompts and not engines.llm.summarising)
+        await asyncio.sleep(0.05)
+        assert not c.of(ev.ErrorEvent), "background work is invisible to the caller"
+        assert "summary of 6 dropped messages failed" in caplog.text
+        assert c.session.conversation.summary is None
+        engines.llm.summary_fail = False  # the next trim is summarised again
+        long_exchange(c.session, 6, 6)
+        await until(c.clock, lambda: c.session.conversation.summary is not None)
+
+
+async def test_closing_cancels_a_running_summary(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    engines = make_engines(tokenizer, clock=REAL_CLOCK)
+    engines.llm.summary_delay = 30.0
+    with_session_cfg(engines, history_tokens=220)
+    async with call(engines, turn_detection=False, max_tokens=20) as c:
+        long_exchange(c.session, 0, 6)
+        await until(c.clock, lambda: engines.llm.summarising == 1)
+    assert engines.llm.summaries_cancelled == 1 and engines.llm.summarising == 0
+
+
+# ------------------------------------------------------------ issue 8: big input
+async def test_a_large_push_is_processed_in_slices_between_loop_turns(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """One 1 MiB message (32 s) was resampled and VAD-ed in one go: the loop (every
+    session's pacer) stalled for all of it."""
+    engines = make_engines(tokenizer)
+    turns = 0  # loop turns seen by a task that yields at every turn
+    per_turn: dict[int, int] = {}
+
+    async def ticker() -> None:
+        nonlocal turns
+        while True:
+            turns += 1
+            await asyncio.sleep(0)
+
+    async with call(engines) as c:
+        tick = asyncio.create_task(ticker())
+        vad = engines.vad
+        vad.windows.clear()
+        vad.on_process = lambda n: per_turn.__setitem__(turns, per_turn.get(turns, 0) + n)
+        speech = np.concatenate([np.full(RATE * 2, 0.1), np.zeros(RATE * 30)]).astype(np.float32)
+        pcm = (speech * 32767).astype("<i2").tobytes()
+        assert len(pcm) <= 1 << 20  # 32 s: one message of the default 1 MiB limit
+        c.session.push_audio(pcm, RATE)
+        await until(c.clock, lambda: sum(vad.windows) >= 1000, timeout=10)
+        tick.cancel()
+        assert max(per_turn.values()) <= 4, "at most ~100 ms of audio between two loop turns"
+        assert sum(vad.windows) == 1000
+        assert [type(e) for e in c.events if isinstance(e, ev.SpeechStarted | ev.SpeechStopped)] == [
+            ev.SpeechStarted,
+            ev.SpeechStopped,
+        ], "processed in order, as one 2 s utterance"
+
+
+async def test_a_commit_after_a_large_push_takes_all_of_it_and_nothing_after(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    engines = make_engines(tokenizer)
+    async with call(engines, turn_detection=False, create_response=False) as c:
+        c.session.push_audio(np.full(RATE * 2, 0.1, dtype=np.float32), RATE)
+        c.session.commit_input()
+        c.session.push_audio(np.full(RATE * 3 // 10, 0.1, dtype=np.float32), RATE)
+        await c.wait_for(ev.TranscriptFinal)
+        c.session.commit_input()
+        await until(c.clock, lambda: len(c.of(ev.TranscriptFinal)) == 2)
+        assert engines.asr.final_audio_s == [2.0, 0.3]
+
+
+async def test_input_beyond_the_backlog_bound_is_refused_and_the_call_goes_on(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    engines = make_engines(tokenizer)
+    with_session_cfg(engines, max_input_backlog_s=10.0)
+    async with call(engines) as c:
+        c.session.push_audio(np.zeros(RATE * 8, dtype=np.float32), RATE)
+        with pytest.raises(BadAudio) as info:
+            c.session.push_audio(np.zeros(RATE * 4, dtype=np.float32), RATE)
+        assert info.value.code == "input_backlog_full"
+        await c.pause(0.1)
+        await c.speak(600)
+        await c.silence(700)
+        assert (await c.wait_for(ev.ResponseDone)).status == "completed"
+
+
+async def test_text_input_is_bounded(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    engines = make_engines(tokenizer)
+    with_session_cfg(engines, max_text_chars=100)
+    async with call(engines, turn_detection=False) as c:
+        with pytest.raises(BadMessage) as info:
+            c.session.add_text("user", "x" * 101)
+        assert info.value.code == "text_too_long"
+        assert not c.session.conversation.messages
+        c.session.add_text("user", "x" * 100)
+        assert len(c.session.conversation.messages) == 1
+
+
+# ------------------------------------------------ issue 8: nothing outlives a session
+@pytest.mark.parametrize("phase", ["listening", "speculating", "speaking", "committing"])
+async def test_every_task_ends_with_the_session_in_each_phase(tokenizer, phase: str) -> None:  # type: ignore[no-untyped-def]
+    engines = make_engines(tokenizer, word_delay=0.05)
+    engines.tts.delay = 0.2  # a clause is being synthesised when the call ends
+    before = asyncio.all_tasks()
+    async with call(engines, turn_detection=phase != "committing") as c:
+        if phase == "listening":
+            await c.speak(300)
+        elif phase == "speculating":
+            await c.speak(600)
+            await c.silence(300)  # past the pause, short of the end of turn
+            assert engines.llm.started and not c.of(ev.SpeechStopped)
+        elif phase == "speaking":
+            await c.speak(600)
+            await c.silence(500)
+            await c.wait_for(ev.ResponseAudioStarted)
+        else:
+            await c.speak(300)
+            c.session.commit_input()  # hung up while the turn is transcribed
+            c.session.push_audio(np.zeros(RATE * 5, dtype=np.float32), RATE)  # and a backlog
+        assert len(asyncio.all_tasks() - before) > 2
+    await clock_of(engines).settle()  # type: ignore[attr-defined]
+    assert asyncio.all_tasks() - before == set(), [t.get_name() for t in asyncio.all_tasks() - before]
+    llm, tts = engines.llm, engines.tts
+    assert len(llm.completed) + len(llm.aborted) == len(llm.started), "every LLM request ended"
+    if phase in ("speculating", "speaking"):
+        assert llm.aborted, "the unfinished request was aborted"
+    assert tts.started == tts.finished + tts.aborted, "no synthesis left running"
+    assert all(s.closed for s in engines.asr.streams), "every ASR stream closed"
+
+
+async def test_cancelling_a_reply_aborts_its_llm_request_and_pending_tts(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    engines = make_engines(tokenizer, word_delay=0.05)
+    engines.tts.delay = 0.3
+    with_session_cfg(engines, first_clause_words=2, max_clause_words=3)  # TTS stays busy
+    async with call(engines, turn_detection=False) as c:
+        c.session.add_text("user", "Tell me about the weather.")
+        c.session.create_response()
+        await c.wait_for(ev.ResponseAudioStarted)
+        await c.pause(0.1)
+        assert engines.tts.started > engines.tts.finished, "a clause is being synthesised"
+        assert c.session.cancel_response()
+        await c.pause(0.05)
+        assert engines.llm.aborted == engines.llm.started == ["r0"]
+        assert engines.tts.aborted >= 1 and engines.tts.started == engines.tts.finished + engines.tts.aborted
+        assert (await c.wait_for(ev.ResponseDone)).status == "cancelled"
+        await c.pause(1.0)
+        assert engines.tts.started == engines.tts.finished + engines.tts.aborted, "nothing new synthesised"

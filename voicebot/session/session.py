@@ -21,7 +21,7 @@ import itertools
 import logging
 import uuid
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,7 +29,7 @@ import numpy as np
 from voicebot.audio import ASR_RATE, Resampler, pcm16_to_float
 from voicebot.config import Config
 from voicebot.engines import Engines
-from voicebot.engines.asr import Transcript
+from voicebot.engines.asr import AsrStream, Transcript
 from voicebot.engines.llm import Lane
 from voicebot.errors import BadAudio, BadMessage, VoicebotError
 from voicebot.metrics import Metrics
@@ -50,6 +50,7 @@ from voicebot.session.events import (
     TurnTimings,
 )
 from voicebot.session.history import Conversation, Message
+from voicebot.session.outbox import Outbox
 from voicebot.session.playout import Playout
 from voicebot.session.response import Response
 from voicebot.session.settings import SessionSettings
@@ -59,6 +60,11 @@ log = logging.getLogger(__name__)
 
 _FRAME_MS = 20
 _VAD_WINDOW_MS = 32.0
+# Largest piece of input processed in one go (resample + VAD of 100 ms: well under a
+# millisecond), so a big push never holds the loop for long.
+_SLICE_MS = 100
+# Dropped messages waiting for the summariser; beyond this the oldest are forgotten.
+_MAX_UNSUMMARISED = 200
 
 
 class SessionLog(logging.LoggerAdapter):
@@ -109,11 +115,17 @@ class Session:
         self.log = SessionLog(log, {"session": self.id})
         # Control events are few; audio frames are paced at 50/s. A client that stops
         # reading for out_queue_frames events is dropped instead of growing memory.
-        self._out: asyncio.Queue[SessionEvent] = asyncio.Queue(maxsize=cfg.session.out_queue_frames)
+        self._out: Outbox[SessionEvent] = Outbox(cfg.session.out_queue_frames)
         self._vad = engines.vad.stream()
         self._asr = engines.asr.stream(language=self.settings.language)
         self._turns = SilenceTurnDetector(self.settings.vad)
         self._resamplers: dict[int, Resampler] = {}
+        # Input waiting to be processed: audio slices and, in order with them, the
+        # commits/clears that came after them. Bounded by max_input_backlog_s.
+        self._backlog: deque[tuple[np.ndarray, int] | Callable[[], None]] = deque()
+        self._backlog_s = 0.0
+        self._drain_task: asyncio.Task[None] | None = None
+        self._turn_streams: set[AsrStream] = set()  # committed turns' streams, still decoding
         ring_ms = self.settings.vad.prefix_padding_ms + self.settings.vad.barge_in_min_ms + 100
         self._ring: deque[np.ndarray] = deque()
         self._ring_samples = 0
@@ -140,20 +152,32 @@ class Session:
         self._main: asyncio.Task[None] | None = None
         self._closing = asyncio.Event()
         self._ready = asyncio.Event()
+        self._counted = False  # in the active-sessions gauge
+        self._torn_down = False
         self._played_override: int | None = None
         # Playouts of recent replies, so a client can still truncate them to what it heard.
         self._heard: dict[str, Playout] = {}
+        self._unsummarised: list[Message] = []  # dropped from the history, not yet summarised
+        self._summariser: asyncio.Task[None] | None = None
         self.input_ms = 0.0
         self._last_input = self._clock.monotonic()
         self.closed_reason: str | None = None
 
     # ------------------------------------------------------------------ lifecycle
     async def __aenter__(self) -> Session:
-        self._main = asyncio.create_task(self._run(), name=f"{self.id}-main")
-        await self._ready.wait()
         if self.metrics:
             self.metrics.active_sessions.labels(self.transport).inc()
             self.metrics.sessions.labels(self.transport).inc()
+            self._counted = True
+        self._main = asyncio.create_task(self._run(), name=f"{self.id}-main")
+        ready = asyncio.ensure_future(self._ready.wait())
+        try:
+            await asyncio.wait({ready, self._main}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ready.cancel()
+        if self._main.done():  # it could not start: report why, torn down already
+            await self._main
+            raise RuntimeError("session ended while starting")
         self.log.info("session opened (%s)", self.transport)
         return self
 
@@ -161,27 +185,41 @@ class Session:
         await self.aclose()
 
     async def _run(self) -> None:
-        async with asyncio.TaskGroup() as tg:
-            self._tg = tg
-            self._spawn(self._pace(), "pacer")
-            self._spawn(self._forward_partials(), "partials")
-            self._spawn(self._watch_idle(), "idle")
-            self._ready.set()
-            await self._closing.wait()
-            for task in list(self._tasks):
-                task.cancel()
+        # However the session ends (aclose, idle timeout, slow consumer, a fatal error,
+        # this task cancelled), its teardown runs here, once, after its last task.
+        try:
+            async with asyncio.TaskGroup() as tg:
+                self._tg = tg
+                self._spawn(self._pace(), "pacer")
+                self._spawn(self._forward_partials(), "partials")
+                self._spawn(self._watch_idle(), "idle")
+                self._ready.set()
+                await self._closing.wait()
+                for task in list(self._tasks):
+                    task.cancel()
+        finally:
+            self._closing.set()  # events() ends even if the group failed
+            await self._teardown()
 
     async def aclose(self, reason: str = "closed") -> None:
-        if self._main is None or self._main.done():
-            return
+        """End the session (if it is not over already) and wait for its teardown."""
         self.closed_reason = self.closed_reason or reason
-        self._cancel_response(status="cancelled", emit=False)
         self._closing.set()
-        try:
+        if self._main is not None and not self._main.done():
             await self._main
+        await self._teardown()  # a no-op when _run did it; here if it never ran
+
+    async def _teardown(self) -> None:
+        if self._torn_down:
+            return
+        self._torn_down = True
+        try:
+            self._cancel_response(status="cancelled", emit=False)
+            for stream in [self._asr, *self._turn_streams]:
+                await stream.aclose()
+            self._turn_streams.clear()
         finally:
-            await self._asr.aclose()
-            if self.metrics:
+            if self._counted and self.metrics:
                 self.metrics.active_sessions.labels(self.transport).dec()
             self.log.info("session closed (%s)", self.closed_reason)
 
@@ -244,12 +282,65 @@ class Session:
 
     # --------------------------------------------------------------------- input
     def push_audio(self, audio: bytes | np.ndarray, sample_rate: int) -> None:
-        """Caller audio: PCM16 bytes or float32 samples, mono, any rate."""
-        if isinstance(audio, bytes | bytearray | memoryview):
+        """Caller audio: PCM16 bytes or float32 samples, mono, any rate.
+
+        A frame of up to ``_SLICE_MS`` is processed at once. A larger push (one 1 MiB
+        message is 32 s of audio: resampling and VAD over it take long enough to stall
+        the pacer of every session on this loop) is cut into slices that a task
+        processes one per loop turn, in order with what is pushed after it. Audio
+        waiting to be processed is bounded by ``session.max_input_backlog_s``.
+        """
+        copied = isinstance(audio, bytes | bytearray | memoryview)
+        if copied:
             try:
                 audio = pcm16_to_float(bytes(audio))
             except ValueError as exc:
                 raise BadAudio(str(exc)) from None
+        audio = np.asarray(audio, dtype=np.float32)
+        if audio.ndim != 1:
+            raise BadAudio(f"audio must be mono (1-D), got shape {audio.shape}")
+        if audio.size == 0:
+            return
+        self._last_input = self._clock.monotonic()
+        step = max(1, sample_rate * _SLICE_MS // 1000)
+        if not self._backlog and audio.size <= step:
+            self._process_audio(audio, sample_rate)
+            return
+        seconds = audio.size / sample_rate
+        limit = self.cfg.session.max_input_backlog_s
+        if self._backlog_s + seconds > limit:
+            raise BadAudio(
+                f"{seconds:.1f} s of audio at once, with {self._backlog_s:.1f} s still being processed, "
+                f"is more than session.max_input_backlog_s ({limit:g} s); send audio in real time",
+                code="input_backlog_full",
+            )
+        if not copied:
+            audio = audio.copy()  # the caller may reuse its buffer
+        for start in range(0, audio.size, step):
+            self._backlog.append((audio[start : start + step], sample_rate))
+        self._backlog_s += seconds
+        self._start_drain()
+
+    def _start_drain(self) -> None:
+        running = self._drain_task is not None and not self._drain_task.done()
+        if not running and self._tg is not None and not self._closing.is_set():
+            self._drain_task = self._spawn(self._drain_input(), "input")
+
+    async def _drain_input(self) -> None:
+        try:
+            while self._backlog:
+                item = self._backlog.popleft()
+                if callable(item):
+                    item()  # a commit or clear, in order with the audio around it
+                    continue
+                audio, rate = item
+                self._backlog_s = max(0.0, self._backlog_s - audio.size / rate)
+                self._process_audio(audio, rate)
+                await asyncio.sleep(0)  # other sessions' pacers and I/O run between slices
+        finally:
+            self._drain_task = None
+
+    def _process_audio(self, audio: np.ndarray, sample_rate: int) -> None:
         if sample_rate != ASR_RATE:
             rs = self._resamplers.get(sample_rate)
             if rs is None:
@@ -257,7 +348,6 @@ class Session:
             audio = rs.process(audio)
         if audio.size == 0:
             return
-        self._last_input = self._clock.monotonic()
         self.input_ms += 1000.0 * audio.size / ASR_RATE
         if not self.settings.turn_detection:
             self._asr.push(audio)  # the client decides when the turn ends
@@ -342,23 +432,29 @@ class Session:
     def _new_turn(self, item_id: str, final: asyncio.Task[Transcript]) -> _Turn:
         return _Turn(item_id, self._turn_seq, final, asr_started=self._clock.monotonic())
 
-    def _spawn_final(self, covering_s: float | None = None) -> asyncio.Task[Transcript]:
+    def _spawn_final(self, covering_s: float | None = None, stream: AsrStream | None = None) -> asyncio.Task[Transcript]:
         assert self._tg is not None
-        task = self._tg.create_task(self._final(covering_s), name=f"{self.id}-final")
+        task = self._tg.create_task(self._final(covering_s, stream), name=f"{self.id}-final")
         self._tasks.add(task)  # cancelled at close like every other task
         task.add_done_callback(self._tasks.discard)
         return task
 
-    async def _final(self, covering_s: float | None) -> Transcript:
+    async def _final(self, covering_s: float | None, stream: AsrStream | None = None) -> Transcript:
+        """The final transcript of the session's stream, or of ``stream`` (a committed
+        turn's own, closed once decoded)."""
         # A failed decode must not take the session's TaskGroup (and the call) down:
         # it is reported, and the turn goes on as one with nothing said.
         try:
-            return await self._asr.finalize(covering_s)
+            return await (stream or self._asr).finalize(covering_s)
         except VoicebotError as exc:
             self.error(exc.code, str(exc))
         except Exception as exc:
             self.log.exception("final transcript failed")
             self.error("engine_error", f"ASR failed: {exc}")
+        finally:
+            if stream is not None:
+                await stream.aclose()
+                self._turn_streams.discard(stream)
         return Transcript("", 0.0, 0.0)
 
     async def _complete_turn(self, turn: _Turn) -> None:
@@ -383,28 +479,51 @@ class Session:
 
     # ----------------------------------------------------------------- commands
     def commit_input(self) -> str:
-        """Client-side turn end (turn detection off): transcribe what was sent."""
-        self._turn_seq += 1
+        """Client-side turn end (turn detection off): transcribe what was sent.
+
+        The turn takes the audio sent before the commit; what is sent after it, even
+        while this turn is still being transcribed, is the start of the next turn.
+        """
         item_id = f"item_{self.id[5:]}_{next(self._ids)}"
-        turn = self._new_turn(item_id, self._spawn_final())
-        turn.speech_end = turn.committed_at = self._clock.monotonic()
-        self._spawn(self._commit_and_reset(turn), "commit")
+        if self._backlog:  # audio sent before the commit is still being processed
+            self._backlog.append(lambda: self._commit(item_id))
+        else:
+            self._commit(item_id)
         return item_id
 
-    async def _commit_and_reset(self, turn: _Turn) -> None:
-        try:
-            await self._complete_turn(turn)
-        finally:
-            self._asr.reset()
+    def _commit(self, item_id: str) -> None:
+        self._turn_seq += 1
+        # The turn's audio leaves with its own stream; a fresh one takes what follows.
+        stream, self._asr = self._asr, self.engines.asr.stream(language=self.settings.language)
+        self._turn_streams.add(stream)  # closed by its final, or at teardown
+        turn = self._new_turn(item_id, self._spawn_final(stream=stream))
+        turn.speech_end = turn.committed_at = self._clock.monotonic()
+        self._spawn(self._complete_turn(turn), "commit")
 
     def clear_input(self) -> None:
+        # Audio sent after the last queued commit is not processed at all.
+        while self._backlog and not callable(self._backlog[-1]):
+            audio, rate = self._backlog.pop()  # type: ignore[misc]
+            self._backlog_s = max(0.0, self._backlog_s - audio.size / rate)
+        if self._backlog:
+            self._backlog.append(self._clear)
+        else:
+            self._clear()
+
+    def _clear(self) -> None:
         self._asr.reset()
         self._drop_speculation()
 
     def add_text(self, role: str, text: str, item_id: str | None = None) -> str:
         item_id = item_id or f"item_{self.id[5:]}_{next(self._ids)}"
         if role not in ("user", "assistant", "system"):
-            raise VoicebotError(f"unsupported role {role!r}", code="invalid_value")
+            raise BadMessage(f"unsupported role {role!r}", code="invalid_value")
+        limit = self.cfg.session.max_text_chars
+        if len(text) > limit:
+            raise BadMessage(
+                f"text of {len(text)} characters is longer than session.max_text_chars ({limit})",
+                code="text_too_long",
+            )
         self.conversation.append(role, text, item_id)  # type: ignore[arg-type]
         self._trim_history()
         return item_id
@@ -538,6 +657,15 @@ class Session:
             task.cancel()  # aborts the vLLM request and pending TTS
         if emit and resp.released.is_set():
             dropped = resp.playout.clear()
+            # Its audio still waiting in the outgoing queue is never sent either: the
+            # caller must not hear it, and the barge-in event must not wait behind it.
+            unsent = sum(
+                e.audio.size
+                for e in self._out.discard(lambda e: isinstance(e, ResponseAudio) and e.response_id == resp.id)
+                if isinstance(e, ResponseAudio)
+            )
+            resp.playout.taken -= unsent  # taken from the playout, but never sent
+            dropped += unsent
             self._finish(resp, status)
             if status == "interrupted":
                 if self.metrics:
@@ -584,28 +712,56 @@ class Session:
     def _trim_history(self) -> None:
         dropped = self.conversation.trim()
         if dropped and self.cfg.llm.background_concurrency > 0:
-            self._spawn(self._summarise(dropped), "summary")
+            self._unsummarised.extend(dropped)
+            if len(self._unsummarised) > _MAX_UNSUMMARISED:  # the summariser is far behind
+                del self._unsummarised[: len(self._unsummarised) - _MAX_UNSUMMARISED]
+            if self._summariser is None or self._summariser.done():
+                self._summariser = self._spawn(self._summarise(), "summary")
 
-    async def _summarise(self, dropped: list[Message]) -> None:
-        """Fold dropped turns into a one-line summary, at background priority."""
+    async def _summarise(self) -> None:
+        """Fold dropped turns into the one-line summary, at background priority.
+
+        One summariser per session: turns dropped while a summary is being written
+        wait for it and are folded into the next one, which starts from it (two at once
+        would both start from the old summary; the later would lose the other's turns).
+        Background work is invisible to the caller: a failed summary is logged and
+        dropped, never an error event. Cancellation (the session closing) propagates.
+        """
+        try:
+            while self._unsummarised:
+                dropped, self._unsummarised = self._unsummarised, []
+                try:
+                    summary = await self._summary_of(dropped, self.conversation.summary)
+                except Exception as exc:
+                    self.log.warning("summary of %d dropped messages failed, dropped: %s", len(dropped), exc)
+                    continue
+                self.conversation.set_summary(summary)
+        finally:
+            self._summariser = None
+
+    async def _summary_of(self, dropped: list[Message], earlier: str | None) -> str:
         lines = [f"{m.role}: {m.content}" for m in dropped]
-        if self.conversation.summary:
-            lines.insert(0, f"(earlier: {self.conversation.summary})")
+        if earlier:
+            lines.insert(0, f"(earlier: {earlier})")
         tok = self.engines.llm.tokenizer
-        prompt = tok.apply_chat_template(
-            [
-                {"role": "system", "content": "Summarise the conversation in one short sentence."},
-                {"role": "user", "content": "\n".join(lines)},
-            ],
-            tokenize=True,
-            add_generation_prompt=True,
-            enable_thinking=False,
-        )
-        # Newer transformers return a BatchEncoding (a Mapping, not a dict): its
-        # list() would be its keys.
-        ids = list(prompt["input_ids"] if isinstance(prompt, Mapping) else prompt)
-        summary = await self.engines.llm.complete(ids, lane=Lane.BACKGROUND, max_tokens=64, temperature=0.0)
-        self.conversation.set_summary(summary)
+
+        def encode() -> list[int]:
+            prompt = tok.apply_chat_template(
+                [
+                    {"role": "system", "content": "Summarise the conversation in one short sentence."},
+                    {"role": "user", "content": "\n".join(lines)},
+                ],
+                tokenize=True,
+                add_generation_prompt=True,
+                enable_thinking=False,
+            )
+            # Newer transformers return a BatchEncoding (a Mapping, not a dict): its
+            # list() would be its keys.
+            return list(prompt["input_ids"] if isinstance(prompt, Mapping) else prompt)
+
+        # Up to a history budget of text: tokenised off the event loop.
+        ids = await asyncio.to_thread(encode)
+        return await self.engines.llm.complete(ids, lane=Lane.BACKGROUND, max_tokens=64, temperature=0.0)
 
     # -------------------------------------------------------------------- pacer
     async def _pace(self) -> None:
@@ -632,10 +788,14 @@ class Session:
             while resp.playout.taken + frame <= due or (
                 resp.playout.queued_samples and resp.playout.taken < due and resp.generated
             ):
+                if self._out.full():
+                    await self._out.wait_for_room()
+                    if self._response is not resp:
+                        return  # cancelled while the client was slow to read
                 chunk = resp.playout.take(frame)
                 if chunk.size == 0:
                     break
-                await self._out.put(ResponseAudio(resp.id, resp.item_id, chunk, rate))
+                self._out.put_nowait(ResponseAudio(resp.id, resp.item_id, chunk, rate))
                 resp.notify_drained()
                 if resp.generated and resp.playout.queued_samples == 0:
                     resp.drained.set()
@@ -682,6 +842,11 @@ class Session:
 
     # ----------------------------------------------------------------- partials
     async def _forward_partials(self) -> None:
-        async for partial in self._asr:
-            if self._item_id is not None:
-                self.emit(TranscriptPartial(self._item_id, partial.confirmed, partial.tentative))
+        while True:
+            stream = self._asr
+            async for partial in stream:
+                if self._item_id is not None and stream is self._asr:
+                    self.emit(TranscriptPartial(self._item_id, partial.confirmed, partial.tentative))
+            if stream is self._asr:
+                return  # the session's own stream closed: the session is ending
+            # A committed turn took that stream away (and closed it): follow the new one.
