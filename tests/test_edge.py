@@ -193,7 +193,10 @@ def test_burst_must_hold_one_message() -> None:
 
 # --------------------------------------------------------------------- admission
 class _Engines:
-    pass
+    down: str | None = None
+
+    def failure(self) -> str | None:
+        return self.down
 
 
 def test_admission_ready_capacity_per_client_and_draining() -> None:
@@ -211,6 +214,11 @@ def test_admission_ready_capacity_per_client_and_draining() -> None:
     with pytest.raises(CapacityError, match="capacity"):
         edge.check_admission(state, "10.0.0.2")
     state.sessions.clear()
+    if hasattr(state, "engine_failure"):  # the engines' health (lifecycle work)
+        state.engines.down = "llm: engine core died"  # type: ignore[union-attr]
+        with pytest.raises(NotReady, match="engine core died"):
+            edge.check_admission(state, None)
+        state.engines.down = None  # type: ignore[union-attr]
     state.draining = True  # type: ignore[attr-defined]
     with pytest.raises(NotReady) as err:
         edge.check_admission(state, None)
@@ -266,3 +274,14 @@ def test_config_has_the_edge_fields() -> None:
     assert cfg.server.allowed_origins == [] and cfg.server.max_sessions_per_client is None
     assert cfg.server.max_audio_message_ms <= cfg.server.input_burst_ms
     assert cfg.telephony.auth_token is None and cfg.telephony.auth_token_env == "TWILIO_AUTH_TOKEN"
+
+
+def test_admin_details_need_a_long_lived_key() -> None:
+    state = ServerState(Config(server=ServerConfig(api_keys_env="VB_TEST_UNSET_VAR")))
+    assert edge.admin_allowed(state, None)  # no keys: open, like everything else
+    state.cfg.server.api_key = "sk-admin"
+    assert edge.admin_allowed(state, "Bearer sk-admin")
+    assert not edge.admin_allowed(state, None)
+    assert not edge.admin_allowed(state, "Bearer sk-admi")
+    secret, _ = state.mint_secret(60)
+    assert not edge.admin_allowed(state, f"Bearer {secret}")

@@ -88,6 +88,14 @@ def key_matches(supplied: str, keys: Iterable[str]) -> bool:
     return found
 
 
+def admin_allowed(state: ServerState, authorization: str | None) -> bool:
+    """May this request see /metrics and the details of /healthz? Only with a long-lived
+    API key when keys are configured (ephemeral secrets are for browsers, not operators);
+    a bare liveness answer stays open to everyone."""
+    keys = state.keys()
+    return not keys or key_matches(bearer(authorization) or "", keys)
+
+
 # ---------------------------------------------------------------------- origins
 def _host_port(netloc: str, scheme: str) -> tuple[str, int | None]:
     try:
@@ -288,6 +296,9 @@ def check_admission(state: ServerState, client: str | None = None) -> None:
         raise NotReady(state.load_error or "the server is still loading its models; retry shortly")
     if getattr(state, "draining", False):
         raise NotReady("the server is shutting down; retry on another instance", code="draining")
+    failure = state.engine_failure() if hasattr(state, "engine_failure") else None
+    if failure:  # an engine is down: say why instead of admitting a session that cannot work
+        raise NotReady(f"engine unavailable: {failure}")
     cfg = state.cfg.server
     if len(state.sessions) >= cfg.max_sessions:
         raise CapacityError(f"server at capacity ({cfg.max_sessions} sessions)")
