@@ -1,0 +1,224 @@
+"""The vLLM Whisper backend's engine logic, with a fake of our own ``WhisperRunner``.
+
+The runner is the seam between :class:`VllmAsrEngine` and vLLM; the fake scripts what
+a Whisper decode returns (one word per half second of audio, continuing the forced
+prefix) and can hold a decode open, so ordering, cancellation and closing are tested
+without a GPU. The real runner is measured on a GPU by benchmarks/gpu_asr.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from voicebot.audio import ASR_RATE
+from voicebot.config import AsrConfig, load_config
+from voicebot.engines.asr import AsrEngine
+from voicebot.engines.asr_vllm import (
+    WHISPER_MAX_TARGET_TOKENS,
+    VllmAsrEngine,
+    WhisperVllmSettings,
+    create_asr,
+)
+from voicebot.errors import EngineError
+
+WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima".split()
+WAIT = 5.0
+
+
+class FakeWhisper:
+    """Scripted Whisper: the text for N seconds of audio is WORDS[: 2N]."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, object]] = []
+        self.started = asyncio.Event()  # a decode began
+        self.hold: asyncio.Event | None = None  # set: decodes wait for it
+        self.aborted: list[str] = []
+        self.closed = False
+
+    async def start(self) -> None:
+        pass
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+    def prompt_ids(self, language: str | None, prefix: str) -> list[int]:
+        # 4 task tokens, then one "token" per prefix word (the word's index + 100).
+        return [1, 2, 3, 4] + [100 + WORDS.index(w) for w in prefix.split()]
+
+    async def decode(
+        self,
+        request_id: str,
+        audio: np.ndarray,
+        prompt_ids: list[int],
+        *,
+        max_tokens: int,
+        min_tokens: int,
+        priority: int,
+    ) -> str:
+        self.calls.append(
+            {"rid": request_id, "audio_s": audio.size / ASR_RATE, "prompt": prompt_ids,
+             "priority": priority, "max_tokens": max_tokens}
+        )
+        self.started.set()
+        try:
+            if self.hold is not None:
+                await self.hold.wait()
+            await asyncio.sleep(0)
+        except asyncio.CancelledError:
+            self.aborted.append(request_id)
+            raise
+        words = WORDS[: int(audio.size / ASR_RATE * 2)]
+        done = len(prompt_ids) - 4
+        return "".join(" " + w for w in words[done:])
+
+
+def audio(seconds: float) -> np.ndarray:
+    return np.full(int(seconds * ASR_RATE), 0.01, dtype=np.float32)
+
+
+def engine(fake: FakeWhisper, concurrency: int = 4, **cfg: object) -> VllmAsrEngine:
+    settings = WhisperVllmSettings(concurrency=concurrency)
+    fields: dict[str, object] = {"backend": "vllm", "partial_interval_ms": 500, "agreement_n": 2, **cfg}
+    asr_cfg = AsrConfig(**fields)  # type: ignore[arg-type]
+    return VllmAsrEngine(asr_cfg, "fake-whisper", agreement_n=2, settings=settings, runner=fake)
+
+
+async def test_partials_confirm_words_and_the_final_forces_them_as_prefix() -> None:
+    fake = FakeWhisper()
+    async with engine(fake) as eng:
+        stream = eng.stream()
+        partials = []
+        for _ in range(4):  # 4 x 0.5 s: one partial each
+            stream.push(audio(0.5))
+            partials.append(await asyncio.wait_for(anext(stream), WAIT))
+        assert partials[-1].text == "alpha bravo charlie delta"
+        confirmed = partials[-1].confirmed
+        assert confirmed.startswith("alpha bravo")  # two agreeing hypotheses
+        final = await asyncio.wait_for(stream.finalize(), WAIT)
+        # The final's decoder prompt carried the confirmed words after the task tokens.
+        last = fake.calls[-1]
+        assert last["prompt"] == [1, 2, 3, 4] + [100 + WORDS.index(w) for w in confirmed.split()]
+        assert last["priority"] == 0
+        assert all(c["priority"] == 1 for c in fake.calls[:-1])
+        assert final.text == "alpha bravo charlie delta"
+        assert final.audio_s == pytest.approx(2.0)
+        await stream.aclose()
+
+
+async def test_final_goes_before_queued_partials_of_other_streams() -> None:
+    fake = FakeWhisper()
+    fake.hold = asyncio.Event()
+    async with engine(fake, concurrency=1, partial_interval_ms=500) as eng:
+        busy, *others = [eng.stream() for _ in range(4)]
+        busy.push(audio(0.5))  # its partial takes the only slot and is held
+        await asyncio.wait_for(fake.started.wait(), WAIT)
+        for s in others:
+            s.push(audio(0.5))  # three partials queue behind it
+        final_stream = others[-1]
+        final = asyncio.create_task(final_stream.finalize())
+        await asyncio.sleep(0.01)
+        fake.hold.set()
+        await asyncio.wait_for(final, WAIT)
+        # Order of decodes: the held partial, then the final, then the other partials.
+        kinds = [c["priority"] for c in fake.calls]
+        assert kinds[:2] == [1, 0], kinds
+        for s in (busy, *others):
+            await s.aclose()
+
+
+async def test_cancelling_a_running_final_aborts_its_request_and_reraises() -> None:
+    fake = FakeWhisper()
+    fake.hold = asyncio.Event()
+    async with engine(fake) as eng:
+        stream = eng.stream()
+        stream._chunks.append(audio(1.0))  # audio without scheduling a partial
+        stream._samples = ASR_RATE
+        task = asyncio.create_task(stream.finalize())
+        await asyncio.wait_for(fake.started.wait(), WAIT)
+        rid = fake.calls[-1]["rid"]
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert fake.aborted == [rid]
+        assert eng.in_flight == 0
+        # The engine goes on serving: the slot is free again.
+        fake.hold.set()
+        text = await asyncio.wait_for(stream.finalize(), WAIT)
+        assert text.text == "alpha bravo"
+        await stream.aclose()
+
+
+async def test_closing_the_engine_aborts_decodes_and_fails_waiting_finals() -> None:
+    fake = FakeWhisper()
+    fake.hold = asyncio.Event()
+    eng = engine(fake, concurrency=1)
+    await eng.start()
+    s1, s2 = eng.stream(), eng.stream()
+    for s in (s1, s2):
+        s._chunks.append(audio(1.0))
+        s._samples = ASR_RATE
+    running = asyncio.create_task(s1.finalize())
+    await asyncio.wait_for(fake.started.wait(), WAIT)
+    queued = asyncio.create_task(s2.finalize())
+    await asyncio.sleep(0.01)
+    await eng.aclose()
+    for task in (running, queued):
+        with pytest.raises(EngineError):
+            await asyncio.wait_for(task, WAIT)
+    assert len(fake.aborted) == 1 and fake.closed
+    assert len(fake.calls) == 1  # the queued final never reached the runner
+
+
+async def test_a_failed_decode_fails_only_its_final() -> None:
+    fake = FakeWhisper()
+
+    async def broken(*args: object, **kwargs: object) -> str:
+        raise RuntimeError("CUDA error: out of memory")
+
+    async with engine(fake) as eng:
+        stream = eng.stream()
+        stream._chunks.append(audio(1.0))
+        stream._samples = ASR_RATE
+        fake.decode = broken  # type: ignore[method-assign]
+        with pytest.raises(EngineError, match="out of memory"):
+            await asyncio.wait_for(stream.finalize(), WAIT)
+        assert eng.stats.failed_decodes == 1
+        fake.decode = FakeWhisper.decode.__get__(fake)  # type: ignore[method-assign]
+        assert (await asyncio.wait_for(stream.finalize(), WAIT)).text == "alpha bravo"
+        await stream.aclose()
+
+
+def test_token_budget_is_bounded_by_audio_length_and_whisper_window() -> None:
+    eng = engine(FakeWhisper())
+    from voicebot.engines.asr_queue import DecodeJob, Priority
+
+    short = DecodeJob(Priority.FINAL, None, audio=audio(2.0))
+    assert eng.token_budget(short, 4) == (0, 2 * 8 + 16)
+    long = DecodeJob(Priority.FINAL, None, audio=audio(30.0))
+    assert eng.token_budget(long, 40) == (0, 30 * 8 + 16)
+    assert eng.token_budget(long, 300) == (0, WHISPER_MAX_TARGET_TOKENS - 300 - 1)
+    with pytest.raises(EngineError):
+        eng.token_budget(long, WHISPER_MAX_TARGET_TOKENS)
+
+
+def test_backend_is_chosen_by_config_and_defaults_to_faster_whisper() -> None:
+    assert AsrConfig().backend == "faster-whisper"
+    assert type(create_asr(AsrConfig(), "m")) is AsrEngine
+    assert isinstance(create_asr(AsrConfig(backend="vllm"), "m"), VllmAsrEngine)
+    cfg = load_config(None, ["asr.backend=vllm"])
+    assert cfg.asr.backend == "vllm"
+    with pytest.raises(Exception, match="backend"):
+        load_config(None, ["asr.backend=whisper.cpp"])
+
+
+def test_importing_the_backend_does_not_import_vllm() -> None:
+    code = "import sys, voicebot.engines.asr_vllm; print('vllm' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -1,0 +1,357 @@
+"""Whisper on vLLM: the GPU ASR backend (``asr.backend: vllm``).
+
+faster-whisper's CTranslate2 needs cuBLAS 12; GPU machines with only CUDA 13 cannot run
+it there. vLLM serves Whisper (``WhisperForConditionalGeneration``) on torch's own CUDA
+with continuous batching, so every session's decodes share one batched encoder/decoder.
+
+Same streaming interface as the faster-whisper engine: :class:`VllmAsrEngine` *is* an
+:class:`~voicebot.engines.asr.AsrEngine` (same ``stream()``/``transcribe()``, the same
+:class:`~voicebot.engines.asr_stream.AsrStream` with partials, LocalAgreement and reuse
+of the partial that saw the end of speech, the same bounded finals-first queue). Only
+how a job is decoded differs: instead of a few threads each running a blocking
+CTranslate2 decode, up to ``concurrency`` jobs are in flight in vLLM at once, and vLLM's
+priority scheduler keeps finals ahead of partials inside the engine as well.
+
+The confirmed words are forced as decoder prompt tokens after
+``<|startoftranscript|><|lang|><|transcribe|><|notimestamps|>``, as faster-whisper's
+``prefix`` does, so a hypothesis continues them by construction.
+
+Cancelling a waiting ``finalize()`` aborts its vLLM request; closing the engine aborts
+every request in flight. vLLM is imported only in :meth:`VllmWhisper.start`, so this
+module (and CPU CI) does not need it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from voicebot.audio import ASR_RATE
+from voicebot.config import AsrConfig
+from voicebot.engines.agreement import continuation_after, join_text
+from voicebot.engines.asr import AsrEngine
+from voicebot.engines.asr_queue import DecodeJob, Priority
+from voicebot.errors import EngineError, ModelError
+
+if TYPE_CHECKING:
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+__all__ = ["VllmAsrEngine", "VllmWhisper", "WhisperRunner", "WhisperVllmSettings", "create_asr"]
+
+log = logging.getLogger(__name__)
+
+# Whisper's decoder has 448 positions (max_target_positions) for prompt + text.
+WHISPER_MAX_TARGET_TOKENS = 448
+
+
+@dataclass(frozen=True)
+class WhisperVllmSettings:
+    """How the Whisper engine is sized on the GPU (defaults: beside a 7B LLM on one 80 GB GPU)."""
+
+    # Jobs in flight in vLLM at once; more wait in the engine's finals-first queue.
+    concurrency: int = 256
+    # Share of GPU memory for weights + cross/self-attention KV. Each request holds
+    # 1500 encoder positions of cross-attention KV per decoder layer (large-v3-turbo:
+    # 4 layers, ~31 MB a request), so this sets how many decodes fit at once.
+    gpu_memory_utilization: float = 0.10
+    max_num_seqs: int = 256
+    # Also the encoder budget per engine step: 1500 tokens per 30 s window, so 12000
+    # lets 8 windows be encoded in one step. Larger: more encoder throughput, longer
+    # steps for the decodes running beside them.
+    max_num_batched_tokens: int = 12_000
+    dtype: str = "bfloat16"
+    load_format: str = "auto"  # "dummy": shape-only benchmarks (random weights)
+    enforce_eager: bool = False  # CUDA graphs for the decoder (encoder-decoder: FULL_DECODE_ONLY)
+    # Threads that turn audio into log-mel features (vLLM's renderer pool), off the event loop.
+    feature_workers: int = 4
+    # Longest text per second of audio (a guard against a decoder that never stops).
+    max_tokens_per_s: float = 8.0
+
+
+class WhisperRunner(Protocol):
+    """What the engine needs from a Whisper server (vLLM here; a fake in unit tests)."""
+
+    async def start(self) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+    def prompt_ids(self, language: str | None, prefix: str) -> list[int]:
+        """Decoder prompt: task tokens, then the forced prefix's tokens."""
+        ...
+
+    async def decode(
+        self,
+        request_id: str,
+        audio: np.ndarray,
+        prompt_ids: list[int],
+        *,
+        max_tokens: int,
+        min_tokens: int,
+        priority: int,
+    ) -> str:
+        """The text generated after ``prompt_ids``; cancellation aborts the request."""
+        ...
+
+
+class VllmWhisper:
+    """A Whisper model in its own vLLM ``AsyncLLM`` (in this process, engine core beside it)."""
+
+    def __init__(self, model_path: str, settings: WhisperVllmSettings, tokenizer_path: str | None = None) -> None:
+        self.model_path = model_path
+        self.tokenizer_path = tokenizer_path or model_path
+        self.settings = settings
+        self._engine: AsyncLLM | None = None
+        self._tokenizer: Any = None
+        self._task_ids: dict[str, int] = {}
+
+    async def start(self) -> None:
+        self._engine = await asyncio.to_thread(self._build)
+        self._tokenizer = self._engine.get_tokenizer()
+        tok = self._tokenizer
+        for name in ("<|startoftranscript|>", "<|transcribe|>", "<|notimestamps|>"):
+            tid = tok.convert_tokens_to_ids(name)
+            if not isinstance(tid, int) or tid == tok.unk_token_id:
+                raise ModelError(f"Whisper tokenizer of {self.tokenizer_path} has no {name} token")
+            self._task_ids[name] = tid
+
+    def _build(self) -> AsyncLLM:
+        os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+        try:
+            from vllm import AsyncEngineArgs
+            from vllm.v1.engine.async_llm import AsyncLLM
+        except ImportError as exc:
+            raise ModelError(f"asr.backend 'vllm' needs vLLM installed ({exc})") from exc
+        s = self.settings
+        kwargs: dict[str, Any] = dict(
+            model=self.model_path,
+            tokenizer=self.tokenizer_path,
+            dtype=s.dtype,
+            load_format=s.load_format,
+            max_model_len=WHISPER_MAX_TARGET_TOKENS,
+            max_num_seqs=s.max_num_seqs,
+            max_num_batched_tokens=s.max_num_batched_tokens,
+            gpu_memory_utilization=s.gpu_memory_utilization,
+            enforce_eager=s.enforce_eager,
+            scheduling_policy="priority",  # finals (0) before partials (1) inside vLLM too
+            enable_prefix_caching=False,  # encoder-decoder: not supported
+            limit_mm_per_prompt={"audio": 1},
+            # Every utterance is new audio: a processor cache would only cost memory, and
+            # it must be off for the feature-extraction pool to have several threads.
+            mm_processor_cache_gb=0,
+            renderer_num_workers=s.feature_workers,
+            generation_config="vllm",  # our sampling params, not the checkpoint's
+            disable_log_stats=True,
+            seed=0,
+        )
+        try:
+            return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        except Exception as exc:
+            raise ModelError(f"vLLM could not load Whisper {self.model_path}: {exc}") from exc
+
+    async def aclose(self) -> None:
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.shutdown()
+
+    def prompt_ids(self, language: str | None, prefix: str) -> list[int]:
+        ids = [self._task_ids["<|startoftranscript|>"]]
+        if language is not None:
+            lang = self._tokenizer.convert_tokens_to_ids(f"<|{language}|>")
+            if not isinstance(lang, int) or lang == self._tokenizer.unk_token_id:
+                raise EngineError(f"Whisper does not know language {language!r}", code="invalid_language")
+            ids += [lang, self._task_ids["<|transcribe|>"], self._task_ids["<|notimestamps|>"]]
+        # language None: Whisper predicts the language and task tokens itself (they are
+        # special tokens, left out of the text).
+        if prefix.strip():
+            ids += self._tokenizer.encode(" " + prefix.strip(), add_special_tokens=False)
+        return ids
+
+    async def decode(
+        self,
+        request_id: str,
+        audio: np.ndarray,
+        prompt_ids: list[int],
+        *,
+        max_tokens: int,
+        min_tokens: int,
+        priority: int,
+    ) -> str:
+        engine = self._engine
+        if engine is None:
+            raise EngineError("ASR engine is not running")
+        from vllm import SamplingParams
+        from vllm.renderers.inputs.preprocess import parse_model_prompt
+        from vllm.sampling_params import RequestOutputKind
+
+        prompt = {
+            "encoder_prompt": {"prompt": "", "multi_modal_data": {"audio": (audio, ASR_RATE)}},
+            "decoder_prompt": {"prompt_token_ids": prompt_ids},
+        }
+        # Log-mel features in the renderer's thread pool, not on the event loop.
+        (engine_input,) = await engine.renderer.render_cmpl_async([parse_model_prompt(engine.model_config, prompt)])
+        params = SamplingParams(
+            temperature=0.0,  # greedy, one pass: no temperature fallback re-decodes
+            max_tokens=max_tokens,
+            min_tokens=min_tokens,
+            skip_special_tokens=True,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        text = ""
+        finished = False
+        try:
+            outputs = engine.generate(engine_input, params, request_id, priority=priority)
+            async with contextlib.aclosing(outputs):
+                async for out in outputs:
+                    text = out.outputs[0].text
+                    finished = out.finished
+        finally:
+            if not finished and self._engine is not None:
+                await self._engine.abort(request_id)  # cancelled or closed early
+        return text
+
+
+class _Abandoned(Exception):
+    """A final whose caller stopped waiting: its request was aborted."""
+
+
+class VllmAsrEngine(AsrEngine):
+    """:class:`AsrEngine` whose decodes run batched in vLLM (see the module docstring)."""
+
+    def __init__(
+        self,
+        cfg: AsrConfig,
+        model_path: str,
+        *,
+        agreement_n: int = 3,
+        settings: WhisperVllmSettings | None = None,
+        runner: WhisperRunner | None = None,
+    ) -> None:
+        super().__init__(cfg, model_path, agreement_n=agreement_n)
+        self.settings = settings or WhisperVllmSettings()
+        self.runner: WhisperRunner = runner or VllmWhisper(model_path, self.settings)
+        self._rids = itertools.count(1)
+        self.in_flight = 0  # decodes submitted to the runner and not finished
+
+    async def start(self) -> None:
+        t0 = time.perf_counter()
+        await self.runner.start()
+        # One task per decode slot: each takes the next job (finals first) and awaits
+        # the runner; no threads. The runner bounds nothing itself: this count does.
+        self._workers = [
+            asyncio.create_task(self._worker(), name=f"asr-vllm-{i}") for i in range(self.settings.concurrency)
+        ]
+        log.info(
+            "ASR (vLLM) %s ready in %.1f s (%d decode slots)",
+            self.model_path,
+            time.perf_counter() - t0,
+            self.settings.concurrency,
+        )
+
+    async def aclose(self) -> None:
+        try:
+            await super().aclose()  # cancels the workers: their requests are aborted
+        finally:
+            await self.runner.aclose()
+
+    def token_budget(self, job: DecodeJob, prompt_len: int) -> tuple[int, int]:
+        """``(min_tokens, max_tokens)`` for a job (benchmarks with random weights override it)."""
+        assert job.audio is not None
+        room = WHISPER_MAX_TARGET_TOKENS - prompt_len - 1
+        if room < 1:
+            raise EngineError("forced prefix fills Whisper's 448-token window")
+        guard = int(job.audio.size / ASR_RATE * self.settings.max_tokens_per_s) + 16
+        return 0, max(1, min(room, guard))
+
+    async def _decode_async(self, job: DecodeJob) -> tuple[str, float]:
+        """Text after the job's prefix, and the decode time."""
+        assert job.audio is not None
+        t0 = time.perf_counter()
+        prompt = self.runner.prompt_ids(job.language, job.prefix)
+        min_tokens, max_tokens = self.token_budget(job, len(prompt))
+        self.in_flight += 1
+        try:
+            text = await self.runner.decode(
+                f"asr{next(self._rids)}",
+                job.audio,
+                prompt,
+                max_tokens=max_tokens,
+                min_tokens=min_tokens,
+                priority=int(job.priority),  # FINAL = 0 is served first
+            )
+        finally:
+            self.in_flight -= 1
+        prefix = job.prefix.strip()
+        # The runner returns only the continuation; glue it the way CTranslate2's
+        # prefix-included output is split, so both backends confirm words alike.
+        decoded = f"{prefix}{text}" if prefix else text
+        return continuation_after(decoded, job.prefix), time.perf_counter() - t0
+
+    async def _decode_watched(self, job: DecodeJob) -> tuple[str, float]:
+        """Decode; for a final, abort as soon as its waiter is cancelled."""
+        if job.future is None:
+            return await self._decode_async(job)
+        decode = asyncio.ensure_future(self._decode_async(job))
+        try:
+            await asyncio.wait({decode, job.future}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            decode.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await decode
+            raise
+        if not decode.done():  # the waiter went away (cancelled): stop the GPU work
+            decode.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await decode
+            raise _Abandoned
+        return decode.result()
+
+    async def _worker(self) -> None:
+        # AsrEngine._worker with the blocking executor call replaced by an awaited decode.
+        while True:
+            job = self._queue.pop()
+            if job is None:
+                self._work.clear()
+                await self._work.wait()
+                continue
+            self._space.set()
+            if job.future is not None and job.future.done():
+                continue  # cancelled while queued
+            self._dispatch(job)
+            if job.audio is None:
+                continue  # a partial that went stale while queued
+            try:
+                text, decode_s = await self._decode_watched(job)
+            except asyncio.CancelledError:
+                job.fail(EngineError("ASR engine closed"))
+                raise
+            except _Abandoned:
+                continue
+            except Exception as exc:
+                self.stats.failed_decodes += 1
+                log.warning("ASR decode failed: %s", exc, exc_info=True)
+                job.fail(exc if isinstance(exc, EngineError) else EngineError(f"ASR decode failed: {exc}"))
+                continue
+            if job.priority is Priority.FINAL:
+                self.stats.final_decodes += 1
+                assert job.future is not None
+                if not job.future.done():
+                    job.future.set_result((join_text(job.prefix, text), decode_s))
+            else:
+                self.stats.partial_decodes += 1
+                assert job.owner is not None
+                job.owner._partial_done(job, text)
+
+
+def create_asr(cfg: AsrConfig, model_path: str, *, settings: WhisperVllmSettings | None = None) -> AsrEngine:
+    """The ASR engine ``cfg.backend`` names (faster-whisper on CPU/CUDA 12, or Whisper on vLLM)."""
+    if cfg.backend == "vllm":
+        return VllmAsrEngine(cfg, model_path, agreement_n=cfg.agreement_n, settings=settings)
+    return AsrEngine(cfg, model_path, agreement_n=cfg.agreement_n)
