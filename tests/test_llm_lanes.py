@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -74,3 +75,16 @@ async def test_waiting_background_requests_are_bounded() -> None:
     for w in [*waiters, late]:
         w.cancel()
     await asyncio.wait([*waiters, late])
+
+
+async def test_an_engine_not_started_says_why() -> None:
+    assert engine(1).dead_reason == "not started"
+
+
+async def test_a_cancelled_start_builds_nothing() -> None:
+    e = engine(1)
+    cancel = threading.Event()
+    cancel.set()  # shutdown began before the build thread got going
+    with pytest.raises(asyncio.CancelledError):
+        await e.start(cancel)
+    assert e.dead_reason == "not started" and e._engine is None

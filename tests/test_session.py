@@ -403,7 +403,9 @@ async def test_cancel_and_truncate(tokenizer) -> None:  # type: ignore[no-untype
         c.session.create_response()
         await c.wait_for(ev.ResponseAudioStarted)
         await c.pause(0.5)
+        assert c.session.replying
         assert c.session.cancel_response()
+        assert not c.session.replying
         done = await c.wait_for(ev.ResponseDone)
         assert done.status == "cancelled" and done.text
         # The client heard only 200 ms of it (2 words), and says so.

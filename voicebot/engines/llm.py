@@ -21,6 +21,7 @@ import enum
 import itertools
 import logging
 import os
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -95,12 +96,30 @@ class LlmEngine:
         self.cached_tokens_total = 0
 
     # ----------------------------------------------------------------- lifecycle
-    async def start(self) -> None:
-        self._engine = await asyncio.to_thread(self._build)
-        self._tokenizer = self._engine.get_tokenizer()
+    async def start(self, cancel: threading.Event | None = None) -> None:
+        """Build the engine in a thread. Setting ``cancel`` (or cancelling this call)
+        stops the build at its next step; an engine already built is shut down there,
+        so an aborted start-up never leaves a loaded engine behind."""
+        cancel = cancel or threading.Event()
+        try:
+            engine = await asyncio.to_thread(self._build, cancel)
+        except asyncio.CancelledError:
+            cancel.set()  # the thread cannot be interrupted: it checks this and cleans up
+            raise
+        self._engine = engine
+        self._tokenizer = engine.get_tokenizer()
         log.info("LLM ready: %s", self.model_path)
 
-    def _build(self) -> AsyncLLM:
+    @staticmethod
+    def _check_cancel(cancel: threading.Event, engine: AsyncLLM | None = None) -> None:
+        if cancel.is_set():
+            if engine is not None:
+                # Built in this thread, no output handler yet: safe to shut down here.
+                engine.shutdown()
+            raise asyncio.CancelledError("LLM start cancelled")
+
+    def _build(self, cancel: threading.Event) -> AsyncLLM:
+        self._check_cancel(cancel)
         # Read by the engine-core child process; set here, at start-up, not at import.
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.cfg.kv_cache_space_gib))
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", self.cfg.cpu_threads_bind)
@@ -136,10 +155,13 @@ class LlmEngine:
                 args["gpu_memory_utilization"] = c.gpu_memory_utilization
         except ImportError:  # pragma: no cover
             pass
+        self._check_cancel(cancel)
         try:
-            return AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+            engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
         except Exception as exc:
             raise ModelError(f"vLLM could not load {self.model_path}: {exc}") from exc
+        self._check_cancel(cancel, engine)
+        return engine
 
     async def aclose(self) -> None:
         engine, self._engine = self._engine, None
@@ -154,6 +176,19 @@ class LlmEngine:
         if self._tokenizer is None:
             raise EngineError("LLM engine not started")
         return self._tokenizer
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine cannot serve (None: it can); read by the health check."""
+        engine = self._engine
+        if engine is None:
+            return "not started"
+        if not engine.errored:
+            return None
+        resources = getattr(getattr(engine, "engine_core", None), "resources", None)
+        if getattr(resources, "engine_dead", False):
+            return "vLLM engine dead: its engine-core process exited"
+        return "vLLM engine dead: its output handler stopped"
 
     @property
     def running(self) -> int:

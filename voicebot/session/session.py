@@ -570,6 +570,12 @@ class Session:
         self._turns.cfg = new.vad
         self.conversation.reply_tokens = new.max_tokens
 
+    @property
+    def replying(self) -> bool:
+        """A reply is being spoken: released to the caller and not finished (a drain
+        lets it finish)."""
+        return self._response is not None and self._response.released.is_set()
+
     def item_history(self) -> list[Message]:
         return list(self.conversation.messages)
 
