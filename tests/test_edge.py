@@ -285,3 +285,26 @@ def test_admin_details_need_a_long_lived_key() -> None:
     assert not edge.admin_allowed(state, "Bearer sk-admi")
     secret, _ = state.mint_secret(60)
     assert not edge.admin_allowed(state, f"Bearer {secret}")
+
+
+def test_clip_bounds_echoed_values() -> None:
+    assert edge.clip("abc") == "'abc'"
+    assert len(edge.clip("a" * 500_000)) == 64 + 3
+
+
+def test_error_messages_never_echo_a_whole_client_value() -> None:
+    from voicebot.transports import twilio_protocol as tp
+    from voicebot.transports.native import apply_command
+
+    huge = "x" * 100_000
+    with pytest.raises(BadMessage) as err:
+        apply_command(None, {"type": huge})  # type: ignore[arg-type]
+    assert len(str(err.value)) < 200
+    with pytest.raises(BadMessage) as err:
+        tp.parse_message(json.dumps({"event": "dtmf", "dtmf": {"digit": huge}}))
+    assert len(str(err.value)) < 200
+    # Telnyx parameters whose name is not a string are dropped, not a TypeError.
+    start = tp.parse_message(json.dumps({"event": "start", "stream_id": "st1", "start": {
+        "media_format": {"encoding": "PCMA", "sample_rate": 8000},
+        "custom_parameters": [{"name": ["voice"], "value": "x"}, {"name": "speed", "value": "1.2"}]}}))
+    assert isinstance(start, tp.Start) and start.custom == {"speed": "1.2"}

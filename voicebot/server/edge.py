@@ -150,6 +150,13 @@ def check_origin(headers: Mapping[str, str], cfg: ServerConfig) -> None:
 
 
 # ------------------------------------------------------------------------- JSON
+def clip(value: object, limit: int = 64) -> str:
+    """``repr(value)`` cut to ``limit`` characters: error messages and logs echo what a
+    client sent, and a 500 kB id must not come back (or be logged) whole."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def check_size(size: int, limit: int, what: str = "message") -> None:
     if size > limit:
         raise MessageTooLarge(f"{what} of {size} bytes exceeds server.max_message_bytes ({limit})")

@@ -114,7 +114,7 @@ def apply_command(session: Session, data: dict[str, Any]) -> dict[str, Any] | No
         return {"type": "session.updated"}
     if kind == "session.end":
         raise _Hangup
-    raise BadMessage(f"unknown event type {kind!r}", code="unknown_event")
+    raise BadMessage(f"unknown event type {edge.clip(kind)}", code="unknown_event")
 
 
 class _Hangup(Exception):

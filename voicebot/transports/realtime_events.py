@@ -204,7 +204,7 @@ def validate_client_event(data: dict[str, Any]) -> ClientEvent:
     kind = data["type"]
     if kind not in CLIENT_EVENT_TYPES:
         raise RealtimeRequestError(
-            f"unsupported event type {kind!r}; supported: {', '.join(sorted(CLIENT_EVENT_TYPES))}",
+            f"unsupported event type {edge.clip(kind)}; supported: {', '.join(sorted(CLIENT_EVENT_TYPES))}",
             code="unknown_event", param="type",
         )
     try:
@@ -233,7 +233,7 @@ def format_from_beta(name: str, param: str) -> AudioFormat:
         return _BETA_FORMATS[name]
     except KeyError:
         raise RealtimeRequestError(
-            f"unsupported audio format {name!r}; use pcm16, g711_ulaw or g711_alaw",
+            f"unsupported audio format {edge.clip(name)}; use pcm16, g711_ulaw or g711_alaw",
             code="unsupported_format", param=param,
         ) from None
 

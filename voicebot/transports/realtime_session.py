@@ -137,7 +137,7 @@ class RealtimeTranslator:
                 return self._truncate(ev.item_id, ev.content_index, ev.audio_end_ms)
             case rt.ItemDelete():
                 if not self.session.conversation.delete(ev.item_id):
-                    raise rt.RealtimeRequestError(f"no item {ev.item_id!r}", code="unknown_item", param="item_id")
+                    raise rt.RealtimeRequestError(f"no item {edge.clip(ev.item_id)}", code="unknown_item", param="item_id")
                 return [{"type": "conversation.item.deleted", "item_id": ev.item_id}]
             case rt.ResponseCreate():
                 if self.replies.current is not None:
@@ -176,7 +176,7 @@ class RealtimeTranslator:
             if name in rt.OPENAI_VOICES:
                 changes["voice"] = None  # our TTS's default voice stands in for OpenAI's
             elif self.voices is not None and name not in self.voices:
-                raise rt.RealtimeRequestError(f"unknown voice {name!r}", code="invalid_value", param="session.voice")
+                raise rt.RealtimeRequestError(f"unknown voice {edge.clip(name)}", code="invalid_value", param="session.voice")
             else:
                 changes["voice"] = name
         speed = a_out.speed if a_out.speed is not None else cfg.speed
@@ -290,7 +290,7 @@ class RealtimeTranslator:
             self.session.set_played(audio_end_ms)
             self.session.cancel_response()
         if self.session.truncate(item_id, audio_end_ms) is None:
-            raise rt.RealtimeRequestError(f"no assistant audio item {item_id!r} to truncate",
+            raise rt.RealtimeRequestError(f"no assistant audio item {edge.clip(item_id)} to truncate",
                                           code="unknown_item", param="item_id")
         return [{"type": "conversation.item.truncated", "item_id": item_id,
                  "content_index": content_index, "audio_end_ms": audio_end_ms}]

@@ -99,8 +99,8 @@ def _obj(data: dict[str, Any], key: str) -> dict[str, Any]:
 
 def _params(raw: object) -> dict[str, str]:
     """Twilio sends an object; Telnyx may send a list of {name, value}."""
-    if isinstance(raw, list):
-        raw = {p.get("name"): p.get("value") for p in raw if isinstance(p, dict)}
+    if isinstance(raw, list):  # names that are not strings (lists, objects) are dropped
+        raw = {p["name"]: p.get("value") for p in raw if isinstance(p, dict) and isinstance(p.get("name"), str)}
     if not isinstance(raw, dict):
         return {}
     return {str(k): str(v) for k, v in raw.items() if k is not None and v is not None}
@@ -142,7 +142,7 @@ def parse_message(text: str) -> Inbound:
     if event == "dtmf":
         digit = str(_obj(data, "dtmf").get("digit", ""))
         if not _DIGIT.match(digit):
-            raise BadMessage(f"invalid DTMF digit {digit!r}")
+            raise BadMessage(f"invalid DTMF digit {edge.clip(digit, 16)}")
         return DtmfPress(digit)
     if event == "mark":
         return MarkEcho(str(_obj(data, "mark").get("name", "")))
