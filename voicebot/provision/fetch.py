@@ -18,7 +18,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import BinaryIO, Literal
+from typing import IO, Literal
 
 from voicebot.errors import BundleError
 from voicebot.provision.bundle import Package
@@ -41,7 +41,7 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def copy_hashing(src: BinaryIO, dst: BinaryIO | None, hashers: Sequence[hashlib._Hash]) -> int:
+def copy_hashing(src: IO[bytes], dst: IO[bytes] | None, hashers: Sequence[hashlib._Hash]) -> int:
     """Stream ``src`` into ``dst`` (if any), feeding every hasher; returns bytes copied."""
     n = 0
     while chunk := src.read(_CHUNK):
