@@ -13,8 +13,22 @@ session goes on unless ``fatal`` is set.
     │   ├── BadAudio           undecodable or wrongly sized audio
     │   └── MessageTooLarge    over server.max_message_bytes
     ├── CapacityError          no session slot / engine queue full (fatal for that session)
-    ├── AuthError              missing or wrong credentials (fatal)
+    ├── AuthError              missing or wrong credentials, or a browser origin not allowed (fatal)
     └── EngineError            an engine failed while serving a request
+
+Wire codes a client can act on (the class sets the default; raisers may refine it):
+
+    unauthorized, origin_not_allowed          AuthError: close 1008 / HTTP 401, 403
+    capacity_exceeded                          no slot: close 1013 / HTTP 429 / busy TwiML
+    not_ready, draining, engine_unavailable    NotReady (server/state.py): close 1013 / HTTP 503
+    invalid_event, unknown_event, invalid_value, unsupported_format, invalid_voice
+                                               BadMessage: an error event, the session goes on
+    invalid_audio, input_rate_exceeded, input_backlog_full
+                                               BadAudio / rate gate: the audio is dropped
+    message_too_large, payload_too_large, text_too_long
+                                               size limits: the message is dropped (HTTP 413)
+    server_shutdown (close 1001), engine_failed (close 1011), idle_timeout
+                                               why a session was ended by the server
 """
 
 from __future__ import annotations
