@@ -44,6 +44,7 @@ class ServerConfig(_Section):
         default_factory=lambda: ["native", "realtime", "twilio", "webrtc"],
         description="Wire protocols served (native /ws, OpenAI Realtime, Twilio Media Streams, WebRTC).",
     )
+    drain_timeout_s: float = Field(10.0, ge=0.0, le=600.0, description="On SIGTERM/SIGINT: how long replies in progress may finish before every session is closed and the server exits.")
 
     @model_validator(mode="after")
     def _burst_holds_a_message(self) -> ServerConfig:

@@ -6,7 +6,18 @@ own :class:`Metrics`. Buckets are chosen for voice latencies (tens of ms to seco
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import asyncio
+from collections.abc import Mapping
+from typing import Any
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 
 from voicebot.session.events import TurnTimings
 
@@ -36,6 +47,12 @@ class Metrics:
         self.barge_ins = Counter("voicebot_barge_ins", "Replies interrupted by the caller.", registry=r)
         self.errors = Counter("voicebot_errors", "Errors sent to clients, by code.", ["code"], registry=r)
         self.queue_depth = Gauge("voicebot_queue_depth", "Jobs waiting per engine queue.", ["queue"], registry=r)
+        self.engine_up = Gauge("voicebot_engine_up", "1 while the engine works, 0 while failed or restarting.", ["engine"], registry=r)
+        self.engine_restarts = Gauge("voicebot_engine_restarts", "Successful supervised restarts per engine.", ["engine"], registry=r)
+        # Leak watching (soak): live asyncio tasks, plus process_open_fds /
+        # process_resident_memory_bytes from prometheus_client's process collector.
+        self.asyncio_tasks = Gauge("voicebot_asyncio_tasks", "Live asyncio tasks of the server's loop.", registry=r)
+        ProcessCollector(registry=r)
 
     def observe_turn(self, t: TurnTimings) -> None:
         pairs = (
@@ -51,6 +68,13 @@ class Metrics:
                 hist.observe(ms / 1000.0)
         self.prompt_tokens.inc(t.prompt_tokens)
         self.cached_tokens.inc(t.cached_prompt_tokens)
+
+    def update_process(self, health: Mapping[str, Any] | None) -> None:
+        """Scrape-time values: live tasks (call from the loop) and each engine's health."""
+        self.asyncio_tasks.set(len(asyncio.all_tasks()))
+        for name, h in (health or {}).items():
+            self.engine_up.labels(name).set(1 if h.ok else 0)
+            self.engine_restarts.labels(name).set(h.restarts)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -5,15 +5,39 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from voicebot.config import Config
 from voicebot.engines.asr import AsrEngine
+from voicebot.engines.health import EngineHealth
 from voicebot.engines.llm import LlmEngine
+from voicebot.engines.startup import reap_children, start_all
 from voicebot.engines.tts import TtsEngine, create_tts
 from voicebot.engines.vad import SileroVad
 
 log = logging.getLogger(__name__)
+
+ENGINE_NAMES = ("asr", "llm", "tts")
+
+
+@dataclass(frozen=True)
+class EngineSpecs:
+    """Resolved model paths: what it takes to build each engine again (a supervised restart)."""
+
+    cfg: Config
+    asr_path: str
+    llm_path: str
+    tokenizer_path: str | None
+    voice_path: str | None
+
+    def asr(self) -> AsrEngine:
+        return AsrEngine(self.cfg.asr, self.asr_path, agreement_n=self.cfg.asr.agreement_n)
+
+    def llm(self) -> LlmEngine:
+        return LlmEngine(self.cfg.llm, self.llm_path, self.tokenizer_path)
+
+    def tts(self) -> TtsEngine:
+        return create_tts(self.cfg.tts, self.voice_path)
 
 
 @dataclass
@@ -23,19 +47,29 @@ class Engines:
     llm: LlmEngine
     tts: TtsEngine
     vad: SileroVad
+    # None when the engines were built by hand (tests): then they cannot be restarted.
+    specs: EngineSpecs | None = None
+    # Kept current by the supervisor (voicebot/engines/supervisor.py).
+    health: dict[str, EngineHealth] = field(default_factory=lambda: {n: EngineHealth(n) for n in ENGINE_NAMES})
+
+    def failure(self) -> str | None:
+        """Why a session cannot be served now (an engine down), or None."""
+        down = [h.describe() for h in self.health.values() if not h.ok]
+        return "; ".join(down) if down else None
 
     async def aclose(self) -> None:
         # Close all even if one fails; the first error is re-raised after.
         results = await asyncio.gather(
             self.asr.aclose(), self.tts.aclose(), self.llm.aclose(), return_exceptions=True
         )
+        reap_children()
         for r in results:
             if isinstance(r, BaseException):
                 raise r
 
 
-async def load_engines(cfg: Config) -> Engines:
-    """Resolve every model reference (building offline bundles if needed) and start the engines."""
+async def resolve_specs(cfg: Config) -> EngineSpecs:
+    """Resolve every model reference (building offline bundles if needed)."""
     from voicebot.provision import resolve_model
 
     if cfg.models.offline:
@@ -45,12 +79,14 @@ async def load_engines(cfg: Config) -> Engines:
     llm_path = await asyncio.to_thread(resolve_model, cfg.llm.model, m)
     tok_path = await asyncio.to_thread(resolve_model, cfg.llm.tokenizer, m) if cfg.llm.tokenizer else None
     voice_path = await asyncio.to_thread(resolve_model, cfg.tts.voice, m) if cfg.tts.engine == "piper" else None
+    return EngineSpecs(cfg, asr_path, llm_path, tok_path, voice_path)
 
-    asr = AsrEngine(cfg.asr, asr_path, agreement_n=cfg.asr.agreement_n)
-    llm = LlmEngine(cfg.llm, llm_path, tok_path)
-    tts = create_tts(cfg.tts, voice_path)
-    vad = SileroVad()
+
+async def load_engines(cfg: Config) -> Engines:
+    """Resolve the models and start the engines: all of them, or none (see start_all)."""
+    specs = await resolve_specs(cfg)
+    asr, llm, tts = specs.asr(), specs.llm(), specs.tts()
     # The LLM takes longest to start (engine-core process); load the rest meanwhile.
-    await asyncio.gather(llm.start(), asr.start(), tts.start())
-    log.info("engines ready: asr=%s llm=%s tts=%s", asr_path, llm_path, cfg.tts.engine)
-    return Engines(cfg, asr, llm, tts, vad)
+    await start_all({"llm": llm, "asr": asr, "tts": tts})
+    log.info("engines ready: asr=%s llm=%s tts=%s", specs.asr_path, specs.llm_path, cfg.tts.engine)
+    return Engines(cfg, asr, llm, tts, SileroVad(), specs=specs)

@@ -50,6 +50,14 @@ class TtsEngine(Protocol):
     def queue_depth(self) -> int:
         """Jobs waiting for a synthesis thread."""
 
+    @property
+    def failure_streak(self) -> int:
+        """Syntheses that failed in a row (health: see voicebot/engines/health.py)."""
+
+    @property
+    def last_error(self) -> BaseException | None:
+        """The latest synthesis failure, if any."""
+
     def voices(self) -> list[str]:
         """Voice names accepted by ``synthesize(voice=...)``."""
 
@@ -115,6 +123,10 @@ class WorkerPool:
         self.completed = 0
         self.dropped = 0  # cancelled while waiting: never ran
         self.discarded = 0  # cancelled while running: result thrown away
+        # Jobs that raised since the last one that succeeded: the engine's health
+        # (one failing sentence is that sentence's problem, every one failing is ours).
+        self.failure_streak = 0
+        self.last_error: BaseException | None = None
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -183,6 +195,10 @@ class WorkerPool:
 
     def _finished(self, job: Job, tf: ThreadFuture[Any]) -> None:
         self._running.discard(job)
+        if not job.cancelled:  # an aborted job's outcome says nothing about the engine
+            failure = tf.exception()
+            self.failure_streak = self.failure_streak + 1 if failure is not None else 0
+            self.last_error = failure or self.last_error
         if not job.future.done():
             exc = tf.exception()
             if exc is not None:
@@ -291,3 +307,12 @@ class PooledTts:
     @property
     def pool(self) -> WorkerPool:
         return self._pool
+
+    @property
+    def failure_streak(self) -> int:
+        """Syntheses failed in a row (the supervisor's health probe)."""
+        return self._pool.failure_streak
+
+    @property
+    def last_error(self) -> BaseException | None:
+        return self._pool.last_error

@@ -2,7 +2,8 @@
 
     /ws                native WebSocket protocol (docs/protocol.md)
     /metrics           Prometheus
-    /healthz           readiness, engines, sessions, capacity (JSON)
+    /healthz           readiness, each engine's health, sessions, capacity (JSON;
+                       503 with the reason while loading, unhealthy or draining)
     /                  the browser client (web/)
 
 Other transports add their routes through :func:`transport_routes`.
@@ -25,9 +26,13 @@ from starlette.staticfiles import StaticFiles
 
 from voicebot.config import Config
 from voicebot.engines import load_engines
+from voicebot.engines.supervisor import Supervisor
 from voicebot.server.state import ServerState
 
 log = logging.getLogger(__name__)
+
+# Error code of the event that ends a session whose engine failed under it.
+ENGINE_FAILED = "engine_failed"
 
 
 def transport_routes(state: ServerState) -> list[BaseRoute]:
@@ -44,21 +49,27 @@ def create_app(cfg: Config, *, load: bool = True, state: ServerState | None = No
 
     async def metrics(_: Request) -> Response:
         state.update_gauges()
+        state.metrics.update_process(state.engines.health if state.engines else None)
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
     async def healthz(_: Request) -> Response:
         body = state.health()
-        return JSONResponse(body, status_code=200 if state.ready else 503)
+        return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
-        loader = asyncio.create_task(_load(state)) if load and state.engines is None else None
+        supervisor: list[Supervisor] = []  # filled once the engines are up
+        runner = asyncio.create_task(_run_engines(state, load, supervisor), name="engines")
         try:
             yield
         finally:
-            if loader is not None:
-                loader.cancel()
-                await asyncio.wait([loader])  # waits without raising its CancelledError
+            # Order matters: no restart may start an engine behind our back, the
+            # sessions go before the engines they use, and a load still in progress is
+            # aborted (start_all closes what it had started).
+            runner.cancel()
+            await asyncio.wait([runner])  # waits without raising its CancelledError
+            for sup in supervisor:
+                await sup.aclose()
             await state.close_all()
             if state.engines is not None:
                 await state.engines.aclose()
@@ -77,12 +88,26 @@ def create_app(cfg: Config, *, load: bool = True, state: ServerState | None = No
     return app
 
 
-async def _load(state: ServerState) -> None:
-    try:
-        state.engines = await load_engines(state.cfg)
-        log.info("ready: %d session slots", state.cfg.server.max_sessions)
-    except asyncio.CancelledError:
-        raise
-    except Exception as exc:
-        state.load_error = f"{type(exc).__name__}: {exc}"
-        log.error("engines failed to load: %s", state.load_error)
+async def _run_engines(state: ServerState, load: bool, supervisor: list[Supervisor]) -> None:
+    """Load the engines (unless given), then supervise them until cancelled."""
+    if state.engines is None:
+        if not load:
+            return
+        try:
+            state.engines = await load_engines(state.cfg)
+            log.info("ready: %d session slots", state.cfg.server.max_sessions)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            state.load_error = f"{type(exc).__name__}: {exc}"
+            log.error("engines failed to load: %s", state.load_error)
+            return
+    sup = Supervisor(state.engines, on_failure=lambda name, reason: end_sessions(state, reason))
+    supervisor.append(sup)
+    await sup.run()
+
+
+def end_sessions(state: ServerState, reason: str) -> None:
+    """An engine failed under every open session: each gets a fatal error event and ends."""
+    for session in list(state.sessions.values()):
+        session.error(ENGINE_FAILED, f"{reason}; this call cannot go on, please call again", fatal=True)

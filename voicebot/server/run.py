@@ -1,15 +1,66 @@
-"""``voicebot serve``: provision models, then run the app under uvicorn."""
+"""``voicebot serve``: provision models, then run the app under uvicorn, draining on signals."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import signal
+from types import FrameType
 
 import uvicorn
 
 from voicebot.config import Config
 from voicebot.provision import bundle_names_for, pull
+from voicebot.server.drain import drain
+from voicebot.server.state import ServerState
 
 log = logging.getLogger(__name__)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, except that SIGTERM/SIGINT first drain the sessions (voicebot/server/drain.py).
+
+    uvicorn's own handling stops listening at once (``/healthz`` unreachable, so a load
+    balancer cannot see "draining") and closes every WebSocket with 1012 mid-reply; it
+    also re-raises the signal after shutdown, so the process never exits 0. Here the
+    first signal starts the drain and the server stops when it is done; a second one
+    skips the wait, a third SIGINT forces the exit.
+    """
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.state = state
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain: asyncio.Task[None] | None = None
+
+    async def serve(self, sockets: list | None = None) -> None:  # type: ignore[type-arg]
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # A signal handler: runs between two bytecodes of the loop's thread, so it only
+        # hands the work to the loop. Not recorded in _captured_signals: no re-raise.
+        if self._loop is None or self.should_exit:
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True
+            self.should_exit = True
+            return
+        if self._drain is None:
+            log.warning("%s: draining before shutdown", signal.Signals(sig).name)
+            self._loop.call_soon_threadsafe(self._start_drain)
+        else:
+            log.warning("%s again: closing the remaining sessions now", signal.Signals(sig).name)
+            self.should_exit = True
+
+    def _start_drain(self) -> None:
+        if self._drain is None:
+            self._drain = asyncio.create_task(self._drain_then_exit(), name="drain")
+
+    async def _drain_then_exit(self) -> None:
+        try:
+            await drain(self.state, self.state.cfg.server.drain_timeout_s)
+        finally:
+            self.should_exit = True
 
 
 def serve(cfg: Config, *, pull_models: bool = True) -> int:
@@ -19,9 +70,10 @@ def serve(cfg: Config, *, pull_models: bool = True) -> int:
         pull(names, cfg.models, log=lambda msg: log.info("%s", msg))
     from voicebot.server.app import create_app
 
-    app = create_app(cfg)
+    state = ServerState(cfg)
+    app = create_app(cfg, state=state)
     log.info("listening on http://%s:%d (WebSocket /ws)", cfg.server.host, cfg.server.port)
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=cfg.server.host,
         port=cfg.server.port,
@@ -33,6 +85,9 @@ def serve(cfg: Config, *, pull_models: bool = True) -> int:
         ws_ping_timeout=20.0,
         log_level="info",
         access_log=False,
+        # The drain already let the sessions go; this bounds what is left (a stuck request).
         timeout_graceful_shutdown=5,
     )
-    return 0
+    server = DrainingServer(config, state)
+    server.run()
+    return 0 if server.started else 1  # not started: the port was taken, or start-up failed

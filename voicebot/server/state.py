@@ -42,6 +42,8 @@ class ServerState:
     # Awaited by close_all() after the sessions close: a transport whose work outlives
     # the request that started it (a WebRTC call) waits for that work here.
     shutdown_hooks: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    # Set on SIGTERM/SIGINT (voicebot/server/drain.py): no new sessions, /healthz 503.
+    draining: bool = False
 
     # Keys from the environment / key file, read once (server.api_key is read per request).
     api_keys: tuple[str, ...] = ()
@@ -131,16 +133,27 @@ class ServerState:
         await asyncio.gather(*(s.aclose("server shutdown") for s in list(self.sessions.values())), return_exceptions=True)
         await asyncio.gather(*(hook() for hook in self.shutdown_hooks), return_exceptions=True)
 
+    def engine_failure(self) -> str | None:
+        """Why sessions cannot be served now that the engines are loaded (an engine down), or None."""
+        return None if self.engines is None else self.engines.failure()
+
+    def status(self) -> tuple[str, str | None]:
+        """("ok" | "loading" | "failed" | "unhealthy" | "draining", reason); /healthz is 200 only for "ok"."""
+        if self.draining:
+            return "draining", "draining: the server is shutting down"
+        if self.engines is None:
+            return ("failed", self.load_error) if self.load_error else ("loading", "loading models")
+        failure = self.engines.failure()
+        return ("unhealthy", failure) if failure else ("ok", None)
+
     def health(self) -> dict[str, object]:
         e = self.engines
+        status, reason = self.status()
         return {
-            "ready": self.ready,
-            "error": self.load_error,
-            "engines": {
-                "asr": e is not None,
-                "llm": e is not None,
-                "tts": e is not None,
-            },
+            "ready": status == "ok",
+            "status": status,
+            "error": reason,
+            "engines": {name: h.as_json() for name, h in e.health.items()} if e else {},
             "voices": e.tts.voices() if e else [],
             "active_sessions": len(self.sessions),
             "capacity": self.cfg.server.max_sessions,
