@@ -17,10 +17,19 @@ INTERACTIVE lane, then ``--think-s`` of think time. Measured per turn: TTFT and 
 
 Scenarios, each bounded by ``--duration-s`` (turns in flight at the end finish):
   interactive  for each N in ``--sessions``: N sessions alone.
+  bare         for each N in ``--bare-sessions``: the same load on vLLM's AsyncLLM
+               directly (same engine, plain token concatenation): the reference.
+  saturation   ``--sat-sessions`` sessions while ``--sat-requests`` BACKGROUND requests
+               (lane cap off) fill every engine slot and queue behind them.
   background   ``--bg-sessions`` sessions plus ``--bg-requests`` workers that keep long
                BACKGROUND requests (``--bg-prompt-tokens`` unique prompt tokens,
                ``--bg-reply-tokens`` generated) outstanding, once per cap in
                ``--bg-caps`` (the lane's concurrency cap; 0 = uncapped).
+
+``--phases`` runs engines one after another in the same process: ``main`` (the config
+as is), ``fcfs`` (scheduling_policy fcfs: the saturation scenario again) and ``nocache``
+(prefix caching off: ``--nocache-sessions``); the report's ``ratios`` compares them
+(prefix cache off/on TTFT, FCFS/priority TTFT when saturated, ours/bare).
 
 Prints a table at the end and writes JSON (rewritten after every scenario). Needs a
 CUDA GPU with vLLM; stops by itself (``--max-wall-s`` is a hard stop as well).
@@ -194,6 +203,7 @@ class Scenario:
         self.turns: list[Turn] = []
         self.bg: list[BgRequest] = []
         self.errors: list[str] = []
+        self.bg_refused = 0
 
 
 # ------------------------------------------------------------------------ workload
@@ -219,6 +229,7 @@ async def session_loop(
         first = tenth = None
         n = 0
         parts: list[str] = []
+        out_ids: list[int] = []
         t0 = time.monotonic()
         try:
             async for delta in engine.generate(
@@ -235,6 +246,7 @@ async def session_loop(
                 if tenth is None and n >= 10:
                     tenth = now - t0
                 parts.append(delta.text)
+                out_ids.extend(delta.token_ids)
         except Exception as exc:  # noqa: BLE001 - record and go on
             sc.errors.append(f"session {sid}: {type(exc).__name__}: {exc}")
             return
@@ -244,7 +256,9 @@ async def session_loop(
         )
         b0 = time.perf_counter()
         conv.append("user", user)
-        conv.append("assistant", "".join(parts))  # what the model said, as a session does
+        # What the model said, as its token ids, as the session stores a reply: the next
+        # prompt then extends this one token for token and hits the prefix cache.
+        conv.append("assistant", "".join(parts), token_ids=out_ids)
         if conv.over_budget():
             conv.trim()
         sc.turns[-1].build_s += time.perf_counter() - b0
@@ -276,6 +290,10 @@ async def background_loop(
             ):
                 n += delta.token_count
         except Exception as exc:  # noqa: BLE001
+            if getattr(exc, "code", None) == "background_queue_full":
+                sc.bg_refused += 1  # the lane's bounded queue said no: try again shortly
+                await asyncio.sleep(0.2)
+                continue
             sc.errors.append(f"background {wid}: {type(exc).__name__}: {exc}")
             return
         sc.bg.append(
@@ -283,6 +301,79 @@ async def background_loop(
         )
         if args.bg_pause_s[1] > 0:
             await asyncio.sleep(rng.uniform(*args.bg_pause_s))
+
+
+class BarePrompts:
+    """Bare-vLLM prompts: ChatML token ids built by plain concatenation, no Conversation.
+
+    The same shape as our sessions' prompts (system, then user/assistant turns, each
+    reply appended as the ids the model generated), as a driver of AsyncLLM alone would
+    build them: the reference our LlmEngine + Conversation is compared with.
+    """
+
+    def __init__(self, tok: Any, system_prompt: str) -> None:
+        self.tok = tok
+        text = tok.apply_chat_template([{"role": "system", "content": system_prompt}], tokenize=False)
+        self.system = tok.encode(text, add_special_tokens=False)
+        self.close = tok.encode("<|im_end|>\n", add_special_tokens=False)
+
+    def user(self, text: str) -> list[int]:
+        return self.tok.encode(f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n",
+                               add_special_tokens=False)
+
+
+async def bare_session_loop(
+    engine: Any,
+    bare: BarePrompts,
+    sid: int,
+    utterances: list[str],
+    args: argparse.Namespace,
+    sc: Scenario,
+    t_start: float,
+    t_end: float,
+    rng: random.Random,
+) -> None:
+    """``session_loop`` driving vLLM's AsyncLLM directly (same load, same engine)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    llm = engine._engine  # the AsyncLLM inside our LlmEngine: nothing of ours in between
+    c = engine.cfg
+    params = SamplingParams(max_tokens=args.reply_tokens, min_tokens=args.reply_tokens,
+                            temperature=c.temperature, top_p=c.top_p, output_kind=RequestOutputKind.DELTA)
+    history = list(bare.system)
+    await asyncio.sleep(rng.uniform(0.0, args.think_s[1]))
+    index = 0
+    while time.monotonic() < t_end:
+        b0 = time.perf_counter()
+        prompt = history + bare.user(utterances[rng.randrange(len(utterances))])
+        build = time.perf_counter() - b0
+        rid = f"bare{sid}-{index}"
+        first = tenth = None
+        cached = 0
+        out_ids: list[int] = []
+        t0 = time.monotonic()
+        try:
+            async for out in llm.generate({"prompt_token_ids": prompt}, params, rid, priority=0):
+                now = time.monotonic()
+                if out.num_cached_tokens is not None and first is None:
+                    cached = out.num_cached_tokens
+                out_ids.extend(out.outputs[0].token_ids)
+                if first is None and out_ids:
+                    first = now - t0
+                if tenth is None and len(out_ids) >= 10:
+                    tenth = now - t0
+        except Exception as exc:  # noqa: BLE001
+            sc.errors.append(f"bare session {sid}: {type(exc).__name__}: {exc}")
+            return
+        sc.turns.append(Turn(sid, index, t0 - t_start, first, tenth, time.monotonic() - t0,
+                             len(prompt), cached, len(out_ids), build))
+        history = prompt + out_ids + bare.close
+        index += 1
+        think = rng.uniform(*args.think_s)
+        if time.monotonic() + think >= t_end:
+            return
+        await asyncio.sleep(think)
 
 
 async def run_scenario(
@@ -295,6 +386,7 @@ async def run_scenario(
     sessions: int,
     bg_workers: int = 0,
     bg_cap: int | None = None,
+    bare: BarePrompts | None = None,
 ) -> dict[str, Any]:
     sc = Scenario(name)
     budget = args.history_tokens
@@ -306,11 +398,18 @@ async def run_scenario(
     t_start = time.monotonic()
     t_end = t_start + args.duration_s
     base = random.Random(f"{args.seed}-{name}")
-    tasks = [
-        asyncio.create_task(session_loop(engine, convs[i], i, utterances, args, sc, t_start, t_end,
-                                         random.Random(base.random())))
-        for i in range(sessions)
-    ]
+    if bare is not None:
+        tasks = [
+            asyncio.create_task(bare_session_loop(engine, bare, i, utterances, args, sc, t_start, t_end,
+                                                  random.Random(base.random())))
+            for i in range(sessions)
+        ]
+    else:
+        tasks = [
+            asyncio.create_task(session_loop(engine, convs[i], i, utterances, args, sc, t_start, t_end,
+                                             random.Random(base.random())))
+            for i in range(sessions)
+        ]
     tasks += [
         asyncio.create_task(background_loop(engine, w, args, sc, t_start, t_end, random.Random(base.random())))
         for w in range(bg_workers)
@@ -361,6 +460,9 @@ async def run_scenario(
     out_tok = sum(t.output_tokens for t in sc.turns) + sum(b.output_tokens for b in sc.bg)
     res: dict[str, Any] = {
         "name": name,
+        "driver": "bare-vllm" if bare is not None else "LlmEngine+Conversation",
+        "engine_policy": engine.cfg.scheduling_policy,
+        "prefix_caching": engine.cfg.enable_prefix_caching,
         "sessions": sessions,
         "duration_s": args.duration_s,
         "wall_s": round(wall, 2),
@@ -398,6 +500,7 @@ async def run_scenario(
             "completed": len(sc.bg),
             # The lane cap's fairness: how many workers ever got a slot, and the spread.
             "workers_served": len({b.worker for b in sc.bg}),
+            "refused_queue_full": sc.bg_refused,
             "per_worker_max": max((sum(1 for b in sc.bg if b.worker == w) for w in range(bg_workers)), default=0),
             "cut_at_end": len(pending) - len(late),
             "lane_wait_ms": summarise([b.waited for b in sc.bg]),
@@ -449,6 +552,37 @@ def table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def ratios(scenarios: list[dict[str, Any]]) -> dict[str, Any]:
+    """The comparisons asked for, from the scenarios that ran (absent ones are skipped)."""
+    by = {r["name"]: r for r in scenarios}
+    out: dict[str, Any] = {}
+
+    def cmp(a: str, b: str, key: str) -> dict[str, Any] | None:
+        if a not in by or b not in by:
+            return None
+        ra, rb = by[a][key], by[b][key]
+        res: dict[str, Any] = {"of": a, "over": b, "metric": key}
+        for q in ("p50", "p95", "p99"):
+            if ra.get(q) and rb.get(q):
+                res[q] = round(ra[q] / rb[q], 2)
+                res[f"{q}_ms"] = [ra[q], rb[q]]
+        return res
+
+    for r in scenarios:
+        name = r["name"]
+        if name.startswith("nocache/interactive-"):
+            n = name.rsplit("-", 1)[1]
+            out[f"prefix_cache_off_over_on_ttft_{n}"] = cmp(name, f"main/interactive-{n}", "ttft_ms")
+        if name.startswith("fcfs/sat"):
+            out["fcfs_over_priority_ttft_saturated"] = cmp(name, "main/" + name.split("/", 1)[1], "ttft_ms")
+            out["fcfs_over_priority_tt10_saturated"] = cmp(name, "main/" + name.split("/", 1)[1], "tt10_ms")
+        if name.startswith("main/bare-"):
+            n = name.rsplit("-", 1)[1]
+            out[f"ours_over_bare_ttft_{n}"] = cmp(f"main/interactive-{n}", name, "ttft_ms")
+            out[f"ours_over_bare_tt10_{n}"] = cmp(f"main/interactive-{n}", name, "tt10_ms")
+    return {k: v for k, v in out.items() if v is not None}
+
+
 async def amain(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
@@ -491,44 +625,75 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps(report, indent=2, default=str))
 
-    engine = LlmEngine(cfg, str(args.model_dir))
-    t0 = time.monotonic()
-    await engine.start()
-    report["engine_start_s"] = round(time.monotonic() - t0, 1)
-    print(f"[llm_load] engine up in {report['engine_start_s']} s on {report['device']}", flush=True)
-    dump()
-    try:
+    engine: Any = None
+
+    async def start_engine(phase: str, phase_cfg: Any) -> Any:
+        eng = LlmEngine(phase_cfg, str(args.model_dir))
+        t0 = time.monotonic()
+        await eng.start()
+        took = round(time.monotonic() - t0, 1)
+        report.setdefault("engine_start_s", took)
+        report.setdefault("phase_engine_start_s", {})[phase] = took
+        print(f"[llm_load] {phase}: engine up in {took} s on {report['device']}", flush=True)
         # Warm-up: a short burst at several batch sizes, not measured.
         for batch in (1, 16, 64):
             conv = Conversation(tok, system_prompt, args.history_tokens, args.reply_tokens)
             await asyncio.gather(*[
-                engine.complete(conv.prompt_ids(utterances[i]), max_tokens=args.reply_tokens,
-                                min_tokens=args.reply_tokens)
+                eng.complete(conv.prompt_ids(utterances[i]), max_tokens=args.reply_tokens,
+                             min_tokens=args.reply_tokens)
                 for i in range(batch)
             ])
-        print("[llm_load] warm-up done", flush=True)
+        print(f"[llm_load] {phase}: warm-up done", flush=True)
+        return eng
 
-        for n in args.sessions:
-            res = await run_scenario(engine, tok, system_prompt, utterances, args, f"interactive-{n}", n)
-            report["scenarios"].append(res)
-            dump()
-            print(f"[llm_load] {res['name']}: TTFT {res['ttft_ms']} TT10 {res['tt10_ms']} "
-                  f"hit {res['interactive_cache_hit']} errors {res['n_errors']}", flush=True)
-        if args.bg_requests > 0:
-            for cap in args.bg_caps:
-                label = f"bg{args.bg_requests}-cap{cap if cap > 0 else 'off'}"
-                res = await run_scenario(engine, tok, system_prompt, utterances, args,
-                                         f"{label}-{args.bg_sessions}", args.bg_sessions,
-                                         bg_workers=args.bg_requests, bg_cap=cap)
-                report["scenarios"].append(res)
-                dump()
-                print(f"[llm_load] {res['name']}: TTFT {res['ttft_ms']} TT10 {res['tt10_ms']} "
-                      f"bg {res['background']['completed']} done, peak {res['peak']}", flush=True)
-        report["engine_cache_hit_ratio_total"] = round(engine.cache_hit_ratio, 4)
-        report["unfinished_after"] = engine.unfinished_requests()
+    async def run(eng: Any, phase: str, name: str, sessions: int, **kw: Any) -> None:
+        res = await run_scenario(eng, tok, system_prompt, utterances, kw.pop("args", args),
+                                 f"{phase}/{name}", sessions, **kw)
+        res["phase"] = phase
+        report["scenarios"].append(res)
+        dump()
+        bg = f" bg {res['background']['completed']} done, peak {res['peak']}" if "background" in res else ""
+        print(f"[llm_load] {res['name']}: TTFT {res['ttft_ms']} TT10 {res['tt10_ms']} "
+              f"hit {res['interactive_cache_hit']} errors {res['n_errors']}{bg}", flush=True)
+
+    # Saturation: background requests that fill every engine slot and queue behind
+    # them (lane cap off), so only the engine's scheduling policy decides who goes next.
+    sat_args = argparse.Namespace(**{**vars(args), "bg_prompt_tokens": args.sat_prompt_tokens,
+                                     "bg_reply_tokens": args.sat_reply_tokens,
+                                     "bg_start_spread_s": args.sat_start_spread_s, "bg_pause_s": [0.0, 0.0]})
+    phase_overrides = {"main": {}, "fcfs": {"scheduling_policy": "fcfs"},
+                       "nocache": {"enable_prefix_caching": False}}
+    try:
+        for phase in args.phases:
+            phase_cfg = LlmConfig(**{**cfg.model_dump(), **phase_overrides[phase]})
+            if engine is not None:
+                await engine.aclose()
+                engine = None
+                await asyncio.sleep(3)  # the engine-core process gives its GPU memory back
+            engine = await start_engine(phase, phase_cfg)
+            if phase == "main":
+                for n in args.sessions:
+                    await run(engine, phase, f"interactive-{n}", n)
+                for n in args.bare_sessions:
+                    await run(engine, phase, f"bare-{n}", n, bare=BarePrompts(tok, system_prompt))
+                if args.bg_requests > 0:
+                    for cap in args.bg_caps:
+                        label = f"bg{args.bg_requests}-cap{cap if cap > 0 else 'off'}"
+                        await run(engine, phase, f"{label}-{args.bg_sessions}", args.bg_sessions,
+                                  bg_workers=args.bg_requests, bg_cap=cap)
+            if phase == "nocache":
+                for n in args.nocache_sessions:
+                    await run(engine, phase, f"interactive-{n}", n)
+            if phase in ("main", "fcfs") and args.sat_requests > 0:
+                await run(engine, phase, f"sat{args.sat_requests}-{args.sat_sessions}", args.sat_sessions,
+                          bg_workers=args.sat_requests, bg_cap=0, args=sat_args)
+            report.setdefault("unfinished_after", {})[phase] = engine.unfinished_requests()
+            report.setdefault("engine_cache_hit_ratio_total", {})[phase] = round(engine.cache_hit_ratio, 4)
+        report["ratios"] = ratios(report["scenarios"])
         dump()
     finally:
-        await engine.aclose()
+        if engine is not None:
+            await engine.aclose()
     return report
 
 
@@ -539,6 +704,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--config", default=str(ROOT / "configs" / "gpu.yaml"), help="YAML whose llm section is used")
     p.add_argument("--load-format", default="dummy")
     p.add_argument("--sessions", type=int, nargs="+", default=[64, 256])
+    p.add_argument("--bare-sessions", type=int, nargs="*", default=[],
+                   help="the same load driven on vLLM's AsyncLLM directly (same engine): the reference")
+    p.add_argument("--phases", nargs="+", default=["main"], choices=["main", "fcfs", "nocache"],
+                   help="engines run one after another: main (config as is), fcfs (scheduling_policy fcfs: "
+                        "the saturation scenario again), nocache (prefix caching off: --nocache-sessions)")
+    p.add_argument("--nocache-sessions", type=int, nargs="*", default=[256])
+    p.add_argument("--sat-sessions", type=int, default=128, help="interactive sessions beside the saturation")
+    p.add_argument("--sat-requests", type=int, default=0,
+                   help="background requests kept outstanding with the lane cap off (0: skip saturation)")
+    p.add_argument("--sat-prompt-tokens", type=int, default=256)
+    p.add_argument("--sat-reply-tokens", type=int, default=512)
+    p.add_argument("--sat-start-spread-s", type=float, default=2.0)
     p.add_argument("--duration-s", type=float, default=30.0)
     p.add_argument("--warmup-s", type=float, default=2.0, help="turns that start earlier are not counted")
     p.add_argument("--drain-s", type=float, default=30.0, help="wait this long for turns in flight at the end")
