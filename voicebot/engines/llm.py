@@ -23,7 +23,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -251,7 +251,7 @@ class LlmEngine:
         min_tokens: int = 0,
         stats: GenerationStats | None = None,
         request_id: str | None = None,
-    ) -> AsyncIterator[TextDelta]:
+    ) -> AsyncGenerator[TextDelta, None]:
         """Stream text deltas for a tokenised prompt.
 
         Cancellation (or closing the iterator early) aborts the vLLM request and
@@ -317,7 +317,7 @@ class LlmEngine:
         lane: Lane,
         st: GenerationStats,
         params: Any,
-    ) -> AsyncIterator[TextDelta]:
+    ) -> AsyncGenerator[TextDelta, None]:
         assert self._engine is not None
         priority = self.cfg.interactive_priority if lane is Lane.INTERACTIVE else self.cfg.background_priority
         if self.cfg.scheduling_policy != "priority":
