@@ -703,7 +703,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model-dir", required=True, type=Path, help="config.json + tokenizer (weights not needed with dummy)")
     p.add_argument("--config", default=str(ROOT / "configs" / "gpu.yaml"), help="YAML whose llm section is used")
     p.add_argument("--load-format", default="dummy")
-    p.add_argument("--sessions", type=int, nargs="+", default=[64, 256])
+    p.add_argument("--sessions", type=int, nargs="*", default=[64, 256])
     p.add_argument("--bare-sessions", type=int, nargs="*", default=[],
                    help="the same load driven on vLLM's AsyncLLM directly (same engine): the reference")
     p.add_argument("--phases", nargs="+", default=["main"], choices=["main", "fcfs", "nocache"],

@@ -1,0 +1,238 @@
+"""TTS at scale: concurrent reply streams on our ``PiperTts`` over one machine's CPU cores.
+
+    python benchmarks/gpu_tts.py --voice DIR --sessions 64 128 --workers 8 16 --json OUT
+
+Drives the server's own engine (``voicebot.engines.tts_piper.PiperTts``: one ONNX
+session, ``tts.workers`` synthesis threads, the bounded job queue) the way sessions use
+it: each simulated session speaks a reply clause by clause (a short first clause, then
+sentences), plays it out in real time, then listens for ``--listen-s`` before the next
+reply. Per reply: first audio (the first clause's synthesis, queueing included) and
+stalls, i.e. playback time lost waiting for the next clause (a stream is real-time if
+it never stalls: RTF >= 1 from the listener's side).
+
+``--intra-op``: onnxruntime threads per synthesis (0: Piper's default, all cores, shared
+by every concurrent run of the one session). A value patches ``SessionOptions`` for the
+run; it is a measurement of a possible change to tts_piper.py, not what it does today.
+
+CPU only; prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import random
+import sys
+import threading
+import time
+import types
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+if "voicebot.engines" not in sys.modules:  # skip engines/__init__ (imports ASR/LLM/VAD stacks)
+    _pkg = types.ModuleType("voicebot.engines")
+    _pkg.__path__ = [str(ROOT / "voicebot" / "engines")]
+    sys.modules["voicebot.engines"] = _pkg
+
+from llm_load import pct, summarise  # noqa: E402
+
+from voicebot.config import TtsConfig  # noqa: E402
+
+log = logging.getLogger("gpu_tts")
+
+FIRST = [
+    "Sure, let me check that.", "The next train leaves at ten.", "Yes, bicycles are allowed.",
+    "I'm sorry about the delay.", "That ticket costs twelve pounds.", "Platform four, in five minutes.",
+]
+REST = [
+    "It stops at every station on the coast line and arrives a little after eleven in the morning.",
+    "If your train was more than thirty minutes late, you can claim half of the single fare back.",
+    "Folding bicycles travel free at any time, but full-size bikes need a free reservation.",
+    "You can change an advance ticket before departure for a fee of ten pounds plus any difference.",
+    "Staff at the station can help you board if you book assistance two hours ahead.",
+    "Is there anything else I can help you with today?",
+]
+
+
+class Stats:
+    def __init__(self) -> None:
+        self.first_audio: list[float] = []
+        self.stall: list[float] = []  # per reply, seconds of playback lost
+        self.synth_rtf: list[float] = []  # per reply: wall from request to last audio / audio length
+        self.audio_s = 0.0
+        self.replies = 0
+        self.errors: list[str] = []
+
+
+async def session(eng: Any, args: argparse.Namespace, st: Stats, t_start: float, t_end: float,
+                  rng: random.Random) -> None:
+    rate = eng.sample_rate
+    await asyncio.sleep(rng.uniform(0, args.listen_s[1]))
+    while time.monotonic() < t_end:
+        clauses = [rng.choice(FIRST)] + rng.sample(REST, args.sentences)
+        t0 = time.monotonic()
+        play_start: float | None = None
+        audio_pos = stall = 0.0
+        first = None
+        try:
+            for clause in clauses:
+                async for chunk in eng.synthesize(clause):
+                    now = time.monotonic()
+                    if play_start is None:
+                        play_start, first = now, now - t0
+                    else:
+                        due = play_start + audio_pos + stall  # when playback reaches this chunk
+                        if now > due:
+                            stall += now - due
+                    audio_pos += chunk.size / rate
+        except Exception as exc:  # noqa: BLE001
+            st.errors.append(f"{type(exc).__name__}: {exc}")
+            await asyncio.sleep(1.0)
+            continue
+        synth_wall = time.monotonic() - t0
+        if t0 - t_start >= args.warmup_s and first is not None:
+            st.first_audio.append(first)
+            st.stall.append(stall)
+            st.synth_rtf.append(synth_wall / audio_pos if audio_pos else 0.0)
+        st.audio_s += audio_pos
+        st.replies += 1
+        # Play out what is left, then the caller speaks.
+        end_of_playback = (play_start or t0) + audio_pos + stall
+        wait = max(0.0, end_of_playback - time.monotonic()) + rng.uniform(*args.listen_s)
+        if time.monotonic() + wait >= t_end:
+            return
+        await asyncio.sleep(wait)
+
+
+async def scenario(eng: Any, args: argparse.Namespace, n: int) -> dict[str, Any]:
+    st = Stats()
+    t_start = time.monotonic()
+    t_end = t_start + args.duration_s
+    base = random.Random(f"{args.seed}-{n}")
+    cpu0 = os.times()
+    tasks = [asyncio.create_task(session(eng, args, st, t_start, t_end, random.Random(base.random())))
+             for _ in range(n)]
+    _, late = await asyncio.wait(tasks, timeout=args.duration_s + 60)
+    for t in late:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    cpu1 = os.times()
+    wall = time.monotonic() - t_start
+    stalled = [s for s in st.stall if s > args.stall_tolerance_s]
+    return {
+        "sessions": n,
+        "wall_s": round(wall, 1),
+        "replies": st.replies,
+        "replies_measured": len(st.first_audio),
+        "first_audio_ms": summarise(st.first_audio),
+        "stall_ms": summarise(st.stall),
+        "replies_stalled": len(stalled),
+        "stalled_fraction": round(len(stalled) / len(st.stall), 4) if st.stall else None,
+        # Reply synthesis wall time over its audio length (< 1: faster than real time).
+        "synth_wall_over_audio_p50_p95": [round(pct(st.synth_rtf, 50) or 0, 3), round(pct(st.synth_rtf, 95) or 0, 3)],
+        "audio_s_per_wall_s": round(st.audio_s / wall, 2),
+        "process_cpu": round((cpu1.user - cpu0.user + cpu1.system - cpu0.system) / wall, 2),
+        "errors": st.errors[:10],
+        "n_errors": len(st.errors),
+        "sessions_cut": len(late),
+    }
+
+
+def patch_intra_op(threads: int) -> None:
+    import onnxruntime
+
+    original = onnxruntime.SessionOptions
+
+    def options() -> Any:
+        o = original()
+        o.intra_op_num_threads = threads
+        o.inter_op_num_threads = 1
+        return o
+
+    onnxruntime.SessionOptions = options  # type: ignore[misc]
+
+
+def dump(path: str | None, report: dict[str, Any]) -> None:
+    if path:
+        Path(path).write_text(json.dumps(report, indent=2))
+
+
+async def amain(args: argparse.Namespace) -> dict[str, Any]:
+    from voicebot.engines.tts_piper import PiperTts
+
+    report: dict[str, Any] = {"cpus": os.cpu_count(), "voice": str(args.voice), "argv": sys.argv, "scenarios": []}
+    for intra in args.intra_op:
+        if intra:
+            patch_intra_op(intra)
+        for workers in args.workers:
+            eng = PiperTts(TtsConfig(engine="piper", voice=str(args.voice), workers=workers, queue_size=100_000),
+                           str(args.voice))
+            await eng.start()
+            try:
+                async for _ in eng.synthesize("Warming up the voice."):
+                    pass
+                for n in args.sessions:
+                    res = await scenario(eng, args, n)
+                    res.update(workers=workers, intra_op=intra)
+                    report["scenarios"].append(res)
+                    print(f"[gpu_tts] workers {workers} intra-op {intra} sessions {n}: first audio "
+                          f"{res['first_audio_ms']} stalled {res['stalled_fraction']} audio/wall "
+                          f"{res['audio_s_per_wall_s']} cpu {res['process_cpu']}", flush=True)
+                    dump(args.json, report)
+            finally:
+                await eng.aclose()
+    return report
+
+
+def table(report: dict[str, Any]) -> str:
+    head = (f"{'workers':>8}{'intra':>6}{'sessions':>9}{'replies':>8}{'first audio p50/p95/p99 ms':>29}"
+            f"{'stalled':>9}{'stall p95 ms':>13}{'audio s/s':>10}{'cpu':>6}")
+    lines = [head, "-" * len(head)]
+    for r in report["scenarios"]:
+        f = r["first_audio_ms"]
+        first = f"{f.get('p50')}/{f.get('p95')}/{f.get('p99')}"
+        lines.append(f"{r['workers']:>8}{r['intra_op']:>6}{r['sessions']:>9}{r['replies_measured']:>8}{first:>29}"
+                     f"{r['stalled_fraction']!s:>9}{r['stall_ms'].get('p95')!s:>13}{r['audio_s_per_wall_s']:>10}"
+                     f"{r['process_cpu']:>6}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--voice", type=Path, required=True, help="Piper voice directory (.onnx + .onnx.json)")
+    p.add_argument("--sessions", type=int, nargs="+", default=[32, 64, 128])
+    p.add_argument("--workers", type=int, nargs="+", default=[8], help="tts.workers values to run")
+    p.add_argument("--intra-op", type=int, nargs="+", default=[0], help="0: Piper's default ORT threads")
+    p.add_argument("--sentences", type=int, default=2, help="sentences after the first clause")
+    p.add_argument("--listen-s", type=float, nargs=2, default=[2.0, 4.0], help="caller speaks between replies")
+    p.add_argument("--duration-s", type=float, default=20.0)
+    p.add_argument("--warmup-s", type=float, default=3.0)
+    p.add_argument("--stall-tolerance-s", type=float, default=0.05)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None)
+    p.add_argument("--max-wall-s", type=float, default=400.0)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+    def hard_stop() -> None:
+        print(f"[gpu_tts] --max-wall-s {args.max_wall_s} reached: exiting", file=sys.stderr, flush=True)
+        os._exit(3)
+
+    timer = threading.Timer(args.max_wall_s, hard_stop)
+    timer.daemon = True
+    timer.start()
+    report = asyncio.run(amain(args))
+    timer.cancel()
+    print(table(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
