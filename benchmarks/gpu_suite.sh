@@ -61,7 +61,7 @@ run() {
           --max-wall-s "${NOCACHE_WALL_S:-200}" --json "$out/llm_nocache.json" > "$out/llm_nocache.log" 2>&1 || rc=$? ;;
       asr)  # Whisper large-v3-turbo shape on vLLM through VllmAsrEngine: real-time streams
         python3 benchmarks/gpu_asr.py --model-dir .gpu/whisper-turbo --clips .gpu/audio \
-          --streams 64 128 256 512 --partial-ms-sweep 1000 2000 --duration-s 20 --burst 256 \
+          --streams 64 128 256 512 --partial-ms-sweep 1000 2000 --duration-s 20 --burst 256 --pause-ms 0 \
           --gpu-memory-utilization 0.2 --max-wall-s "${ASR_WALL_S:-330}" \
           --json "$out/asr.json" > "$out/asr.log" 2>&1 || rc=$? ;;
       tts)  # Piper joe-medium on the machine's CPU cores through PiperTts
