@@ -25,6 +25,10 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
 
 
+TransportName = Literal["native", "realtime", "twilio", "webrtc"]
+TRANSPORTS: tuple[TransportName, ...] = ("native", "realtime", "twilio", "webrtc")
+
+
 class ServerConfig(_Section):
     host: str = Field("127.0.0.1", description="Address to listen on.")
     port: int = Field(8080, ge=0, le=65535, description="TCP port for HTTP, WebSocket and WebRTC signalling.")
@@ -40,8 +44,8 @@ class ServerConfig(_Section):
     input_burst_ms: int = Field(2000, ge=20, le=600_000, description="Audio a client may send ahead of real time before input_rate applies.")
     web_root: str = Field("web", description="Directory served at '/' (the browser client).")
     max_message_bytes: int = Field(1 << 20, ge=1024, le=64 << 20, description="Largest WebSocket message accepted.")
-    transports: list[Literal["native", "realtime", "twilio", "webrtc"]] = Field(
-        default_factory=lambda: ["native", "realtime", "twilio", "webrtc"],
+    transports: list[TransportName] = Field(
+        default_factory=lambda: list(TRANSPORTS),
         description="Wire protocols served (native /ws, OpenAI Realtime, Twilio Media Streams, WebRTC).",
     )
     drain_timeout_s: float = Field(10.0, ge=0.0, le=600.0, description="On SIGTERM/SIGINT: how long replies in progress may finish before every session is closed and the server exits.")
