@@ -89,17 +89,24 @@ class Soak:
 
     async def caller(self, index: int, stop_at: float) -> None:
         rng = random.Random(self.args.seed * 1000 + index)
+        first = True
         while time.monotonic() < stop_at:
             protocol = rng.choice(self.args.protocols)
             turns = rng.randint(1, 3)
             barge = rng.random() < self.args.barge_prob
             drop = rng.random() < self.args.drop_prob
+            if first:
+                # However short the run, both happen: caller 0 barges in, caller 1 drops.
+                barge, drop, first = index % 2 == 0, index % 2 == 1, False
+                latest = 2.5  # while the caller is still speaking: surely before the call ends
+            else:
+                latest = 2.5 * turns * 3.0
             session = _Session(self.probe_config(protocol, turns, barge), index, self.args.sessions)
             self.calls["placed"] += 1
             task = asyncio.create_task(session.run())
             if drop:
                 # Somewhere in the call: while speaking, listening or being answered.
-                await asyncio.wait([task], timeout=rng.uniform(0.5, 2.5 * turns * 3.0))
+                await asyncio.wait([task], timeout=rng.uniform(0.5, latest))
                 if not task.done():
                     abort_connection(session)
                     task.cancel()
