@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -325,9 +326,9 @@ async def test_drain_lets_replies_finish_then_ends_each_session() -> None:
 
 
 # ------------------------------------------------------------ engine failure (e2e)
-async def native_call(port: int) -> Any:
+async def native_call(port: int, **start: object) -> Any:
     ws = await websockets.connect(f"ws://127.0.0.1:{port}/ws", max_size=None)
-    await ws.send(json.dumps({"type": "session.start", "sample_rate": 16000}))
+    await ws.send(json.dumps({"type": "session.start", "sample_rate": 16000, **start}))
     return ws
 
 
@@ -410,7 +411,8 @@ def serve_subprocess(models_config: ModelsConfig, port: int, *overrides: str) ->
             "--set", "server.transports=[native]"]
     for o in overrides:
         args += ["--set", o]
-    log = open(os.devnull, "wb")  # noqa: SIM115
+    # The server's log, shown when a test fails (pytest prints captured output then).
+    log = tempfile.TemporaryFile()  # noqa: SIM115
     proc = subprocess.Popen(args, cwd=ROOT, stdout=log, stderr=log, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     try:
         yield proc
@@ -418,13 +420,15 @@ def serve_subprocess(models_config: ModelsConfig, port: int, *overrides: str) ->
         if proc.poll() is None:
             proc.kill()
         proc.wait()
+        log.seek(0)
+        sys.stderr.write(log.read()[-20_000:].decode(errors="replace"))
         log.close()
 
 
 @pytest.mark.engines
 async def test_sigterm_drains_the_call_then_exits_0(models_config: ModelsConfig) -> None:
     port = free_port()
-    with serve_subprocess(models_config, port, "server.drain_timeout_s=20") as proc:
+    with serve_subprocess(models_config, port, "server.drain_timeout_s=30") as proc:
         await drain_check(proc, port)
 
 
@@ -447,7 +451,9 @@ async def drain_check(proc: subprocess.Popen[bytes], port: int) -> None:
             assert time.monotonic() < deadline, "server did not become ready"
             await asyncio.sleep(0.5)
 
-        ws = await native_call(port)
+        # The random test model's 24 tokens are CJK that espeak-ng spells out for over
+        # a minute: 3 tokens at 4x speed make a reply of a few seconds.
+        ws = await native_call(port, max_tokens=3, speed=4.0)
         assert (await next_event(ws, kinds=("session.started",)))["type"] == "session.started"
         await ws.send(json.dumps({"type": "text.input", "text": "Tell me a story."}))
         await next_event(ws, 60, kinds=("response.started",))
@@ -467,7 +473,8 @@ async def drain_check(proc: subprocess.Popen[bytes], port: int) -> None:
             while True:
                 seen.append(await next_event(ws, 30))
         kinds = [e["type"] for e in seen]
-        assert "response.done" in kinds and kinds[-1] == "error", kinds
+        why = (kinds[-6:], seen[-1], closed.value.rcvd)
+        assert "response.done" in kinds and kinds[-1] == "error", why
         done = next(e for e in seen if e["type"] == "response.done")
         assert done["status"] == "completed", done
         assert seen[-1]["code"] == "server_shutdown" and seen[-1]["fatal"] is True, seen[-1]
@@ -484,3 +491,21 @@ async def until_async(get: Any, ok: Any, timeout: float) -> Any:
             return value
         assert time.monotonic() < deadline, f"not within {timeout} s: last {value}"
         await asyncio.sleep(0.05)
+
+
+async def test_metrics_and_health_details_need_the_key_when_keys_are_set() -> None:
+    state = ServerState(Config.model_validate({"server": {"api_key": "k-123"}}))
+    state.engines = fake_engines()
+    app = create_app(state.cfg, load=False, state=state)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+        assert (await http.get("/metrics")).status_code == 401
+        metrics = await http.get("/metrics", headers={"Authorization": "Bearer k-123"})
+        assert metrics.status_code == 200
+        for name in ("voicebot_asyncio_tasks", "process_open_fds", "process_resident_memory_bytes", "voicebot_engine_up"):
+            assert name in metrics.text, name
+        bare = await http.get("/healthz")
+        assert bare.status_code == 200 and bare.json() == {"ready": True, "status": "ok"}
+        full = await http.get("/healthz", headers={"Authorization": "Bearer k-123"})
+        assert full.json()["engines"]["tts"]["ok"] is True
+        state.draining = True
+        assert (await http.get("/healthz")).json() == {"ready": False, "status": "draining"}

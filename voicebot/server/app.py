@@ -1,9 +1,10 @@
 """The HTTP/WebSocket application: every transport on one port.
 
     /ws                native WebSocket protocol (docs/protocol.md)
-    /metrics           Prometheus
+    /metrics           Prometheus (needs an API key when keys are configured)
     /healthz           readiness, each engine's health, sessions, capacity (JSON;
-                       503 with the reason while loading, unhealthy or draining)
+                       503 with the reason while loading, unhealthy or draining);
+                       without an API key (when keys are configured) only ready/status
     /                  the browser client (web/)
 
 Other transports add their routes through :func:`transport_routes`.
@@ -27,6 +28,7 @@ from starlette.staticfiles import StaticFiles
 from voicebot.config import Config
 from voicebot.engines import load_engines
 from voicebot.engines.supervisor import Supervisor
+from voicebot.server import edge
 from voicebot.server.state import ServerState
 
 log = logging.getLogger(__name__)
@@ -47,14 +49,20 @@ def transport_routes(state: ServerState) -> list[BaseRoute]:
 def create_app(cfg: Config, *, load: bool = True, state: ServerState | None = None) -> Starlette:
     state = state or ServerState(cfg)
 
-    async def metrics(_: Request) -> Response:
+    async def metrics(request: Request) -> Response:
+        if not edge.admin_allowed(state, request.headers.get("authorization")):
+            return Response("unauthorized", 401, {"WWW-Authenticate": "Bearer"})
         state.update_gauges()
         state.metrics.update_process(state.engines.health if state.engines else None)
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    async def healthz(_: Request) -> Response:
+    async def healthz(request: Request) -> Response:
         body = state.health()
-        return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
+        code = 200 if body["status"] == "ok" else 503
+        if not edge.admin_allowed(state, request.headers.get("authorization")):
+            # Readiness stays open to load balancers; the details (reasons, queues) need a key.
+            body = {"ready": body["ready"], "status": body["status"]}
+        return JSONResponse(body, status_code=code)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
