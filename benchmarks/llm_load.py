@@ -689,6 +689,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
                           bg_workers=args.sat_requests, bg_cap=0, args=sat_args)
             report.setdefault("unfinished_after", {})[phase] = engine.unfinished_requests()
             report.setdefault("engine_cache_hit_ratio_total", {})[phase] = round(engine.cache_hit_ratio, 4)
+            dump()
         report["ratios"] = ratios(report["scenarios"])
         dump()
     finally:
