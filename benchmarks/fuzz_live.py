@@ -474,7 +474,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     result["pass"] = {
         "no_defect_on_the_wire": not defects,
         "harness_ran_whole": not result.get("harness_errors"),
-        "normal_calls_after": all(c["status"] == "ok" and c["transcript"] for c in result.get("after", {}).values()),
+        # Twilio carries no transcript events: its turn is judged on the reply audio alone.
+        "normal_calls_after": all(c["status"] == "ok" and (c["transcript"] or p == "twilio")
+                                  for p, c in result.get("after", {}).items()),
         "nothing_leaked": all(v == 0 for k, v in result.get("leaks", {}).items() if k != "rss_mb")
         if "leaks" in result else None,
         "no_traceback": result.get("server_log", {}).get("tracebacks") == 0 if "server_log" in result else None,
