@@ -73,6 +73,23 @@ class TextDelta:
     token_ids: tuple[int, ...] = ()
 
 
+
+def _shut_down(engine: AsyncLLM) -> None:
+    """Mark an AsyncLLM that was shut down explicitly so its ``__del__`` does nothing.
+
+    The build thread's frame keeps the engine alive until interpreter teardown, where
+    ``AsyncLLM.__del__`` calls ``shutdown()`` again with vLLM's module globals already
+    gone and logs a ``TypeError`` traceback at every server exit.
+    """
+    cls = type(engine)
+    quiet = _QUIET_CLASSES.get(cls)
+    if quiet is None:
+        quiet = _QUIET_CLASSES[cls] = type(f"ShutDown{cls.__name__}", (cls,), {"__del__": lambda self: None})
+    engine.__class__ = quiet
+
+
+_QUIET_CLASSES: dict[type, type] = {}
+
 class LlmEngine:
     """One vLLM engine shared by every session."""
 
@@ -116,6 +133,7 @@ class LlmEngine:
             if engine is not None:
                 # Built in this thread, no output handler yet: safe to shut down here.
                 engine.shutdown()
+                _shut_down(engine)
             raise asyncio.CancelledError("LLM start cancelled")
 
     def _build(self, cancel: threading.Event) -> AsyncLLM:
@@ -169,6 +187,7 @@ class LlmEngine:
             # Synchronous on purpose: vLLM's output handler lives on this loop and
             # must be cancelled from it, not from a worker thread.
             engine.shutdown()
+            _shut_down(engine)
 
     # ------------------------------------------------------------------ queries
     @property
