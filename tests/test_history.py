@@ -154,3 +154,46 @@ def test_prompts_extend_each_other_between_trims(tokenizer) -> None:  # type: ig
         conv.append("assistant", f"Answer {i}: sunny.")
         previous = conv.prompt_ids()[: conv.token_count]
     assert trims >= 2
+
+
+class CountingTemplates:
+    """The real tokenizer, counting the messages its chat template renders."""
+
+    def __init__(self, tok) -> None:  # type: ignore[no-untyped-def]
+        self._tok = tok
+        self.rendered = 0
+
+    def apply_chat_template(self, messages, **kwargs):  # type: ignore[no-untyped-def]
+        self.rendered += len(messages)
+        return self._tok.apply_chat_template(messages, **kwargs)
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        return getattr(self._tok, name)
+
+
+def test_a_turn_renders_the_same_few_messages_however_long_the_call(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """Rendering the whole history at every append and prompt cost ~4 ms of event-loop
+    time per turn on long calls (most of the loop at hundreds of sessions)."""
+    counting = CountingTemplates(tokenizer)
+    conv = long_conversation(counting, 60)
+
+    def one_turn() -> int:
+        counting.rendered = 0
+        conv.append("user", "And one more question?")
+        conv.prompt_ids(user_text=None)
+        conv.append("assistant", "And one more answer.")
+        return counting.rendered
+
+    assert one_turn() < 40, counting.rendered
+
+
+def test_rendering_in_context_gives_the_ids_of_rendering_the_whole_history(tokenizer, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    def build() -> list[list[int]]:
+        conv = long_conversation(tokenizer, 8)
+        conv.replace("a3", "This is")
+        conv.append("user", "Last question?")
+        return [conv.prompt_ids(), conv.prompt_ids(user_text="And then?")]
+
+    in_context = build()
+    monkeypatch.setattr(Conversation, "_context", staticmethod(lambda history: history))
+    assert build() == in_context
