@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
 import uvicorn
@@ -68,3 +69,24 @@ async def running_server(cfg: Config, state: ServerState | None = None) -> Async
     finally:
         server.should_exit = True
         await task  # the app's lifespan closes sessions and engines
+
+
+@contextlib.contextmanager
+def server_errors() -> Iterator[list[logging.LogRecord]]:
+    """Every ERROR the server logs (uvicorn's "Exception in ASGI application" included:
+    uvicorn's loggers do not propagate to the root logger that caplog watches)."""
+    seen: list[logging.LogRecord] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record)
+
+    handler = Catch(logging.ERROR)
+    loggers = [logging.getLogger(n) for n in ("", "uvicorn", "uvicorn.error", "voicebot")]
+    for lg in loggers:
+        lg.addHandler(handler)
+    try:
+        yield seen
+    finally:
+        for lg in loggers:
+            lg.removeHandler(handler)

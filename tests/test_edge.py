@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+from starlette.websockets import WebSocketDisconnect, WebSocketDisconnected
 
 from voicebot.cli import main as cli_main
 from voicebot.config import Config, ServerConfig, load_config
@@ -20,6 +22,7 @@ from voicebot.errors import (
 )
 from voicebot.server import edge
 from voicebot.server.state import NotReady, ServerState
+from voicebot.transports.tasks import run_until_first_ends
 
 
 # ------------------------------------------------------------------ credentials
@@ -308,3 +311,30 @@ def test_error_messages_never_echo_a_whole_client_value() -> None:
         "media_format": {"encoding": "PCMA", "sample_rate": 8000},
         "custom_parameters": [{"name": ["voice"], "value": "x"}, {"name": "speed", "value": "1.2"}]}}))
     assert isinstance(start, tp.Start) and start.custom == {"speed": "1.2"}
+
+
+async def test_a_send_to_a_gone_client_ends_the_connection_quietly() -> None:
+    # Both ends of a race the live fuzzer hit: one task's send finds the socket gone
+    # (WebSocketDisconnect), the other's then finds it closed (WebSocketDisconnected,
+    # a RuntimeError); either one first, the connection just ends.
+    async def gone() -> None:
+        raise WebSocketDisconnect(1006)
+
+    async def closed() -> None:
+        raise WebSocketDisconnected('Cannot call "send" once a close message has been sent.')
+
+    for coros in ({"a": gone, "b": closed}, {"a": closed, "b": gone}, {"a": closed}):
+        session = SimpleNamespace(id="sess_x", closed_reason=None)
+        await run_until_first_ends(session, {k: f() for k, f in coros.items()},  # type: ignore[arg-type]
+                                   reason="client closed")
+        assert session.closed_reason == "client closed"
+
+
+async def test_a_task_error_that_is_not_a_hang_up_still_surfaces() -> None:
+    async def broken() -> None:
+        raise RuntimeError("a bug")
+
+    session = SimpleNamespace(id="sess_x", closed_reason=None)
+    with pytest.raises(RuntimeError, match="a bug"):
+        await run_until_first_ends(session, {"a": broken()}, reason="client closed")  # type: ignore[arg-type]
+    assert session.closed_reason == "client closed"

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import websockets
 from openai import AsyncOpenAI
-from servers import running_server
+from servers import running_server, server_errors
 from speech import Clip
 
 from voicebot.audio import dbfs, float_to_pcm16, pcm16_to_float, resample
@@ -432,6 +432,31 @@ async def test_bad_input_gets_openai_shaped_errors_and_the_session_goes_on(serve
             assert err["message"]
         await ws.send(json.dumps({"type": "input_audio_buffer.clear"}))
         assert (await next_of(ws, "input_audio_buffer.cleared", "error"))["type"] == "input_audio_buffer.cleared"
+
+
+async def test_client_closing_while_errors_are_sent_logs_no_traceback(server: Running) -> None:
+    # The live fuzzer's find: the client closes while the server still sends its replies;
+    # a send to a gone client is the end of the session, never "Exception in ASGI application".
+    with server_errors() as errors:
+        item = json.dumps({"type": "conversation.item.create", "item": {
+            "type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}})
+        for _ in range(10):  # the close races the sends: repeat to meet more interleavings
+            async with await raw(server) as ws:
+                # Replies from both directions at once: the reader's errors and the
+                # session's events (items added, a reply) that the writer sends.
+                await ws.send(json.dumps({"type": "response.create"}))
+                for _ in range(25):
+                    await ws.send("{")
+                    await ws.send(item)
+            await asyncio.sleep(0.02)
+        async with asyncio.timeout(TIMEOUT):
+            while server.state.sessions:
+                await asyncio.sleep(0.05)
+        async with await raw(server) as ws:  # and the server still serves
+            await next_of(ws, "session.created")
+            await ws.send("{")
+            assert (await next_of(ws, "error"))["error"]["code"] == "invalid_event"
+    assert not errors, [f"{r.name}: {r.getMessage()}" for r in errors]
 
 
 async def test_auth_header_or_subprotocol_and_refusal(server: Running) -> None:

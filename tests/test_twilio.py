@@ -23,7 +23,7 @@ import httpx
 import numpy as np
 import pytest
 import websockets
-from servers import RunningServer, running_server
+from servers import RunningServer, running_server, server_errors
 from speech import Clip
 
 from voicebot.audio import dbfs, resample
@@ -511,29 +511,6 @@ async def test_probe_speaks_twilio(server: RunningServer, speech_clips: list[Cli
     assert record.status == "ok", record
     assert record.voice_to_voice_ms is not None and record.voice_to_voice_ms > 0
     assert record.replies and record.replies[0]["status"] == "completed"
-
-
-@contextlib.contextmanager
-def server_errors() -> Any:
-    """Every ERROR the server logs (uvicorn's "Exception in ASGI application" included:
-    uvicorn's loggers do not propagate to the root logger that caplog watches)."""
-    import logging
-
-    seen: list[logging.LogRecord] = []
-
-    class Catch(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            seen.append(record)
-
-    handler = Catch(logging.ERROR)
-    loggers = [logging.getLogger(n) for n in ("", "uvicorn", "uvicorn.error", "voicebot")]
-    for lg in loggers:
-        lg.addHandler(handler)
-    try:
-        yield seen
-    finally:
-        for lg in loggers:
-            lg.removeHandler(handler)
 
 
 async def test_caller_hanging_up_logs_no_traceback(server: RunningServer) -> None:

@@ -202,6 +202,14 @@ async def test_bad_requests_and_capacity_are_json_errors(server: RunningServer) 
             "/v1/realtime", content="hello", headers={"Content-Type": "application/sdp"}
         )
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_sdp"  # beta path
+        # A multipart type over a body that is not multipart: the parser's error is ours too.
+        r = await http.post(
+            "/v1/realtime/calls",
+            content="garbage",
+            headers={"Content-Type": "multipart/form-data; boundary=x"},
+        )
+        assert r.status_code == 400 and r.headers["content-type"] == "application/json", r.text
+        assert r.json()["error"]["code"] == "invalid_sdp"
         r = await http.post("/v1/realtime/calls", json={"sdp": "v=0"})
         assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
         r = await http.post("/v1/realtime/client_secrets", json={"expires_after": {"seconds": 1}})

@@ -7,9 +7,14 @@ import contextlib
 from collections.abc import Coroutine
 from typing import Any
 
-from starlette.websockets import WebSocket, WebSocketDisconnect
+from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketDisconnected
 
 from voicebot.session.session import Session
+
+# What a send or receive raises once the client is gone: WebSocketDisconnect (the
+# server's ClientDisconnected, or the peer's close frame) for the first call to find
+# it gone, WebSocketDisconnected (a RuntimeError) for every call after that one.
+CLIENT_GONE = (WebSocketDisconnect, WebSocketDisconnected)
 
 
 async def run_until_first_ends(
@@ -19,12 +24,17 @@ async def run_until_first_ends(
 
     The rest are cancelled and awaited (nothing outlives the connection), a task's
     error is raised, and the session learns why it is closing unless it already knows.
+    A task that found the client gone (a send after it closed) ends the connection as
+    a hang-up does: the client may close whenever it likes, so that is no error. Two
+    tasks can find it in one step (the second gets WebSocketDisconnected), hence every
+    done task is looked at, whichever comes first.
     """
     tasks = {asyncio.create_task(coro, name=f"{session.id}-{name}") for name, coro in coros.items()}
     try:
         done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         for task in done:
-            task.result()  # surface a transport error
+            with contextlib.suppress(*CLIENT_GONE):
+                task.result()  # surface a transport error
     finally:
         for task in tasks:
             task.cancel()
@@ -39,5 +49,5 @@ async def close_quietly(ws: WebSocket, code: int = 1000, reason: str = "") -> No
     Starlette raises WebSocketDisconnect (the server's ClientDisconnected, an OSError)
     when the peer is gone and RuntimeError when we closed it already: a hang-up is the
     normal end of a call, never a traceback."""
-    with contextlib.suppress(WebSocketDisconnect, RuntimeError, OSError):
+    with contextlib.suppress(*CLIENT_GONE, RuntimeError, OSError):
         await ws.close(code, reason.encode()[:120].decode(errors="ignore"))  # at most 123 bytes

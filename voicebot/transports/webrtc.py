@@ -25,6 +25,8 @@ import contextlib
 import logging
 from typing import Any
 
+from starlette.exceptions import HTTPException
+from starlette.formparsers import MultiPartException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
@@ -117,8 +119,15 @@ async def _read_offer(request: Request) -> tuple[str, dict[str, Any]]:
     # The whole body is bounded before anything parses it (multipart adds the session).
     request = await edge.read_body(request, 2 * _MAX_SDP_BYTES)
     if ctype == "multipart/form-data":
-        async with request.form(max_files=0, max_fields=8, max_part_size=_MAX_SDP_BYTES) as form:
-            sdp, session = form.get("sdp"), form.get("session")
+        try:
+            async with request.form(max_files=0, max_fields=8, max_part_size=_MAX_SDP_BYTES) as form:
+                sdp, session = form.get("sdp"), form.get("session")
+        # Starlette raises its parser's error as an HTTPException inside an app (answered
+        # 400 text/plain), a MultiPartException outside one: either is a bad offer here.
+        except MultiPartException as exc:
+            raise BadMessage(f"multipart body: {exc.message}", code="invalid_sdp") from None
+        except HTTPException as exc:
+            raise BadMessage(f"multipart body: {exc.detail}", code="invalid_sdp") from None
         if not isinstance(sdp, str):
             raise BadMessage("multipart body needs an 'sdp' field", code="invalid_sdp")
         config: dict[str, Any] = {}
