@@ -113,8 +113,8 @@ class VllmWhisper:
         self._task_ids: dict[str, int] = {}
 
     async def start(self) -> None:
-        self._engine = await asyncio.to_thread(self._build)
-        self._tokenizer = self._engine.get_tokenizer()
+        self._engine = engine = await asyncio.to_thread(self._build)
+        self._tokenizer = engine.get_tokenizer()
         tok = self._tokenizer
         for name in ("<|startoftranscript|>", "<|transcribe|>", "<|notimestamps|>"):
             tid = tok.convert_tokens_to_ids(name)
