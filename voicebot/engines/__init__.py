@@ -62,7 +62,7 @@ class Engines:
         results = await asyncio.gather(
             self.asr.aclose(), self.tts.aclose(), self.llm.aclose(), return_exceptions=True
         )
-        reap_children()
+        await reap_children()
         for r in results:
             if isinstance(r, BaseException):
                 raise r

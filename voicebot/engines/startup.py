@@ -163,10 +163,21 @@ async def _undo(
         except Exception:
             log.exception("closing %s after a failed start", name)
     procs.kill_new()  # anything an aborted build spawned after all
-    reap_children()
+    await reap_children()
 
 
-def reap_children() -> None:
-    """Collect exited engine processes: vLLM kills its engine core but never waits for it,
-    which would leave a zombie per closed engine (multiprocessing reaps on this call)."""
-    multiprocessing.active_children()
+async def reap_children(timeout_s: float = 3.0) -> None:
+    """Wait for closed engines' processes to exit, and collect them.
+
+    vLLM force-kills an engine core that outlives its shutdown grace but never waits for
+    it, which leaves a zombie per closed engine; ``multiprocessing.active_children()``
+    collects the ones that have exited. Called only when no vLLM engine is running
+    (all closed, or the only one failed), so every engine core should be going away.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while [p for p in multiprocessing.active_children() if p.name.startswith("EngineCore")]:
+        if loop.time() >= deadline:
+            log.warning("an engine-core process is still running %.0f s after its engine closed", timeout_s)
+            return
+        await asyncio.sleep(_POLL_S)
