@@ -31,7 +31,10 @@ class EngineSpecs:
     voice_path: str | None
 
     def asr(self) -> AsrEngine:
-        return AsrEngine(self.cfg.asr, self.asr_path, agreement_n=self.cfg.asr.agreement_n)
+        # asr.backend picks faster-whisper or Whisper on vLLM (imports vLLM only in start()).
+        from voicebot.engines.asr_vllm import create_asr
+
+        return create_asr(self.cfg.asr, self.asr_path)
 
     def llm(self) -> LlmEngine:
         return LlmEngine(self.cfg.llm, self.llm_path, self.tokenizer_path)

@@ -163,21 +163,22 @@ async def _undo(
         except Exception:
             log.exception("closing %s after a failed start", name)
     procs.kill_new()  # anything an aborted build spawned after all
-    await reap_children()
+    await reap_children(1.0)
 
 
 async def reap_children(timeout_s: float = 3.0) -> None:
-    """Wait for closed engines' processes to exit, and collect them.
+    """Wait (at most ``timeout_s``) for closed engines' processes to exit, and collect them.
 
     vLLM force-kills an engine core that outlives its shutdown grace but never waits for
     it, which leaves a zombie per closed engine; ``multiprocessing.active_children()``
-    collects the ones that have exited. Called only when no vLLM engine is running
-    (all closed, or the only one failed), so every engine core should be going away.
+    collects the ones that have exited. A vLLM engine still in use (the vLLM ASR backend
+    while the LLM restarts) keeps its engine core: then this waits out the timeout,
+    which is why callers that may have one pass a short one.
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     while [p for p in multiprocessing.active_children() if p.name.startswith("EngineCore")]:
         if loop.time() >= deadline:
-            log.warning("an engine-core process is still running %.0f s after its engine closed", timeout_s)
+            log.debug("an engine-core process is still running %.1f s after an engine closed", timeout_s)
             return
         await asyncio.sleep(_POLL_S)

@@ -118,7 +118,7 @@ class Supervisor:
             await old.aclose()  # frees its memory and threads before a new one loads
         except Exception as exc:
             log.warning("closing the failed %s engine: %s", name, exc)
-        await reap_children()  # a killed engine-core process is a zombie until someone waits for it
+        await reap_children(1.0)  # a killed engine-core process is a zombie until someone waits for it
         last: BaseException | None = None
         for attempt in range(1, policy.max_attempts + 1):
             health.attempt = attempt
