@@ -414,16 +414,25 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def server_log(proc: subprocess.Popen[bytes]) -> str:
+    log = proc.voicebot_log  # type: ignore[attr-defined]
+    log.seek(0)
+    text = log.read().decode(errors="replace")
+    log.seek(0, os.SEEK_END)
+    return str(text)
+
+
 @contextlib.contextmanager
 def serve_subprocess(models_config: ModelsConfig, port: int, *overrides: str) -> Iterator[subprocess.Popen[bytes]]:
     args = [sys.executable, "-m", "voicebot", "serve", "--config", "configs/test.yaml", "--port", str(port),
             "--no-pull", "--set", f"models.cache_dir={models_config.cache_dir}",
-            "--set", "server.transports=[native]"]
+            "--set", "server.transports=[native,realtime]"]
     for o in overrides:
         args += ["--set", o]
     # The server's log, shown when a test fails (pytest prints captured output then).
     log = tempfile.TemporaryFile()  # noqa: SIM115
     proc = subprocess.Popen(args, cwd=ROOT, stdout=log, stderr=log, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    proc.voicebot_log = log  # type: ignore[attr-defined]
     try:
         yield proc
     finally:
@@ -472,6 +481,10 @@ async def drain_check(proc: subprocess.Popen[bytes], port: int) -> None:
         await ws.send(json.dumps({"type": "text.input", "text": "Tell me a story."}))
         await next_event(ws, 60, kinds=("response.started",))
 
+        # A second caller, on the Realtime protocol, connected and silent.
+        idle = await websockets.connect(f"ws://127.0.0.1:{port}/v1/realtime?model=m", subprotocols=["realtime"])
+        assert (await next_event(idle, kinds=("session.created",)))["type"] == "session.created"
+
         proc.send_signal(signal.SIGTERM)
         # Draining: still listening, but out of rotation and refusing new calls.
         r = await until_async(healthz, lambda r: r is not None and r.status_code == 503, 5)
@@ -493,8 +506,16 @@ async def drain_check(proc: subprocess.Popen[bytes], port: int) -> None:
         assert done["status"] == "completed", done
         assert seen[-1]["code"] == "server_shutdown" and seen[-1]["fatal"] is True, seen[-1]
         assert closed.value.rcvd is not None  # a close frame, not a dropped connection
+        # The idle Realtime caller is told why, in its protocol's error shape, and closed.
+        with pytest.raises(websockets.ConnectionClosed) as idle_closed:
+            while True:
+                last = await next_event(idle, 30)
+        assert last["type"] == "error" and last["error"]["code"] == "server_shutdown", last
+        assert idle_closed.value.rcvd is not None
         code = await asyncio.to_thread(proc.wait, 30)
         assert code == 0
+        out = server_log(proc)
+        assert "Traceback" not in out and "Exception in ASGI application" not in out, out[-3000:]
 
 
 async def until_async(get: Any, ok: Any, timeout: float) -> Any:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import importlib
 import logging
 from collections.abc import AsyncIterator
@@ -82,6 +83,10 @@ def create_app(cfg: Config, *, load: bool = True, state: ServerState | None = No
             if state.engines is not None:
                 await state.engines.aclose()
                 state.engines = None
+            # vLLM's AsyncLLM sits in a reference cycle: collected at interpreter teardown,
+            # its __del__ shuts down again with module globals gone (a traceback at every
+            # exit). Collect it now, while the interpreter is whole.
+            gc.collect()
 
     routes: list[BaseRoute] = [
         Route("/metrics", metrics),

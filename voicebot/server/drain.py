@@ -8,8 +8,9 @@ On SIGTERM/SIGINT (voicebot/server/run.py) the server drains before it stops:
    after ``server.drain_timeout_s``: a fatal ``server_shutdown`` error event, which
    every transport turns into its own way of hanging up (WebSocket close, Twilio
    stream end, WebRTC close);
-3. once the transports have let go of the sessions (or a short grace has passed) the
-   caller stops the HTTP server; the lifespan then closes the engines.
+3. once the transports have let go of the sessions (or, after a short grace, the
+   drain has closed the sessions itself) the caller stops the HTTP server; the
+   lifespan then closes the engines.
 """
 
 from __future__ import annotations
@@ -57,7 +58,11 @@ async def drain(state: ServerState, timeout_s: float) -> None:
     # Polled: sessions leave state.sessions from each transport's own task.
     while state.sessions and loop.time() < grace:  # noqa: ASYNC110
         await asyncio.sleep(_POLL_S)
-    if state.sessions:
-        log.warning("drain: %d session(s) still open; they are closed with the server", len(state.sessions))
-    else:
+    if not state.sessions:
         log.info("drained: no session left")
+        return
+    # A transport that did not let go (a client that stopped reading leaves its sends
+    # hanging): end the sessions themselves, so their engine work stops here and now.
+    left = list(state.sessions.values())
+    log.warning("drain: %d session(s) not closed by their transport; closing them", len(left))
+    await asyncio.gather(*(s.aclose(SHUTDOWN_CODE) for s in left), return_exceptions=True)
