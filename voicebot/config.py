@@ -75,8 +75,8 @@ class AsrConfig(_Section):
     partial_interval_ms: int = Field(600, ge=100, le=10_000, description="New audio needed before another partial decode.")
     max_utterance_s: float = Field(28.0, ge=2.0, le=30.0, description="Longest utterance buffered; Whisper's window is 30 s.")
     queue_size: int = Field(64, ge=1, le=100_000, description="Pending decode jobs before new partials are dropped.")
-
     backend: Literal["faster-whisper", "vllm"] = Field("faster-whisper", description="Decoder: faster-whisper (CTranslate2; CPU, or CUDA 12) or Whisper on vLLM (GPU on torch's CUDA, batched across sessions; model: a Hugging Face Whisper directory).")
+
 
 class LlmConfig(_Section):
     model: str = Field("bundle:qwen2.5-0.5b-instruct", description="Model directory, hub id or bundle:NAME.")
