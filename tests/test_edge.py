@@ -234,6 +234,8 @@ def test_one_close_code_and_status_per_error() -> None:
         assert edge.close_code(code) == 1013
     assert edge.close_code("internal_error") == 1011
     assert edge.close_code("invalid_event") == 1000
+    assert edge.close_code("server_shutdown") == 1001
+    assert edge.close_code("engine_failed") == 1011
     assert edge.http_status(AuthError("x")) == 401
     assert edge.http_status(CapacityError("x")) == 429
     assert edge.http_status(NotReady("x")) == 503

@@ -506,12 +506,13 @@ async def drain_check(proc: subprocess.Popen[bytes], port: int) -> None:
         assert done["status"] == "completed", done
         assert seen[-1]["code"] == "server_shutdown" and seen[-1]["fatal"] is True, seen[-1]
         assert closed.value.rcvd is not None  # a close frame, not a dropped connection
+        assert closed.value.rcvd.code == 1001, closed.value.rcvd  # going away
         # The idle Realtime caller is told why, in its protocol's error shape, and closed.
         with pytest.raises(websockets.ConnectionClosed) as idle_closed:
             while True:
                 last = await next_event(idle, 30)
         assert last["type"] == "error" and last["error"]["code"] == "server_shutdown", last
-        assert idle_closed.value.rcvd is not None
+        assert idle_closed.value.rcvd is not None and idle_closed.value.rcvd.code == 1001, idle_closed.value.rcvd
         code = await asyncio.to_thread(proc.wait, 30)
         assert code == 0
         out = server_log(proc)

@@ -315,9 +315,9 @@ def check_admission(state: ServerState, client: str | None = None) -> None:
 
 
 # ------------------------------------------------------------------ errors on wire
-_RETRY_LATER = frozenset({"capacity_exceeded", "not_ready", "draining", "input_rate_exceeded"})
+_RETRY_LATER = frozenset({"capacity_exceeded", "not_ready", "draining", "input_rate_exceeded", "engine_unavailable"})
 _POLICY = frozenset({"unauthorized", "origin_not_allowed"})
-_SERVER_FAULT = frozenset({"internal_error", "engine_error", "model_unavailable"})
+_SERVER_FAULT = frozenset({"internal_error", "engine_error", "model_unavailable", "engine_failed"})
 
 
 def close_code(code: str) -> int:
@@ -330,6 +330,8 @@ def close_code(code: str) -> int:
         return 1011
     if code == "message_too_large":
         return 1009
+    if code == "server_shutdown":
+        return 1001  # going away: reconnect elsewhere
     return 1000
 
 

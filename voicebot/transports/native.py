@@ -263,4 +263,5 @@ async def _run(ws: WebSocket, session: Session, state: ServerState, in_rate: int
                 return
 
     await run_until_first_ends(session, {"ws-in": reader(), "ws-out": writer()}, reason="client closed")
-    await close_quietly(ws)
+    # The session's reason picks the close code: 1001 at shutdown, 1011 for a dead engine.
+    await close_quietly(ws, edge.close_code(session.closed_reason or ""))
