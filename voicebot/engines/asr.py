@@ -40,6 +40,10 @@ class AsrStats:
     failed_decodes: int = 0
 
 
+
+class DecodeAbandoned(Exception):
+    """A decode stopped because nobody waits for its result any more: nothing to report."""
+
 class AsrEngine:
     def __init__(self, cfg: AsrConfig, model_path: str, *, agreement_n: int = 3) -> None:
         self.cfg = cfg
@@ -159,8 +163,13 @@ class AsrEngine:
                 self._space.set()
             raise
 
-    async def _worker(self) -> None:
+    async def _run_decode(self, job: DecodeJob) -> tuple[str, float]:
+        """Decode one job: (text, seconds). Backends that decode asynchronously
+        (asr_vllm.py) override this; it may raise :class:`DecodeAbandoned`."""
         loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._decode, job)
+
+    async def _worker(self) -> None:
         while True:
             job = self._queue.pop()
             if job is None:
@@ -174,14 +183,16 @@ class AsrEngine:
             if job.audio is None:
                 continue  # a partial that went stale while queued
             try:
-                text, decode_s = await loop.run_in_executor(self._executor, self._decode, job)
+                text, decode_s = await self._run_decode(job)
             except asyncio.CancelledError:
                 job.fail(EngineError("ASR engine closed"))
                 raise
+            except DecodeAbandoned:
+                continue
             except Exception as exc:
                 self.stats.failed_decodes += 1
                 log.warning("ASR decode failed: %s", exc, exc_info=True)
-                job.fail(EngineError(f"ASR decode failed: {exc}"))
+                job.fail(exc if isinstance(exc, EngineError) else EngineError(f"ASR decode failed: {exc}"))
                 continue
             if job.priority is Priority.FINAL:
                 self.stats.final_decodes += 1

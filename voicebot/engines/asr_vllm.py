@@ -36,9 +36,9 @@ import numpy as np
 
 from voicebot.audio import ASR_RATE
 from voicebot.config import AsrConfig
-from voicebot.engines.agreement import continuation_after, join_text
-from voicebot.engines.asr import AsrEngine
-from voicebot.engines.asr_queue import DecodeJob, Priority
+from voicebot.engines.agreement import continuation_after
+from voicebot.engines.asr import AsrEngine, DecodeAbandoned
+from voicebot.engines.asr_queue import DecodeJob
 from voicebot.errors import EngineError, ModelError
 
 if TYPE_CHECKING:
@@ -218,10 +218,6 @@ class VllmWhisper:
         return text
 
 
-class _Abandoned(Exception):
-    """A final whose caller stopped waiting: its request was aborted."""
-
-
 class VllmAsrEngine(AsrEngine):
     """:class:`AsrEngine` whose decodes run batched in vLLM (see the module docstring)."""
 
@@ -294,7 +290,7 @@ class VllmAsrEngine(AsrEngine):
         decoded = f"{prefix}{text}" if prefix else text
         return continuation_after(decoded, job.prefix), time.perf_counter() - t0
 
-    async def _decode_watched(self, job: DecodeJob) -> tuple[str, float]:
+    async def _run_decode(self, job: DecodeJob) -> tuple[str, float]:
         """Decode; for a final, abort as soon as its waiter is cancelled."""
         if job.future is None:
             return await self._decode_async(job)
@@ -310,44 +306,8 @@ class VllmAsrEngine(AsrEngine):
             decode.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await decode
-            raise _Abandoned
+            raise DecodeAbandoned
         return decode.result()
-
-    async def _worker(self) -> None:
-        # AsrEngine._worker with the blocking executor call replaced by an awaited decode.
-        while True:
-            job = self._queue.pop()
-            if job is None:
-                self._work.clear()
-                await self._work.wait()
-                continue
-            self._space.set()
-            if job.future is not None and job.future.done():
-                continue  # cancelled while queued
-            self._dispatch(job)
-            if job.audio is None:
-                continue  # a partial that went stale while queued
-            try:
-                text, decode_s = await self._decode_watched(job)
-            except asyncio.CancelledError:
-                job.fail(EngineError("ASR engine closed"))
-                raise
-            except _Abandoned:
-                continue
-            except Exception as exc:
-                self.stats.failed_decodes += 1
-                log.warning("ASR decode failed: %s", exc, exc_info=True)
-                job.fail(exc if isinstance(exc, EngineError) else EngineError(f"ASR decode failed: {exc}"))
-                continue
-            if job.priority is Priority.FINAL:
-                self.stats.final_decodes += 1
-                assert job.future is not None
-                if not job.future.done():
-                    job.future.set_result((join_text(job.prefix, text), decode_s))
-            else:
-                self.stats.partial_decodes += 1
-                assert job.owner is not None
-                job.owner._partial_done(job, text)
 
 
 def create_asr(cfg: AsrConfig, model_path: str, *, settings: WhisperVllmSettings | None = None) -> AsrEngine:
