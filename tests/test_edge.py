@@ -340,3 +340,16 @@ async def test_a_task_error_that_is_not_a_hang_up_still_surfaces() -> None:
     with pytest.raises(RuntimeError, match="a bug"):
         await run_until_first_ends(session, {"a": broken()}, reason="client closed")  # type: ignore[arg-type]
     assert session.closed_reason == "client closed"
+
+
+async def test_read_body_refuses_a_non_ascii_content_length() -> None:
+    # '\xb2' (superscript two) is a latin-1 header byte that str.isdigit() accepts and
+    # int() refuses: it must be a 400-class refusal or be ignored, never a ValueError.
+    from starlette.requests import Request
+
+    async def receive() -> dict[str, object]:
+        return {"type": "http.request", "body": b"v=0", "more_body": False}
+
+    scope = {"type": "http", "method": "POST", "path": "/", "headers": [(b"content-length", b"\xb2")]}
+    request = await edge.read_body(Request(scope, receive), 1024)
+    assert await request.body() == b"v=0"

@@ -90,6 +90,8 @@ def test_parse_telnyx_start_and_alaw() -> None:
         ('{"event": "start", "start": {"streamSid": "MZ", "mediaFormat": {"sampleRate": [8000]}}}', BadMessage),
         ('{"event": "start", "start": {"streamSid": "MZ", "mediaFormat": "audio/x-mulaw"}}', BadMessage),
         ('{"event": "start", "start": {"streamSid": "MZ", "mediaFormat": {"encoding": 7}}}', BadMessage),
+        # A Unicode digit passes str.isdigit() but not int(): found by benchmarks/fuzz_live.py.
+        ('{"event": "start", "start": {"streamSid": "MZ", "mediaFormat": {"sampleRate": "\u277b"}}}', BadMessage),
         ('{"event": "media", "media": ' + "[" * 100_000 + "]" * 100_000 + "}", BadMessage),
     ],
 )
@@ -148,6 +150,7 @@ def test_playout_marks_track_what_was_heard() -> None:
     assert marks.end() == "resp_2:50:end"
     assert tp.parse_mark("resp_2:50:end") == ("resp_2", 50, True)
     assert tp.parse_mark("a:b:c") is None
+    assert tp.parse_mark("resp_2:\u00b2") is None  # superscript two: isdigit(), yet no int
 
 
 def test_pacer_sends_in_real_time_without_catch_up_bursts() -> None:

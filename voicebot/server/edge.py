@@ -219,7 +219,7 @@ async def read_body(request: Request, limit: int) -> Request:
     Checked as it streams in (and up front from Content-Length): a client announcing or
     sending more gets ``payload_too_large`` (HTTP 413) before the rest is buffered."""
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
+    if declared.isascii() and declared.isdigit() and int(declared) > limit:
         raise ProtocolError(f"request body of {declared} bytes exceeds {limit}", code="payload_too_large")
     chunks: list[bytes] = []
     size = 0

@@ -114,8 +114,10 @@ def _start(data: dict[str, Any]) -> Start:
         raise BadMessage("'start.mediaFormat' must be an object", code="unsupported_format")
     name = str(fmt.get("encoding", "audio/x-mulaw")).lower()
     raw_rate = fmt.get("sample_rate" if telnyx else "sampleRate", RATE)
-    # Twilio sends a number; a numeric string is tolerated, anything else is refused.
-    rate = int(raw_rate) if isinstance(raw_rate, int | str) and str(raw_rate).isdigit() else None
+    # Twilio sends a number; a numeric string is tolerated, anything else is refused
+    # (ASCII digits only: '\u277b'.isdigit() is True, yet int() refuses it).
+    text_rate = str(raw_rate)
+    rate = int(text_rate) if isinstance(raw_rate, int | str) and text_rate.isascii() and text_rate.isdigit() else None
     if name not in _ENCODINGS or rate != RATE:
         raise BadMessage(f"unsupported media format {name[:40]}/{str(raw_rate)[:20]}: use G.711 at 8000 Hz", code="unsupported_format")
     stream = data.get("stream_id") if telnyx else body.get("streamSid") or data.get("streamSid")
@@ -242,7 +244,7 @@ def mark_name(response_id: str, ms: int, end: bool = False) -> str:
 def parse_mark(name: str) -> tuple[str, int, bool] | None:
     """(response id, ms of that reply played up to the mark, end of reply?) or None."""
     parts = name.split(":")
-    if len(parts) not in (2, 3) or not parts[1].isdigit() or (len(parts) == 3 and parts[2] != "end"):
+    if len(parts) not in (2, 3) or not (parts[1].isascii() and parts[1].isdigit()) or (len(parts) == 3 and parts[2] != "end"):
         return None
     return parts[0], int(parts[1]), len(parts) == 3
 
