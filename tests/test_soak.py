@@ -6,7 +6,7 @@ barge-ins and abrupt disconnects, then an overload run at twice capacity. Assert
 nothing left behind (sessions, vLLM requests, asyncio tasks, descriptors), no failed
 call, no traceback while serving, every excess caller refused with
 ``capacity_exceeded`` and every admitted one answered. Not asserted: speed (a shared
-2-core machine; turns may take up to 120 s), and the memory slope only against a gross bound (a 2-minute fit is
+2-core machine; turns may take up to 120 s), and memory only as idle growth against a gross bound (a 2-minute fit is
 noise next to the 1 MB/session-hour target, which needs ``--minutes 30`` or more; a
 whole-call audio buffer kept per call would still grow it by hundreds of MB/hour).
 """
@@ -23,6 +23,10 @@ from speech import Clip
 
 ROOT = Path(__file__).resolve().parent.parent
 GROSS_MB_PER_SESSION_HOUR = 200.0
+# Idle process tree (server + vLLM engine core) after ~10 calls vs before the first:
+# +1.4 and +3.4 MB measured; ~3 MB kept per call would trip it. The 1 MB per
+# session-hour target itself needs `benchmarks/soak.py --minutes 30` or more.
+GROSS_IDLE_GROWTH_MB = 30.0
 
 
 @pytest.mark.engines
@@ -50,6 +54,10 @@ def test_two_minute_soak_leaks_nothing(speech_clips: list[Clip], tmp_path: Path,
     assert result["calls"]["failed"] == 0, (result["failures"], report)
     log = result["server_log"]
     assert log["tracebacks"] - log["tracebacks_at_exit"] == 0, log["first_traceback"]
-    assert targets["memory_flat"], (result["rss_trend"], report)
+    # Over 2 minutes a least-squares slope is dominated by where the per-call peaks fall
+    # (one run: +289 MB/session-hour fitted while the idle tree grew 1.4 MB), so the gross
+    # check compares the idle process tree before the first call and after the last.
+    grown = result["final"]["tree_rss_mb"] - result["baseline"]["tree_rss_mb"]
+    assert grown < GROSS_IDLE_GROWTH_MB, (grown, result["rss_trend"], report)
     assert targets["excess_refused_clearly"], (result["overload"], report)
     assert targets["admitted_all_ok"], (result["overload"], report)
