@@ -32,7 +32,6 @@ import logging
 import os
 import random
 import sys
-import threading
 import time
 import types
 import wave
@@ -52,7 +51,7 @@ if "voicebot.engines" not in sys.modules:
     _pkg.__path__ = [str(ROOT / "voicebot" / "engines")]
     sys.modules["voicebot.engines"] = _pkg
 
-from llm_load import device_name, pct, summarise  # noqa: E402  (same folder)
+from llm_load import device_name, pct, run_with_deadline, summarise  # noqa: E402  (same folder)
 
 from voicebot.audio import ASR_RATE  # noqa: E402
 from voicebot.config import AsrConfig  # noqa: E402
@@ -349,15 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-    def hard_stop() -> None:
-        print(f"[gpu_asr] --max-wall-s {args.max_wall_s} reached: exiting", file=sys.stderr, flush=True)
-        os._exit(3)
-
-    timer = threading.Timer(args.max_wall_s, hard_stop)
-    timer.daemon = True
-    timer.start()
-    report = asyncio.run(amain(args))
-    timer.cancel()
+    report = run_with_deadline(amain(args), args.max_wall_s, "gpu_asr")
     print(f"\ndevice: {report['device']}  engine start: {report['engine_start_s']} s  weights: {report['weights']}")
     if "burst" in report:
         print(f"burst: {report['burst']}")

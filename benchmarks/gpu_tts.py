@@ -26,7 +26,6 @@ import logging
 import os
 import random
 import sys
-import threading
 import time
 import types
 from pathlib import Path
@@ -40,7 +39,7 @@ if "voicebot.engines" not in sys.modules:  # skip engines/__init__ (imports ASR/
     _pkg.__path__ = [str(ROOT / "voicebot" / "engines")]
     sys.modules["voicebot.engines"] = _pkg
 
-from llm_load import pct, summarise  # noqa: E402
+from llm_load import pct, run_with_deadline, summarise  # noqa: E402
 
 from voicebot.config import TtsConfig  # noqa: E402
 
@@ -221,15 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
-    def hard_stop() -> None:
-        print(f"[gpu_tts] --max-wall-s {args.max_wall_s} reached: exiting", file=sys.stderr, flush=True)
-        os._exit(3)
-
-    timer = threading.Timer(args.max_wall_s, hard_stop)
-    timer.daemon = True
-    timer.start()
-    report = asyncio.run(amain(args))
-    timer.cancel()
+    report = run_with_deadline(amain(args), args.max_wall_s, "gpu_tts")
     print(table(report))
     return 0
 

@@ -741,21 +741,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def run_with_deadline(coro: Any, max_wall_s: float, name: str) -> Any:
+    """asyncio.run(coro), but the process exits (code 3) after ``max_wall_s``: a device
+    call must end inside its limit even when vLLM hangs in a thread."""
+
+    def hard_stop() -> None:
+        print(f"[{name}] --max-wall-s {max_wall_s} reached: exiting", file=sys.stderr, flush=True)
+        os._exit(3)
+
+    timer = threading.Timer(max_wall_s, hard_stop)
+    timer.daemon = True
+    timer.start()
+    try:
+        return asyncio.run(coro)
+    finally:
+        timer.cancel()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-    def hard_stop() -> None:
-        print(f"[llm_load] --max-wall-s {args.max_wall_s} reached: exiting", file=sys.stderr, flush=True)
-        os._exit(3)
-
-    timer = threading.Timer(args.max_wall_s, hard_stop)
-    timer.daemon = True
-    timer.start()
-    report = asyncio.run(amain(args))
-    timer.cancel()
+    report = run_with_deadline(amain(args), args.max_wall_s, "llm_load")
     print()
     print(f"device: {report['device']}  versions: {report['versions']}  engine start: {report['engine_start_s']} s")
     print(f"workload: {report['workload']}")
