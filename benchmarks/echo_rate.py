@@ -1,0 +1,391 @@
+"""Reply quality (issue 12 §3): how often the bot echoes the caller instead of answering.
+
+    .venv/bin/python benchmarks/echo_rate.py --json artifacts/echo/pipeline.json
+    .venv/bin/python benchmarks/echo_rate.py --mode text --json artifacts/echo/text.json
+
+A fixed set of spoken questions and requests (``QUESTIONS``, synthesised once with the
+default Piper voice into ``--clips``) plus the real recordings in ``../shared/audio``
+(LibriVox read speech, goforward, jfk), grouped into calls of ``--turns-per-call`` turns.
+
+``--mode pipeline`` (default) measures what a caller gets: the real server on
+``--config`` (started here, or ``--url`` of one already running), each call a probe
+session over the native protocol that speaks its clips in real time and records the
+server's final transcript and the reply text (voicebot/probe). ``--mode text`` skips
+ASR and TTS: the LLM engine of ``--config`` answers the same turns through the
+session's own prompt building (``Conversation``), from the reference texts or from the
+transcripts of an earlier pipeline run (``--transcripts``); it is for quick iteration
+on prompts and sampling, and for TTFT with nothing else competing (``--concurrency 1``).
+
+Echo (per reply): the share of the reply's content words (lower-cased words minus a
+fixed list of function words, see ``STOPWORDS``; counted with repeats) that also occur
+among the content words of what the bot heard (the final transcript) is at least
+``ECHO_SHARE`` (70%). Why 70%: an answer to a short question that restates its topic
+brings about one word of its own for every two it reuses ("What is the capital of
+France?" -> "The capital of France is Paris.": 2 of 3 reused, 67%), while an echo,
+verbatim or rephrased ("You want to know what time we open on Sundays?": 3 of 3), brings
+none or almost none. The report gives the rate at 50/60/70/80% too, so the cut can be
+judged on the data. A reply with no content word at all ("Sure, I can.") is not an echo.
+
+Answered (per turn): a non-empty reply that is not an echo and brings at least one
+content word that the caller did not say ("Paris"). This is a proxy (no judge model is
+available offline): it counts a reply that says something beyond the question; it
+does not check that it is right.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+SHARED_AUDIO = ROOT.parent / "shared" / "audio"
+
+# What callers ask a voice agent: hours, bookings, orders, small talk, facts, one-word
+# answers. Order matters only for grouping into calls (3 turns each by default).
+QUESTIONS: tuple[str, ...] = (
+    "What time do you open on Sundays?",
+    "Can you spell your name?",
+    "How much does a large pizza cost?",
+    "I'd like to book a table for two tonight.",
+    "What's the weather going to be like tomorrow?",
+    "Can you tell me a joke?",
+    "How do I reset my password?",
+    "Where is the nearest train station?",
+    "What is the capital of France?",
+    "How many days are there in a leap year?",
+    "Can you help me change my delivery address?",
+    "I want to cancel my subscription.",
+    "What's your name?",
+    "Do you take credit cards?",
+    "How long does shipping usually take?",
+    "Is there parking near the store?",
+    "Can I speak to a real person?",
+    "What should I cook for dinner tonight?",
+    "How do you boil an egg?",
+    "Remind me to call my mother at six.",
+    "What's the difference between a cold and the flu?",
+    "Recommend a good book for a long flight.",
+    "How far is the moon from the earth?",
+    "Why is the sky blue?",
+    "Can you repeat that, please?",
+    "My order arrived damaged. What can I do?",
+    "Do you have any vegetarian options?",
+    "What is two plus two?",
+    "How do you say good morning in Spanish?",
+    "Yes.",
+    "No, thanks.",
+    "Tell me something interesting about octopuses.",
+    "How do I get to the airport from downtown?",
+    "Are you open on public holidays?",
+)
+
+# Function words and dialogue filler: reusing them says nothing about echoing.
+STOPWORDS = frozenset(
+    """a an the and or but if then so than that this these those there here it its it's
+    i i'm i'd i'll i've me my mine we we're we'll we've us our ours you you're you'd you'll
+    you've your yours he she they them their his her him what what's which who whom whose
+    when where why how is are was were be been being am do does did doing done have has
+    had having can could will would shall should may might must not no yes yeah okay ok
+    of to in on at by for with about from into over under up down out off as just also
+    too very really please thanks thank sure well oh hi hello hey like want wants need
+    know let let's get got go going tell say said ask asked any some all more most much
+    many one ones there's that's don't doesn't didn't can't won't isn't aren't""".split()
+)
+
+ECHO_SHARE = 0.7
+_WORD = re.compile(r"[a-z0-9]+(?:'[a-z]+)?")
+
+
+def content_words(text: str) -> list[str]:
+    """Lower-cased content words, plural/possessive 's' dropped ("Sundays" = "sunday")."""
+    words = []
+    for w in _WORD.findall(text.lower().replace("\u2019", "'")):
+        if w in STOPWORDS:
+            continue
+        w = w.removesuffix("'s")
+        if len(w) > 3 and w.endswith("s") and not w.endswith(("ss", "us", "is")):
+            w = w[:-1]
+        words.append(w)
+    return words
+
+
+def overlap(reply: str, heard: str) -> float | None:
+    """Share of the reply's content words found in what was heard; None: no content word."""
+    words = content_words(reply)
+    if not words:
+        return None
+    said = set(content_words(heard))
+    return sum(w in said for w in words) / len(words)
+
+
+def is_echo(reply: str, heard: str, share: float = ECHO_SHARE) -> bool:
+    o = overlap(reply, heard)
+    return o is not None and o >= share
+
+
+def is_answer(reply: str, heard: str) -> bool:
+    said = set(content_words(heard))
+    new = [w for w in content_words(reply) if w not in said]
+    return bool(reply.strip()) and not is_echo(reply, heard) and len(new) >= 1
+
+
+@dataclass
+class Turn:
+    call: int
+    turn: int
+    clip: str
+    reference: str
+    heard: str = ""  # the final transcript (pipeline) or the text given (text mode)
+    reply: str = ""
+    status: str = "ok"
+    overlap: float | None = None
+    echo: bool = False
+    answered: bool = False
+    ttft_ms: float | None = None
+    cached_prompt_tokens: int | None = None
+    prompt_tokens: int | None = None
+    voice_to_voice_ms: float | None = None
+    errors: list[str] = field(default_factory=list)
+
+    def judge(self) -> None:
+        self.overlap = overlap(self.reply, self.heard)
+        self.echo = is_echo(self.reply, self.heard)
+        self.answered = self.status == "ok" and is_answer(self.reply, self.heard)
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return round(values[min(len(values) - 1, int(q * len(values)))], 1)
+
+
+def summarise(turns: list[Turn]) -> dict[str, Any]:
+    n = len(turns)
+    replied = [t for t in turns if t.reply.strip()]
+    ttft = [t.ttft_ms for t in turns if t.ttft_ms is not None]
+    first_ttft = [t.ttft_ms for t in turns if t.ttft_ms is not None and t.turn == 0]
+    later_ttft = [t.ttft_ms for t in turns if t.ttft_ms is not None and t.turn > 0]
+    v2v = [t.voice_to_voice_ms for t in turns if t.voice_to_voice_ms is not None]
+    words = [len(t.reply.split()) for t in replied]
+    return {
+        "turns": n,
+        "replied": len(replied),
+        "echoes": sum(t.echo for t in turns),
+        "echo_rate": round(sum(t.echo for t in turns) / n, 3) if n else None,
+        "echo_rate_at": {
+            str(s): round(sum(is_echo(t.reply, t.heard, s) for t in turns) / n, 3) if n else None
+            for s in (0.5, 0.6, 0.7, 0.8)
+        },
+        "answered": sum(t.answered for t in turns),
+        "answer_rate": round(sum(t.answered for t in turns) / n, 3) if n else None,
+        "reply_words_p50": statistics.median(words) if words else None,
+        "ttft_ms_p50": _pct(ttft, 0.5),
+        "ttft_ms_p95": _pct(ttft, 0.95),
+        "ttft_ms_first_turn_p50": _pct(first_ttft, 0.5),
+        "ttft_ms_later_turns_p50": _pct(later_ttft, 0.5),
+        "voice_to_voice_ms_p50": _pct(v2v, 0.5),
+    }
+
+
+# ------------------------------------------------------------------- the turn set
+@dataclass(frozen=True)
+class Item:
+    clip: Path
+    reference: str
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "_", text.lower()).strip("_")[:40]
+
+
+def synthesise_questions(voice_dir: Path, out: Path) -> list[Item]:
+    """Each question as a WAV (Piper, the default voice), with 0.3 s of silence around
+    it; made once and reused (named after the text)."""
+    import numpy as np
+    import soundfile as sf
+
+    out.mkdir(parents=True, exist_ok=True)
+    items, voice = [], None
+    for i, text in enumerate(QUESTIONS):
+        path = out / f"q{i:02d}_{_slug(text)}.wav"
+        if not path.exists():
+            if voice is None:
+                from voicebot.engines.tts_piper import _load_voice, find_voice_files
+
+                voice = _load_voice(*find_voice_files(voice_dir))
+            rate = voice.config.sample_rate
+            audio = np.concatenate([c.audio_float_array for c in voice.synthesize(text)])
+            pad = np.zeros(int(0.3 * rate), dtype=np.float32)
+            sf.write(path, np.concatenate([pad, audio, pad]), rate, subtype="PCM_16")
+        items.append(Item(path, text))
+    return items
+
+
+def recorded_items(folder: Path = SHARED_AUDIO) -> list[Item]:
+    return [Item(w, w.with_suffix(".txt").read_text().strip()) for w in sorted(folder.glob("*.wav"))]
+
+
+def calls_of(items: list[Item], per_call: int) -> list[list[Item]]:
+    return [items[i : i + per_call] for i in range(0, len(items), per_call)]
+
+
+# --------------------------------------------------------------------- pipeline
+async def run_pipeline_call(url: str, index: int, items: list[Item], args: argparse.Namespace) -> list[Turn]:
+    from voicebot.probe.client import ProbeConfig, run_level
+    from voicebot.probe.clips import load_clip
+
+    clips = tuple(load_clip(str(it.clip), 16000) for it in items)
+    start = {"system_prompt": args.system_prompt} if args.system_prompt else {}
+    cfg = ProbeConfig(url=url, clips=clips, turns=len(clips), timeout_s=args.timeout_s, gap_s=0.5,
+                      start_fields=start)
+    records = await run_level(cfg, 1)
+    turns = []
+    for rec, it in zip(records, items, strict=True):
+        t = Turn(index, rec.turn, it.clip.name, it.reference, heard=rec.transcript, reply=rec.reply_text,
+                 status=rec.status, voice_to_voice_ms=rec.voice_to_voice_ms, errors=rec.errors)
+        t.ttft_ms = rec.timings.get("llm_ttft_ms")
+        t.cached_prompt_tokens = rec.timings.get("cached_prompt_tokens")
+        t.prompt_tokens = rec.timings.get("prompt_tokens")
+        turns.append(t)
+    return turns
+
+
+async def run_pipeline(calls: list[list[Item]], args: argparse.Namespace) -> list[Turn]:
+    url = args.url
+    server = None
+    if url is None:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        from serverproc import ServerProcess
+
+        server = ServerProcess(config=args.config, overrides=tuple(args.set),
+                               log_path=Path(args.json or "artifacts/echo/x").with_suffix(".server.log"))
+        await asyncio.to_thread(server.start)
+        url = server.ws + "/ws"
+    try:
+        gate = asyncio.Semaphore(args.concurrency)
+
+        async def one(i: int, items: list[Item]) -> list[Turn]:
+            async with gate:
+                print(f"call {i + 1}/{len(calls)}", file=sys.stderr, flush=True)
+                return await run_pipeline_call(url, i, items, args)
+
+        results = await asyncio.gather(*(one(i, c) for i, c in enumerate(calls)))
+    finally:
+        if server is not None:
+            await asyncio.to_thread(server.stop)
+    return [t for r in results for t in r]
+
+
+# ------------------------------------------------------------------------- text
+async def run_text(calls: list[list[tuple[Item, str]]], args: argparse.Namespace) -> list[Turn]:
+    """LLM only, through the session's prompt building; each call its own Conversation."""
+    from voicebot.config import load_config
+    from voicebot.engines import resolve_specs
+    from voicebot.engines.llm import GenerationStats, Lane
+    from voicebot.session.history import Conversation
+
+    cfg = load_config(args.config, list(args.set))
+    specs = await resolve_specs(cfg)
+    llm = specs.llm()
+    await llm.start()
+    prompt = args.system_prompt or cfg.session.system_prompt
+    try:
+        gate = asyncio.Semaphore(args.concurrency)
+
+        async def one(i: int, items: list[tuple[Item, str]]) -> list[Turn]:
+            async with gate:
+                conv = Conversation(llm.tokenizer, prompt, cfg.session.history_tokens, cfg.llm.max_tokens)
+                out = []
+                for k, (it, heard) in enumerate(items):
+                    conv.append("user", heard)
+                    st = GenerationStats(request_id="", lane=Lane.INTERACTIVE)
+                    text, ids = [], []
+                    async for d in llm.generate(conv.prompt_ids(), stats=st):
+                        text.append(d.text)
+                        ids.extend(d.token_ids)
+                    reply = "".join(text).strip()
+                    conv.append("assistant", reply, token_ids=ids)
+                    t = Turn(i, k, it.clip.name, it.reference, heard=heard, reply=reply)
+                    t.ttft_ms = None if st.ttft_s is None else round(1000 * st.ttft_s, 1)
+                    t.cached_prompt_tokens, t.prompt_tokens = st.cached_tokens, st.prompt_tokens
+                    out.append(t)
+                return out
+
+        if args.warm:  # the system prompt in the prefix cache, as on a server that took a call
+            async for _ in llm.generate(Conversation(llm.tokenizer, prompt, 4096, 8).prompt_ids("Hi."), max_tokens=1):
+                pass
+        results = await asyncio.gather(*(one(i, c) for i, c in enumerate(calls)))
+    finally:
+        await llm.aclose()
+    return [t for r in results for t in r]
+
+
+# ------------------------------------------------------------------------- main
+def print_report(summary: dict[str, Any], turns: list[Turn], show: int) -> None:
+    for t in turns[:show]:
+        mark = "ECHO" if t.echo else ("ok  " if t.answered else "--  ")
+        o = "  - " if t.overlap is None else f"{t.overlap:4.2f}"
+        print(f"{mark} {o}  {t.heard[:60]!r:64} -> {t.reply[:100]!r}")
+    print(json.dumps(summary, indent=2))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--mode", choices=("pipeline", "text"), default="pipeline")
+    p.add_argument("--config", default="configs/default.yaml")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
+    p.add_argument("--url", help="pipeline: ws://.../ws of a running server (default: start one)")
+    p.add_argument("--system-prompt", help="instead of the config's (pipeline: sent in session.start)")
+    p.add_argument("--turns-per-call", type=int, default=3)
+    p.add_argument("--concurrency", type=int, default=4, help="calls at once")
+    p.add_argument("--timeout-s", type=float, default=90.0)
+    p.add_argument("--clips", type=Path, default=ROOT / "artifacts" / "echo" / "clips")
+    p.add_argument("--transcripts", type=Path, help="text mode: the transcripts of this pipeline JSON")
+    p.add_argument("--warm", action="store_true", help="text mode: cache the system prompt before timing")
+    p.add_argument("--show", type=int, default=100, help="turns to print")
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+
+    from voicebot.config import load_config
+
+    cfg = load_config(args.config, list(args.set))
+    from voicebot.provision import resolve_model
+
+    voice = Path(resolve_model(cfg.tts.voice, cfg.models))
+    items = synthesise_questions(voice, args.clips) + recorded_items()
+    t0 = time.monotonic()
+    if args.mode == "pipeline":
+        turns = asyncio.run(run_pipeline(calls_of(items, args.turns_per_call), args))
+    else:
+        heard = {it.clip.name: it.reference for it in items}
+        if args.transcripts:
+            for t in json.loads(args.transcripts.read_text())["turns"]:
+                heard[t["clip"]] = t["heard"]
+        pairs = [(it, heard[it.clip.name]) for it in items]
+        turns = asyncio.run(run_text(calls_of(pairs, args.turns_per_call), args))  # type: ignore[arg-type]
+    for t in turns:
+        t.judge()
+    summary = summarise(turns)
+    summary["seconds"] = round(time.monotonic() - t0, 1)
+    print_report(summary, turns, args.show)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        config = {"mode": args.mode, "config": args.config, "set": args.set, "system_prompt": args.system_prompt
+                  or cfg.session.system_prompt, "temperature": cfg.llm.temperature, "top_p": cfg.llm.top_p,
+                  "turns_per_call": args.turns_per_call, "concurrency": args.concurrency}
+        args.json.write_text(json.dumps({"config": config, "summary": summary,
+                                         "turns": [asdict(t) for t in turns]}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
