@@ -1,5 +1,18 @@
+"""Turn detection: the silence rule and the semantic (Smart Turn) detector, with fakes."""
+
+from concurrent.futures import Future
+
+import numpy as np
+import pytest
+
 from voicebot.config import VadConfig
-from voicebot.session.turns import Signal, SilenceTurnDetector
+from voicebot.session.turns import (
+    SemanticTurnDetector,
+    Signal,
+    SilenceTurnDetector,
+    TurnDetector,
+    make_turn_detector,
+)
 
 W = 32.0  # ms per VAD window
 
@@ -63,3 +76,145 @@ def test_force_end_closes_an_open_turn() -> None:
     run(det, [0.9] * 5)
     assert det.force_end() == [Signal.PAUSE, Signal.END]
     assert det.force_end() == []
+
+
+# ------------------------------------------------------------ semantic end of turn
+SAMPLES = 512  # one 32 ms window at 16 kHz
+
+
+class FakeModel:
+    """Scripted end-of-turn model: answers from ``answers`` at once, or leaves the
+    future pending (``hold=True``) for the test to resolve."""
+
+    def __init__(self, *answers: float | Exception, hold: bool = False) -> None:
+        self.answers = list(answers)
+        self.hold = hold
+        self.seen: list[np.ndarray] = []
+        self.futures: list[Future[float]] = []
+
+    def submit(self, audio16k: np.ndarray) -> Future[float]:
+        self.seen.append(audio16k)
+        fut: Future[float] = Future()
+        self.futures.append(fut)
+        if not self.hold:
+            answer = self.answers.pop(0)
+            if isinstance(answer, Exception):
+                fut.set_exception(answer)
+            else:
+                fut.set_result(answer)
+        return fut
+
+
+def smart(**kw: object) -> VadConfig:
+    base: dict[str, object] = dict(
+        min_speech_ms=96, min_silence_ms=320, speculative_silence_ms=128, barge_in_min_ms=192,
+        turn_detector="smart_turn", smart_turn_check_ms=192, smart_turn_max_silence_ms=960,
+    )
+    base.update(kw)
+    return VadConfig(**base)  # type: ignore[arg-type]
+
+
+def feed_run(det: TurnDetector, probs: list[float], start: int = 0) -> list[tuple[int, Signal]]:
+    """Feed one window of audio (its sample indices as values) per probability."""
+    out = []
+    for i, p in enumerate(probs, start):
+        det.feed(np.arange(i * SAMPLES, (i + 1) * SAMPLES, dtype=np.float32))
+        out.extend((i, s) for s in det.update(p, W))
+    return out
+
+
+def test_confident_model_ends_the_turn_before_the_silence_rule() -> None:
+    model = FakeModel(0.9)
+    det = SemanticTurnDetector(smart(), model)
+    signals = feed_run(det, [0.9] * 10 + [0.05] * 12)
+    assert [s for _, s in signals] == [Signal.SPEECH_START, Signal.QUIET, Signal.PAUSE, Signal.END]
+    # Asked at 192 ms of silence (6 windows), answered at once: END there, not at 320 ms.
+    assert dict((s, i) for i, s in signals)[Signal.END] == 10 + 5
+    assert det.checks == 1 and not det.in_speech
+
+
+def test_unfinished_turn_is_held_open_up_to_the_cap() -> None:
+    det = SemanticTurnDetector(smart(), FakeModel(0.1))
+    signals = feed_run(det, [0.9] * 10 + [0.05] * 40)
+    # The silence rule would end it at 320 ms; the model's "not finished" holds it to 960 ms.
+    assert [s for _, s in signals] == [Signal.SPEECH_START, Signal.QUIET, Signal.PAUSE, Signal.END]
+    assert dict((s, i) for i, s in signals)[Signal.END] == 10 + 29  # 30 windows = 960 ms
+
+
+def test_speech_after_an_unfinished_pause_resumes_and_is_judged_again() -> None:
+    model = FakeModel(0.1, 0.8)
+    det = SemanticTurnDetector(smart(), model)
+    # 600 ms pause (> min_silence_ms, < cap): the same turn goes on; the second pause ends it.
+    signals = feed_run(det, [0.9] * 10 + [0.05] * 19 + [0.9] * 10 + [0.05] * 10)
+    kinds = [s for _, s in signals]
+    assert kinds == [Signal.SPEECH_START, Signal.QUIET, Signal.PAUSE, Signal.RESUME,
+                     Signal.QUIET, Signal.PAUSE, Signal.END]
+    assert det.checks == 2
+    # The second check hears the whole turn so far, pause included.
+    assert model.seen[1].size > model.seen[0].size + 25 * SAMPLES
+
+
+def test_turn_waits_for_a_slow_verdict_and_ends_when_it_comes() -> None:
+    model = FakeModel(hold=True)
+    det = SemanticTurnDetector(smart(), model)
+    signals = feed_run(det, [0.9] * 10 + [0.05] * 14)
+    assert [s for _, s in signals] == [Signal.SPEECH_START, Signal.QUIET, Signal.PAUSE]
+    model.futures[0].set_result(0.7)
+    assert det.update(0.05, W) == [Signal.END]
+
+
+def test_a_verdict_that_never_comes_ends_at_the_cap() -> None:
+    det = SemanticTurnDetector(smart(), FakeModel(hold=True))
+    signals = feed_run(det, [0.9] * 10 + [0.05] * 40)
+    assert dict((s, i) for i, s in signals)[Signal.END] == 10 + 29
+
+
+def test_resume_cancels_a_pending_verdict() -> None:
+    model = FakeModel(hold=True)
+    det = SemanticTurnDetector(smart(), model)
+    feed_run(det, [0.9] * 10 + [0.05] * 7 + [0.9])
+    assert model.futures[0].cancelled()
+    model.futures[0] = Future()  # a late answer of the old pause must not end the turn
+    assert det.verdict is None and det.in_speech
+
+
+def test_a_failing_model_falls_back_to_silence() -> None:
+    det = SemanticTurnDetector(smart(), FakeModel(RuntimeError("onnx broke")))
+    signals = feed_run(det, [0.9] * 10 + [0.05] * 12)
+    assert dict((s, i) for i, s in signals)[Signal.END] == 10 + 9  # min_silence_ms, as VAD only
+
+
+def test_silence_mode_never_asks_the_model() -> None:
+    model = FakeModel()
+    det = SemanticTurnDetector(smart(turn_detector="silence"), model)
+    signals = feed_run(det, [0.9] * 10 + [0.05] * 12)
+    assert dict((s, i) for i, s in signals)[Signal.END] == 10 + 9
+    assert model.seen == []
+
+
+def test_model_hears_the_turn_from_half_a_second_before_onset_and_at_most_8_s() -> None:
+    model = FakeModel(0.9, 0.9)
+    det = SemanticTurnDetector(smart(), model)
+    # 1 s of silence, 1 s of speech, then the pause: onset detected at window 31+2.
+    feed_run(det, [0.05] * 31 + [0.9] * 31 + [0.05] * 6)
+    audio = model.seen[0]
+    onset = 31 * SAMPLES
+    assert audio[0] == onset - 8000  # 500 ms of pre-speech
+    assert audio[-1] == 68 * SAMPLES - 1  # up to the latest sample fed
+    # A turn of 10 s: only its last 8 s.
+    det.reset()
+    feed_run(det, [0.9] * 320 + [0.05] * 6)
+    assert model.seen[1].size == 8 * 16000 and model.seen[1][-1] == 326 * SAMPLES - 1
+
+
+def test_factory_picks_semantic_only_with_a_model() -> None:
+    assert isinstance(make_turn_detector(smart(), None), SilenceTurnDetector)
+    assert not isinstance(make_turn_detector(smart(), None), SemanticTurnDetector)
+    assert isinstance(make_turn_detector(smart(), FakeModel()), SemanticTurnDetector)
+
+
+def test_check_must_come_before_the_cap() -> None:
+    import pydantic
+
+    with pytest.raises(pydantic.ValidationError, match="smart_turn_check_ms"):
+        smart(smart_turn_check_ms=960)

@@ -119,6 +119,18 @@ class VadConfig(_Section):
     speculative_silence_ms: int = Field(160, ge=0, le=10_000, description="Silence after which the reply is prepared speculatively.")
     barge_in_min_ms: int = Field(200, ge=0, le=5000, description="Speech over the reply needed to interrupt it.")
     prefix_padding_ms: int = Field(300, ge=0, le=5000, description="Audio kept from before speech onset.")
+    # End of turn by meaning as well as silence (voicebot/session/turns.py, docs/benchmarks.md).
+    turn_detector: Literal["silence", "smart_turn"] = Field("silence", description="'silence': the turn ends after min_silence_ms of silence; 'smart_turn': at each pause the Smart Turn model hears whether the turn sounds finished: the turn ends at once if so, else after up to smart_turn_max_silence_ms.")
+    smart_turn_model: str = Field("bundle:smart-turn-v3.2", description="Smart Turn v3 ONNX model: a directory holding smart-turn-v3.2-cpu.onnx, the file itself, or bundle:NAME.")
+    smart_turn_threshold: float = Field(0.5, ge=0.01, le=0.99, description="Probability of 'finished' at or above which the turn ends at the pause (0.5 as Pipecat).")
+    smart_turn_check_ms: int = Field(192, ge=32, le=5000, description="Silence before the model is asked (it was trained on turns ending in ~200 ms of silence).")
+    smart_turn_max_silence_ms: int = Field(1500, ge=100, le=10_000, description="Silence that ends the turn even when the model hears it unfinished.")
+
+    @model_validator(mode="after")
+    def _smart_turn_order(self) -> VadConfig:
+        if self.smart_turn_check_ms >= self.smart_turn_max_silence_ms:
+            raise ValueError("vad.smart_turn_check_ms must be less than vad.smart_turn_max_silence_ms")
+        return self
 
 
 class SessionConfig(_Section):

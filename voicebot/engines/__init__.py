@@ -11,6 +11,7 @@ from voicebot.config import Config
 from voicebot.engines.asr import AsrEngine
 from voicebot.engines.health import EngineHealth
 from voicebot.engines.llm import LlmEngine
+from voicebot.engines.smart_turn import SmartTurn, load_smart_turn
 from voicebot.engines.startup import reap_children, start_all
 from voicebot.engines.tts import TtsEngine, create_tts
 from voicebot.engines.vad import SileroVad
@@ -52,6 +53,8 @@ class Engines:
     vad: SileroVad
     # None when the engines were built by hand (tests): then they cannot be restarted.
     specs: EngineSpecs | None = None
+    # The end-of-turn model (vad.turn_detector: smart_turn), else None.
+    turn_model: SmartTurn | None = None
     # Kept current by the supervisor (voicebot/engines/supervisor.py).
     health: dict[str, EngineHealth] = field(default_factory=lambda: {n: EngineHealth(n) for n in ENGINE_NAMES})
 
@@ -66,6 +69,8 @@ class Engines:
             self.asr.aclose(), self.tts.aclose(), self.llm.aclose(), return_exceptions=True
         )
         await reap_children()
+        if self.turn_model is not None:
+            self.turn_model.close()
         for r in results:
             if isinstance(r, BaseException):
                 raise r
@@ -91,5 +96,10 @@ async def load_engines(cfg: Config) -> Engines:
     asr, llm, tts = specs.asr(), specs.llm(), specs.tts()
     # The LLM takes longest to start (engine-core process); load the rest meanwhile.
     await start_all({"llm": llm, "asr": asr, "tts": tts})
+    try:
+        turn_model = await load_smart_turn(cfg)
+    except BaseException:
+        await Engines(cfg, asr, llm, tts, SileroVad()).aclose()  # all or nothing
+        raise
     log.info("engines ready: asr=%s llm=%s tts=%s", specs.asr_path, specs.llm_path, cfg.tts.engine)
-    return Engines(cfg, asr, llm, tts, SileroVad(), specs=specs)
+    return Engines(cfg, asr, llm, tts, SileroVad(), specs=specs, turn_model=turn_model)

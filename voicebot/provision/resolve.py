@@ -68,5 +68,7 @@ def bundle_names_for(config: Config) -> list[str]:
     refs = [config.asr.model, config.llm.model, config.llm.tokenizer]
     if config.tts.engine == "piper":
         refs.append(config.tts.voice)
+    if config.vad.turn_detector == "smart_turn":
+        refs.append(config.vad.smart_turn_model)
     names = [r.removeprefix(BUNDLE_PREFIX) for r in refs if r and r.startswith(BUNDLE_PREFIX)]
     return list(dict.fromkeys(names))

@@ -54,7 +54,7 @@ from voicebot.session.outbox import Outbox
 from voicebot.session.playout import Playout
 from voicebot.session.response import Response
 from voicebot.session.settings import SessionSettings
-from voicebot.session.turns import Signal, SilenceTurnDetector
+from voicebot.session.turns import Signal, make_turn_detector
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ class Session:
         self._out: Outbox[SessionEvent] = Outbox(cfg.session.out_queue_frames)
         self._vad = engines.vad.stream()
         self._asr = engines.asr.stream(language=self.settings.language)
-        self._turns = SilenceTurnDetector(self.settings.vad)
+        self._turns = make_turn_detector(self.settings.vad, engines.turn_model)
         self._resamplers: dict[int, Resampler] = {}
         # Input waiting to be processed: audio slices and, in order with them, the
         # commits/clears that came after them. Bounded by max_input_backlog_s.
@@ -353,6 +353,7 @@ class Session:
             self._asr.push(audio)  # the client decides when the turn ends
             return
         self._remember(audio)
+        self._turns.feed(audio)  # a semantic detector hears the turn's audio at pauses
         pushed = False
         bot_speaking = self._response is not None and self._response.released.is_set()
         for i, prob in enumerate(self._vad.process(audio)):

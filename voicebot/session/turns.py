@@ -1,4 +1,4 @@
-"""End-of-turn and barge-in decisions from VAD probabilities.
+"""End-of-turn and barge-in decisions from VAD probabilities (and, optionally, meaning).
 
 A plain synchronous state machine fed one VAD window at a time, so it can be tested
 without audio or clocks. It speaks in signals; the session decides what they mean.
@@ -10,18 +10,39 @@ without audio or clocks. It speaks in signals; the session decides what they mea
     PAUSE           ``speculative_silence_ms`` of silence after speech: a good moment to
                     start preparing the reply before the turn is certain to be over
     RESUME          speech came back after PAUSE, before END: drop the speculation
-    END             ``min_silence_ms`` of silence: the user's turn is over
+    END             the user's turn is over
 
-:class:`TurnDetector` is the interface; :class:`SilenceTurnDetector` is the VAD-silence
-policy. A smarter detector (a semantic end-of-turn model) can replace it.
+:class:`TurnDetector` is the interface. :class:`SilenceTurnDetector` ends the turn after
+``min_silence_ms`` of silence. :class:`SemanticTurnDetector` also hears *what* was said:
+at ``smart_turn_check_ms`` of silence it asks an end-of-turn model (Smart Turn v3,
+:mod:`voicebot.engines.smart_turn`) whether the turn sounds finished, on its own thread;
+the turn ends as soon as the answer is yes, and only after
+``smart_turn_max_silence_ms`` when it is no. A caller reading out a list with pauses
+between items is then not cut off at each pause, and one who has clearly finished
+is answered sooner than the silence rule allows. The session is unchanged by the
+choice: PAUSE still starts the speculative reply, which END releases.
 """
 
 from __future__ import annotations
 
 import enum
+import logging
+from collections import deque
+from concurrent.futures import Future
 from typing import Protocol
 
+import numpy as np
+
+from voicebot.audio import ASR_RATE
 from voicebot.config import VadConfig
+
+log = logging.getLogger(__name__)
+
+# Audio before the detected onset that the end-of-turn model also hears: speech starts
+# before the VAD is sure of it (Pipecat feeds Smart Turn 500 ms of it too).
+PRE_SPEECH_MS = 500
+# The model reads the last 8 s of a turn.
+MODEL_WINDOW_S = 8
 
 
 class Signal(enum.Enum):
@@ -33,12 +54,27 @@ class Signal(enum.Enum):
 
 
 class TurnDetector(Protocol):
+    cfg: VadConfig
     in_speech: bool
+    paused: bool
     speech_end_ms: float | None
 
-    def update(self, prob: float, window_ms: float, bot_speaking: bool) -> list[Signal]: ...
+    def feed(self, audio16k: np.ndarray) -> None:
+        """The audio the next windows' probabilities are computed from (16 kHz)."""
+
+    def update(self, prob: float, window_ms: float, bot_speaking: bool = False) -> list[Signal]: ...
+
+    def force_end(self) -> list[Signal]: ...
 
     def reset(self) -> None: ...
+
+
+class EndOfTurnModel(Protocol):
+    """What :class:`SemanticTurnDetector` needs of a model (a fake in unit tests)."""
+
+    def submit(self, audio16k: np.ndarray) -> Future[float]:
+        """P(the turn is finished) for a turn's audio ending now, computed off the caller's thread."""
+        ...
 
 
 class SilenceTurnDetector:
@@ -53,6 +89,10 @@ class SilenceTurnDetector:
         self._silence_run = 0.0  # ms of consecutive silence inside a turn
         self.clock_ms = 0.0  # audio time seen so far
         self.speech_end_ms: float | None = None  # audio time the last speech window ended
+        self.turn_start_ms: float | None = None  # audio time the open turn's speech began
+
+    def feed(self, audio16k: np.ndarray) -> None:
+        """Silence alone decides: the audio itself is not needed."""
 
     def update(self, prob: float, window_ms: float, bot_speaking: bool = False) -> list[Signal]:
         self.clock_ms += window_ms
@@ -68,10 +108,13 @@ class SilenceTurnDetector:
                 needed = self.cfg.barge_in_min_ms if bot_speaking else self.cfg.min_speech_ms
                 if self._speech_run >= needed:
                     self.in_speech = True
+                    self.turn_start_ms = self.clock_ms - self._speech_run
                     out.append(Signal.SPEECH_START)
-            elif self.paused:
-                self.paused = False
-                out.append(Signal.RESUME)
+            else:
+                self._speaking_again()
+                if self.paused:
+                    self.paused = False
+                    out.append(Signal.RESUME)
             return out
 
         self._speech_run = 0.0
@@ -83,19 +126,110 @@ class SilenceTurnDetector:
         if not self.paused and self._silence_run >= self.cfg.speculative_silence_ms:
             self.paused = True
             out.append(Signal.PAUSE)
-        if self._silence_run >= self.cfg.min_silence_ms:
-            self.in_speech = False
-            self.paused = False
-            self._silence_run = 0.0
+        if self._turn_over(self._silence_run):
+            self._close_turn()
             out.append(Signal.END)
         return out
+
+    def _turn_over(self, silence_ms: float) -> bool:
+        """Is ``silence_ms`` of silence after speech the end of the turn?"""
+        return silence_ms >= self.cfg.min_silence_ms
+
+    def _speaking_again(self) -> None:
+        """Speech inside an open turn: any pause so far was not its end."""
+
+    def _close_turn(self) -> None:
+        self.in_speech = False
+        self.paused = False
+        self._silence_run = 0.0
+        self._speaking_again()
 
     def force_end(self) -> list[Signal]:
         """End an over-long turn (``session.max_turn_s``)."""
         if not self.in_speech:
             return []
         out = [] if self.paused else [Signal.PAUSE]
-        self.in_speech = False
-        self.paused = False
+        self._close_turn()
         self.speech_end_ms = self.clock_ms
         return [*out, Signal.END]
+
+
+class SemanticTurnDetector(SilenceTurnDetector):
+    """Silence plus an end-of-turn model; follows ``cfg.turn_detector`` at every pause,
+    so a session may switch between 'silence' and 'smart_turn' mid-call."""
+
+    def __init__(self, cfg: VadConfig, model: EndOfTurnModel) -> None:
+        self.model = model
+        self._audio: deque[np.ndarray] = deque()
+        super().__init__(cfg)
+
+    def reset(self) -> None:
+        super().reset()
+        self._audio.clear()
+        self._audio_samples = 0  # in the deque
+        self._fed = 0  # samples fed since reset: the same time axis as clock_ms
+        self._pending: Future[float] | None = None  # asked at this pause, no answer yet
+        self.verdict: float | None = None  # the model's answer for this pause
+        self._failed = False  # the model failed at this pause: silence decides
+        self.checks = 0  # model calls since reset (for tests and logs)
+
+    def feed(self, audio16k: np.ndarray) -> None:
+        audio = np.asarray(audio16k, dtype=np.float32).reshape(-1)
+        if audio.size == 0:
+            return
+        self._audio.append(audio)
+        self._audio_samples += audio.size
+        self._fed += audio.size
+        # The model reads 8 s at most: keep that plus the pre-speech margin.
+        keep = (MODEL_WINDOW_S * 1000 + PRE_SPEECH_MS) * ASR_RATE // 1000
+        while self._audio_samples - self._audio[0].size >= keep:
+            self._audio_samples -= self._audio.popleft().size
+
+    def _turn_audio(self) -> np.ndarray:
+        """The open turn from shortly before its onset to now (the last 8 s of it)."""
+        if not self._audio or self.turn_start_ms is None:
+            return np.zeros(0, dtype=np.float32)
+        start = int((self.turn_start_ms - PRE_SPEECH_MS) * ASR_RATE / 1000)
+        first = self._fed - self._audio_samples  # sample index of the deque's head
+        audio = np.concatenate(self._audio)[max(0, start - first) :]
+        return audio[-MODEL_WINDOW_S * ASR_RATE :]
+
+    def _turn_over(self, silence_ms: float) -> bool:
+        cfg = self.cfg
+        if cfg.turn_detector != "smart_turn" or self._failed:
+            return super()._turn_over(silence_ms)
+        if silence_ms >= cfg.smart_turn_max_silence_ms:
+            return True
+        if self.verdict is None and self._pending is None and silence_ms >= cfg.smart_turn_check_ms:
+            audio = self._turn_audio()
+            if audio.size == 0:  # nothing to judge (no audio was fed): silence decides
+                self._failed = True
+                return super()._turn_over(silence_ms)
+            self.checks += 1
+            self._pending = self.model.submit(audio)
+        if self._pending is not None and self._pending.done():
+            pending, self._pending = self._pending, None
+            try:
+                self.verdict = pending.result()
+            except Exception as exc:  # a broken model must not hold the turn open
+                log.warning("end-of-turn model failed, silence decides this pause: %s", exc)
+                self._failed = True
+                return super()._turn_over(silence_ms)
+        return self.verdict is not None and self.verdict >= cfg.smart_turn_threshold
+
+    def _speaking_again(self) -> None:
+        if self._pending is not None:
+            self._pending.cancel()  # not started yet: never run; running: result ignored
+            self._pending = None
+        self.verdict = None
+        self._failed = False
+
+
+def make_turn_detector(cfg: VadConfig, model: EndOfTurnModel | None) -> TurnDetector:
+    """The session's detector: semantic when the server loaded an end-of-turn model
+    (``vad.turn_detector: smart_turn`` at start-up), else silence only."""
+    if model is None:
+        if cfg.turn_detector == "smart_turn":
+            log.warning("vad.turn_detector is smart_turn but no end-of-turn model is loaded: silence decides")
+        return SilenceTurnDetector(cfg)
+    return SemanticTurnDetector(cfg, model)
