@@ -74,6 +74,10 @@ class FakeSession:
         self.conversation = self
         self.calls: list[tuple[Any, ...]] = []
         self.response_running = False
+        self.input_ms = 0.0
+        self.budget_tokens = 1024
+
+    token_count = 100
 
     def push_audio(self, audio: bytes, sample_rate: int) -> None:
         self.calls.append(("push", len(audio), sample_rate))
@@ -152,8 +156,9 @@ def test_flat_beta_fields_switch_to_beta_names() -> None:
     send(tr, type="input_audio_buffer.append", audio=base64.b64encode(bytes(800)).decode())
     assert fake.calls[-1] == ("push", 1600, 8000)  # μ-law decoded to PCM16 at 8 kHz
     out = tr.session_event(se.ResponseStarted("resp_1", "item_a1"))
-    assert [e["type"] for e in out] == ["response.created", "response.output_item.added",
+    assert [e["type"] for e in out] == ["response.created", "rate_limits.updated", "response.output_item.added",
                                         "conversation.item.created", "response.content_part.added"]
+    assert out[1]["rate_limits"] == [{"name": "tokens", "limit": 1024, "remaining": 924, "reset_seconds": 0.0}]
     out = tr.session_event(se.ResponseTextDelta("resp_1", "item_a1", "Hi"))
     assert out[0]["type"] == "response.audio_transcript.delta"
 
@@ -213,6 +218,116 @@ def test_max_tokens_reply_is_incomplete_and_client_events_answer() -> None:
     assert send(tr, type="conversation.item.delete", item_id="item_t1")[0]["type"] == "conversation.item.deleted"
     err = send(tr, type="response.cancel", event_id="c1")[0]
     assert err["error"]["code"] == "response_cancel_not_active" and err["error"]["event_id"] == "c1"
+
+
+# ------------------------------------------------- what third-party clients rely on
+def test_item_retrieve_answers_retrieved_and_a_missing_item_in_openais_shape() -> None:
+    # The Agents SDK retrieves the current item after every transcription and truncation.
+    tr, _ = make()
+    tr.session_event(se.SpeechStarted(900, "item_u1"))
+    tr.session_event(se.SpeechStopped(2500, "item_u1"))
+    tr.session_event(se.TranscriptFinal("item_u1", "hello there"))
+    tr.session_event(se.ResponseStarted("resp_1", "item_a1"))
+    tr.session_event(se.ResponseTextDelta("resp_1", "item_a1", "Ahoy"))
+    tr.session_event(se.ResponseDone("resp_1", "item_a1", "completed", "Ahoy", "Ahoy", 0))
+    (got,) = send(tr, type="conversation.item.retrieve", item_id="item_u1", event_id="r1")
+    assert got["type"] == "conversation.item.retrieved", got
+    assert got["item"]["id"] == "item_u1" and got["item"]["role"] == "user"
+    assert got["item"]["content"] == [{"type": "input_audio", "transcript": "hello there"}]
+    (got,) = send(tr, type="conversation.item.retrieve", item_id="item_a1")
+    assert got["item"]["content"] == [{"type": "output_audio", "transcript": "Ahoy"}], got
+    (err,) = send(tr, type="conversation.item.retrieve", item_id="nope", event_id="r2")
+    assert err["error"] == {"type": "invalid_request_error", "code": "item_retrieve_invalid_item_id",
+                            "message": "Error retrieving item: the item with id 'nope' does not exist.",
+                            "param": None, "event_id": "r2"}
+    # A deleted item is gone for retrieve too.
+    send(tr, type="conversation.item.create", item={"type": "message", "role": "user",
+                                                    "content": [{"type": "input_text", "text": "Hi"}]})
+    send(tr, type="conversation.item.delete", item_id="item_t1")
+    (err,) = send(tr, type="conversation.item.retrieve", item_id="item_t1")
+    assert err["error"]["code"] == "item_retrieve_invalid_item_id"
+
+
+def test_response_metadata_is_echoed_in_created_and_done() -> None:
+    # LiveKit's generate_reply waits for metadata.client_event_id in response.created.
+    tr, _ = make()
+    meta = {"client_event_id": "response_create_abc"}
+    assert send(tr, type="response.create", event_id="response_create_abc", response={"metadata": meta}) == []
+    out = tr.session_event(se.ResponseStarted("resp_1", "item_a1"))
+    assert out[0]["type"] == "response.created" and out[0]["response"]["metadata"] == meta, out[0]
+    out = tr.session_event(se.ResponseDone("resp_1", "item_a1", "completed", "x", "x", 0))
+    assert out[-1]["type"] == "response.done" and out[-1]["response"]["metadata"] == meta
+    # A reply the client did not ask for (server VAD) has none.
+    out = tr.session_event(se.ResponseStarted("resp_2", "item_a2"))
+    assert out[0]["response"]["metadata"] is None
+
+
+def test_cancel_with_nothing_active_answers_openais_text() -> None:
+    # LiveKit cancels on every speech_started and ignores errors starting "Cancellation failed".
+    tr, _ = make()
+    (err,) = send(tr, type="response.cancel", event_id="c1")
+    assert err["error"] == {"type": "invalid_request_error", "code": "response_cancel_not_active",
+                            "message": "Cancellation failed: no active response found",
+                            "param": None, "event_id": "c1"}
+
+
+# Valid GA client events as real clients send them (fields we do not implement included):
+# none may get an error (Pipecat closes its session on any error event).
+VALID_GA_EVENTS: list[dict[str, Any]] = [
+    {"type": "session.update", "session": {  # the Agents SDK's defaults, then its tracing update
+        "type": "realtime", "model": "gpt-realtime", "output_modalities": ["audio"],
+        "audio": {"input": {"format": {"type": "audio/pcm", "rate": 24000},
+                            "transcription": {"model": "gpt-4o-mini-transcribe"},
+                            "turn_detection": {"type": "semantic_vad", "interrupt_response": True}},
+                  "output": {"format": {"type": "audio/pcm", "rate": 24000}, "voice": "ash"}},
+        "tools": [], "instructions": "Be brief."}},
+    {"type": "session.update", "session": {"type": "realtime", "model": "gpt-realtime", "tracing": "auto"}},
+    {"type": "session.update", "session": {  # LiveKit's
+        "type": "realtime", "model": "gpt-realtime", "output_modalities": ["audio"],
+        "audio": {"input": {"format": {"type": "audio/pcm", "rate": 24000},
+                            "noise_reduction": {"type": "near_field"},
+                            "transcription": {"model": "gpt-4o-mini-transcribe", "language": "en",
+                                              "prompt": ""},
+                            "turn_detection": {"type": "semantic_vad", "eagerness": "medium",
+                                               "create_response": True, "interrupt_response": True}},
+                  "output": {"format": {"type": "audio/pcm", "rate": 24000}, "speed": 1.0,
+                             "voice": "marin"}},
+        "max_output_tokens": "inf", "tool_choice": "auto", "tracing": None,
+        "truncation": {"type": "retention_ratio", "retention_ratio": 0.8}, "prompt": None,
+        "include": ["item.input_audio_transcription.logprobs"]}},
+    {"type": "session.update", "session": {"type": "realtime", "audio": {"input": {"turn_detection": {
+        "type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300, "silence_duration_ms": 500,
+        "idle_timeout_ms": 6000, "create_response": True, "interrupt_response": True}}}}},
+    {"type": "conversation.item.create", "previous_item_id": "root", "item": {
+        "id": "item_lk_1", "type": "message", "role": "system", "status": "completed",
+        "content": [{"type": "input_text", "text": "Speak English."}]}},
+    {"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [
+        {"type": "input_text", "text": "What is in this picture?"},
+        {"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo=", "detail": "auto"}]}},
+    {"type": "conversation.item.create", "item": {"type": "message", "role": "assistant", "content": [
+        {"type": "output_text", "text": "Hello."}]}},
+    {"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [
+        {"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo="}]}},  # LiveKit's video
+    {"type": "conversation.item.retrieve", "item_id": "item_seed"},
+    {"type": "output_audio_buffer.clear"},
+    {"type": "input_audio_buffer.clear"},
+    {"type": "response.create", "response": {
+        "conversation": "auto", "output_modalities": ["audio"], "instructions": "Say hi.",
+        "metadata": {"client_event_id": "e1"}, "max_output_tokens": "inf", "tool_choice": "auto",
+        "audio": {"output": {"format": {"type": "audio/pcm", "rate": 24000}, "voice": "marin"}}}},
+    {"type": "response.cancel"},
+    {"type": "response.cancel", "response_id": "resp_gone"},
+]
+
+
+@pytest.mark.parametrize("event", VALID_GA_EVENTS, ids=lambda e: str(e["type"]))
+def test_valid_ga_events_never_get_an_error(event: dict[str, Any]) -> None:
+    tr, fake = make()
+    fake.response_running = True  # so a cancel has something to cancel
+    send(tr, type="conversation.item.create", item={"id": "item_seed", "type": "message", "role": "user",
+                                                    "content": [{"type": "input_text", "text": "Hi"}]})
+    out = send(tr, **event)
+    assert not [e for e in out if e["type"] == "error"], out
 
 
 # ---------------------------------------------------------------- live server

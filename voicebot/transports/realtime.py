@@ -38,6 +38,7 @@ _KEY_PROTOCOL = "openai-insecure-api-key."
 _BETA_PROTOCOL = "openai-beta.realtime-v1"
 # An oversized message is not parsed; its event_id is looked for in its two ends only.
 _EVENT_ID = re.compile(r'"event_id"\s*:\s*"([^"\\]{1,512})"')
+_IDLE_POLL_S = 0.2  # idle_timeout_ms resolution
 
 
 def routes(state: ServerState) -> list[BaseRoute]:
@@ -70,8 +71,11 @@ def endpoint(state: ServerState):  # type: ignore[no-untyped-def]
             async with state.open_session("realtime", client=client) as session:
                 model = ws.query_params.get("model") or state.cfg.llm.model
                 server = state.cfg.server
+                # GA transcription sessions connect with ?intent=transcription.
+                transcription = ws.query_params.get("intent") == "transcription"
                 translator = RealtimeTranslator(session, session_id=session.id, model=model, beta=beta,
-                                                voices=_voices(state), audio_gate=edge.AudioGate.from_config(server))
+                                                voices=_voices(state), audio_gate=edge.AudioGate.from_config(server),
+                                                transcription_only=transcription)
                 await _run(ws, session, translator, state)
         except WebSocketDisconnect:
             return
@@ -136,7 +140,18 @@ async def _run(ws: WebSocket, session: Session, tr: RealtimeTranslator, state: S
             if isinstance(event, se.ErrorEvent) and event.fatal:
                 return
 
+    async def idle() -> None:
+        # turn_detection.idle_timeout_ms: the translator keeps the deadline; this task
+        # only wakes it. A short poll, since a reply or speech moves the deadline.
+        while True:
+            due = tr.idle_due_in()
+            await asyncio.sleep(_IDLE_POLL_S if due is None else min(due, _IDLE_POLL_S))
+            if due is not None:
+                async with lock:
+                    await send(tr.idle_check())
+
     await send(tr.opening())
-    await run_until_first_ends(session, {"rt-reader": reader(), "rt-writer": writer()}, reason="client closed")
+    await run_until_first_ends(session, {"rt-reader": reader(), "rt-writer": writer(), "rt-idle": idle()},
+                               reason="client closed")
     # The session's reason picks the close code: 1001 at shutdown, 1011 for a dead engine.
     await close_quietly(ws, edge.close_code(session.closed_reason or ""))

@@ -60,6 +60,9 @@ class FormatIn(BaseModel):
     rate: int | None = None
 
 
+Eagerness = Literal["low", "medium", "high", "auto"]
+
+
 class TurnDetectionIn(BaseModel):
     model_config = _LENIENT
     type: Literal["server_vad", "semantic_vad"] = "server_vad"
@@ -68,6 +71,9 @@ class TurnDetectionIn(BaseModel):
     silence_duration_ms: int | None = Field(None, ge=0, le=10_000)
     create_response: bool | None = None
     interrupt_response: bool | None = None
+    eagerness: Eagerness | None = None  # semantic_vad
+    # server_vad: reply on its own after this long without speech (null: never).
+    idle_timeout_ms: int | None = Field(None, ge=0, le=3_600_000)
 
 
 class AudioInputIn(BaseModel):
@@ -75,6 +81,7 @@ class AudioInputIn(BaseModel):
     format: FormatIn | None = None
     turn_detection: TurnDetectionIn | None = None
     transcription: dict[str, Any] | None = None
+    noise_reduction: dict[str, Any] | None = None  # accepted and echoed; no denoiser runs
 
 
 class AudioOutputIn(BaseModel):
@@ -94,7 +101,8 @@ class SessionIn(BaseModel):
     """GA fields and the beta's flat ones; ``model_fields_set`` tells absent from null."""
 
     model_config = _LENIENT
-    type: Literal["realtime"] | None = None
+    # "transcription": ASR only (transcription events, never a reply).
+    type: Literal["realtime", "transcription"] | None = None
     instructions: str | None = Field(None, max_length=20_000)
     output_modalities: list[Literal["text", "audio"]] | None = None
     audio: AudioIn | None = None
@@ -105,6 +113,7 @@ class SessionIn(BaseModel):
     output_audio_format: str | None = None
     turn_detection: TurnDetectionIn | None = None
     input_audio_transcription: dict[str, Any] | None = None
+    input_audio_noise_reduction: dict[str, Any] | None = None
     voice: str | dict[str, Any] | None = None
     speed: float | None = Field(None, ge=0.25, le=4.0)
     max_response_output_tokens: int | Literal["inf"] | None = None
@@ -167,6 +176,17 @@ class ItemDelete(_ClientEvent):
     item_id: str
 
 
+class ItemRetrieve(_ClientEvent):
+    type: Literal["conversation.item.retrieve"]
+    item_id: str
+
+
+class OutputAudioClear(_ClientEvent):
+    """WebRTC/SIP in OpenAI's docs; accepted on the WebSocket too (see docs/realtime.md)."""
+
+    type: Literal["output_audio_buffer.clear"]
+
+
 class ResponseCreate(_ClientEvent):
     type: Literal["response.create"]
     response: dict[str, Any] | None = None  # per-response overrides: accepted, not applied
@@ -179,14 +199,14 @@ class ResponseCancel(_ClientEvent):
 
 ClientEvent = Annotated[
     SessionUpdate | AudioAppend | AudioCommit | AudioClear | ItemCreate | ItemTruncate
-    | ItemDelete | ResponseCreate | ResponseCancel,
+    | ItemDelete | ItemRetrieve | OutputAudioClear | ResponseCreate | ResponseCancel,
     Field(discriminator="type"),
 ]
 _ADAPTER: TypeAdapter[ClientEvent] = TypeAdapter(ClientEvent)
 CLIENT_EVENT_TYPES = frozenset(
     m.model_fields["type"].annotation.__args__[0]  # type: ignore[union-attr]
     for m in (SessionUpdate, AudioAppend, AudioCommit, AudioClear, ItemCreate, ItemTruncate,
-              ItemDelete, ResponseCreate, ResponseCancel)
+              ItemDelete, ItemRetrieve, OutputAudioClear, ResponseCreate, ResponseCancel)
 )
 
 
@@ -319,9 +339,21 @@ class SessionView:
     transcription: dict[str, Any] | None
     text_only: bool
     max_tokens: int
+    transcription_only: bool = False  # a ``type: "transcription"`` session
+    noise_reduction: dict[str, Any] | None = None  # echoed as set
+
+
+def transcription_session_object(v: SessionView) -> dict[str, Any]:
+    """GA ``type: "transcription"``: input settings only (no model, voice or replies)."""
+    return {"type": "transcription", "id": v.id, "object": "realtime.transcription_session",
+            "expires_at": 0, "include": None,
+            "audio": {"input": {"format": ga_format(v.in_fmt), "transcription": v.transcription,
+                                "noise_reduction": v.noise_reduction, "turn_detection": v.turn_detection}}}
 
 
 def session_object(fam: Family, v: SessionView) -> dict[str, Any]:
+    if v.transcription_only and not fam.beta:
+        return transcription_session_object(v)
     modalities = ["text"] if v.text_only else ["audio"]
     common = {"id": v.id, "object": "realtime.session", "model": v.model,
               "instructions": v.instructions, "tools": [], "tool_choice": "auto"}
@@ -330,11 +362,11 @@ def session_object(fam: Family, v: SessionView) -> dict[str, Any]:
                 "voice": v.voice, "speed": v.speed,
                 "input_audio_format": beta_format(v.in_fmt), "output_audio_format": beta_format(v.out_fmt),
                 "input_audio_transcription": v.transcription, "turn_detection": v.turn_detection,
-                "max_response_output_tokens": v.max_tokens}
+                "input_audio_noise_reduction": v.noise_reduction, "max_response_output_tokens": v.max_tokens}
     return {"type": "realtime", **common, "output_modalities": modalities,
             "max_output_tokens": v.max_tokens,
             "audio": {"input": {"format": ga_format(v.in_fmt), "transcription": v.transcription,
-                                "noise_reduction": None, "turn_detection": v.turn_detection},
+                                "noise_reduction": v.noise_reduction, "turn_detection": v.turn_detection},
                       "output": {"format": ga_format(v.out_fmt), "voice": v.voice, "speed": v.speed}}}
 
 

@@ -13,7 +13,8 @@ import base64
 import binascii
 import itertools
 import time
-from collections.abc import Collection
+from collections import OrderedDict
+from collections.abc import Callable, Collection
 from typing import Any, Protocol
 
 from pydantic import ValidationError
@@ -31,16 +32,32 @@ _SERVER_ERRORS = frozenset({"internal_error", "engine_error", "capacity_exceeded
                             "model_unavailable", "slow_consumer"})
 _SETTING_PARAMS = {"system_prompt": "instructions", "vad": "turn_detection", "speed": "speed",
                    "voice": "voice", "max_tokens": "max_output_tokens"}
+# Items a client can still retrieve (conversation.item.retrieve): the most recent ones.
+# Clients retrieve the item they just heard about; older ones fall out of this memory.
+_MAX_ITEMS = 128
+_MAX_METADATA = 16  # OpenAI: up to 16 key/value pairs, keys <= 64 and values <= 512 chars
+# Events that carry a whole item: the latest copy is what conversation.item.retrieve answers.
+_ITEM_EVENTS = frozenset({"conversation.item.added", "conversation.item.done", "conversation.item.created",
+                          "response.output_item.added", "response.output_item.done"})
+# semantic_vad eagerness -> (factor on the server's silence timeouts, Smart Turn threshold).
+# OpenAI: "low" waits longer for the caller to go on, "high" answers sooner; "auto" = "medium"
+# = the server's own settings.
+_EAGERNESS = {"low": (2.0, 0.7), "medium": (1.0, None), "auto": (1.0, None), "high": (0.5, 0.3)}
 
 
 class _Conversation(Protocol):
+    budget_tokens: int
+
     def delete(self, item_id: str) -> bool: ...
+    @property
+    def token_count(self) -> int: ...
 
 
 class SessionPort(Protocol):
     """The part of :class:`voicebot.session.session.Session` the translator drives."""
 
     settings: SessionSettings
+    input_ms: float  # caller audio processed so far
 
     @property
     def conversation(self) -> _Conversation: ...
@@ -58,7 +75,8 @@ class SessionPort(Protocol):
 
 class RealtimeTranslator:
     def __init__(self, session: SessionPort, *, session_id: str, model: str, beta: bool = False,
-                 voices: Collection[str] | None = None, audio_gate: edge.AudioGate | None = None) -> None:
+                 voices: Collection[str] | None = None, audio_gate: edge.AudioGate | None = None,
+                 transcription_only: bool = False, clock: Callable[[], float] = time.monotonic) -> None:
         self.session = session
         self.audio_gate = audio_gate  # wire limits on caller audio (None: unlimited, for tests)
         self.wire = Wire(fam=rt.BETA if beta else rt.GA)
@@ -75,6 +93,24 @@ class RealtimeTranslator:
         self._buffered_ms = 0.0
         self._barge = False
         self._held: list[dict[str, Any]] | None = None  # a barged reply's response.done
+        self._items: OrderedDict[str, dict[str, Any]] = OrderedDict()  # id -> item as last sent
+        self._metadata: OrderedDict[str, dict[str, str]] = OrderedDict()  # response id -> metadata
+        self._last_response: str | None = None
+        self._own_ids = itertools.count(1)
+        # turn_detection as the client set it (type, eagerness, idle_timeout_ms): echoed back.
+        self._td_type = "server_vad"
+        self._eagerness: str | None = None
+        self._base_vad = session.settings.vad  # the server's own VAD settings ("auto" eagerness)
+        self.noise_reduction: dict[str, Any] | None = None  # accepted and echoed; no denoiser runs
+        self.transcription_only = False
+        # idle_timeout_ms: after a reply, this long without speech makes the server reply.
+        self._clock = clock
+        self.idle_timeout_ms: int | None = None
+        self._speaking = False
+        self._idle_at: float | None = None  # when the timeout fires (on self._clock)
+        self._idle_from_ms = 0.0  # caller audio position when the timer started
+        if transcription_only:
+            self._make_transcription_only()
 
     # ----------------------------------------------------------------- helpers
     @property
@@ -86,19 +122,70 @@ class RealtimeTranslator:
         return prev
 
     def _out(self, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        return [{"type": e["type"], "event_id": f"event_{next(self._event_ids)}", **e} for e in events]
+        out = []
+        for e in events:
+            out.append({"type": e["type"], "event_id": f"event_{next(self._event_ids)}", **e})
+            self._observe(e)
+            if e["type"] == "response.created":  # OpenAI reports its rate limits as a reply starts
+                out.append({"type": "rate_limits.updated", "event_id": f"event_{next(self._event_ids)}",
+                            "rate_limits": self._rate_limits()})
+        return out
+
+    def _observe(self, e: dict[str, Any]) -> None:
+        """Bookkeeping on every event sent: items for retrieve, metadata echo, the idle timer."""
+        kind = e["type"]
+        if kind in _ITEM_EVENTS and isinstance(e.get("item"), dict):
+            self._remember(e["item"])
+        elif kind == "conversation.item.deleted":
+            self._items.pop(e["item_id"], None)
+        elif kind in ("response.created", "response.done"):
+            response = e["response"]
+            self._last_response = response["id"]
+            meta = self._metadata.get(response["id"])
+            if meta is not None:
+                response["metadata"] = meta
+            if kind == "response.created":
+                self._idle_at = None  # the timer runs after a reply, not during one
+            else:
+                self._metadata.pop(response["id"], None)
+                self._arm_idle()
+        elif kind == "input_audio_buffer.speech_started":
+            self._speaking, self._idle_at = True, None
+        elif kind == "input_audio_buffer.speech_stopped":
+            self._speaking = False
+
+    def _remember(self, item: dict[str, Any]) -> None:
+        item_id = item.get("id")
+        if not isinstance(item_id, str):
+            return
+        self._items[item_id] = item
+        self._items.move_to_end(item_id)
+        while len(self._items) > _MAX_ITEMS:
+            self._items.popitem(last=False)
+
+    def _rate_limits(self) -> list[dict[str, Any]]:
+        # No request quota here; the one limit a caller meets is the history budget: the
+        # oldest turns are summarised away when a reply would overflow it.
+        conv = self.session.conversation
+        budget = conv.budget_tokens
+        return [{"name": "tokens", "limit": budget, "remaining": max(0, budget - conv.token_count),
+                 "reset_seconds": 0.0}]
 
     def view(self) -> rt.SessionView:
         s = self.session.settings
-        td = None
-        if s.turn_detection:
+        td: dict[str, Any] | None = None
+        if s.turn_detection and self._td_type == "semantic_vad":
+            td = {"type": "semantic_vad", "eagerness": self._eagerness or "auto",
+                  "create_response": s.create_response, "interrupt_response": s.interrupt_response}
+        elif s.turn_detection:
             td = {"type": "server_vad", "threshold": s.vad.threshold,
                   "prefix_padding_ms": s.vad.prefix_padding_ms, "silence_duration_ms": s.vad.min_silence_ms,
                   "create_response": s.create_response, "interrupt_response": s.interrupt_response,
-                  "idle_timeout_ms": None}
+                  "idle_timeout_ms": self.idle_timeout_ms}
         w = self.wire
         return rt.SessionView(self.id, self.model, s.system_prompt, self.voice_name, s.speed, w.in_fmt,
-                              w.out_fmt, td, self.transcription, w.text_only, s.max_tokens)
+                              w.out_fmt, td, self.transcription, w.text_only, s.max_tokens,
+                              transcription_only=self.transcription_only, noise_reduction=self.noise_reduction)
 
     def error(self, exc: VoicebotError, client_event_id: str | None = None) -> list[dict[str, Any]]:
         kind = "server_error" if exc.code in _SERVER_ERRORS else "invalid_request_error"
@@ -136,26 +223,71 @@ class RealtimeTranslator:
             case rt.ItemTruncate():
                 return self._truncate(ev.item_id, ev.content_index, ev.audio_end_ms)
             case rt.ItemDelete():
-                if not self.session.conversation.delete(ev.item_id):
-                    raise rt.RealtimeRequestError(f"no item {edge.clip(ev.item_id)}", code="unknown_item", param="item_id")
+                # The history holds what the model reads; the memory also holds items it
+                # never reads (an image, an empty turn): either counts as existing.
+                known = self._items.pop(ev.item_id, None) is not None
+                if not self.session.conversation.delete(ev.item_id) and not known:
+                    raise rt.RealtimeRequestError(  # OpenAI's text and code, param null
+                        f"Error deleting item: the item with id {edge.clip(ev.item_id)} does not exist.",
+                        code="item_delete_invalid_item_id")
                 return [{"type": "conversation.item.deleted", "item_id": ev.item_id}]
+            case rt.ItemRetrieve():
+                item = self._items.get(ev.item_id)
+                if item is None:
+                    raise rt.RealtimeRequestError(  # OpenAI's text and code (Pipecat matches the code)
+                        f"Error retrieving item: the item with id {edge.clip(ev.item_id)} does not exist.",
+                        code="item_retrieve_invalid_item_id")
+                return [{"type": "conversation.item.retrieved", "item": item}]
+            case rt.OutputAudioClear():
+                return self._clear_output()
             case rt.ResponseCreate():
+                if self.transcription_only:
+                    raise rt.RealtimeRequestError("a transcription session does not reply; "
+                                                  "open a realtime session for responses",
+                                                  code="invalid_value", param="type")
                 if self.replies.current is not None:
                     raise rt.RealtimeRequestError(
                         f"response {self.replies.current.id} is still in progress; cancel it or wait for response.done",
                         code="conversation_already_has_active_response")
-                self.session.create_response()
+                metadata = _metadata((ev.response or {}).get("metadata"))
+                rid = self.session.create_response()
+                if metadata is not None:  # echoed in response.created / response.done (LiveKit waits for it)
+                    self._metadata[rid] = metadata
+                    while len(self._metadata) > 8:
+                        self._metadata.popitem(last=False)
                 return []  # response.created follows from the session's ResponseStarted
             case rt.ResponseCancel():
                 if not self.session.cancel_response():
-                    raise rt.RealtimeRequestError("no response to cancel", code="response_cancel_not_active")
+                    # OpenAI's exact text: clients match it to ignore a cancel that raced the end.
+                    raise rt.RealtimeRequestError("Cancellation failed: no active response found",
+                                                  code="response_cancel_not_active")
                 return []  # response.done (cancelled) follows from the session
         raise AssertionError(ev)  # pragma: no cover: the union is exhaustive
+
+    def _clear_output(self) -> list[dict[str, Any]]:
+        """output_audio_buffer.clear: the client cut the reply's audio; stop making more."""
+        current = self.replies.current
+        if current is not None:
+            self.session.cancel_response()  # response.done (cancelled) follows
+        rid = current.id if current is not None else self._last_response
+        return [{"type": "output_audio_buffer.cleared", "response_id": rid}]
+
+    def _make_transcription_only(self) -> None:
+        self.transcription_only = True
+        # Turns are detected and transcribed; nothing ever starts a reply.
+        self.session.update_settings(create_response=False)
 
     def _update(self, cfg: rt.SessionIn) -> list[dict[str, Any]]:
         given = cfg.model_fields_set
         if not self.fam.beta and cfg.type is None and "audio" not in given and given & rt.BETA_SESSION_FIELDS:
             self.wire.fam = rt.BETA  # an older client: answer in the names it knows
+        if cfg.type == "transcription" and not self.transcription_only:
+            if self.replies.current is not None:
+                self.session.cancel_response()
+            self._make_transcription_only()
+        elif cfg.type == "realtime" and self.transcription_only:
+            self.transcription_only = False
+            self.session.update_settings(create_response=self.session.settings.turn_detection)
         audio = cfg.audio or rt.AudioIn.model_validate({})
         a_in = audio.input or rt.AudioInputIn.model_validate({})
         a_out = audio.output or rt.AudioOutputIn.model_validate({})
@@ -182,10 +314,20 @@ class RealtimeTranslator:
         speed = a_out.speed if a_out.speed is not None else cfg.speed
         if speed is not None:
             changes["speed"] = speed
+        td_given, td = False, None
         if "turn_detection" in a_in.model_fields_set:
-            changes.update(self._turn_detection(a_in.turn_detection))
+            td_given, td = True, a_in.turn_detection
+            changes.update(self._turn_detection(td))
         elif "turn_detection" in given:
-            changes.update(self._turn_detection(cfg.turn_detection))
+            td_given, td = True, cfg.turn_detection
+            changes.update(self._turn_detection(td))
+        if self.transcription_only:
+            changes["create_response"] = False
+        noise = self.noise_reduction
+        if "noise_reduction" in a_in.model_fields_set:
+            noise = a_in.noise_reduction
+        elif "input_audio_noise_reduction" in given:
+            noise = cfg.input_audio_noise_reduction
         transcription = self.transcription  # echoed only: our one ASR always transcribes
         if "transcription" in a_in.model_fields_set:
             transcription = a_in.transcription
@@ -202,6 +344,14 @@ class RealtimeTranslator:
             param = "session." + _SETTING_PARAMS.get(str(loc[0]), str(loc[0])) if loc else None
             raise rt.RealtimeRequestError(f"invalid session.update: {exc}", param=param) from None
         self.wire.in_fmt, self.wire.out_fmt, self.transcription = in_fmt, out_fmt, transcription
+        self.noise_reduction = noise
+        if td_given:
+            self._td_type = td.type if td is not None else "server_vad"
+            self._eagerness = td.eagerness if td is not None and td.type == "semantic_vad" else None
+            # OpenAI: idle timeouts are a server_vad feature.
+            self.idle_timeout_ms = td.idle_timeout_ms if td is not None and td.type == "server_vad" else None
+            if self.idle_timeout_ms is None:
+                self._idle_at = None
         if modalities is not None:
             self.wire.text_only = "audio" not in modalities
         if isinstance(voice, str):
@@ -213,6 +363,10 @@ class RealtimeTranslator:
             return {"turn_detection": False, "create_response": False}
         s = self.session.settings
         vad: dict[str, object] = {}
+        if td.type == "semantic_vad":
+            vad.update(self._semantic(td.eagerness or "auto"))
+        else:
+            vad["turn_detector"] = "silence"  # server_vad: silence alone ends the turn, as OpenAI's
         if td.threshold is not None:
             vad["threshold"] = td.threshold
         if td.prefix_padding_ms is not None:
@@ -225,6 +379,47 @@ class RealtimeTranslator:
         return {"turn_detection": True, "vad": s.vad.model_copy(update=vad),
                 "create_response": td.create_response is not False,
                 "interrupt_response": td.interrupt_response is not False}
+
+    def _semantic(self, eagerness: str) -> dict[str, object]:
+        """semantic_vad: our end-of-turn model (Smart Turn, when the server loaded it; else
+        the silence rule), its patience scaled by ``eagerness``."""
+        base = self._base_vad
+        factor, threshold = _EAGERNESS[eagerness]
+        silence = max(100, min(10_000, int(base.min_silence_ms * factor)))
+        max_silence = max(base.smart_turn_check_ms + 100, min(10_000, int(base.smart_turn_max_silence_ms * factor)))
+        return {"turn_detector": "smart_turn", "min_silence_ms": silence,
+                "speculative_silence_ms": min(base.speculative_silence_ms, silence // 2),
+                "smart_turn_max_silence_ms": max_silence,
+                "smart_turn_threshold": base.smart_turn_threshold if threshold is None else threshold}
+
+    # ------------------------------------------------------------- idle timeout
+    def _arm_idle(self) -> None:
+        if self.idle_timeout_ms is not None and not self._speaking and self.session.settings.turn_detection:
+            self._idle_at = self._clock() + self.idle_timeout_ms / 1000.0
+            self._idle_from_ms = self.session.input_ms
+
+    def idle_due_in(self) -> float | None:
+        """Seconds until the idle timeout fires (None: not running). The transport polls this."""
+        return None if self._idle_at is None else max(0.0, self._idle_at - self._clock())
+
+    def idle_check(self) -> list[dict[str, Any]]:
+        """Fire the idle timeout if it is due: the silence becomes an (empty) user turn and
+        the assistant replies to it, as OpenAI's ``input_audio_buffer.timeout_triggered``."""
+        if self._idle_at is None or self._clock() < self._idle_at:
+            return []
+        self._idle_at = None
+        if self._speaking or self.replies.current is not None or self.transcription_only:
+            return []
+        item_id = f"item_{self.id[5:]}_idle{next(self._own_ids)}"
+        now_ms = int(self.session.input_ms)
+        out = [{"type": "input_audio_buffer.timeout_triggered", "audio_start_ms": int(self._idle_from_ms),
+                "audio_end_ms": now_ms, "item_id": item_id},
+               *self._user_turn_committed(item_id)]
+        if self.fam.item_done:
+            out.append({"type": self.fam.item_done, "previous_item_id": None,
+                        "item": rt.user_audio_item(item_id, "")})
+        self.session.create_response()
+        return self._out(out)
 
     def _append(self, audio_b64: str) -> list[dict[str, Any]]:
         try:
@@ -270,7 +465,16 @@ class RealtimeTranslator:
                                           "use input_audio_buffer.append", code="invalid_value", param="item.content")
         text = " ".join(t for p in item.content if (t := p.text if p.text is not None else p.transcript))
         if not text.strip():
-            raise rt.RealtimeRequestError("the item has no text", code="invalid_value", param="item.content")
+            if not any(p.type == "input_image" for p in item.content):
+                raise rt.RealtimeRequestError("the item has no text", code="invalid_value", param="item.content")
+            # An image alone (LiveKit sends video frames so): the model reads text only, so it
+            # is kept on the wire (retrieve, delete) but not in what the model reads.
+            item_id = item.id or f"item_{self.id[5:]}_img{next(self._own_ids)}"
+            prev = self._link(item_id)
+            body = rt.item(item_id, item.role, [p.model_dump(exclude_none=True) for p in item.content])
+            return [{"type": self.fam.item_added, "previous_item_id": prev, "item": body},
+                    *([{"type": self.fam.item_done, "previous_item_id": prev, "item": body}]
+                      if self.fam.item_done else [])]
         item_id = self.session.add_text(item.role, text, item.id)
         prev = self._link(item_id)
         body = rt.text_item(self.fam, item_id, item.role, text)
@@ -289,9 +493,12 @@ class RealtimeTranslator:
             # Truncating the reply still playing: the caller stopped listening, so stop it.
             self.session.set_played(audio_end_ms)
             self.session.cancel_response()
-        if self.session.truncate(item_id, audio_end_ms) is None:
+        heard = self.session.truncate(item_id, audio_end_ms)
+        if heard is None:
             raise rt.RealtimeRequestError(f"no assistant audio item {edge.clip(item_id)} to truncate",
                                           code="unknown_item", param="item_id")
+        if item_id in self._items:  # a retrieve now shows what the caller heard
+            self._items[item_id] = rt.reply_item(self.fam, item_id, heard, "incomplete", self.wire.text_only)
         return [{"type": "conversation.item.truncated", "item_id": item_id,
                  "content_index": content_index, "audio_end_ms": audio_end_ms}]
 
@@ -365,4 +572,19 @@ class RealtimeTranslator:
         if self.fam.item_done:
             out.append({"type": self.fam.item_done, "previous_item_id": None,
                         "item": rt.user_audio_item(item_id, text)})
+        else:  # beta sends no item.done: a retrieve still shows the transcript
+            self._remember(rt.user_audio_item(item_id, text))
         return out
+
+
+def _metadata(value: object) -> dict[str, str] | None:
+    """``response.metadata``: string pairs within OpenAI's limits, or a clear error."""
+    if value is None:
+        return None
+    if (not isinstance(value, dict) or len(value) > _MAX_METADATA
+            or not all(isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512
+                       for k, v in value.items())):
+        raise rt.RealtimeRequestError("response.metadata must be at most 16 string pairs "
+                                      "(keys up to 64, values up to 512 characters)",
+                                      code="invalid_value", param="response.metadata")
+    return dict(value)
