@@ -56,3 +56,23 @@ def test_flush_returns_remaining_text_once() -> None:
 def test_decimal_numbers_are_not_sentence_ends() -> None:
     c = ClauseChunker()
     assert c.push("It costs 3.50 dollars") == []
+
+
+def test_first_clause_is_cut_before_a_phrase_once_it_has_two_words() -> None:
+    c = ClauseChunker(first_clause_words=4, max_clause_words=24)
+    assert c.push("We close at") == []  # "at" may still be "attention"
+    assert c.push(" six this evening") == ["We close"]
+    assert c.flush() == "at six this evening"
+
+
+def test_phrase_cut_needs_two_words_and_applies_to_the_first_clause_only() -> None:
+    c = ClauseChunker(first_clause_words=4, max_clause_words=24)
+    assert c.push("Boil the water and ") == ["Boil the water"]  # never before "of" or an article
+    assert c.push("pour it over the tea bag and wait ") == []  # later clauses: no phrase cut
+    assert c.flush() == "and pour it over the tea bag and wait"
+
+
+def test_phrase_cut_does_not_take_a_word_that_only_starts_like_one() -> None:
+    c = ClauseChunker(first_clause_words=6, max_clause_words=24)
+    assert c.push("It needs attention now ") == []
+    assert c.push("please. ") == ["It needs attention now please."]
