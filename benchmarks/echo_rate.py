@@ -286,47 +286,61 @@ async def run_pipeline(calls: list[list[Item]], args: argparse.Namespace) -> lis
 
 
 # ------------------------------------------------------------------------- text
-async def run_text(calls: list[list[tuple[Item, str]]], args: argparse.Namespace) -> list[Turn]:
-    """LLM only, through the session's prompt building; each call its own Conversation."""
-    from voicebot.config import load_config
-    from voicebot.engines import resolve_specs
+async def _text_call(llm: Any, cfg: Any, index: int, items: list[tuple[Item, str]], variant: dict[str, Any]) -> list[Turn]:
     from voicebot.engines.llm import GenerationStats, Lane
     from voicebot.session.history import Conversation
 
+    conv = Conversation(llm.tokenizer, variant["system_prompt"], cfg.session.history_tokens, cfg.llm.max_tokens)
+    out = []
+    for k, (it, heard) in enumerate(items):
+        conv.append("user", heard)
+        st = GenerationStats(request_id="", lane=Lane.INTERACTIVE)
+        text, ids = [], []
+        async for d in llm.generate(conv.prompt_ids(), stats=st, temperature=variant.get("temperature")):
+            text.append(d.text)
+            ids.extend(d.token_ids)
+        reply = "".join(text).strip()
+        conv.append("assistant", reply, token_ids=ids)
+        t = Turn(index, k, it.clip.name, it.reference, heard=heard, reply=reply)
+        t.ttft_ms = None if st.ttft_s is None else round(1000 * st.ttft_s, 1)
+        t.cached_prompt_tokens, t.prompt_tokens = st.cached_tokens, st.prompt_tokens
+        out.append(t)
+    return out
+
+
+async def run_text(
+    calls: list[list[tuple[Item, str]]], args: argparse.Namespace, variants: list[dict[str, Any]]
+) -> list[list[Turn]]:
+    """LLM only, through the session's prompt building; each call its own Conversation.
+    One engine for every variant ({"name", "system_prompt", "temperature"}); one list
+    of turns per variant."""
+    from voicebot.config import load_config
+    from voicebot.engines import resolve_specs
+    from voicebot.session.history import Conversation
+
     cfg = load_config(args.config, list(args.set))
-    specs = await resolve_specs(cfg)
-    llm = specs.llm()
+    llm = (await resolve_specs(cfg)).llm()
     await llm.start()
-    prompt = args.system_prompt or cfg.session.system_prompt
+    runs = []
     try:
-        gate = asyncio.Semaphore(args.concurrency)
+        for variant in variants:
+            if args.warm:  # the system prompt in the prefix cache, as on a server that took a call
+                warm = Conversation(llm.tokenizer, variant["system_prompt"], 4096, 8).prompt_ids("Hi.")
+                async for _ in llm.generate(warm, max_tokens=1):
+                    pass
+            gate = asyncio.Semaphore(args.concurrency)
 
-        async def one(i: int, items: list[tuple[Item, str]]) -> list[Turn]:
-            async with gate:
-                conv = Conversation(llm.tokenizer, prompt, cfg.session.history_tokens, cfg.llm.max_tokens)
-                out = []
-                for k, (it, heard) in enumerate(items):
-                    conv.append("user", heard)
-                    st = GenerationStats(request_id="", lane=Lane.INTERACTIVE)
-                    text, ids = [], []
-                    async for d in llm.generate(conv.prompt_ids(), stats=st):
-                        text.append(d.text)
-                        ids.extend(d.token_ids)
-                    reply = "".join(text).strip()
-                    conv.append("assistant", reply, token_ids=ids)
-                    t = Turn(i, k, it.clip.name, it.reference, heard=heard, reply=reply)
-                    t.ttft_ms = None if st.ttft_s is None else round(1000 * st.ttft_s, 1)
-                    t.cached_prompt_tokens, t.prompt_tokens = st.cached_tokens, st.prompt_tokens
-                    out.append(t)
-                return out
+            async def one(
+                i: int, items: list[tuple[Item, str]], variant: dict[str, Any] = variant, gate: asyncio.Semaphore = gate
+            ) -> list[Turn]:
+                async with gate:
+                    return await _text_call(llm, cfg, i, items, variant)
 
-        if args.warm:  # the system prompt in the prefix cache, as on a server that took a call
-            async for _ in llm.generate(Conversation(llm.tokenizer, prompt, 4096, 8).prompt_ids("Hi."), max_tokens=1):
-                pass
-        results = await asyncio.gather(*(one(i, c) for i, c in enumerate(calls)))
+            results = await asyncio.gather(*(one(i, c) for i, c in enumerate(calls)))
+            runs.append([t for r in results for t in r])
     finally:
         await llm.aclose()
-    return [t for r in results for t in r]
+    return runs
 
 
 # ------------------------------------------------------------------------- main
@@ -351,6 +365,7 @@ def main() -> int:
     p.add_argument("--clips", type=Path, default=ROOT / "artifacts" / "echo" / "clips")
     p.add_argument("--transcripts", type=Path, help="text mode: the transcripts of this pipeline JSON")
     p.add_argument("--warm", action="store_true", help="text mode: cache the system prompt before timing")
+    p.add_argument("--variants", type=Path, help="text mode: JSON list of {name, system_prompt, temperature}")
     p.add_argument("--show", type=int, default=100, help="turns to print")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
@@ -363,27 +378,33 @@ def main() -> int:
     voice = Path(resolve_model(cfg.tts.voice, cfg.models))
     items = synthesise_questions(voice, args.clips) + recorded_items()
     t0 = time.monotonic()
+    config = {"mode": args.mode, "config": args.config, "set": args.set, "temperature": cfg.llm.temperature,
+              "top_p": cfg.llm.top_p, "turns_per_call": args.turns_per_call, "concurrency": args.concurrency}
+    default = {"name": "config", "system_prompt": args.system_prompt or cfg.session.system_prompt}
     if args.mode == "pipeline":
-        turns = asyncio.run(run_pipeline(calls_of(items, args.turns_per_call), args))
+        runs = [(default, asyncio.run(run_pipeline(calls_of(items, args.turns_per_call), args)))]
     else:
         heard = {it.clip.name: it.reference for it in items}
         if args.transcripts:
             for t in json.loads(args.transcripts.read_text())["turns"]:
                 heard[t["clip"]] = t["heard"]
         pairs = [(it, heard[it.clip.name]) for it in items]
-        turns = asyncio.run(run_text(calls_of(pairs, args.turns_per_call), args))  # type: ignore[arg-type]
-    for t in turns:
-        t.judge()
-    summary = summarise(turns)
-    summary["seconds"] = round(time.monotonic() - t0, 1)
-    print_report(summary, turns, args.show)
+        variants = json.loads(args.variants.read_text()) if args.variants else [default]
+        runs = list(zip(variants, asyncio.run(run_text(calls_of(pairs, args.turns_per_call), args, variants)),
+                        strict=True))  # type: ignore[arg-type]
+    results = []
+    for variant, turns in runs:
+        for t in turns:
+            t.judge()
+        summary = summarise(turns)
+        print(f"=== {variant.get('name')}")
+        print_report(summary, turns, args.show)
+        results.append({"variant": variant, "summary": summary, "turns": [asdict(t) for t in turns]})
+    print(f"{time.monotonic() - t0:.0f} s", file=sys.stderr)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        config = {"mode": args.mode, "config": args.config, "set": args.set, "system_prompt": args.system_prompt
-                  or cfg.session.system_prompt, "temperature": cfg.llm.temperature, "top_p": cfg.llm.top_p,
-                  "turns_per_call": args.turns_per_call, "concurrency": args.concurrency}
-        args.json.write_text(json.dumps({"config": config, "summary": summary,
-                                         "turns": [asdict(t) for t in turns]}, indent=2) + "\n")
+        out = {"config": config, **results[0]} if len(results) == 1 else {"config": config, "variants": results}
+        args.json.write_text(json.dumps(out, indent=2) + "\n")
     return 0
 
 
