@@ -93,6 +93,7 @@ class FakeSession:
         return item_id or "item_t1"
 
     def create_response(self) -> str:
+        self.calls.append(("respond",))
         return "resp_1"
 
     def cancel_response(self) -> bool:
@@ -114,9 +115,9 @@ class FakeSession:
         return item_id == "item_t1"
 
 
-def make(beta: bool = False) -> tuple[RealtimeTranslator, FakeSession]:
+def make(beta: bool = False, **kw: Any) -> tuple[RealtimeTranslator, FakeSession]:
     fake = FakeSession()
-    return RealtimeTranslator(fake, session_id="sess_x", model="m", beta=beta), fake
+    return RealtimeTranslator(fake, session_id="sess_x", model="m", beta=beta, **kw), fake
 
 
 def send(tr: RealtimeTranslator, **event: Any) -> list[dict[str, Any]]:
@@ -328,6 +329,126 @@ def test_valid_ga_events_never_get_an_error(event: dict[str, Any]) -> None:
                                                     "content": [{"type": "input_text", "text": "Hi"}]})
     out = send(tr, **event)
     assert not [e for e in out if e["type"] == "error"], out
+
+
+# ------------------------------------------------------------- the GA surface
+def test_transcription_session_transcribes_and_never_replies() -> None:
+    tr, fake = make(transcription_only=True)  # ?intent=transcription
+    session = tr.opening()[0]["session"]
+    assert (session["type"], session["object"]) == ("transcription", "realtime.transcription_session")
+    assert "output_modalities" not in session and fake.settings.create_response is False
+    out = send(tr, type="session.update", session={"type": "transcription", "audio": {"input": {
+        "format": {"type": "audio/pcm", "rate": 24000}, "noise_reduction": {"type": "far_field"},
+        "transcription": {"model": "gpt-4o-transcribe", "language": "en"},
+        "turn_detection": {"type": "server_vad", "silence_duration_ms": 500, "create_response": True}}},
+        "include": ["item.input_audio_transcription.logprobs"]})
+    assert out[0]["type"] == "session.updated" and out[0]["session"]["type"] == "transcription", out
+    assert fake.settings.create_response is False and fake.settings.turn_detection is True
+    tr.session_event(se.SpeechStarted(900, "item_u1"))
+    tr.session_event(se.SpeechStopped(2500, "item_u1"))
+    final = tr.session_event(se.TranscriptFinal("item_u1", "hello there"))
+    assert "conversation.item.input_audio_transcription.completed" in [e["type"] for e in final]
+    (err,) = send(tr, type="response.create")
+    assert err["error"]["param"] == "type" and ("respond",) not in fake.calls
+    # A realtime session may become a transcription one (and back).
+    tr, fake = make()
+    out = send(tr, type="session.update", session={"type": "transcription"})
+    assert out[0]["session"]["type"] == "transcription" and fake.settings.create_response is False
+    out = send(tr, type="session.update", session={"type": "realtime"})
+    assert out[0]["session"]["type"] == "realtime" and fake.settings.create_response is True
+
+
+def test_semantic_vad_eagerness_maps_onto_the_turn_detector() -> None:
+    tr, fake = make()
+    base = fake.settings.vad
+    out = send(tr, type="session.update", session={"type": "realtime", "audio": {"input": {
+        "turn_detection": {"type": "semantic_vad", "eagerness": "high", "interrupt_response": True}}}})
+    td = out[0]["session"]["audio"]["input"]["turn_detection"]
+    assert td == {"type": "semantic_vad", "eagerness": "high", "create_response": True,
+                  "interrupt_response": True}
+    high = fake.settings.vad
+    assert high.turn_detector == "smart_turn" and high.min_silence_ms == base.min_silence_ms // 2
+    assert high.smart_turn_max_silence_ms < base.smart_turn_max_silence_ms
+    assert high.smart_turn_threshold < base.smart_turn_threshold
+    send(tr, type="session.update", session={"type": "realtime", "audio": {"input": {
+        "turn_detection": {"type": "semantic_vad", "eagerness": "low"}}}})
+    low = fake.settings.vad
+    assert low.min_silence_ms == 2 * base.min_silence_ms and low.smart_turn_max_silence_ms > base.smart_turn_max_silence_ms
+    assert low.speculative_silence_ms <= low.min_silence_ms
+    send(tr, type="session.update", session={"type": "realtime", "audio": {"input": {
+        "turn_detection": {"type": "semantic_vad"}}}})  # auto: the server's own settings
+    auto = fake.settings.vad
+    assert (auto.turn_detector, auto.min_silence_ms, auto.smart_turn_max_silence_ms) == (
+        "smart_turn", base.min_silence_ms, base.smart_turn_max_silence_ms)
+    out = send(tr, type="session.update", session={"type": "realtime", "audio": {"input": {
+        "turn_detection": {"type": "server_vad", "silence_duration_ms": 700}}}})
+    assert fake.settings.vad.turn_detector == "silence" and fake.settings.vad.min_silence_ms == 700
+    assert out[0]["session"]["audio"]["input"]["turn_detection"]["type"] == "server_vad"
+
+
+def test_noise_reduction_is_accepted_and_echoed() -> None:
+    tr, _ = make()
+    assert tr.opening()[0]["session"]["audio"]["input"]["noise_reduction"] is None
+    out = send(tr, type="session.update", session={"type": "realtime", "audio": {"input": {
+        "noise_reduction": {"type": "near_field"}}}})
+    assert out[0]["session"]["audio"]["input"]["noise_reduction"] == {"type": "near_field"}
+    out = send(tr, type="session.update", session={"type": "realtime", "instructions": "x"})
+    assert out[0]["session"]["audio"]["input"]["noise_reduction"] == {"type": "near_field"}  # kept
+    out = send(tr, type="session.update", session={"type": "realtime", "audio": {"input": {"noise_reduction": None}}})
+    assert out[0]["session"]["audio"]["input"]["noise_reduction"] is None
+
+
+def test_idle_timeout_triggers_a_reply_after_the_last_one() -> None:
+    now = [100.0]
+    tr, fake = make(clock=lambda: now[0])
+    out = send(tr, type="session.update", session={"type": "realtime", "audio": {"input": {"turn_detection": {
+        "type": "server_vad", "idle_timeout_ms": 5000}}}})
+    assert out[0]["session"]["audio"]["input"]["turn_detection"]["idle_timeout_ms"] == 5000
+    assert tr.idle_due_in() is None  # it runs after a reply
+    tr.session_event(se.ResponseStarted("resp_1", "item_a1"))
+    fake.input_ms = 3000.0
+    tr.session_event(se.ResponseDone("resp_1", "item_a1", "completed", "Hi", "Hi", 500))
+    assert tr.idle_due_in() == 5.0
+    now[0] += 4.9
+    assert tr.idle_check() == [] and ("respond",) not in fake.calls
+    now[0] += 0.2
+    fake.input_ms = 8100.0
+    out = tr.idle_check()
+    assert [e["type"] for e in out] == ["input_audio_buffer.timeout_triggered", "input_audio_buffer.committed",
+                                        "conversation.item.added", "conversation.item.done"]
+    assert (out[0]["audio_start_ms"], out[0]["audio_end_ms"]) == (3000, 8100)
+    assert out[0]["item_id"] == out[1]["item_id"] == out[2]["item"]["id"]
+    assert fake.calls[-1] == ("respond",) and tr.idle_due_in() is None
+    # Speech before the deadline stops the timer.
+    tr.session_event(se.ResponseStarted("resp_2", "item_a2"))
+    tr.session_event(se.ResponseDone("resp_2", "item_a2", "completed", "Hi", "Hi", 500))
+    assert tr.idle_due_in() == 5.0
+    tr.session_event(se.SpeechStarted(9000, "item_u3"))
+    now[0] += 10
+    assert tr.idle_due_in() is None and tr.idle_check() == []
+
+
+def test_output_audio_buffer_clear_stops_the_reply() -> None:
+    tr, fake = make()
+    tr.session_event(se.ResponseStarted("resp_1", "item_a1"))
+    fake.response_running = True
+    (out,) = send(tr, type="output_audio_buffer.clear")
+    assert out["type"] == "output_audio_buffer.cleared" and out["response_id"] == "resp_1"
+    assert fake.calls[-1] == ("cancel",)
+
+
+def test_text_only_replies_send_text_deltas_and_no_audio() -> None:
+    tr, _ = make()
+    out = send(tr, type="session.update", session={"type": "realtime", "output_modalities": ["text"]})
+    assert out[0]["session"]["output_modalities"] == ["text"]
+    out = tr.session_event(se.ResponseStarted("resp_1", "item_a1"))
+    out += tr.session_event(se.ResponseTextDelta("resp_1", "item_a1", "Hi"))
+    out += tr.session_event(se.ResponseAudio("resp_1", "item_a1", np.full(320, 0.1, np.float32), 16000))
+    out += tr.session_event(se.ResponseDone("resp_1", "item_a1", "completed", "Hi", "Hi", 0))
+    types = [e["type"] for e in out]
+    assert "response.output_text.delta" in types and "response.output_text.done" in types
+    assert not [t for t in types if "audio" in t], types
+    assert out[-1]["response"]["output_modalities"] == ["text"]
 
 
 # ---------------------------------------------------------------- live server

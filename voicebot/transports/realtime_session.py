@@ -337,6 +337,8 @@ class RealtimeTranslator:
         if tokens is not None:
             changes["max_tokens"] = self.default_max_tokens if tokens == "inf" else tokens
         modalities = cfg.output_modalities or cfg.modalities
+        if modalities is not None and "audio_output" in SessionSettings.model_fields:
+            changes["audio_output"] = "audio" in modalities  # text only: no TTS runs at all
         try:
             self.session.update_settings(**changes)
         except (ValidationError, ValueError, TypeError) as exc:
