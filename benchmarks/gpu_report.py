@@ -2,7 +2,8 @@
 
     python benchmarks/gpu_report.py OUT
 
-Reads whichever of llm.json, llm_nocache.json, asr.json and tts.json exist; computes the
+Reads whichever of llm.json (or llm_ratio.json), llm_nocache.json, asr.json, tts.json,
+probe_cost.json and pipeline/pipeline.json exist; computes the
 ratios that need two files (prefix caching off/on TTFT at equal sessions).
 """
 
@@ -27,7 +28,7 @@ def q(d: dict[str, Any], *keys: str) -> str:
 
 def summary(out: Path) -> dict[str, Any]:
     res: dict[str, Any] = {"device": (out / "device.txt").read_text().strip() if (out / "device.txt").exists() else None}
-    llm = load(out / "llm.json")
+    llm = load(out / "llm.json") or load(out / "llm_ratio.json")
     nocache = load(out / "llm_nocache.json")
     scen: dict[str, dict[str, Any]] = {}
     for rep in (llm, nocache):
@@ -69,6 +70,15 @@ def summary(out: Path) -> dict[str, Any]:
     tts = load(out / "tts.json")
     if tts:
         res["tts"] = tts.get("scenarios", [])
+    cost = load(out / "probe_cost.json")
+    if cost:
+        res["probe_cost"] = [{k: lv[k] for k in ("sessions", "ok", "turns", "timing_error_ms", "probe")}
+                             for lv in cost.get("levels", [])]
+    pipe = load(out / "pipeline" / "pipeline.json")
+    if pipe:
+        res["pipeline"] = {"sessions_per_gpu": pipe.get("sessions_per_gpu"),
+                           "levels": [{k: v for k, v in lv.items() if k != "dropped_reasons"}
+                                      for lv in pipe.get("levels", [])]}
     return res
 
 
@@ -89,6 +99,15 @@ def main() -> int:
     for r in s.get("tts", []):
         print(f"tts workers {r['workers']} sessions {r['sessions']:>4}: first audio "
               f"{q(r['first_audio_ms'], 'p50', 'p95')} ms, stalled {r['stalled_fraction']}")
+    for r in s.get("probe_cost", []):
+        e, p = r["timing_error_ms"], r["probe"]
+        print(f"probe {r['sessions']:>5} sessions: ok {r['ok']}/{r['turns']}, error p50/p95/p99 "
+              f"{q(e, 'p50', 'p95', 'p99')} ms, {p['cores']} cores ({p['cpu_per_session_pct']}% core/session)")
+    for lv in s.get("pipeline", {}).get("levels", []):
+        print(f"pipeline N={lv['sessions']:>4}: v2v p50/p95/p99 {q(lv['v2v_ms'], 'p50', 'p95', 'p99')} ms, "
+              f"stage p95 {lv['stage_p95_ms']}, dropped {lv['dropped_sessions']}, fails {lv.get('fails')}")
+    if "pipeline" in s:
+        print(f"sessions per GPU: {s['pipeline']['sessions_per_gpu']}")
     return 0
 
 

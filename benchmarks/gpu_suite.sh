@@ -6,12 +6,23 @@
 #                                                  installs once all parts are there
 #   benchmarks/gpu_suite.sh run OUT [PART...]      run measurements into OUT/*.json, then OUT/summary.json
 #       PART: llm (LLM main + fcfs phases), llm-nocache (prefix caching off), asr, tts; default: all four
+#             llm-ratio (ours vs bare vLLM at 512/1024 only: the section 3 ratio, ~6 min)
+#             probe-cost (the probe's own CPU and timing error at 128-1024 sessions, trivial server)
+#             pipeline (the whole server of configs/gpu.yaml + the probe at N sessions, pipeline_gpu.py;
+#               PIPE_SESSIONS, PIPE_WALL_S, PIPE_ARGS: e.g. "--detach" or "--url ws://...")
+#
+# Model folders are read from .gpu/NAME, else from $HOME/gpu-models/NAME (stage copies them there,
+# so a later transfer need not carry them again).
 #
 # Preparation on a CPU machine (in the repo root; .gpu/ is git-ignored):
 #   bash ../shared/tools/vllm-gpu/build-bundle.sh .gpu                     # .gpu/c1 c2 c3 (vLLM 0.26.0)
 #   python benchmarks/gpu_whisper_files.py --tokenizer-json TOK --out .gpu/whisper-turbo
 #   .gpu/qwen7b (Qwen2.5-7B config.json + a Qwen tokenizer), .gpu/audio (16 kHz clips),
 #   .gpu/t0..t3 (the Piper bundle split to fit the 64 MiB transfers): see docs/gpu-results.md
+#   .gpu/fwstub/faster_whisper/{__init__.py,assets/silero_vad_v6.onnx}: the server's VAD model (from the
+#     faster-whisper wheel; the GPU machine has no faster-whisper and the GPU profile does not use it)
+#   .gpu/src: `git archive HEAD voicebot benchmarks configs web | tar -x -C .gpu/src` (run from there:
+#     a snapshot of what is committed, not of a working tree others are editing)
 # Weights are never carried: the LLM and Whisper run with load_format=dummy (random
 # weights of the real shape; speed does not depend on the values).
 set -euo pipefail
@@ -22,6 +33,10 @@ shift
 stage() {
   for c in c1 c2 c3; do
     if [ -d ".gpu/$c" ]; then bash ".gpu/$c/device-install.sh" .gpu; fi
+  done
+  mkdir -p "$HOME/gpu-models"
+  for m in qwen7b whisper-turbo audio fwstub; do
+    if [ -d ".gpu/$m" ]; then rm -rf "$HOME/gpu-models/$m"; cp -r ".gpu/$m" "$HOME/gpu-models/"; fi
   done
   mkdir -p "$HOME/tts-stage"
   for t in .gpu/t*/; do
@@ -36,13 +51,19 @@ stage() {
   fi
 }
 
+model_dir() {  # .gpu/NAME if this transfer carried it, else the staged copy
+  if [ -d ".gpu/$1" ]; then echo ".gpu/$1"; else echo "$HOME/gpu-models/$1"; fi
+}
+
 run() {
   local out=${1:?usage: gpu_suite.sh run OUT [PART...]}
   shift
   local parts=("$@")
   [ ${#parts[@]} -gt 0 ] || parts=(llm llm-nocache asr tts)
   mkdir -p "$out"
-  export PYTHONPATH="$HOME/vllm-site:$HOME/tts/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  local qwen whisper audio
+  qwen=$(model_dir qwen7b); whisper=$(model_dir whisper-turbo); audio=$(model_dir audio)
+  export PYTHONPATH="$PWD:$HOME/vllm-site:$HOME/tts/site:$(model_dir fwstub)${PYTHONPATH:+:$PYTHONPATH}"
   export HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 PYTHONUNBUFFERED=1
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$out/device.txt" || true
   date -u +%FT%TZ >> "$out/device.txt"
@@ -51,16 +72,16 @@ run() {
     case $part in
       llm)  # LLM stage through LlmEngine: 256/512/1024 sessions, bare-vLLM reference, saturation
             # with the priority policy, then the same saturation under FCFS (second engine).
-        python3 benchmarks/llm_load.py --model-dir .gpu/qwen7b --sessions 256 512 1024 \
+        python3 benchmarks/llm_load.py --model-dir "$qwen" --sessions 256 512 1024 \
           --bare-sessions 512 1024 --bg-requests 0 --sat-requests 1024 --sat-sessions 128 \
           --phases main fcfs --duration-s 20 --warmup-s 3 --drain-s 20 --max-wall-s "${LLM_WALL_S:-500}" \
           --json "$out/llm.json" > "$out/llm.log" 2>&1 || rc=$? ;;
       llm-nocache)  # prefix caching off: the on/off ratio against llm's main/interactive-256
-        python3 benchmarks/llm_load.py --model-dir .gpu/qwen7b --sessions --phases nocache \
+        python3 benchmarks/llm_load.py --model-dir "$qwen" --sessions --phases nocache \
           --nocache-sessions 256 --bg-requests 0 --duration-s 20 --warmup-s 3 --drain-s 20 \
           --max-wall-s "${NOCACHE_WALL_S:-200}" --json "$out/llm_nocache.json" > "$out/llm_nocache.log" 2>&1 || rc=$? ;;
       asr)  # Whisper large-v3-turbo shape on vLLM through VllmAsrEngine: real-time streams
-        python3 benchmarks/gpu_asr.py --model-dir .gpu/whisper-turbo --clips .gpu/audio \
+        python3 benchmarks/gpu_asr.py --model-dir "$whisper" --clips "$audio" \
           --streams 64 128 256 512 --partial-ms-sweep 1000 2000 --duration-s 20 --burst 256 --pause-ms 0 \
           --gpu-memory-utilization 0.2 --max-wall-s "${ASR_WALL_S:-330}" \
           --json "$out/asr.json" > "$out/asr.log" 2>&1 || rc=$? ;;
@@ -68,6 +89,21 @@ run() {
         python3 benchmarks/gpu_tts.py --voice "$HOME/tts/voice" --sessions 64 128 256 \
           --workers 8 16 --duration-s 20 --max-wall-s "${TTS_WALL_S:-240}" \
           --json "$out/tts.json" > "$out/tts.log" 2>&1 || rc=$? ;;
+      llm-ratio)  # section 3 after the history fix: ours vs bare vLLM at equal load, 512 and 1024
+        python3 benchmarks/llm_load.py --model-dir "$qwen" --sessions 512 1024 --bare-sessions 512 1024 \
+          --bg-requests 0 --phases main --duration-s 20 --warmup-s 3 --drain-s 20 \
+          --max-wall-s "${LLM_WALL_S:-500}" --json "$out/llm_ratio.json" > "$out/llm_ratio.log" 2>&1 || rc=$? ;;
+      probe-cost)  # the probe's own cost against a trivial server (no GPU work)
+        python3 benchmarks/pipeline_probe_cost.py --sessions 128 512 1024 --server-procs 4 --turns 2 \
+          --audio "$audio"/librivox_08*.wav "$audio"/goforward.wav \
+          --json "$out/probe_cost.json" > "$out/probe_cost.log" 2>&1 || rc=$? ;;
+      pipeline)  # the whole server (configs/gpu.yaml, dummy weights) + the probe at N sessions
+        # shellcheck disable=SC2086  # PIPE_SESSIONS / PIPE_ARGS are word lists
+        python3 benchmarks/pipeline_gpu.py run --config configs/gpu.yaml --gpu-dummy \
+          --llm-dir "$qwen" --whisper-dir "$whisper" --voice "$HOME/tts/voice" \
+          --audio "$audio"/librivox_08*.wav "$audio"/librivox_09*.wav "$audio"/goforward.wav \
+          --sessions ${PIPE_SESSIONS:-16 32 64 128 256 512} --max-wall-s "${PIPE_WALL_S:-540}" ${PIPE_ARGS:-} \
+          --out "$out/pipeline" >> "$out/pipeline.log" 2>&1 || rc=$? ;;
       *) echo "unknown part $part" >&2; return 2 ;;
     esac
     echo "== $part done (rc so far $rc)"

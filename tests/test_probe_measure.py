@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -236,12 +237,95 @@ def test_report_keeps_levels_and_the_merged_view(tmp_path: Path) -> None:
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
 
 
-# ---------------------------------------------------------------- real sockets
-async def test_driver_against_a_scripted_server(tmp_path: Path) -> None:
-    """A fake native server that answers 300 ms after the caller's audio stops."""
-    from websockets.asyncio.server import ServerConnection, serve
+# ---------------------------------------------------------------- scale: cheap per session
+def test_pcm16_detector_agrees_with_the_float_detector() -> None:
+    rng = np.random.default_rng(0)
+    audio = np.concatenate([silence(0.1), tone(0.3, -41.0), tone(0.2, -39.0), silence(0.1), tone(0.2, -20.0)])
+    a, b = OnsetDetector(RATE), OnsetDetector(RATE)
+    pos, fired_float, fired_pcm = 0, [], []
+    while pos < audio.size:
+        n = int(rng.integers(1, 900))
+        chunk = audio[pos : pos + n]
+        # the float path sees what the wire carries: PCM16 back to float
+        wire = pcm(chunk)
+        fired_float.append(a.feed(np.frombuffer(wire, "<i2").astype(np.float32) / 32768.0))
+        fired_pcm.append(b.feed_pcm16(wire))
+        pos += n
+    assert fired_pcm == fired_float
+    assert any(fired_pcm) and not all(fired_pcm)
 
-    from voicebot.probe.client import ProbeConfig, run_level
+
+def test_next_decision_is_the_barge_time_or_the_timings_grace() -> None:
+    tr = TurnTracker(TurnRecord(0, 0, "a.wav"), RATE, barge_after_s=0.6, timings_grace_s=1.0)
+    assert tr.next_decision(5.0) == float("inf")  # only an event or audio can change anything
+    tr.speech_ended(1.0)
+    tr.on_event(ev("response.audio.started", response_id="r1"), 1.2)
+    tr.on_audio(pcm(tone(0.02, -20.0)), 1.3)
+    assert tr.next_decision(1.4) == pytest.approx(1.9)
+    tr2 = TurnTracker(TurnRecord(0, 0, "a.wav"), RATE, timings_grace_s=1.0)
+    tr2.speech_ended(1.0)
+    tr2.on_event(ev("response.done", response_id="r1", status="completed"), 2.0)
+    assert tr2.next_decision(2.1) == pytest.approx(3.0)
+    assert tr2.next_decision(3.5) == 3.5  # already due
+
+
+def test_the_cli_takes_hundreds_of_sessions_over_several_processes() -> None:
+    import argparse
+
+    from voicebot.probe.cli import add_probe_parser, auto_workers
+
+    parser = argparse.ArgumentParser()
+    add_probe_parser(parser.add_subparsers())
+    args = parser.parse_args(["probe", "--audio", "a.wav", "--sessions", "512", "1024", "--workers", "4"])
+    assert (args.sessions, args.workers) == ([512, 1024], 4)
+    assert [auto_workers(n, cpus=16) for n in (1, 128, 129, 512, 4096)] == [1, 1, 2, 4, 16]
+    assert auto_workers(512, cpus=2) == 2
+
+
+class _HeldClient:
+    """A client whose socket can be full: frames are held back, never lost."""
+
+    output_rate = RATE
+
+    def __init__(self) -> None:
+        self.sent: list[bytes] = []
+        self.full = False
+
+    def send_audio_nowait(self, frame: bytes) -> bool:
+        if self.full:
+            return False
+        self.sent.append(frame)
+        return True
+
+
+def test_frame_clock_holds_a_frame_back_while_the_socket_is_full(tmp_path: Path) -> None:
+    from voicebot.probe.client import ProbeConfig, _Session
+
+    wav = tmp_path / "say.wav"
+    sf.write(wav, np.concatenate([tone(0.06, -20.0), silence(0.04)]), RATE)
+    clip = load_clip(str(wav), RATE)
+    session = _Session(ProbeConfig(url="ws://127.0.0.1:9/ws", clips=(clip,)), 0, 1)
+    client = _HeldClient()
+    session.client = client  # type: ignore[assignment]
+    ends: list[float] = []
+    session.play(clip, None, ends.append)
+    assert session.tick() and session.tick()
+    client.full = True
+    assert not session.tick()  # held back: the clip does not move on
+    client.full = False
+    while session.tick() and session._clip is not None:
+        pass
+    assert client.sent[: len(clip.frames)] == list(clip.frames)
+    assert len(ends) == 1  # end of speech stamped once, when its frame went out
+    assert session.tick() and client.sent[-1] == bytes(len(clip.frames[0]))  # then silence
+
+
+# ---------------------------------------------------------------- real sockets
+@pytest.fixture(scope="module")
+async def scripted_url() -> Any:
+    """A fake native server that answers 300 ms after the caller's audio stops with
+    100 ms of tone (5 chunks of 20 ms, sent at once), then done and timings."""
+    from websockets.asyncio.server import ServerConnection, serve
 
     async def handler(ws: ServerConnection) -> None:
         start = json.loads(await ws.recv())
@@ -290,26 +374,71 @@ async def test_driver_against_a_scripted_server(tmp_path: Path) -> None:
                     json.dumps({"type": "turn.timings", "response_id": rid, "llm_ttft_ms": 1.0})
                 )
 
-    wav = tmp_path / "say.wav"
-    sf.write(wav, np.concatenate([tone(0.3, -20.0, 22050), silence(0.1, 22050)]), 22050)
     async with serve(handler, "127.0.0.1", 0) as server:
         port = server.sockets[0].getsockname()[1]
-        cfg = ProbeConfig(
-            url=f"ws://127.0.0.1:{port}/ws",
-            clips=(load_clip(str(wav), RATE),),
-            turns=2,
-            gap_s=0.1,
-            timeout_s=5.0,
-            stagger_s=0.05,
-        )
-        records = await asyncio.wait_for(run_level(cfg, 2), 30)
+        yield f"ws://127.0.0.1:{port}/ws"
+
+
+@pytest.fixture(scope="module")
+def say_clip(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    wav = tmp_path_factory.mktemp("probe") / "say.wav"
+    sf.write(wav, np.concatenate([tone(0.3, -20.0, 22050), silence(0.1, 22050)]), 22050)
+    return load_clip(str(wav), RATE)
+
+
+def _check_records(records: list[TurnRecord], sessions: int, turns: int) -> None:
     assert [(r.session, r.turn, r.status) for r in records] == [
-        (0, 0, "ok"),
-        (0, 1, "ok"),
-        (1, 0, "ok"),
-        (1, 1, "ok"),
-    ]
+        (s, t, "ok") for s in range(sessions) for t in range(turns)
+    ], [r.errors for r in records]
     for r in records:
         # 300 ms of server-side silence counting (one frame of it is the last speech frame's)
         assert r.voice_to_voice_ms is not None and 250 <= r.voice_to_voice_ms <= 700, r
         assert r.timings == {"llm_ttft_ms": 1.0}
+        assert r.reply_audio_ms == pytest.approx(100.0)  # the 5 chunks after the end of speech
+
+
+async def test_driver_against_a_scripted_server(scripted_url: str, say_clip: Any) -> None:
+    from voicebot.probe.client import ProbeConfig, run_level
+
+    cfg = ProbeConfig(url=scripted_url, clips=(say_clip,), turns=2, gap_s=0.1, timeout_s=5.0, stagger_s=0.05)
+    records = await asyncio.wait_for(run_level(cfg, 2), 30)
+    _check_records(records, 2, 2)
+
+
+async def test_a_session_keeps_no_reply_audio_unless_it_is_saved(
+    scripted_url: str, say_clip: Any, tmp_path: Path
+) -> None:
+    """60 s of float audio per turn and session were kept for --save-audio even without
+    it: ~6 MB per session-turn, gigabytes at 512 sessions."""
+    from voicebot.probe.client import FrameClock, ProbeConfig, _Session
+
+    cfg = ProbeConfig(url=scripted_url, clips=(say_clip,), turns=1, timeout_s=5.0, gap_s=0.0)
+    clock = FrameClock(0.02)
+    ticker = asyncio.create_task(clock.run())
+    try:
+        plain = _Session(cfg, 0, 1)
+        saved = _Session(replace(cfg, save_audio=tmp_path), 1, 1)
+        await asyncio.wait_for(asyncio.gather(plain.run(clock), saved.run(clock)), 30)
+    finally:
+        ticker.cancel()
+    assert plain.records[0].status == saved.records[0].status == "ok"
+    assert plain.tracker is not None and plain.tracker.reply_audio().size == 0
+    assert saved.tracker is not None and saved.tracker.reply_audio().size > 0
+    assert (tmp_path / "n1_s1_t0.wav").is_file()
+    assert clock.ticks > 0 and clock.skipped == 0  # frames went out through the one clock
+
+
+async def test_sessions_spread_over_worker_processes(scripted_url: str, say_clip: Any) -> None:
+    from voicebot.probe.client import ProbeConfig, run_level_measured
+    from voicebot.probe.report import build_report
+
+    cfg = ProbeConfig(url=scripted_url, clips=(say_clip,), turns=1, timeout_s=5.0, stagger_s=0.05, workers=2)
+    result = await asyncio.wait_for(run_level_measured(cfg, 3), 60)
+    _check_records(result.records, 3, 1)
+    stats = result.stats.as_dict()
+    assert (stats["workers"], stats["sessions"]) == (2, 3)
+    assert stats["cpu_s"] > 0 and stats["ticks"] > 0 and stats["tick_late_ms"]["n"] > 0
+    report = build_report({}, [(3, result.records)], probe=[stats])
+    assert report["levels"][0]["probe"] == stats
+    assert report["levels"][0]["stalled_replies"] == 0
+    assert report["levels"][0]["reply_rtf"]["n"] == 3

@@ -12,6 +12,17 @@ from typing import Any
 # What the server accepts in session.start (voicebot/transports/native.py); repeated
 # here so building the parser does not import the server stack.
 RATES = (8000, 16000, 22050, 24000, 32000, 44100, 48000)
+# Sessions one probe process drives with its timing error still well under 1 ms
+# (measured: benchmarks/pipeline_probe_cost.py, docs/gpu-results.md).
+SESSIONS_PER_WORKER = 128
+
+
+def auto_workers(sessions: int, cpus: int | None = None) -> int:
+    """Processes for ``sessions`` callers: one per SESSIONS_PER_WORKER, at most one per CPU."""
+    import os
+
+    cpus = cpus or os.cpu_count() or 1
+    return max(1, min(cpus, -(-sessions // SESSIONS_PER_WORKER)))
 
 
 def _bounded(kind: type, lo: float, hi: float):  # type: ignore[no-untyped-def]
@@ -57,10 +68,17 @@ def add_probe_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     p.add_argument(
         "--sessions",
         nargs="+",
-        type=_bounded(int, 1, 256),
+        type=_bounded(int, 1, 4096),
         default=[1],
         metavar="N",
         help="concurrent sessions; several values run one level after another (default: 1)",
+    )
+    p.add_argument(
+        "--workers",
+        type=_bounded(int, 0, 256),
+        default=0,
+        help=f"probe processes the sessions are spread over; 0: one per {SESSIONS_PER_WORKER} "
+        "sessions, at most one per CPU (default: %(default)s)",
     )
     p.add_argument(
         "--turns",
@@ -156,9 +174,10 @@ def run_probe(args: argparse.Namespace) -> int:
     2 bad arguments or files."""
     import asyncio
     import importlib.util
+    from dataclasses import replace
 
     from voicebot.errors import ConfigError
-    from voicebot.probe.client import ProbeConfig, check_reachable, run_level
+    from voicebot.probe.client import ProbeConfig, check_reachable, run_level_measured
     from voicebot.probe.clips import load_clip
     from voicebot.probe.report import build_report, format_table, write_plot
 
@@ -198,15 +217,22 @@ def run_probe(args: argparse.Namespace) -> int:
         save_audio=args.save_audio,
     )
 
-    async def main() -> list[tuple[int, list[Any]]]:
+    async def main() -> tuple[list[tuple[int, list[Any]]], list[dict[str, Any]]]:
         await check_reachable(cfg.url, cfg.connect_timeout_s)
-        levels = []
+        levels, costs = [], []
         for n in args.sessions:
-            print(f"probe: {n} session(s) x {cfg.turns} turn(s) ...", file=sys.stderr, flush=True)
-            levels.append((n, await run_level(cfg, n)))
-        return levels
+            workers = args.workers or auto_workers(n)
+            print(
+                f"probe: {n} session(s) x {cfg.turns} turn(s), {workers} process(es) ...",
+                file=sys.stderr,
+                flush=True,
+            )
+            result = await run_level_measured(replace(cfg, workers=workers), n)
+            levels.append((n, result.records))
+            costs.append(result.stats.as_dict())
+        return levels, costs
 
-    levels = asyncio.run(main())
+    levels, costs = asyncio.run(main())
     config = {
         "url": cfg.url,
         "protocol": cfg.protocol,
@@ -221,7 +247,7 @@ def run_probe(args: argparse.Namespace) -> int:
         "threshold_dbfs": cfg.threshold_dbfs,
         "barge_in_after_ms": args.barge_in_after_ms if args.barge_in else None,
     }
-    report = build_report(config, levels)
+    report = build_report(config, levels, probe=costs)
     print(format_table(report))
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2) + "\n")

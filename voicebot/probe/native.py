@@ -9,12 +9,21 @@ import time
 
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketException
+from websockets.frames import Close
+from websockets.protocol import State
 
 from voicebot.probe.base import Audio, ClientClosed, ClientError, ConnectOptions, Event, Incoming
 
+# Bytes queued in the socket before send_audio_nowait holds a frame back (~2 s of audio
+# at 16 kHz): a server that stops reading shows up as skipped frames, not a stuck probe.
+_WRITE_BUFFER_LIMIT = 64 * 1024
+
 
 def _closed(exc: ConnectionClosed) -> ClientClosed:
-    rcvd = exc.rcvd
+    return _describe_close(exc.rcvd)
+
+
+def _describe_close(rcvd: Close | None) -> ClientClosed:
     if rcvd is None:
         return ClientClosed("connection lost without a close frame")
     return ClientClosed(
@@ -74,6 +83,24 @@ class NativeClient:
             await self._ws.send(pcm)
         except ConnectionClosed as exc:
             raise _closed(exc) from None
+
+    def send_audio_nowait(self, pcm: bytes) -> bool:
+        """:meth:`send_audio` without a coroutine: write the frame to the socket now.
+
+        The probe's frame clock calls this for hundreds of sessions every 20 ms; an
+        awaited ``send`` per frame was most of its CPU. False when the socket's write
+        buffer is full (the frame is held back); ClientClosed once the connection is
+        closing.
+        """
+        ws = self._ws
+        assert ws is not None, "connect() first"
+        if ws.protocol.state is not State.OPEN:
+            raise _describe_close(ws.protocol.close_rcvd)
+        if ws.transport.get_write_buffer_size() > _WRITE_BUFFER_LIMIT:
+            return False
+        ws.protocol.send_binary(pcm)
+        ws.send_data()
+        return True
 
     async def receive(self) -> Incoming:
         assert self._ws is not None, "connect() first"

@@ -20,6 +20,11 @@ STAGES = (
 )
 
 
+# A gap between reply chunks this long is a stall the caller hears: the server paces
+# 20 ms frames 120 ms ahead (session.playout_lead_ms), so on time they never gap this much.
+STALL_GAP_MS = 150.0
+
+
 def summarize(records: list[TurnRecord]) -> dict[str, Any]:
     """Latency of every turn with a measured value (a turn with a non-fatal error
     event still measured a real latency); counts say how many turns went wrong."""
@@ -38,6 +43,15 @@ def summarize(records: list[TurnRecord]) -> dict[str, Any]:
             r.voice_to_voice_ms for r in records if r.voice_to_voice_ms is not None
         ),
         "stages_ms": stages,
+        # reply audio / its arrival span per turn: under 1, the caller heard the reply stall
+        "reply_rtf": percentiles(
+            r.reply_audio_ms / r.reply_span_ms
+            for r in records
+            if r.reply_audio_ms is not None and r.reply_span_ms
+        ),
+        "stalled_replies": sum(
+            r.reply_max_gap_ms is not None and r.reply_max_gap_ms > STALL_GAP_MS for r in records
+        ),
     }
     barged = [r.barge_in for r in records if r.barge_in is not None]
     if barged:
@@ -51,12 +65,17 @@ def summarize(records: list[TurnRecord]) -> dict[str, Any]:
 
 
 def build_report(
-    config: dict[str, Any], levels: list[tuple[int, list[TurnRecord]]]
+    config: dict[str, Any],
+    levels: list[tuple[int, list[TurnRecord]]],
+    probe: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
+    """``probe``: the probe's own cost per level (ProbeStats.as_dict), if measured."""
     merged = [r for _, recs in levels for r in recs]
     level_out = [
         {"sessions": n, **summarize(recs), "turns": [asdict(r) for r in recs]} for n, recs in levels
     ]
+    for lv, cost in zip(level_out, probe or [], strict=False):
+        lv["probe"] = cost
     return {
         "config": config,
         **summarize(merged),
@@ -79,6 +98,13 @@ def format_table(report: dict[str, Any]) -> str:
         row += "".join(f" {_ms(v[k]):>6}" for k in ("p90", "p95", "p99", "max"))
         row += "".join(f" {_ms(lv['stages_ms'][s]['p50']):>10}" for s in STAGES[:-1])
         lines.append(row)
+        if "probe" in lv:
+            pr = lv["probe"]
+            lines.append(
+                f"{'':>8} probe: {pr['workers']} process(es), {pr['cores']} cores"
+                f" ({pr['cpu_per_session_pct']}% of a core per session), frame clock late"
+                f" p99 {_ms(pr['tick_late_ms']['p99'])} ms, {pr['skipped_frames']} frames held back"
+            )
         if "barge_in_ms" in lv:
             b = lv["barge_in_ms"]
             lines.append(

@@ -35,6 +35,12 @@ class TurnRecord:
     voice_to_voice_ms: float | None = None
     timings: dict[str, Any] = field(default_factory=dict)  # the server's turn.timings
     barge_in: dict[str, float | None] | None = None  # event_ms, playout_stop_ms
+    # Reply audio received after the end of speech: how much, over how long, the longest
+    # gap between chunks. Audio / span under 1 means the reply arrived slower than real
+    # time (the server's TTS or pacing fell behind): the caller heard it stall.
+    reply_audio_ms: float | None = None
+    reply_span_ms: float | None = None
+    reply_max_gap_ms: float | None = None
     replies: list[dict[str, Any]] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -72,6 +78,12 @@ class TurnTracker:
         self._transcripts: dict[str, str] = {}
         self._playing: str | None = None  # response whose audio is arriving now
         self.fatal = False
+        self._noted_early = False
+        self._reply_first_t: float | None = None
+        self._reply_last_t: float | None = None
+        self._reply_samples = 0
+        self._reply_last_samples = 0
+        self._reply_max_gap = 0.0
         self.speech_end_t: float | None = None
         self.onset_t: float | None = None
         # barge-in
@@ -96,19 +108,29 @@ class TurnTracker:
         self.barge_end_t = t
 
     def on_audio(self, pcm: bytes, t: float) -> None:
-        audio = pcm16_to_float(pcm)
+        # Called for every reply chunk of every session: levels are computed only while
+        # they can still change the record (the caller's speech, or the wait for the
+        # onset), and audio is copied only when it is kept (--save-audio).
         if self._kept < self._keep:  # recorded for --save-audio, capped per turn
-            part = audio[: self._keep - self._kept]
+            part = pcm16_to_float(pcm)[: self._keep - self._kept]
             self._audio.append(part)
             self._kept += part.size
-        audible = self._detector.feed(audio)
         if self.speech_end_t is None:
-            if audible and "reply audio during user speech" not in self.record.notes:
+            if not self._noted_early and self._detector.feed_pcm16(pcm):
+                self._noted_early = True
                 self.record.notes.append("reply audio during user speech")
-        elif self.onset_t is None and audible:
+        elif self.onset_t is None and self._detector.feed_pcm16(pcm):
             self.onset_t = t
         if self.barge_speech_t is not None and self._playing == self._barged:
             self._last_barged_audio_t = t
+        if self.speech_end_t is not None:
+            if self._reply_first_t is None:
+                self._reply_first_t = t
+            elif self._reply_last_t is not None:
+                self._reply_max_gap = max(self._reply_max_gap, t - self._reply_last_t)
+            self._reply_last_t = t
+            self._reply_samples += len(pcm) // 2
+            self._reply_last_samples = len(pcm) // 2
 
     def on_event(self, data: dict[str, Any], t: float) -> None:
         kind = data.get("type")
@@ -149,6 +171,17 @@ class TurnTracker:
         self.barge_state = "sent"
         self._barged = self._playing
         return True
+
+    def next_decision(self, now: float) -> float:
+        """The next time :meth:`barge_due` or :meth:`finished` may change its answer
+        without any new audio or event (the driver sleeps until then or a wake-up)."""
+        times = [float("inf")]
+        if self.barge_state == "waiting" and self.onset_t is not None and self.barge_after_s is not None:
+            times.append(self.onset_t + self.barge_after_s)
+        done = self._final_done()
+        if done is not None and done.done_t is not None:
+            times.append(done.done_t + self.timings_grace_s)
+        return max(now, min(times))
 
     def finished(self, now: float) -> bool:
         if self.fatal:
@@ -230,6 +263,12 @@ class TurnTracker:
         ]
         if self.speech_end_t is not None and self.onset_t is not None:
             rec.voice_to_voice_ms = round(1000.0 * (self.onset_t - self.speech_end_t), 1)
+        if self._reply_first_t is not None and self._reply_last_t is not None:
+            rec.reply_audio_ms = round(1000.0 * self._reply_samples / self.output_rate, 1)
+            # the last chunk counts as played through its own length
+            last = self._reply_last_samples / self.output_rate
+            rec.reply_span_ms = round(1000.0 * (self._reply_last_t - self._reply_first_t + last), 1)
+            rec.reply_max_gap_ms = round(1000.0 * self._reply_max_gap, 1)
         if self.barge_state == "sent" and self.barge_speech_t is not None:
             t0 = self.barge_speech_t
             rec.barge_in = {

@@ -1,0 +1,476 @@
+"""The whole pipeline on one machine: the real server, N callers over loopback, JSON per N.
+
+    python benchmarks/pipeline_gpu.py run --config configs/gpu.yaml --gpu-dummy \
+        --llm-dir .gpu/qwen7b --whisper-dir .gpu/whisper-turbo --voice ~/tts/voice \
+        --audio .gpu/audio/librivox_08*.wav --sessions 16 32 64 128 256 512 --out OUT
+    python benchmarks/pipeline_gpu.py plot OUT/pipeline.json --png docs/img/pipeline_gpu.png
+
+``run`` starts ``voicebot serve`` (this file's ``serve`` mode: the real CLI path with the
+benchmark patches below) and waits for /healthz, then drives each level with the probe
+(``voicebot.probe``: real clips in real time, 20 ms frames, voice-to-voice measured from
+the audio at -40 dBFS; its sessions spread over processes) and writes, per level,
+``OUT/level_N.json`` (every turn) and a summary row in ``OUT/pipeline.json``:
+voice-to-voice p50/p95/p99, per-stage p95 from the server's ``turn.timings`` (ASR final,
+LLM TTFT, first clause, TTS first audio), dropped sessions (any turn failed, timed out or
+never connected), reply delivery RTF (reply audio / its arrival span; under 1 the caller
+heard it stall), the probe's own cost, and /healthz queues sampled during the level.
+Levels stop at the first one over ``--p95-limit-ms`` / ``--p99-limit-ms`` or with a
+dropped session (the issue's criteria), or when ``--max-wall-s`` leaves no room for the
+next one. ``--url`` drives a server that is already up; ``--detach`` leaves the started
+server running (its pid in OUT/server.pid) for a later ``run --url`` (device calls are
+10 minutes at most).
+
+Benchmark patches (``serve`` mode only, chosen by ``--gpu-dummy``; all stated in the JSON):
+- Whisper on vLLM and the LLM run with ``load_format="dummy"``: random weights of the real
+  shapes (no weights can be downloaded on the GPU machines). Speed does not depend on the
+  weights' values, but lengths do, so they are forced: ASR text is min=max tokens,
+  ``--asr-tokens-per-s`` of audio capped at ``--asr-max-tokens`` (random Whisper never
+  stops); LLM replies are ``llm.max_tokens`` long (random Qwen never emits EOS).
+- ``--script-replies``: the LLM's generated tokens are kept (history, prefix cache,
+  timing) but the text the session receives is a fixed English reply, one word per
+  token, so the TTS synthesises realistic speech (random tokens are mostly CJK
+  fragments that espeak/Piper would spell out for a minute).
+The VAD, turn-taking, sessions, playout and TTS are the server's own, unpatched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+PATCH_ENV = "PIPELINE_BENCH_PATCHES"
+# One word per generated token: two clauses, ~5-6 s of speech at 24 tokens.
+SCRIPT_REPLY = (
+    "Sure, I can help with that. Your order shipped this morning and it should arrive "
+    "on Thursday before noon. Is there anything else I can do for you today?"
+).split(" ")
+STAGES = ("endpointing_ms", "asr_final_ms", "llm_ttft_ms", "first_clause_ms", "tts_first_audio_ms",
+          "voice_to_voice_ms")
+
+
+# ============================================================== serve: the server child
+def install_patches(opts: dict[str, Any]) -> None:
+    """Benchmark-only changes to the server process (see the module docstring)."""
+    if opts.get("whisper"):
+        import voicebot.engines.asr_vllm as asr_vllm
+
+        w = opts["whisper"]
+        settings = asr_vllm.WhisperVllmSettings(**w["settings"])
+        original_create = asr_vllm.create_asr
+
+        def create_asr(cfg: Any, model_path: str, *, settings_: Any = None, **kw: Any) -> Any:
+            return original_create(cfg, model_path, settings=settings)
+
+        asr_vllm.create_asr = create_asr  # type: ignore[assignment]
+        per_s, cap = float(w["tokens_per_s"]), int(w["max_tokens"])
+
+        def token_budget(self: Any, job: Any, prompt_len: int) -> tuple[int, int]:
+            n = max(1, min(cap, round(job.audio.size / 16000 * per_s)))
+            n = min(n, asr_vllm.WHISPER_MAX_TARGET_TOKENS - prompt_len - 1)
+            return n, n  # random weights: force the length a real transcript would have
+
+        asr_vllm.VllmAsrEngine.token_budget = token_budget  # type: ignore[method-assign]
+    if opts.get("script_replies"):
+        from voicebot.engines import llm as llm_mod
+
+        original_stream = llm_mod.LlmEngine._stream
+
+        async def _stream(self: Any, rid: str, prompt_ids: list[int], lane: Any, st: Any, params: Any) -> Any:
+            k = 0
+            async with contextlib.aclosing(original_stream(self, rid, prompt_ids, lane, st, params)) as stream:
+                async for delta in stream:
+                    if lane is llm_mod.Lane.INTERACTIVE:
+                        n = max(1, delta.token_count)
+                        words = [SCRIPT_REPLY[(k + i) % len(SCRIPT_REPLY)] for i in range(n)]
+                        text = "".join(w if k + i == 0 else " " + w for i, w in enumerate(words))
+                        k += n
+                        delta = llm_mod.TextDelta(text, delta.token_count, delta.token_ids)
+                    yield delta
+
+        llm_mod.LlmEngine._stream = _stream  # type: ignore[method-assign]
+
+
+def serve_main(argv: list[str]) -> int:
+    opts = json.loads(os.environ.get(PATCH_ENV, "{}"))
+    install_patches(opts)
+    from voicebot.cli import main as cli_main
+
+    return cli_main(["serve", *argv])
+
+
+# ============================================================== run: server + levels
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def http_json(url: str, timeout: float = 5.0) -> tuple[int, dict[str, Any]]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read() or b"{}")
+    except urllib.error.HTTPError as exc:
+        with contextlib.suppress(Exception):
+            return exc.code, json.loads(exc.read() or b"{}")
+        return exc.code, {}
+
+
+def patch_options(args: argparse.Namespace) -> dict[str, Any]:
+    opts: dict[str, Any] = {"script_replies": bool(args.script_replies)}
+    if args.gpu_dummy:
+        opts["whisper"] = {
+            "settings": {
+                "load_format": "dummy",
+                "gpu_memory_utilization": args.whisper_memory,
+                "max_num_batched_tokens": args.whisper_batched_tokens,
+                "feature_workers": args.whisper_feature_workers,
+            },
+            "tokens_per_s": args.asr_tokens_per_s,
+            "max_tokens": args.asr_max_tokens,
+        }
+    return opts
+
+
+def server_overrides(args: argparse.Namespace) -> list[str]:
+    sets = [f"server.max_sessions={max(args.sessions) + 8}", "server.transports=[native]"]
+    if args.gpu_dummy:
+        sets += [
+            "asr.backend=vllm",
+            f"asr.model={Path(args.whisper_dir).resolve()}",
+            f"llm.model={Path(args.llm_dir).resolve()}",
+            "llm.load_format=dummy",
+            f"llm.gpu_memory_utilization={args.llm_memory}",
+            "models.offline=true",
+        ]
+    if args.voice:
+        sets += ["tts.engine=piper", f"tts.voice={Path(args.voice).expanduser().resolve()}"]
+    if args.llm_max_tokens:
+        sets.append(f"llm.max_tokens={args.llm_max_tokens}")
+    return sets + list(args.set)
+
+
+class Server:
+    """The server child, or nothing when --url names one that is already up."""
+
+    def __init__(self, args: argparse.Namespace, out: Path) -> None:
+        self.args, self.out = args, out
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.port = free_port()
+        self.log_path = out / "server.log"
+
+    @property
+    def http(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> float:
+        args = self.args
+        cmd = [sys.executable, str(Path(__file__).resolve()), "serve", "--config", args.config,
+               "--host", "127.0.0.1", "--port", str(self.port)]
+        for item in server_overrides(args):
+            cmd += ["--set", item]
+        env = dict(os.environ, **{PATCH_ENV: json.dumps(patch_options(args))})
+        (self.out / "server_cmd.json").write_text(json.dumps({"cmd": cmd, "patches": patch_options(args)}, indent=1))
+        log = self.log_path.open("ab")
+        t0 = time.monotonic()
+        # its own session: with --detach it outlives this script (and the device call)
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        (self.out / "server.pid").write_text(f"{self.proc.pid} {self.port}\n")
+        deadline = t0 + args.start_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}; see {self.log_path}")
+            with contextlib.suppress(OSError):
+                status, body = http_json(self.http + "/healthz", 2.0)
+                if status == 200 and body.get("ready"):
+                    return time.monotonic() - t0
+            time.sleep(1.0)
+        raise RuntimeError(f"server not ready within {args.start_timeout_s:.0f} s; see {self.log_path}")
+
+    def stop(self) -> None:
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+class HealthSampler(threading.Thread):
+    """/healthz every second during a level: sessions, engine queues (max seen)."""
+
+    def __init__(self, http: str) -> None:
+        super().__init__(daemon=True)
+        self.http, self.stop_flag = http, threading.Event()
+        self.peaks: dict[str, float] = {}
+        self.errors = 0
+
+    def run(self) -> None:
+        while not self.stop_flag.wait(1.0):
+            try:
+                _, body = http_json(self.http + "/healthz", 2.0)
+            except Exception:
+                self.errors += 1
+                continue
+            items = {"active_sessions": body.get("active_sessions")}
+            items.update({f"queue_{k}": v for k, v in (body.get("queues") or {}).items()})
+            for k, v in items.items():
+                if isinstance(v, int | float):
+                    self.peaks[k] = max(self.peaks.get(k, v), v)
+
+
+def summarize_level(n: int, records: list[Any], probe: dict[str, Any], wall_s: float,
+                    health: dict[str, float]) -> dict[str, Any]:
+    from voicebot.probe.report import summarize
+
+    s = summarize(records)
+    sessions: dict[int, list[Any]] = {}
+    for r in records:
+        sessions.setdefault(r.session, []).append(r)
+    dropped = sorted(i for i, rs in sessions.items() if any(r.status != "ok" for r in rs))
+    v = s["voice_to_voice_ms"]
+    return {
+        "sessions": n,
+        "turns": s["counts"],
+        "dropped_sessions": len(dropped),
+        "dropped_reasons": sorted({e for i in dropped for r in sessions[i] for e in r.errors})[:10],
+        "v2v_ms": {k: v[k] for k in ("n", "p50", "p95", "p99", "max")},
+        "stage_p95_ms": {k: s["stages_ms"][k]["p95"] for k in STAGES},
+        "stage_p50_ms": {k: s["stages_ms"][k]["p50"] for k in STAGES},
+        "reply_rtf": {k: s["reply_rtf"][k] for k in ("n", "min", "p50")}
+        | {"p5": percentiles_low(records)},
+        "stalled_replies": s["stalled_replies"],
+        "prompt_cache_hit": cache_hit(records),
+        "probe": probe,
+        "server_peaks": health,
+        "wall_s": round(wall_s, 1),
+        "percentiles_of": "turns with a measured voice-to-voice latency",
+    }
+
+
+def percentiles_low(records: list[Any]) -> float | None:
+    """5th percentile of reply delivery RTF: the slow tail is the low one."""
+    import numpy as np
+
+    vals = [r.reply_audio_ms / r.reply_span_ms for r in records if r.reply_audio_ms and r.reply_span_ms]
+    return round(float(np.percentile(vals, 5)), 3) if vals else None
+
+
+def cache_hit(records: list[Any]) -> float | None:
+    prompt = sum(int(r.timings.get("prompt_tokens") or 0) for r in records)
+    cached = sum(int(r.timings.get("cached_prompt_tokens") or 0) for r in records)
+    return round(cached / prompt, 3) if prompt else None
+
+
+def level_fails(row: dict[str, Any], args: argparse.Namespace) -> list[str]:
+    why = []
+    v = row["v2v_ms"]
+    if row["dropped_sessions"]:
+        why.append(f"{row['dropped_sessions']} dropped session(s)")
+    if v["p95"] is None or v["p95"] > args.p95_limit_ms:
+        why.append(f"v2v p95 {v['p95']} ms > {args.p95_limit_ms:g}")
+    if v["p99"] is None or v["p99"] > args.p99_limit_ms:
+        why.append(f"v2v p99 {v['p99']} ms > {args.p99_limit_ms:g}")
+    rtf = row["reply_rtf"]["p5"]
+    if rtf is not None and rtf < args.rtf_limit:
+        why.append(f"reply RTF p5 {rtf} < {args.rtf_limit:g}")
+    return why
+
+
+def run_main(args: argparse.Namespace) -> int:
+    from dataclasses import asdict, replace
+
+    from voicebot.probe.cli import auto_workers
+    from voicebot.probe.client import ProbeConfig, run_level_measured
+    from voicebot.probe.clips import load_clip
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t_start = time.monotonic()
+    summary_path = out / "pipeline.json"
+    summary: dict[str, Any] = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    summary.setdefault("levels", [])
+    summary.setdefault("runs", []).append({
+        "argv": sys.argv, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "cpus": os.cpu_count(), "patches": patch_options(args), "overrides": server_overrides(args),
+        "weights": "dummy (random, real shapes)" if args.gpu_dummy else "real",
+    })
+    server = Server(args, out)
+    if args.url:
+        http = args.url.replace("ws://", "http://").rsplit("/ws", 1)[0]
+        url = args.url
+    else:
+        print(f"starting the server ({args.config}) ...", flush=True)
+        try:
+            summary["runs"][-1]["server_start_s"] = round(server.start(), 1)
+        except Exception:
+            server.stop()
+            print(server.log_path.read_text(errors="replace")[-4000:], file=sys.stderr)
+            raise
+        http, url = server.http, f"ws://127.0.0.1:{server.port}/ws"
+        print(f"server ready in {summary['runs'][-1]['server_start_s']} s at {url}", flush=True)
+    _, health = http_json(http + "/healthz")
+    summary["runs"][-1]["healthz_at_start"] = health
+    clips = tuple(load_clip(a, 16000) for a in args.audio)
+    base = ProbeConfig(url=url, clips=clips, turns=args.turns, gap_s=args.gap_s, timeout_s=args.turn_timeout_s,
+                       connect_timeout_s=30.0)
+    rc = 0
+    try:
+        # one short call first: every engine's first request (CUDA graphs, caches) is not a level's
+        warm = asyncio.run(run_level_measured(replace(base, turns=1), 1))
+        print(f"warm-up call: {[r.status for r in warm.records]} v2v {[r.voice_to_voice_ms for r in warm.records]}",
+              flush=True)
+        last_wall = 0.0
+        for n in args.sessions:
+            elapsed = time.monotonic() - t_start
+            if args.max_wall_s and elapsed + max(last_wall, 30.0) * 1.2 > args.max_wall_s:
+                print(f"stopping before N={n}: {elapsed:.0f} s used of --max-wall-s {args.max_wall_s:g}", flush=True)
+                summary["runs"][-1]["stopped_before"] = n
+                break
+            workers = args.workers or auto_workers(n)
+            cfg = replace(base, stagger_s=args.ramp_s / n, workers=workers)
+            sampler = HealthSampler(http)
+            sampler.start()
+            t0 = time.monotonic()
+            result = asyncio.run(run_level_measured(cfg, n))
+            last_wall = time.monotonic() - t0
+            sampler.stop_flag.set()
+            sampler.join(3)
+            row = summarize_level(n, result.records, result.stats.as_dict(), last_wall, sampler.peaks)
+            row["fails"] = level_fails(row, args)
+            summary["levels"] = [lv for lv in summary["levels"] if lv["sessions"] != n] + [row]
+            (out / f"level_{n}.json").write_text(json.dumps(
+                {"summary": row, "turns": [asdict(r) for r in result.records]}, indent=1) + "\n")
+            summary_path.write_text(json.dumps(summary, indent=2) + "\n")
+            v, st = row["v2v_ms"], row["stage_p95_ms"]
+            print(f"N={n:4d} ok {row['turns']['ok']}/{row['turns']['turns']} dropped {row['dropped_sessions']}  "
+                  f"v2v p50/p95/p99 {v['p50']}/{v['p95']}/{v['p99']}  p95 asr {st['asr_final_ms']} "
+                  f"ttft {st['llm_ttft_ms']} clause {st['first_clause_ms']} tts {st['tts_first_audio_ms']}  "
+                  f"rtf p5 {row['reply_rtf']['p5']} stalls {row['stalled_replies']}  "
+                  f"probe {row['probe']['cores']} cores late p99 {row['probe']['tick_late_ms']['p99']} ms  "
+                  f"{last_wall:.0f} s {'FAIL: ' + '; '.join(row['fails']) if row['fails'] else ''}", flush=True)
+            if row["fails"] and not args.keep_going:
+                break
+            time.sleep(args.pause_s)
+    except BaseException:
+        rc = 1
+        raise
+    finally:
+        passing = [lv["sessions"] for lv in summary["levels"] if not lv.get("fails")]
+        summary["sessions_per_gpu"] = max(passing) if passing else 0
+        summary_path.write_text(json.dumps(summary, indent=2) + "\n")
+        if not args.detach:
+            server.stop()
+        print(f"largest passing N: {summary['sessions_per_gpu']}; {summary_path}", flush=True)
+    return rc
+
+
+# ============================================================== plot
+def plot_main(args: argparse.Namespace) -> int:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary = json.loads(Path(args.summary).read_text())
+    levels = sorted(summary["levels"], key=lambda lv: lv["sessions"])
+    ns = [lv["sessions"] for lv in levels]
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for key, style in (("p50", "o-"), ("p95", "s-"), ("p99", "^--")):
+        ax.plot(ns, [lv["v2v_ms"][key] for lv in levels], style, label=f"voice-to-voice {key}")
+    ax.axhline(800, color="grey", lw=0.8, ls=":", label="p95 target 800 ms")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ns, [str(n) for n in ns])
+    ax.set_xlabel("concurrent sessions")
+    ax.set_ylabel("ms")
+    ax.set_title(args.title or "voice-to-voice latency vs sessions")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    for key, label in (("asr_final_ms", "ASR final"), ("llm_ttft_ms", "LLM TTFT"),
+                       ("first_clause_ms", "first clause"), ("tts_first_audio_ms", "TTS first audio"),
+                       ("endpointing_ms", "endpointing")):
+        bx.plot(ns, [lv["stage_p95_ms"].get(key) for lv in levels], "o-", label=label)
+    bx.set_xscale("log", base=2)
+    bx.set_xticks(ns, [str(n) for n in ns])
+    bx.set_xlabel("concurrent sessions")
+    bx.set_ylabel("p95 ms (server turn.timings)")
+    bx.set_title("per-stage p95")
+    bx.grid(alpha=0.3)
+    bx.legend(fontsize=8)
+    fig.tight_layout()
+    Path(args.png).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(args.png, dpi=100)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="start the server (or use --url) and drive the levels")
+    r.add_argument("--config", default="configs/gpu.yaml")
+    r.add_argument("--set", action="append", default=[], help="extra server override KEY=VALUE")
+    r.add_argument("--url", help="a server already running (ws://host:port/ws)")
+    r.add_argument("--detach", action="store_true", help="leave the started server running")
+    r.add_argument("--out", required=True)
+    r.add_argument("--audio", nargs="+", required=True)
+    r.add_argument("--sessions", type=int, nargs="+", default=[16, 32, 64, 128, 256, 512])
+    r.add_argument("--turns", type=int, default=3)
+    r.add_argument("--gap-s", type=float, default=0.5)
+    r.add_argument("--ramp-s", type=float, default=6.0, help="session starts spread over this long")
+    r.add_argument("--turn-timeout-s", type=float, default=30.0)
+    r.add_argument("--pause-s", type=float, default=3.0, help="between levels")
+    r.add_argument("--workers", type=int, default=0, help="probe processes (0: probe's auto rule)")
+    r.add_argument("--p95-limit-ms", type=float, default=800.0)
+    r.add_argument("--p99-limit-ms", type=float, default=1200.0)
+    r.add_argument("--rtf-limit", type=float, default=0.95, help="reply delivery RTF p5 below this fails")
+    r.add_argument("--keep-going", action="store_true", help="run every level even after one fails")
+    r.add_argument("--max-wall-s", type=float, default=0.0, help="start no level that would end after this")
+    r.add_argument("--start-timeout-s", type=float, default=480.0)
+    r.add_argument("--gpu-dummy", action="store_true", help="GPU run: Whisper on vLLM + LLM, dummy weights")
+    r.add_argument("--llm-dir", default=".gpu/qwen7b")
+    r.add_argument("--whisper-dir", default=".gpu/whisper-turbo")
+    r.add_argument("--voice", help="Piper voice directory (sets tts.engine=piper)")
+    r.add_argument("--llm-memory", type=float, default=0.70)
+    r.add_argument("--llm-max-tokens", type=int, default=24, help="reply length (forced: random weights)")
+    r.add_argument("--whisper-memory", type=float, default=0.15)
+    r.add_argument("--whisper-batched-tokens", type=int, default=48_000)
+    r.add_argument("--whisper-feature-workers", type=int, default=8)
+    r.add_argument("--asr-tokens-per-s", type=float, default=3.0)
+    r.add_argument("--asr-max-tokens", type=int, default=24)
+    r.add_argument("--script-replies", action=argparse.BooleanOptionalAction, default=True)
+    pl = sub.add_parser("plot", help="plot v2v p50/p95/p99 and stage p95 against N")
+    pl.add_argument("summary")
+    pl.add_argument("--png", required=True)
+    pl.add_argument("--title")
+    return p
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "serve":
+        return serve_main(sys.argv[2:])
+    args = build_parser().parse_args()
+    if args.command == "run":
+        return run_main(args)
+    return plot_main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
