@@ -1,3 +1,5 @@
+import pytest
+
 from voicebot.session.clauses import ClauseChunker
 
 
@@ -76,3 +78,16 @@ def test_phrase_cut_does_not_take_a_word_that_only_starts_like_one() -> None:
     c = ClauseChunker(first_clause_words=6, max_clause_words=24)
     assert c.push("It needs attention now ") == []
     assert c.push("please. ") == ["It needs attention now please."]
+
+
+def test_first_clause_does_not_wait_for_the_token_after_its_punctuation() -> None:
+    c = ClauseChunker(first_clause_words=4, max_clause_words=24)
+    assert c.push("Sure") == []
+    assert c.push(".") == ["Sure."]
+    assert c.push(" We close at six.") == []  # later clauses wait for the whitespace
+    assert c.push(" Bye") == ["We close at six."]
+
+
+@pytest.mark.parametrize("text", ["Mr.", "It costs 3.", "Try e.g.", "In the U.S.", "It's"])
+def test_first_clause_waits_where_the_mark_may_not_end_anything(text: str) -> None:
+    assert ClauseChunker(first_clause_words=6).push(text) == []

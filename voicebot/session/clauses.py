@@ -13,7 +13,9 @@ conjunction: "We close | at six this evening.") once it has
 waits for costs ~90 ms before the caller hears anything, and a cut at a phrase border
 sounds like a natural breath where a cut at a fixed word count can split "the | shop".
 Knowing the next word is such a word takes no longer than the plain word-count cut
-(either needs the whitespace after it).
+(either needs the whitespace after it). And the first clause does not wait for the
+whitespace after its punctuation ("Sure." is cut as soon as the "." arrives, a token
+sooner) where the mark cannot belong to a number ("3.50") or an abbreviation ("Mr.").
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ _CLAUSE_MARKS = ",;:—–"
 # A cut point: punctuation (optionally followed by closing quotes/brackets) then whitespace.
 _PUNCT_CUT = re.compile(r"([.!?…,;:—–][\"')\]]*)(\s+)")
 _WORD = re.compile(r"\S+")
+# Punctuation ending the text so far, after a word of 2+ letters (not "3.", "e.g.", "U.S.").
+_TRAILING_MARK = re.compile(r"(?<![\w.'])([A-Za-z]{2,})([.!?…,;:])$")
+_ABBREVIATIONS = frozenset("mr mrs ms dr st jr sr vs etc no mt ft approx".split())
 # Words the first clause may be cut before once it has _FIRST_MIN_WORDS words.
 _FIRST_MIN_WORDS = 2
 _PHRASE_STARTS = frozenset(
@@ -76,6 +81,9 @@ class ClauseChunker:
                 return self._cut(m.end(1), m.end())
         found = list(_WORD.finditer(self._buf))
         if self._emitted == 0:
+            trailing = _TRAILING_MARK.search(self._buf)
+            if trailing is not None and trailing.group(1).lower() not in _ABBREVIATIONS:
+                return self._cut(len(self._buf), len(self._buf))
             # Before a phrase-opening word, once that word is known to be complete.
             for k in range(_FIRST_MIN_WORDS, min(len(found), max_words)):
                 w = found[k]
