@@ -1,0 +1,81 @@
+"""Where the voice-to-voice milliseconds go, turn by turn, from a probe report.
+
+    .venv/bin/python benchmarks/v2v_stages.py artifacts/v2v/probe.json [--json OUT.json]
+
+The probe measures voice-to-voice from the audio (end of the caller's speech -> first
+audible reply block); the server's ``turn.timings`` of the same turn split it into
+stages that follow each other on the critical path of a speculative reply:
+
+    pause      end of speech -> the reply is started: VAD lag + ``vad.speculative_silence_ms``
+               (the final's decode already runs from the first silent window on)
+    asr        the reply waits for the final transcript (``asr_final_ms``)
+    ttft       LLM prompt -> first token (``llm_ttft_ms``)
+    clause     first token -> first clause cut (``first_clause_ms - llm_ttft_ms``)
+    tts        first clause -> its first audio (``tts_first_audio_ms``)
+    rest       v2v minus all of the above: pacing, the wire, the probe's onset detection
+
+``pause`` and ``rest`` are not measured apart (only their sum is known); ``pause + rest``
+is reported as one column.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+COLUMNS = ("v2v", "asr", "ttft", "clause", "tts", "pause+rest")
+
+
+def stages(turn: dict[str, Any]) -> dict[str, float] | None:
+    t = turn.get("timings") or {}
+    v2v = turn.get("voice_to_voice_ms")
+    need = ("asr_final_ms", "llm_ttft_ms", "first_clause_ms", "tts_first_audio_ms")
+    if v2v is None or any(t.get(k) is None for k in need):
+        return None
+    row = {
+        "v2v": v2v,
+        "asr": t["asr_final_ms"],
+        "ttft": t["llm_ttft_ms"],
+        "clause": t["first_clause_ms"] - t["llm_ttft_ms"],
+        "tts": t["tts_first_audio_ms"],
+    }
+    row["pause+rest"] = v2v - row["asr"] - row["ttft"] - row["clause"] - row["tts"]
+    return row
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("probe_json", type=Path)
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    report = json.loads(args.probe_json.read_text())
+    rows = [r for r in (stages(t) for t in report["turns"]) if r is not None]
+    if not rows:
+        print("no turn with complete timings", file=sys.stderr)
+        return 1
+    print(f"{'':>5}" + "".join(f"{c:>11}" for c in COLUMNS) + f"   (ms, n={len(rows)})")
+    out: dict[str, Any] = {"n": len(rows)}
+    for q, name in ((0.5, "p50"), (0.95, "p95")):
+        values = {c: round(pct([r[c] for r in rows], q), 1) for c in COLUMNS}
+        out[name] = values
+        print(f"{name:>5}" + "".join(f"{values[c]:>11.0f}" for c in COLUMNS))
+    # The p95 turns: which stage made them slow.
+    slow = sorted(rows, key=lambda r: r["v2v"])[-max(1, len(rows) // 10):]
+    out["slowest"] = slow
+    for r in slow:
+        print("slow " + "".join(f"{r[c]:>11.0f}" for c in COLUMNS))
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
