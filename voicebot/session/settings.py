@@ -18,6 +18,7 @@ class SessionSettings(BaseModel):
     turn_detection: bool = Field(True, description="Server VAD ends turns; False: the client commits.")
     create_response: bool = Field(True, description="Reply automatically when a turn ends.")
     interrupt_response: bool = Field(True, description="Speech over the reply interrupts it.")
+    audio_output: bool = Field(True, description="Speak replies; False: text only (no TTS, no playout).")
     max_tokens: int = Field(160, ge=1, le=4096, description="Longest reply, in tokens.")
     output_sample_rate: int | None = Field(
         None, ge=8000, le=48_000, description="Rate of reply audio events (None: the TTS engine's own rate)."
