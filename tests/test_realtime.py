@@ -92,9 +92,18 @@ class FakeSession:
         self.calls.append(("add", role, text))
         return item_id or "item_t1"
 
-    def create_response(self) -> str:
+    def create_response(self, options: Any = None) -> str:
         self.calls.append(("respond",))
         return "resp_1"
+
+    def set_tools(self, tools: Any = None, choice: Any = None) -> None:
+        self.calls.append(("tools", tools, choice))
+
+    def add_tool_result(self, call_id: str, output: str, item_id: str | None = None) -> str:
+        return item_id or "item_fo1"
+
+    def add_tool_call(self, call_id: str, name: str, arguments: str, item_id: str | None = None) -> str:
+        return item_id or "item_fc1"
 
     def cancel_response(self) -> bool:
         self.calls.append(("cancel",))
@@ -449,6 +458,48 @@ def test_text_only_replies_send_text_deltas_and_no_audio() -> None:
     assert "response.output_text.delta" in types and "response.output_text.done" in types
     assert not [t for t in types if "audio" in t], types
     assert out[-1]["response"]["output_modalities"] == ["text"]
+
+
+def test_every_ga_server_event_validates_against_the_openai_sdk_types() -> None:
+    # Clients parse server events with these types (the Agents SDK reports an event that
+    # does not validate as an exception): every GA event we send must validate.
+    from openai.types.realtime import RealtimeServerEvent
+    from pydantic import TypeAdapter
+
+    adapter: TypeAdapter[Any] = TypeAdapter(RealtimeServerEvent)
+    now = [0.0]
+    tr, fake = make(clock=lambda: now[0])
+    out = tr.opening()
+    out += send(tr, type="session.update", session={"type": "realtime", "audio": {"input": {
+        "noise_reduction": {"type": "near_field"},
+        "turn_detection": {"type": "server_vad", "idle_timeout_ms": 5000}}}})
+    out += tr.session_event(se.SpeechStarted(900, "item_u1"))
+    out += tr.session_event(se.TranscriptPartial("item_u1", "hello", "there"))
+    out += tr.session_event(se.SpeechStopped(2500, "item_u1"))
+    out += tr.session_event(se.TranscriptFinal("item_u1", "hello there"))
+    out += send(tr, type="response.create", response={"metadata": {"client_event_id": "x"}})
+    out += tr.session_event(se.ResponseStarted("resp_1", "item_a1"))
+    out += tr.session_event(se.ResponseTextDelta("resp_1", "item_a1", "Ahoy"))
+    out += tr.session_event(se.ResponseAudio("resp_1", "item_a1", np.full(3200, 0.1, np.float32), 16000))
+    out += tr.session_event(se.ResponseDone("resp_1", "item_a1", "completed", "Ahoy", "Ahoy", 200, None, 10, 2))
+    out += send(tr, type="conversation.item.retrieve", item_id="item_u1")
+    out += send(tr, type="conversation.item.retrieve", item_id="item_a1")
+    out += send(tr, type="conversation.item.truncate", item_id="item_a1", content_index=0, audio_end_ms=100)
+    out += send(tr, type="conversation.item.retrieve", item_id="item_a1")
+    now[0] += 6
+    out += tr.idle_check()
+    out += send(tr, type="output_audio_buffer.clear")
+    out += send(tr, type="conversation.item.create", item={"type": "message", "role": "user", "content": [
+        {"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo="}]})
+    out += send(tr, type="conversation.item.retrieve", item_id="nope")
+    out += send(tr, type="session.update", session={"type": "transcription"})
+    tr2, _ = make(transcription_only=True)
+    out += tr2.opening()
+    kinds = {e["type"] for e in out}
+    assert {"conversation.item.retrieved", "rate_limits.updated", "input_audio_buffer.timeout_triggered",
+            "output_audio_buffer.cleared", "error", "response.done"} <= kinds, kinds
+    for event in out:
+        adapter.validate_python(event)
 
 
 # ---------------------------------------------------------------- live server
