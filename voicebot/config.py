@@ -78,9 +78,29 @@ class AsrConfig(_Section):
     backend: Literal["faster-whisper", "vllm"] = Field("faster-whisper", description="Decoder: faster-whisper (CTranslate2; CPU, or CUDA 12) or Whisper on vLLM (GPU on torch's CUDA, batched across sessions; model: a Hugging Face Whisper directory).")
 
 
+class RemoteLlmConfig(_Section):
+    """The remote LLM tier (``llm.backend: remote``): vLLM's OpenAI-compatible server, one or
+    several behind vllm-router (docs/scaling.md). Prompts stay token ids built here."""
+
+    url: str = Field("http://127.0.0.1:8000", pattern=r"^https?://[^\s?#]+$", description="Base URL of vllm-router or a vLLM server (no /v1).")
+    model: str | None = Field(None, description="Served model name sent with each request; None: the first one /v1/models lists at start-up.")
+    api_key_env: str = Field("VOICEBOT_LLM_API_KEY", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description="Environment variable holding the tier's bearer key (vllm serve --api-key); unset or empty: none sent.")
+    connect_timeout_s: float = Field(2.0, gt=0.0, le=60.0, description="Longest wait for a connection to the tier.")
+    first_token_timeout_s: float = Field(10.0, gt=0.0, le=600.0, description="Longest wait from sending a request to its first token (queueing included); then that try fails.")
+    read_timeout_s: float = Field(10.0, gt=0.0, le=600.0, description="Longest silence between two streamed chunks once tokens flow; then the reply fails.")
+    retries: int = Field(2, ge=0, le=10, description="Further tries of a request that failed before its first token (refused, dropped, 5xx, timed out); never after it.")
+    retry_backoff_s: float = Field(0.2, ge=0.0, le=10.0, description="Wait before the first retry; doubled for each further one.")
+    startup_timeout_s: float = Field(300.0, ge=0.0, le=3600.0, description="How long start-up waits for the tier to list its models (vLLM loads for minutes on a GPU).")
+    failure_threshold: int = Field(5, ge=1, le=1000, description="Requests failed in a row (after their retries) before the LLM engine is reported down (health, supervisor).")
+    max_connections: int = Field(512, ge=1, le=100_000, description="Open HTTP connections to the tier: one per streaming request.")
+
+
 class LlmConfig(_Section):
+    backend: Literal["inprocess", "remote"] = Field("inprocess", description="inprocess: vLLM's AsyncLLM in this process; remote: a vLLM server / vllm-router tier over HTTP (llm.remote; only the tokenizer is loaded here).")
     model: str = Field("bundle:qwen2.5-0.5b-instruct", description="Model directory, hub id or bundle:NAME.")
-    tokenizer: str | None = Field(None, description="Tokenizer reference if it differs from the model.")
+    tokenizer: str | None = Field(None, description="Tokenizer reference if it differs from the model (backend remote: the tokenizer is all that is loaded, from here or llm.model).")
+    data_parallel_size: int = Field(1, ge=1, le=64, description="In-process engine replicas, one per GPU (vLLM data parallel); each call is pinned to one by its session id.")
+    remote: RemoteLlmConfig = Field(default_factory=RemoteLlmConfig, description="The remote tier (backend remote).")
     dtype: str = Field("bfloat16", description="Weights and activations dtype (vLLM 'dtype').")
     load_format: str = Field("auto", description="vLLM load_format; 'dummy' for shape-only benchmarks.")
     max_model_len: int = Field(4096, ge=256, le=1_048_576, description="Context length (prompt + reply).")
@@ -102,6 +122,8 @@ class LlmConfig(_Section):
     background_queue: int = Field(64, ge=0, le=100_000, description="Background requests waiting for a slot; one more is refused at once (BackgroundQueueFull), never queued.")
     interactive_priority: int = Field(0, description="vLLM priority of live turns (lower is served first).")
     background_priority: int = Field(10, description="vLLM priority of background work.")
+    tool_parser: str = Field("hermes", pattern=r"^[a-z0-9_]+$", description="vLLM tool-call parser for the model family (vLLM's --tool-call-parser names; 'hermes': Qwen2.5/Qwen3 <tool_call> JSON).")
+    tool_grammar: Literal["always", "forced", "off"] = Field("always", description="vLLM structured outputs for tool calls: 'always' (a call's JSON is valid for its schema, any tool_choice), 'forced' (only tool_choice required/named), 'off' (the model's own JSON).")
 
 
 class TtsConfig(_Section):
@@ -173,6 +195,42 @@ class TelephonyConfig(_Section):
         return self
 
 
+class ServerToolConfig(_Section):
+    """One server-side tool: the model calls it, the server POSTs the call to ``url``."""
+
+    name: str = Field(..., pattern=r"^[A-Za-z0-9_-]{1,64}$", description="Function name the model calls.")
+    description: str = Field("", max_length=4000, description="What the tool does and when to call it (shown to the model).")
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}}, description="JSON schema (type object) of the arguments; calls are constrained to it.")
+    url: str = Field(..., pattern=r"^https?://\S+$", description="Webhook the call is POSTed to as JSON {name, arguments, call_id, session_id}; its body is the result.")
+    timeout_s: float = Field(5.0, gt=0.0, le=120.0, description="Longest wait for the webhook; then the model gets an error result.")
+    headers: dict[str, str] = Field(default_factory=dict, description="Extra HTTP headers (e.g. Authorization) sent with each call.")
+
+    @model_validator(mode="after")
+    def _object_schema(self) -> ServerToolConfig:
+        if self.parameters.get("type", "object") != "object":
+            raise ValueError("tools.server[].parameters must be a JSON schema of type 'object'")
+        return self
+
+
+class ToolsConfig(_Section):
+    """Function tools (docs/tools.md). Realtime clients declare their own in session.tools."""
+
+    server: list[ServerToolConfig] = Field(default_factory=list, max_length=32, description="Server-side tools (HTTP webhooks), for calls with no client to run tools.")
+    transports: list[TransportName] = Field(default_factory=lambda: list[TransportName](["native", "twilio"]), description="Transports whose sessions get the server tools (Realtime clients bring their own).")
+    tool_choice: Literal["auto", "none", "required"] = Field("auto", description="tool_choice of server-tool sessions' replies (the follow-up after a tool result is always 'auto').")
+    max_rounds: int = Field(3, ge=1, le=16, description="Server tool calls in a row before the model must answer without one.")
+    max_result_chars: int = Field(4000, ge=64, le=100_000, description="Longest tool result given to the model (server tools and Realtime function_call_output).")
+    filler: str = Field("Let me check.", max_length=200, description="Said while a slow server tool runs, if the model said nothing before its call ('' for none).")
+    filler_after_ms: int = Field(700, ge=0, le=60_000, description="How long a server tool may run before the filler is said.")
+
+    @model_validator(mode="after")
+    def _unique(self) -> ToolsConfig:
+        names = [t.name for t in self.server]
+        if len(set(names)) != len(names):
+            raise ValueError("tools.server names must be unique")
+        return self
+
+
 class Config(_Section):
     server: ServerConfig = Field(default_factory=ServerConfig)
     models: ModelsConfig = Field(default_factory=ModelsConfig)
@@ -182,6 +240,7 @@ class Config(_Section):
     vad: VadConfig = Field(default_factory=VadConfig)
     session: SessionConfig = Field(default_factory=SessionConfig)
     telephony: TelephonyConfig = Field(default_factory=TelephonyConfig)
+    tools: ToolsConfig = Field(default_factory=ToolsConfig)
 
     @model_validator(mode="after")
     def _check(self) -> Config:

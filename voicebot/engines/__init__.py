@@ -38,6 +38,11 @@ class EngineSpecs:
         return create_asr(self.cfg.asr, self.asr_path)
 
     def llm(self) -> LlmEngine:
+        if self.cfg.llm.backend == "remote":
+            # The tier over HTTP; llm_path is then the tokenizer (resolve_specs).
+            from voicebot.engines.llm_remote import RemoteLlmEngine
+
+            return RemoteLlmEngine(self.cfg.llm, self.tokenizer_path or self.llm_path)
         return LlmEngine(self.cfg.llm, self.llm_path, self.tokenizer_path)
 
     def tts(self) -> TtsEngine:
@@ -84,8 +89,13 @@ async def resolve_specs(cfg: Config) -> EngineSpecs:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
     m = cfg.models
     asr_path = await asyncio.to_thread(resolve_model, cfg.asr.model, m)
-    llm_path = await asyncio.to_thread(resolve_model, cfg.llm.model, m)
-    tok_path = await asyncio.to_thread(resolve_model, cfg.llm.tokenizer, m) if cfg.llm.tokenizer else None
+    if cfg.llm.backend == "remote":
+        # The weights live on the tier's servers: a frontend loads only the tokenizer.
+        llm_path = await asyncio.to_thread(resolve_model, cfg.llm.tokenizer or cfg.llm.model, m)
+        tok_path = None
+    else:
+        llm_path = await asyncio.to_thread(resolve_model, cfg.llm.model, m)
+        tok_path = await asyncio.to_thread(resolve_model, cfg.llm.tokenizer, m) if cfg.llm.tokenizer else None
     voice_path = await asyncio.to_thread(resolve_model, cfg.tts.voice, m) if cfg.tts.engine == "piper" else None
     return EngineSpecs(cfg, asr_path, llm_path, tok_path, voice_path)
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from voicebot.config import LlmConfig
+from voicebot.engines.affinity import current_session, rank_for
 from voicebot.errors import EngineError, ModelError
 
 if TYPE_CHECKING:
@@ -90,6 +91,15 @@ def _shut_down(engine: AsyncLLM) -> None:
 
 _QUIET_CLASSES: dict[type, type] = {}
 
+
+def _tool_parser(name: str) -> None:
+    from voicebot.tools.parser import parser_class
+
+    try:
+        parser_class(name)
+    except KeyError as exc:
+        raise ModelError(f"llm.tool_parser: vLLM has no tool parser {name!r} ({exc})") from None
+
 class LlmEngine:
     """One vLLM engine shared by every session."""
 
@@ -125,6 +135,13 @@ class LlmEngine:
             raise
         self._engine = engine
         self._tokenizer = engine.get_tokenizer()
+        # vLLM's tool parser for the family (voicebot/tools/parser.py): imported now, so
+        # the first reply does not pay for it, and a wrong llm.tool_parser fails start-up.
+        try:
+            await asyncio.to_thread(_tool_parser, self.cfg.tool_parser)
+        except BaseException:
+            await self.aclose()
+            raise
         log.info("LLM ready: %s", self.model_path)
 
     @staticmethod
@@ -159,6 +176,7 @@ class LlmEngine:
             max_num_seqs=c.max_num_seqs,
             enforce_eager=c.enforce_eager,
             tensor_parallel_size=c.tensor_parallel_size,
+            data_parallel_size=c.data_parallel_size,
             disable_log_stats=False,
             seed=c.seed if c.seed is not None else 0,
         )
@@ -243,7 +261,13 @@ class LlmEngine:
 
     # --------------------------------------------------------------- generation
     def _sampling(
-        self, max_tokens: int | None, temperature: float | None, stop: list[str] | None, min_tokens: int
+        self,
+        max_tokens: int | None,
+        temperature: float | None,
+        stop: list[str] | None,
+        min_tokens: int,
+        structured_outputs: Any = None,
+        logit_bias: dict[int, float] | None = None,
     ) -> Any:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
@@ -257,6 +281,10 @@ class LlmEngine:
             stop=stop,
             min_tokens=min_tokens,
             output_kind=RequestOutputKind.DELTA,
+            # Tool calls (voicebot/tools/grammar.py): a structural tag keeps a call's JSON
+            # valid for its schema; a logit bias bans the call tag under tool_choice none.
+            structured_outputs=structured_outputs,
+            logit_bias=logit_bias,
         )
 
     async def generate(
@@ -270,11 +298,15 @@ class LlmEngine:
         min_tokens: int = 0,
         stats: GenerationStats | None = None,
         request_id: str | None = None,
+        structured_outputs: Any = None,
+        logit_bias: dict[int, float] | None = None,
     ) -> AsyncGenerator[TextDelta, None]:
         """Stream text deltas for a tokenised prompt.
 
         Cancellation (or closing the iterator early) aborts the vLLM request and
         re-raises. Pass ``stats`` to read TTFT and cached prompt tokens afterwards.
+        ``structured_outputs`` (vLLM ``StructuredOutputsParams``) and ``logit_bias``
+        constrain the output (tool calls: voicebot/tools/grammar.py).
         """
         if self._engine is None:
             raise EngineError("LLM engine not started")
@@ -284,7 +316,7 @@ class LlmEngine:
         if lane is Lane.BACKGROUND:
             await self._enter_background()
         try:
-            params = self._sampling(max_tokens, temperature, stop, min_tokens)
+            params = self._sampling(max_tokens, temperature, stop, min_tokens, structured_outputs, logit_bias)
             # aclosing: when our consumer stops early, the inner stream's cleanup
             # (the abort) must run now, not whenever the generator is collected.
             async with contextlib.aclosing(self._stream(rid, prompt_ids, lane, st, params)) as stream:
@@ -345,7 +377,12 @@ class LlmEngine:
         self._running[rid] = st
         finished = False
         try:
-            outputs = self._engine.generate({"prompt_token_ids": prompt_ids}, params, rid, priority=priority)
+            # data_parallel_size > 1: every request of a call goes to one rank, where its
+            # prefix is cached (engines/affinity.py); None lets vLLM balance.
+            rank = rank_for(current_session(), self.cfg.data_parallel_size)
+            outputs = self._engine.generate(
+                {"prompt_token_ids": prompt_ids}, params, rid, priority=priority, data_parallel_rank=rank
+            )
             async with contextlib.aclosing(outputs):
                 async for out in outputs:
                     if out.num_cached_tokens is not None and st.first_token_at is None:

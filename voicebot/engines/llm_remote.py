@@ -1,0 +1,312 @@
+"""The LLM engine over HTTP: vLLM's OpenAI-compatible server, usually several behind vllm-router.
+
+``llm.backend: remote`` swaps this in for the in-process engine; the session core sees
+the same :class:`~voicebot.engines.llm.LlmEngine` (this is a subclass: the priority
+lanes, the background cap and the generate/complete contract are inherited, only the
+transport differs). What crosses the wire, and why:
+
+- ``POST /v1/completions`` with ``prompt`` = the token ids the session built (vLLM
+  accepts a token-id list): the frontend's chat template and history stay the only
+  ones, and a call's prompts keep sharing their prefix, so the server's prefix cache
+  hits turn after turn. ``return_token_ids`` brings the reply's ids back (the history
+  stores a finished reply as its ids); ``stream_options.include_usage`` brings the
+  usage block, whose ``prompt_tokens_details.cached_tokens`` is the prefix-cache hit
+  (the servers need ``--enable-prompt-tokens-details``). The usage block comes last:
+  a reply's cached-token count is known when its stream ends, not at its first token.
+- ``X-Session-ID: <session id>`` on every request (engines/affinity.py): vllm-router's
+  ``sticky_least_loaded`` / ``consistent_hash`` policies keep a call on the server
+  that holds its prefix (docs/scaling.md). ``priority`` in the body: the lanes, as
+  in-process (the servers run ``--scheduling-policy priority``).
+- Abort = closing the stream: vLLM's server aborts a request whose client went away.
+  Cancelling the consumer, or closing the iterator early, closes the connection.
+- Retries only before the first token (refused, dropped, 5xx, first-token timeout):
+  until then nothing was said and another try (the router picks a live server) is
+  invisible; after it a retry would repeat words, so a broken stream is the reply's
+  error (an error event; the call goes on and its next turn is routed afresh).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import time
+from collections.abc import AsyncGenerator
+from typing import Any, cast
+
+import httpx
+
+from voicebot.config import LlmConfig
+from voicebot.engines.affinity import current_session
+from voicebot.engines.llm import GenerationStats, Lane, LlmEngine, TextDelta
+from voicebot.errors import EngineError, ModelError
+
+log = logging.getLogger(__name__)
+
+SESSION_HEADER = "X-Session-ID"  # what vllm-router's session-affinity policies read first
+
+
+class RemoteLlmError(EngineError):
+    """The remote LLM tier could not give this reply (after the retries allowed)."""
+
+    code = "llm_unavailable"
+
+
+class _Retryable(Exception):
+    """A try that failed before its first token: nothing was said, another try is invisible."""
+
+
+def load_tokenizer(path: str) -> Any:
+    """The tokenizer vLLM itself would use (the prompt ids must be the server's), or
+    transformers' when vLLM is not installed on a frontend."""
+    try:
+        from vllm.tokenizers import get_tokenizer
+    except ImportError:  # pragma: no cover - frontends without vLLM
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path)
+    return get_tokenizer(path)
+
+
+def _plain(value: Any) -> Any:
+    """vLLM's StructuredOutputsParams (a dataclass) as the JSON body field it mirrors."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        raw = dataclasses.asdict(value)
+        return {k: v for k, v in raw.items() if not k.startswith("_") and v is not None and v is not False}
+    return value
+
+
+class RemoteLlmEngine(LlmEngine):
+    """One HTTP client to the LLM tier, shared by every session of this frontend."""
+
+    def __init__(self, cfg: LlmConfig, tokenizer_path: str) -> None:
+        super().__init__(cfg, tokenizer_path, tokenizer_path)
+        self.remote = cfg.remote
+        self._client: httpx.AsyncClient | None = None
+        self._model: str | None = cfg.remote.model
+        self._failures = 0  # requests failed in a row, after their retries
+        self._last_error: str | None = None
+        self.retries_total = 0
+
+    # ----------------------------------------------------------------- lifecycle
+    async def start(self) -> None:  # type: ignore[override]  # no build thread to cancel
+        self._tokenizer = await asyncio.to_thread(load_tokenizer, self.tokenizer_path)
+        r = self.remote
+        headers = {}
+        key = os.environ.get(r.api_key_env, "")  # read at start-up, never at import
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        client = httpx.AsyncClient(
+            base_url=r.url.rstrip("/"),
+            headers=headers,
+            # read: the longest gap between two chunks of a stream; the wait for the first
+            # token is bounded separately (first_token_timeout_s), it includes queueing.
+            timeout=httpx.Timeout(r.read_timeout_s, connect=r.connect_timeout_s, pool=r.first_token_timeout_s),
+            limits=httpx.Limits(max_connections=r.max_connections, max_keepalive_connections=r.max_connections),
+        )
+        try:
+            self._model = await self._wait_ready(client)
+        except BaseException:
+            await client.aclose()
+            raise
+        self._client = client
+        # LlmEngine.generate checks this for "started"; nothing else of AsyncLLM's is used here.
+        self._engine = cast(Any, client)
+        log.info("LLM ready: remote tier %s, model %s", r.url, self._model)
+
+    async def _wait_ready(self, client: httpx.AsyncClient) -> str:
+        """Wait until the tier lists a model (vLLM loads for minutes; the router comes up first)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.remote.startup_timeout_s
+        last = "no answer"
+        while True:
+            try:
+                resp = await client.get("/v1/models")
+                if resp.status_code == 200:
+                    models = [m.get("id") for m in resp.json().get("data", []) if isinstance(m, dict)]
+                    if self._model is not None:
+                        return self._model  # a router may list nothing of its own: trust the config
+                    if models and isinstance(models[0], str):
+                        return models[0]
+                    last = "no model listed"
+                else:
+                    last = f"HTTP {resp.status_code}"
+            except (httpx.HTTPError, ValueError) as exc:
+                last = f"{type(exc).__name__}: {exc}"
+            if loop.time() >= deadline:
+                raise ModelError(
+                    f"remote LLM tier {self.remote.url} not ready after "
+                    f"{self.remote.startup_timeout_s:.0f} s (llm.remote.startup_timeout_s): {last}"
+                )
+            await asyncio.sleep(0.5)
+
+    async def aclose(self) -> None:
+        client, self._client = self._client, None
+        self._engine = None
+        if client is not None:
+            await client.aclose()
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def dead_reason(self) -> str | None:
+        if self._client is None:
+            return "not started"
+        if self._failures >= self.remote.failure_threshold:
+            return (
+                f"remote LLM tier {self.remote.url}: {self._failures} requests failed in a row, "
+                f"last: {self._last_error}"
+            )
+        return None
+
+    def unfinished_requests(self) -> int:
+        """Streams open to the tier (the servers' own count is on their /metrics)."""
+        return len(self._running)
+
+    @property
+    def model(self) -> str | None:
+        return self._model
+
+    # --------------------------------------------------------------- generation
+    def _sampling(
+        self,
+        max_tokens: int | None,
+        temperature: float | None,
+        stop: list[str] | None,
+        min_tokens: int,
+        structured_outputs: Any = None,
+        logit_bias: dict[int, float] | None = None,
+    ) -> dict[str, Any]:
+        c = self.cfg
+        body: dict[str, Any] = {
+            "max_tokens": max_tokens or c.max_tokens,
+            "temperature": c.temperature if temperature is None else temperature,
+            "top_p": c.top_p,
+            "min_tokens": min_tokens,
+        }
+        if c.seed is not None:
+            body["seed"] = c.seed
+        if stop:
+            body["stop"] = stop
+        if structured_outputs is not None:
+            body["structured_outputs"] = _plain(structured_outputs)
+        if logit_bias:
+            body["logit_bias"] = {str(k): v for k, v in logit_bias.items()}
+        return body
+
+    async def _stream(
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        lane: Lane,
+        st: GenerationStats,
+        params: Any,
+    ) -> AsyncGenerator[TextDelta, None]:
+        priority = self.cfg.interactive_priority if lane is Lane.INTERACTIVE else self.cfg.background_priority
+        if self.cfg.scheduling_policy != "priority":
+            priority = 0  # a server under FCFS rejects a non-zero priority
+        body = {
+            **params,
+            "model": self._model,
+            "prompt": prompt_ids,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "return_token_ids": True,
+            "priority": priority,
+        }
+        session = current_session()
+        headers = {SESSION_HEADER: session} if session else {}
+        st.submitted_at = time.monotonic()
+        self._running[rid] = st
+        r = self.remote
+        try:
+            for attempt in range(r.retries + 1):
+                try:
+                    async with contextlib.aclosing(self._try(body, headers, st)) as stream:
+                        async for delta in stream:
+                            yield delta
+                    self._failures = 0
+                    return
+                except _Retryable as exc:
+                    self._last_error = str(exc)
+                    if attempt == r.retries:
+                        self._failures += 1
+                        raise RemoteLlmError(
+                            f"remote LLM tier {r.url}: no reply after {attempt + 1} tries: {exc}"
+                        ) from None
+                    self.retries_total += 1
+                    delay = r.retry_backoff_s * 2**attempt
+                    log.warning("LLM request %s (session %s) failed before its first token (%s); retry in %.2f s",
+                                rid, session, exc, delay)
+                    await asyncio.sleep(delay)
+        finally:
+            self._running.pop(rid, None)
+            st.finished_at = time.monotonic()
+            self.requests_total += 1
+            self.prompt_tokens_total += st.prompt_tokens
+            self.cached_tokens_total += st.cached_tokens
+
+    async def _try(self, body: dict[str, Any], headers: dict[str, str], st: GenerationStats) -> AsyncGenerator[TextDelta, None]:
+        """One request. Raises _Retryable for a failure before the first token; closing
+        this generator closes the connection, which is how the server learns to abort."""
+        assert self._client is not None
+        client = self._client
+        got_token = False
+        done = False
+        try:
+            # Bounds connect + queueing + prefill; lifted at the first token (before the
+            # first yield, so it never fires while the consumer holds a delta).
+            async with asyncio.timeout(self.remote.first_token_timeout_s) as first_token_deadline:
+                async with client.stream("POST", "/v1/completions", json=body, headers=headers) as resp:
+                    if resp.status_code != 200:
+                        detail = (await resp.aread()).decode(errors="replace")[:300]
+                        if resp.status_code >= 500 or resp.status_code == 429:
+                            raise _Retryable(f"HTTP {resp.status_code}: {detail}")
+                        raise RemoteLlmError(f"LLM server refused the request: HTTP {resp.status_code}: {detail}",
+                                             code="llm_request_rejected")
+                    async for line in resp.aiter_lines():
+                        if not line.startswith("data:"):
+                            continue  # SSE blank lines and comments
+                        data = line[5:].strip()
+                        if data == "[DONE]":
+                            done = True
+                            break
+                        chunk = json.loads(data)
+                        if err := chunk.get("error"):
+                            message = err.get("message", err) if isinstance(err, dict) else err
+                            if not got_token:
+                                raise _Retryable(f"server error: {message}")
+                            raise RemoteLlmError(f"LLM server error mid-reply: {message}")
+                        if usage := chunk.get("usage"):
+                            st.prompt_tokens = usage.get("prompt_tokens") or st.prompt_tokens
+                            details = usage.get("prompt_tokens_details") or {}
+                            st.cached_tokens = int(details.get("cached_tokens") or 0)
+                        for choice in chunk.get("choices") or ():
+                            ids = tuple(choice.get("token_ids") or ())
+                            text = choice.get("text") or ""
+                            if (ids or text) and not got_token:
+                                got_token = True
+                                st.first_token_at = time.monotonic()
+                                first_token_deadline.reschedule(None)
+                            st.output_tokens += len(ids)
+                            if reason := choice.get("finish_reason"):
+                                st.finish_reason = reason
+                            if text or ids:
+                                yield TextDelta(text, len(ids), ids)
+        except TimeoutError:
+            if not got_token:
+                raise _Retryable(f"no first token within {self.remote.first_token_timeout_s:.1f} s") from None
+            raise RemoteLlmError("LLM stream timed out mid-reply") from None
+        except (httpx.HTTPError, json.JSONDecodeError) as exc:
+            what = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            if not got_token:
+                raise _Retryable(what) from None
+            raise RemoteLlmError(f"LLM stream broke after {st.output_tokens} tokens: {what}",
+                                 code="llm_stream_broken") from None
+        if not done:
+            if not got_token:
+                raise _Retryable("stream ended before its first token")
+            raise RemoteLlmError(f"LLM stream ended without [DONE] after {st.output_tokens} tokens",
+                                 code="llm_stream_broken")
