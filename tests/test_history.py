@@ -195,5 +195,91 @@ def test_rendering_in_context_gives_the_ids_of_rendering_the_whole_history(token
         return [conv.prompt_ids(), conv.prompt_ids(user_text="And then?")]
 
     in_context = build()
-    monkeypatch.setattr(Conversation, "_context", staticmethod(lambda history: history))
+    monkeypatch.setattr(Conversation, "_context", staticmethod(lambda history, message=None: history))
     assert build() == in_context
+
+
+# ------------------------------------------------------------------ tool turns
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module", params=["qwen3-tokenizer", "qwen2.5-0.5b-instruct"])
+def any_tokenizer(request, bundle_dir: Callable[[str], str]):  # type: ignore[no-untyped-def]
+    return AutoTokenizer.from_pretrained(bundle_dir(request.param))
+
+
+def test_tools_are_rendered_by_the_template_into_the_system_message(any_tokenizer) -> None:  # type: ignore[no-untyped-def]
+    conv = Conversation(any_tokenizer, "Be brief.", budget_tokens=10_000, reply_tokens=32)
+    conv.append("user", "Hi.")
+    before = conv.prompt_ids()
+    conv.set_tools([WEATHER_TOOL])
+    text = any_tokenizer.decode(conv.prompt_ids())
+    assert "<tools>" in text and '"name": "get_weather"' in text
+    assert text.index("get_weather") < text.index("Hi.")
+    # The system message changed: the user turn and the generation prompt keep their ids.
+    kept = len(before) - len(Conversation(any_tokenizer, "Be brief.", 10_000, 32)._system_ids)
+    assert conv.prompt_ids()[-kept:] == before[-kept:]
+    expected = any_tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi."}],
+        tools=[WEATHER_TOOL], tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    assert text == expected
+
+
+def test_a_tool_round_keeps_every_prompt_a_prefix_of_the_next(any_tokenizer) -> None:  # type: ignore[no-untyped-def]
+    tok = any_tokenizer
+    conv = Conversation(tok, "Be brief.", budget_tokens=10_000, reply_tokens=32)
+    conv.set_tools([WEATHER_TOOL])
+    conv.append("user", "What's the weather in Paris?")
+    first = conv.prompt_ids()
+    generated = tok.encode(CALL_TEXT, add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]
+    conv.append("assistant", CALL_TEXT, "a1", token_ids=generated)
+    conv.append("tool", '{"temp_c": 21, "sky": "sunny"}', call_id="call_1")
+    second = conv.prompt_ids()
+    # As generated: the first prompt, the call's tokens, then the result and a new prompt.
+    assert second[: len(first)] == first
+    assert second[len(first) : len(first) + len(generated)] == generated
+    history = second[: conv.token_count]  # the prompt without its generation prompt
+    assert tok.decode(history).endswith(
+        '<|im_start|>user\n<tool_response>\n{"temp_c": 21, "sky": "sunny"}\n</tool_response><|im_end|>\n')
+    conv.append("tool", "second result", call_id="call_2")  # two results in a row
+    third = conv.prompt_ids()
+    assert third[: len(history)] == history
+    assert tok.decode(third).count("<tool_response>") == 2
+
+
+def test_a_client_added_call_is_rendered_with_the_template(any_tokenizer) -> None:  # type: ignore[no-untyped-def]
+    conv = Conversation(any_tokenizer, "Be brief.", budget_tokens=10_000, reply_tokens=32)
+    conv.set_tools([WEATHER_TOOL])
+    conv.append("user", "Weather?")
+    conv.append("assistant", "", "fc1", tool_calls=[{"name": "get_weather", "arguments": {"city": "Oslo"}}],
+                call_id="call_9")
+    conv.append("tool", "cold", call_id="call_9")
+    text = any_tokenizer.decode(conv.prompt_ids())
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>' in text
+    assert "<tool_response>\ncold\n</tool_response>" in text
+
+
+def test_a_per_response_override_changes_only_the_system_message(any_tokenizer) -> None:  # type: ignore[no-untyped-def]
+    conv = Conversation(any_tokenizer, "Be brief.", budget_tokens=10_000, reply_tokens=32)
+    conv.append("user", "Hi.")
+    plain = conv.prompt_ids()
+    override = conv.prompt_ids(system_prompt="Answer in French.", tools=[WEATHER_TOOL])
+    text = any_tokenizer.decode(override)
+    assert "Answer in French." in text and "get_weather" in text and "Be brief." not in text
+    assert conv.prompt_ids() == plain  # the session's own prompt is untouched
+    tail = len(plain) - len(conv._system_ids)
+    assert override[-tail:] == plain[-tail:]
+
+
+def test_trim_never_keeps_an_orphan_tool_result(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    conv = Conversation(tokenizer, "Be brief.", budget_tokens=300, reply_tokens=20)
+    for i in range(12):
+        conv.append("user", f"This is user message number {i} with some words.")
+        conv.append("assistant", CALL_TEXT)
+        conv.append("tool", f"result {i}", call_id=f"c{i}")
+        conv.append("assistant", f"Reply {i}.")
+        conv.trim()
+    assert conv.messages[0].role == "user"

@@ -12,6 +12,8 @@ from typing import Literal
 
 import numpy as np
 
+from voicebot.tools.spec import ToolCall
+
 
 @dataclass(frozen=True)
 class SpeechStarted:
@@ -82,6 +84,41 @@ class ResponseDone:
     finish_reason: str | None = None
     input_tokens: int = 0
     output_tokens: int = 0
+    tool_calls: tuple[ToolCall, ...] = ()  # the function calls the reply made (after its speech)
+    cached_tokens: int = 0  # prompt tokens vLLM's prefix cache already held
+
+
+@dataclass(frozen=True)
+class ToolCallStarted:
+    """The model began a function call (its name is known; arguments follow)."""
+
+    response_id: str
+    item_id: str  # the call's own item, after the reply's message item
+    call_id: str
+    name: str
+
+
+@dataclass(frozen=True)
+class ToolCallArgumentsDelta:
+    response_id: str
+    item_id: str
+    call_id: str
+    delta: str
+
+
+@dataclass(frozen=True)
+class ToolCallDone:
+    response_id: str
+    call: ToolCall
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """A server-side tool answered (or failed: ``output`` is then an error object)."""
+
+    call_id: str
+    name: str
+    output: str
 
 
 @dataclass(frozen=True)
@@ -130,6 +167,10 @@ SessionEvent = (
     | ResponseAudioStarted
     | ResponseAudio
     | ResponseDone
+    | ToolCallStarted
+    | ToolCallArgumentsDelta
+    | ToolCallDone
+    | ToolResult
     | BargeIn
     | TurnTimings
     | Dtmf

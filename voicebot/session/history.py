@@ -20,6 +20,14 @@ and stalls every session's pacer) and is exact because a message's rendering doe
 not depend on what precedes it once the system message is in place (the segment is
 rendered mid-conversation, see :meth:`Conversation._segment`).
 
+Tools (voicebot/tools) keep this append-only: their schemas are rendered into the
+system message by the template itself (``tools=``), so a session's tools cost one
+system re-encode when they change and nothing per turn; a reply that called a tool is
+stored as generated (its ``<tool_call>`` markup included, as the model will see it
+again); a tool result is a ``tool`` message, rendered with the system message alone
+before it, so two results in a row are two complete turns whose tokens never change
+(the template would otherwise merge them and re-render the first).
+
 The history is bounded by a token budget. When a reply could overflow it, the oldest
 turns are dropped (down to ``trim_to`` of the budget, so this happens rarely: each
 trim costs one prefix-cache miss). Dropped turns are handed back so the session can
@@ -34,7 +42,7 @@ from typing import Any, Literal
 
 log = logging.getLogger(__name__)
 
-Role = Literal["system", "user", "assistant"]
+Role = Literal["system", "user", "assistant", "tool"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +50,16 @@ class Message:
     role: Role
     content: str
     item_id: str | None = None
+    # An assistant turn that is only a call a client added (Realtime function_call
+    # item): [{"name": ..., "arguments": {...}}], rendered by the template.
+    tool_calls: tuple[dict[str, Any], ...] | None = None
+    call_id: str | None = None  # a tool result's call, or the call of a client-added call
+
+    def as_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            d["tool_calls"] = [{"type": "function", "function": dict(c)} for c in self.tool_calls]
+        return d
 
 
 _PLACEHOLDER = Message("user", "...")
@@ -71,6 +89,7 @@ class Conversation:
         self.reply_tokens = reply_tokens
         self.trim_to = trim_to
         self.summary: str | None = None
+        self.tools: list[dict[str, Any]] = []  # Chat Completions shape, rendered by the template
         self.messages: list[Message] = []
         self._system_ids: list[int] = []
         self._parts: list[list[int]] = []  # ids of each message, as in the prompt
@@ -88,9 +107,13 @@ class Conversation:
             content += "\n\nEarlier in this call: " + self.summary
         return Message("system", content)
 
-    def _render(self, messages: list[Message], generation_prompt: bool) -> str:
+    def _render(
+        self, messages: list[Message], generation_prompt: bool, tools: list[dict[str, Any]] | None = None
+    ) -> str:
+        tools = self.tools if tools is None else tools
         return self._tok.apply_chat_template(
-            [{"role": m.role, "content": m.content} for m in messages],
+            [m.as_dict() for m in messages],
+            tools=tools or None,
             tokenize=False,
             add_generation_prompt=generation_prompt,
             enable_thinking=False,  # ignored by templates without a thinking mode
@@ -126,20 +149,24 @@ class Conversation:
         return full[len(plain) :] if full.startswith(plain) else ""
 
     @staticmethod
-    def _context(history: list[Message]) -> list[Message]:
+    def _context(history: list[Message], message: Message | None = None) -> list[Message]:
         """The part of the history a new message is rendered after: the system message
         and the message just before it. Rendering the whole history each turn cost
         ~4 ms of event-loop time per turn on a long call (Jinja over every message,
         several times), which at hundreds of sessions per process was most of the
-        loop's time; the rendering of a message does not depend on the rest."""
+        loop's time; the rendering of a message does not depend on the rest.
+        A tool result is rendered after the system message alone: templates merge
+        consecutive results into one turn, which would change the first one's tokens."""
+        if message is not None and message.role == "tool":
+            return history[:1]
         return history if len(history) <= 2 else [history[0], history[-1]]
 
     def _message_ids(
         self, history: list[Message], message: Message, token_ids: list[int] | None = None
     ) -> list[int]:
-        history = self._context(history)
+        history = self._context(history, message)
         segment = self._segment(history, message)
-        if message.role == "assistant":
+        if message.role == "assistant" and message.content:
             at = segment.rfind(message.content)
             if at >= 0:
                 # As generated: the generation prompt it answered, its text, the closing.
@@ -155,6 +182,16 @@ class Conversation:
         plain = self._render([system], False)
         self._placeholder_text = self._render([system, _PLACEHOLDER], False)[len(plain) :]
         self._system_ids = self._encode(plain)
+
+    def _system_ids_for(self, system_prompt: str | None, tools: list[dict[str, Any]] | None) -> list[int]:
+        """The system message of one reply with other instructions and/or tools (a
+        Realtime response.create override). The messages after it render the same."""
+        if system_prompt is None and tools is None:
+            return self._system_ids
+        content = self.system_prompt if system_prompt is None else system_prompt
+        if self.summary:
+            content += "\n\nEarlier in this call: " + self.summary
+        return self._encode(self._render([Message("system", content)], False, tools))
 
     def _join(self) -> None:
         """The prompt from its parts: list copies only, no tokenising."""
@@ -173,14 +210,22 @@ class Conversation:
         return len(self._ids)
 
     def append(
-        self, role: Role, content: str, item_id: str | None = None, token_ids: list[int] | None = None
+        self,
+        role: Role,
+        content: str,
+        item_id: str | None = None,
+        token_ids: list[int] | None = None,
+        *,
+        tool_calls: list[dict[str, Any]] | None = None,
+        call_id: str | None = None,
     ) -> None:
         """Add a message. ``token_ids``: an assistant reply exactly as the model generated
-        it (its text must be ``content``), so the next prompt matches the KV cache."""
+        it (its text must be ``content``), so the next prompt matches the KV cache.
+        ``tool_calls``: an assistant call added by a client; ``call_id``: a tool result's."""
         content = content.strip()
-        if not content:
+        if not content and not tool_calls and role != "tool":
             return
-        message = Message(role, content, item_id)
+        message = Message(role, content, item_id, tuple(tool_calls) if tool_calls else None, call_id)
         part = self._message_ids(self._all(), message, token_ids)
         self._parts.append(part)
         self._ids.extend(part)
@@ -190,8 +235,8 @@ class Conversation:
         """Rewrite one message (a reply cut short after the fact); costs a re-encode."""
         for i, m in enumerate(self.messages):
             if m.item_id == item_id:
-                if content.strip():
-                    self.messages[i] = Message(m.role, content.strip(), item_id)
+                if content.strip() or m.tool_calls:
+                    self.messages[i] = Message(m.role, content.strip(), item_id, m.tool_calls, m.call_id)
                     # Only this message is re-encoded (as text now: it was cut short).
                     self._parts[i] = self._message_ids([self._system_message(), *self.messages[:i]], self.messages[i])
                 else:
@@ -204,14 +249,24 @@ class Conversation:
     def delete(self, item_id: str) -> bool:
         return self.replace(item_id, "")
 
-    def prompt_ids(self, user_text: str | None = None) -> list[int]:
+    def prompt_ids(
+        self,
+        user_text: str | None = None,
+        *,
+        system_prompt: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
         """The token ids that ask the model for the next assistant reply.
 
         ``user_text`` adds a user message to the prompt without committing it to the
         history: a speculative reply for a turn that may not be over yet.
+        ``system_prompt`` / ``tools``: this reply only (a per-response override; its
+        prompt shares no cached prefix with the others).
         """
         history = self._context(self._all())
         ids = list(self._ids)
+        if system_prompt is not None or tools is not None:
+            ids[: len(self._system_ids)] = self._system_ids_for(system_prompt, tools)
         if user_text and user_text.strip():
             message = Message("user", user_text.strip())
             ids.extend(self._message_ids(history, message))
@@ -221,6 +276,12 @@ class Conversation:
     def set_system_prompt(self, prompt: str) -> None:
         if prompt != self.system_prompt:
             self.system_prompt = prompt
+            self._system_changed()
+
+    def set_tools(self, tools: list[dict[str, Any]]) -> None:
+        """The tools rendered into the system message (Chat Completions shape)."""
+        if tools != self.tools:
+            self.tools = list(tools)
             self._system_changed()
 
     def over_budget(self) -> bool:
@@ -236,8 +297,8 @@ class Conversation:
         while n < len(self.messages) and count > target:
             count -= len(self._parts[n])
             n += 1
-            # Never start the kept history with an assistant turn.
-            while n < len(self.messages) and self.messages[n].role == "assistant":
+            # Never start the kept history with an assistant turn or an orphan tool result.
+            while n < len(self.messages) and self.messages[n].role in ("assistant", "tool"):
                 count -= len(self._parts[n])
                 n += 1
         dropped = self.messages[:n]

@@ -7,6 +7,12 @@ only when the turn is confirmed over (or cancelled if the user goes on).
 
 Cancelling :meth:`Response.run` aborts the vLLM request (LlmEngine.generate) and the
 queued TTS work (TtsEngine.synthesize) and re-raises.
+
+Tool calls: every delta goes through vLLM's tool parser (voicebot/tools/parser.py)
+before the clause chunker, so only text outside ``<tool_call>`` markup is ever spoken;
+a call streams to the client as ToolCallStarted / ToolCallArgumentsDelta events and
+ends as a ToolCallDone with the parser's canonical arguments. The reply's whole output
+(markup included) and its token ids are kept for the history.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -25,7 +32,11 @@ from voicebot.engines.llm import GenerationStats, Lane, LlmEngine
 from voicebot.engines.tts import TtsEngine
 from voicebot.session.clauses import ClauseChunker
 from voicebot.session.clock import REAL_CLOCK, Clock
+from voicebot.session.events import ToolCallArgumentsDelta, ToolCallDone, ToolCallStarted
 from voicebot.session.playout import Playout
+from voicebot.tools.grammar import NO_CONSTRAINT, Constraint
+from voicebot.tools.parser import ArgumentsDelta, CallStarted, Speech, ToolCallStream
+from voicebot.tools.spec import ToolCall, ToolChoice, ToolSpec, new_call_id
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +50,20 @@ class ResponseTimes:
     first_audio: float | None = None  # first synthesised audio of the first clause
     first_clause_synth_start: float | None = None
     done_generating: float | None = None
+
+
+@dataclass(frozen=True)
+class ResponseOptions:
+    """Per-response overrides (Realtime ``response.create``); None: the session's own."""
+
+    instructions: str | None = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: ToolChoice | None = None
+    max_tokens: int | None = None
+    metadata: dict[str, Any] | None = None
+
+
+Delta = str | ToolCallStarted | ToolCallArgumentsDelta | ToolCallDone
 
 
 class Response:
@@ -59,6 +84,10 @@ class Response:
         output_rate: int | None = None,
         clock: Clock = REAL_CLOCK,
         on_audio: Callable[[], None] | None = None,
+        tool_stream: ToolCallStream | None = None,
+        constraint: Constraint = NO_CONSTRAINT,
+        options: ResponseOptions | None = None,
+        tool_round: int = 0,
     ) -> None:
         self.id = response_id
         self.item_id = item_id
@@ -82,11 +111,19 @@ class Response:
         self.released = asyncio.Event()
         if not gated:
             self.released.set()
-        self.text_parts: list[str] = []
+        self.text_parts: list[str] = []  # spoken text (outside tool-call markup)
+        self.raw_parts: list[str] = []  # everything generated, as the history stores it
         self.token_ids: list[int] = []  # as generated: the history stores a finished reply so
-        # Text deltas for the client; read by the session's forwarder after release.
-        # Bounded by max_tokens (one entry per LLM delta), so it cannot grow without end.
-        self.deltas: asyncio.Queue[str | None] = asyncio.Queue()
+        # Text deltas and tool-call events for the client; read by the session's forwarder
+        # after release. Bounded by max_tokens (at most a few entries per LLM delta).
+        self.deltas: asyncio.Queue[Delta | None] = asyncio.Queue()
+        self.options = options or ResponseOptions()
+        self.tool_round = tool_round  # server-tool rounds before this reply in its turn
+        self.tool_calls: list[ToolCall] = []
+        self.prompt_tools: list[dict[str, Any]] | None = None  # this reply's own tools (an override)
+        self._tools = tool_stream
+        self._constraint = constraint
+        self._calls: dict[int, tuple[str, str, str]] = {}  # parser index -> call_id, item_id, name
         self.generated = False  # LLM and TTS finished
         self.drained = asyncio.Event()  # generated, and the pacer sent the last sample
         self._room = asyncio.Event()
@@ -94,7 +131,13 @@ class Response:
 
     @property
     def full_text(self) -> str:
+        """What the reply says (tool-call markup excluded)."""
         return "".join(self.text_parts).strip()
+
+    @property
+    def raw_text(self) -> str:
+        """Everything the model generated, markup included."""
+        return "".join(self.raw_parts)
 
     def release(self) -> None:
         self.released.set()
@@ -116,18 +159,47 @@ class Response:
 
     async def _generate(self, clauses: asyncio.Queue[str | None]) -> None:
         async with contextlib.aclosing(
-            self._llm.generate(self.prompt_ids, max_tokens=self._max_tokens, stats=self.stats)
+            self._llm.generate(
+                self.prompt_ids, max_tokens=self._max_tokens, stats=self.stats, **self._constraint.sampling_kwargs()
+            )
         ) as stream:
             async for delta in stream:
-                self.text_parts.append(delta.text)
+                self.raw_parts.append(delta.text)
                 self.token_ids.extend(delta.token_ids)
-                self.deltas.put_nowait(delta.text)
-                for clause in self._chunker.push(delta.text):
-                    await self._put_clause(clauses, clause)
+                pieces = self._tools.feed(delta.text, delta.token_ids) if self._tools else [Speech(delta.text)]
+                for piece in pieces:
+                    await self._piece(piece, clauses)
+        if self._tools is not None:
+            self._finish_calls(self._tools)
         if (rest := self._chunker.flush()) is not None:
             await self._put_clause(clauses, rest)
         self.times.done_generating = self._clock.monotonic()
         await clauses.put(None)
+
+    async def _piece(self, piece: Speech | CallStarted | ArgumentsDelta, clauses: asyncio.Queue[str | None]) -> None:
+        match piece:
+            case Speech(text=text):
+                self.text_parts.append(text)
+                self.deltas.put_nowait(text)
+                for clause in self._chunker.push(text):
+                    await self._put_clause(clauses, clause)
+            case CallStarted(index=index, name=name):
+                self._start_call(index, name)
+            case ArgumentsDelta(index=index, delta=delta) if index in self._calls:
+                call_id, item_id, _ = self._calls[index]
+                self.deltas.put_nowait(ToolCallArgumentsDelta(self.id, item_id, call_id, delta))
+
+    def _start_call(self, index: int, name: str) -> tuple[str, str, str]:
+        ids = self._calls[index] = (new_call_id(), f"{self.item_id}_fc{index}", name)
+        self.deltas.put_nowait(ToolCallStarted(self.id, ids[1], ids[0], name))
+        return ids
+
+    def _finish_calls(self, tools: ToolCallStream) -> None:
+        for index, parsed in enumerate(tools.finish()):
+            call_id, item_id, _ = self._calls.get(index) or self._start_call(index, parsed.name)
+            call = ToolCall(call_id, item_id, parsed.name, parsed.arguments, parsed.valid)
+            self.tool_calls.append(call)
+            self.deltas.put_nowait(ToolCallDone(self.id, call))
 
     async def _put_clause(self, clauses: asyncio.Queue[str | None], clause: str) -> None:
         if self.times.first_clause is None:
@@ -138,22 +210,31 @@ class Response:
         while (clause := await clauses.get()) is not None:
             if self.times.first_clause_synth_start is None:
                 self.times.first_clause_synth_start = self._clock.monotonic()
-            async with contextlib.aclosing(
-                self._tts.synthesize(clause, voice=self._voice, speed=self._speed)
-            ) as audio_stream:
-                async for chunk in audio_stream:
-                    if self.times.first_audio is None:
-                        self.times.first_audio = self._clock.monotonic()
-                    await self._wait_for_room()
-                    audio = np.asarray(chunk, dtype=np.float32)
-                    if self.playout.added == 0:
-                        audio = trim_leading_silence(audio, self._tts_rate)
-                    if self.playout.sample_rate != self._tts_rate:
-                        audio = resample(audio, self._tts_rate, self.playout.sample_rate)
-                    self.playout.add(audio)
-                    if self._on_audio is not None:
-                        self._on_audio()
-            self.playout.end_clause(clause)
+            await self._speak(clause)
+
+    async def say(self, text: str) -> None:
+        """Speak ``text`` after the generated reply (a filler while a tool runs): played
+        by the pacer like the rest, not part of the transcript or the history."""
+        self.drained.clear()  # there is audio to send again
+        await self._speak(text)
+
+    async def _speak(self, clause: str) -> None:
+        async with contextlib.aclosing(
+            self._tts.synthesize(clause, voice=self._voice, speed=self._speed)
+        ) as audio_stream:
+            async for chunk in audio_stream:
+                if self.times.first_audio is None:
+                    self.times.first_audio = self._clock.monotonic()
+                await self._wait_for_room()
+                audio = np.asarray(chunk, dtype=np.float32)
+                if self.playout.added == 0:
+                    audio = trim_leading_silence(audio, self._tts_rate)
+                if self.playout.sample_rate != self._tts_rate:
+                    audio = resample(audio, self._tts_rate, self.playout.sample_rate)
+                self.playout.add(audio)
+                if self._on_audio is not None:
+                    self._on_audio()
+        self.playout.end_clause(clause)
 
     async def _wait_for_room(self) -> None:
         while not self.playout.has_room():

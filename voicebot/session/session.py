@@ -653,8 +653,9 @@ class Session:
     async def _forward_text(self, resp: Response) -> None:
         await resp.released.wait()
         self.emit(ResponseStarted(resp.id, resp.item_id))
-        while (text := await resp.deltas.get()) is not None:
-            self.emit(ResponseTextDelta(resp.id, resp.item_id, text))
+        while (delta := await resp.deltas.get()) is not None:
+            # Text, or a tool call's start / arguments / end (already session events).
+            self.emit(ResponseTextDelta(resp.id, resp.item_id, delta) if isinstance(delta, str) else delta)
 
     def _cancel_response(self, *, status: str, emit: bool = True) -> None:
         resp, task = self._response, self._response_task
