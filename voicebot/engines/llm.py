@@ -27,8 +27,8 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from voicebot.affinity import current_session, rank_for
 from voicebot.config import LlmConfig
-from voicebot.engines.affinity import current_session, rank_for
 from voicebot.errors import EngineError, ModelError
 
 if TYPE_CHECKING:
@@ -378,7 +378,7 @@ class LlmEngine:
         finished = False
         try:
             # data_parallel_size > 1: every request of a call goes to one rank, where its
-            # prefix is cached (engines/affinity.py); None lets vLLM balance.
+            # prefix is cached (voicebot/affinity.py); None lets vLLM balance.
             rank = rank_for(current_session(), self.cfg.data_parallel_size)
             outputs = self._engine.generate(
                 {"prompt_token_ids": prompt_ids}, params, rid, priority=priority, data_parallel_rank=rank

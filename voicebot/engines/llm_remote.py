@@ -13,7 +13,7 @@ transport differs). What crosses the wire, and why:
   usage block, whose ``prompt_tokens_details.cached_tokens`` is the prefix-cache hit
   (the servers need ``--enable-prompt-tokens-details``). The usage block comes last:
   a reply's cached-token count is known when its stream ends, not at its first token.
-- ``X-Session-ID: <session id>`` on every request (engines/affinity.py): vllm-router's
+- ``X-Session-ID: <session id>`` on every request (voicebot/affinity.py): vllm-router's
   ``sticky_least_loaded`` / ``consistent_hash`` policies keep a call on the server
   that holds its prefix (docs/scaling.md). ``priority`` in the body: the lanes, as
   in-process (the servers run ``--scheduling-policy priority``).
@@ -39,8 +39,8 @@ from typing import Any, cast
 
 import httpx
 
+from voicebot.affinity import current_session
 from voicebot.config import LlmConfig
-from voicebot.engines.affinity import current_session
 from voicebot.engines.llm import GenerationStats, Lane, LlmEngine, TextDelta
 from voicebot.errors import EngineError, ModelError
 

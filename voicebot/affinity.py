@@ -11,6 +11,9 @@ its main task (:func:`bind_session`); every task it spawns inherits the binding
   route by (docs/scaling.md);
 - the in-process engine with ``llm.data_parallel_size > 1`` pins the call to one
   data-parallel rank (:func:`rank_for`), the same idea inside one process.
+
+A top-level module (not in voicebot/engines/) so that llm.py can import it without the
+engines package, whose ``__init__`` loads ASR and TTS (the GPU benchmarks load llm.py alone).
 """
 
 from __future__ import annotations
