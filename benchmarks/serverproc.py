@@ -74,6 +74,19 @@ def task_family(name: str) -> str:
     return _SESSION_ID.sub(lambda m: m.group(1), name)
 
 
+def fd_kinds_of(pid: int) -> dict[str, int]:
+    """Open descriptors of ``pid`` by kind ("socket", "pipe", "anon_inode:[eventfd]", a path),
+    so a report says *what* grew, not only that something did."""
+    kinds: Counter[str] = Counter()
+    fd_dir = Path(f"/proc/{pid}/fd")
+    with contextlib.suppress(OSError):
+        for fd in fd_dir.iterdir():
+            with contextlib.suppress(OSError):
+                target = os.readlink(fd)
+                kinds[re.sub(r":\[\d+\]$", "", target)] += 1
+    return dict(sorted(kinds.items()))
+
+
 @dataclass
 class ServerProcess:
     """A server child this script owns; its stderr goes to ``log_path``."""
@@ -146,15 +159,22 @@ class ServerProcess:
         for p in tree:
             with contextlib.suppress(psutil.Error):
                 rss += p.memory_info().rss
+        # Descriptors are read before this sample's own HTTP requests: the server side of
+        # the /healthz or tasks connection may still be open for a moment after the reply,
+        # which read afterwards made a spurious "+1 fd" in one soak.
+        fds, fd_kinds = main.num_fds(), fd_kinds_of(self.proc.pid)
+        threads = main.num_threads()
+        rss_main = main.memory_info().rss
         health = self.health()
         queues = health.get("queues") or {}
         tasks = self.tasks()
         return {
             "t": time.time(),
-            "rss_mb": round(main.memory_info().rss / 2**20, 2),
+            "rss_mb": round(rss_main / 2**20, 2),
             "tree_rss_mb": round(rss / 2**20, 2),
-            "fds": main.num_fds(),
-            "threads": main.num_threads(),
+            "fds": fds,
+            "fd_kinds": fd_kinds,
+            "threads": threads,
             "tasks": tasks["count"],
             "task_families": tasks["families"],
             "sessions": health.get("active_sessions"),

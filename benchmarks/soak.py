@@ -214,6 +214,11 @@ def leaks(baseline: dict[str, Any], final: dict[str, Any]) -> dict[str, Any]:
         "tasks": final["tasks"] - baseline["tasks"],
         "task_families_changed": grown,
         "fds": final["fds"] - baseline["fds"],
+        "fd_kinds_changed": {
+            k: final.get("fd_kinds", {}).get(k, 0) - baseline.get("fd_kinds", {}).get(k, 0)
+            for k in set(baseline.get("fd_kinds", {})) | set(final.get("fd_kinds", {}))
+            if final.get("fd_kinds", {}).get(k, 0) != baseline.get("fd_kinds", {}).get(k, 0)
+        },
         "threads": final["threads"] - baseline["threads"],
     }
 
@@ -250,7 +255,7 @@ def print_table(result: dict[str, Any]) -> None:
           f"{c['failed']} failed; {c['barge_turns']} barge-in turns; v2v p50/p95 "
           f"{result['v2v_ms']['p50']}/{result['v2v_ms']['p95']} ms over {result['v2v_ms']['n']} turns")
     print(f"leaks after the soak: sessions {lk['sessions']}, vLLM requests {lk['llm_unfinished']}, "
-          f"tasks {lk['tasks']:+d}, fds {lk['fds']:+d}, threads {lk['threads']:+d}")
+          f"tasks {lk['tasks']:+d}, fds {lk['fds']:+d} {lk['fd_kinds_changed'] or ''}, threads {lk['threads']:+d}")
     if "tree_mb_per_hour" in tr:
         print(f"RSS trend after warm-up ({tr['n']} samples, {tr['span_s']} s): tree "
               f"{tr['tree_mb_per_hour']:+.1f} MB/h = {tr['tree_mb_per_session_hour']:+.2f} MB/session-hour; "
