@@ -27,9 +27,10 @@ Benchmark patches (``serve`` mode only, chosen by ``--gpu-dummy``; all stated in
   ``--asr-tokens-per-s`` of audio capped at ``--asr-max-tokens`` (random Whisper never
   stops); LLM replies are ``llm.max_tokens`` long (random Qwen never emits EOS).
 - ``--script-replies``: the LLM's generated tokens are kept (history, prefix cache,
-  timing) but the text the session receives is a fixed English reply, one word per
-  token, so the TTS synthesises realistic speech (random tokens are mostly CJK
-  fragments that espeak/Piper would spell out for a minute).
+  timing) but the text vLLM streams to the session is rewritten into a fixed English
+  reply, one word per token, so the TTS synthesises realistic speech (random tokens are
+  mostly CJK fragments that espeak/Piper would spell out for a minute).
+- Whisper's engine starts once the LLM's is up (both on one GPU: see serialize_gpu_starts).
 The VAD, turn-taking, sessions, playout and TTS are the server's own, unpatched.
 """
 
@@ -46,6 +47,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -86,26 +88,115 @@ def install_patches(opts: dict[str, Any]) -> None:
     if opts.get("script_replies"):
         from voicebot.engines import llm as llm_mod
 
-        original_stream = llm_mod.LlmEngine._stream
+        original_start = llm_mod.LlmEngine.start
 
-        async def _stream(self: Any, rid: str, prompt_ids: list[int], lane: Any, st: Any, params: Any) -> Any:
-            k = 0
-            async with contextlib.aclosing(original_stream(self, rid, prompt_ids, lane, st, params)) as stream:
-                async for delta in stream:
-                    if lane is llm_mod.Lane.INTERACTIVE:
-                        n = max(1, delta.token_count)
-                        words = [SCRIPT_REPLY[(k + i) % len(SCRIPT_REPLY)] for i in range(n)]
-                        text = "".join(w if k + i == 0 else " " + w for i, w in enumerate(words))
-                        k += n
-                        delta = llm_mod.TextDelta(text, delta.token_count, delta.token_ids)
-                    yield delta
+        async def start(self: Any, *args: Any, **kwargs: Any) -> None:
+            await original_start(self, *args, **kwargs)
+            engine = self._engine  # vLLM's AsyncLLM: rewrite the text of what it streams
+            original_generate = engine.generate
 
-        llm_mod.LlmEngine._stream = _stream  # type: ignore[method-assign]
+            async def scripted(outputs: Any) -> Any:
+                k = 0
+                async with contextlib.aclosing(outputs):
+                    async for out in outputs:
+                        for comp in out.outputs:  # DELTA outputs: this step's tokens and text
+                            n = len(comp.token_ids)
+                            words = [SCRIPT_REPLY[(k + i) % len(SCRIPT_REPLY)] for i in range(n)]
+                            comp.text = "".join(w if k + i == 0 else " " + w for i, w in enumerate(words))
+                            k += n
+                        yield out
+
+            engine.generate = lambda *a, **kw: scripted(original_generate(*a, **kw))
+
+        llm_mod.LlmEngine.start = start  # type: ignore[method-assign]
+
+
+def serialize_gpu_starts() -> None:
+    """Start Whisper's vLLM engine only once the LLM's is up.
+
+    vLLM sizes its KV cache from the device's free memory measured around its profiling
+    run; an engine starting beside it counts the other's allocations as its own
+    overhead (and can end up with no room for a cache). Benchmark-only: the server
+    starts its engines together.
+    """
+    import voicebot.engines.asr_vllm as asr_vllm
+    from voicebot.engines import llm as llm_mod
+
+    gate: list[asyncio.Event] = []
+
+    def llm_up() -> asyncio.Event:
+        if not gate:
+            gate.append(asyncio.Event())
+        return gate[0]
+
+    original_llm_start = llm_mod.LlmEngine.start
+    original_asr_start = asr_vllm.VllmAsrEngine.start
+
+    async def llm_start(self: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            await original_llm_start(self, *args, **kwargs)
+        finally:
+            llm_up().set()  # also on failure: the ASR start must not wait forever
+
+    async def asr_start(self: Any, *args: Any, **kwargs: Any) -> None:
+        await llm_up().wait()
+        await original_asr_start(self, *args, **kwargs)
+
+    llm_mod.LlmEngine.start = llm_start  # type: ignore[method-assign]
+    asr_vllm.VllmAsrEngine.start = asr_start  # type: ignore[method-assign]
+
+
+LOOP_PATH = "/_bench/loop"
+
+
+def install_loop_route() -> None:
+    """GET /_bench/loop: the server loop's lag since the last call (a 20 ms sleep's
+    lateness), and cumulative CPU of the loop's thread and of the whole process.
+
+    The server has no loop-lag metric; whether its one event loop is the limit at N
+    sessions needs one. Read by the runner at the start and end of each level.
+    """
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    import voicebot.server.app as app_module
+
+    original = app_module.create_app
+    lags: list[float] = []
+    task: list[asyncio.Task[None]] = []
+
+    async def monitor() -> None:
+        while True:
+            t = time.perf_counter()
+            await asyncio.sleep(0.02)
+            if len(lags) < 200_000:
+                lags.append(1000.0 * (time.perf_counter() - t - 0.02))
+
+    async def loop_stats(_: Request) -> JSONResponse:
+        if not task:
+            task.append(asyncio.create_task(monitor(), name="bench-loop-monitor"))
+        from voicebot.probe.measure import percentiles
+
+        body = {"lag_ms": percentiles(lags), "loop_thread_cpu_s": time.thread_time(),
+                "process_cpu_s": time.process_time(), "t": time.monotonic()}
+        lags.clear()
+        return JSONResponse(body)
+
+    def create_app(*args: Any, **kwargs: Any) -> Any:
+        app = original(*args, **kwargs)
+        app.router.routes.insert(0, Route(LOOP_PATH, loop_stats))
+        return app
+
+    app_module.create_app = create_app  # type: ignore[assignment]
 
 
 def serve_main(argv: list[str]) -> int:
     opts = json.loads(os.environ.get(PATCH_ENV, "{}"))
     install_patches(opts)
+    if opts.get("whisper"):
+        serialize_gpu_starts()
+    install_loop_route()
     from voicebot.cli import main as cli_main
 
     return cli_main(["serve", *argv])
@@ -237,6 +328,46 @@ class HealthSampler(threading.Thread):
                     self.peaks[k] = max(self.peaks.get(k, v), v)
 
 
+def read_pid(out: Path) -> int | None:
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        return int((out / "server.pid").read_text().split()[0])
+    return None
+
+
+def engine_cpu(pid: int | None) -> dict[str, float]:
+    """Cumulative CPU seconds of the server's child processes (vLLM engine cores) by name."""
+    if pid is None:
+        return {}
+    try:
+        import psutil
+
+        out: dict[str, float] = {}
+        for child in psutil.Process(pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                t = child.cpu_times()
+                key = f"{child.name()}:{child.pid}"
+                out[key] = t.user + t.system
+        return out
+    except Exception:
+        return {}
+
+
+def server_cost(loop0: dict[str, Any], loop1: dict[str, Any], eng0: dict[str, float],
+                eng1: dict[str, float]) -> dict[str, Any]:
+    """The server's loop lag over the level, and cores used by its loop thread, its whole
+    process (loop + TTS threads + feature extraction + vLLM's API-side threads) and its
+    child processes (vLLM engine cores)."""
+    wall = (loop1.get("t") or 0) - (loop0.get("t") or 0)
+    if wall <= 0:
+        return {"lag_ms": loop1.get("lag_ms")}
+    return {
+        "lag_ms": loop1.get("lag_ms"),
+        "loop_thread_cores": round((loop1["loop_thread_cpu_s"] - loop0["loop_thread_cpu_s"]) / wall, 3),
+        "process_cores": round((loop1["process_cpu_s"] - loop0["process_cpu_s"]) / wall, 3),
+        "children_cores": {k: round((v - eng0.get(k, 0.0)) / wall, 3) for k, v in eng1.items()},
+    }
+
+
 def summarize_level(n: int, records: list[Any], probe: dict[str, Any], wall_s: float,
                     health: dict[str, float]) -> dict[str, Any]:
     from voicebot.probe.report import summarize
@@ -255,8 +386,7 @@ def summarize_level(n: int, records: list[Any], probe: dict[str, Any], wall_s: f
         "v2v_ms": {k: v[k] for k in ("n", "p50", "p95", "p99", "max")},
         "stage_p95_ms": {k: s["stages_ms"][k]["p95"] for k in STAGES},
         "stage_p50_ms": {k: s["stages_ms"][k]["p50"] for k in STAGES},
-        "reply_rtf": {k: s["reply_rtf"][k] for k in ("n", "min", "p50")}
-        | {"p5": percentiles_low(records)},
+        "reply_rtf": reply_rtf(records),
         "stalled_replies": s["stalled_replies"],
         "prompt_cache_hit": cache_hit(records),
         "probe": probe,
@@ -266,12 +396,15 @@ def summarize_level(n: int, records: list[Any], probe: dict[str, Any], wall_s: f
     }
 
 
-def percentiles_low(records: list[Any]) -> float | None:
-    """5th percentile of reply delivery RTF: the slow tail is the low one."""
+def reply_rtf(records: list[Any]) -> dict[str, Any]:
+    """Reply audio / its arrival span per turn: p5 (the slow tail is the low one), p50, min."""
     import numpy as np
 
     vals = [r.reply_audio_ms / r.reply_span_ms for r in records if r.reply_audio_ms and r.reply_span_ms]
-    return round(float(np.percentile(vals, 5)), 3) if vals else None
+    if not vals:
+        return {"n": 0, "p5": None, "p50": None, "min": None}
+    p5, p50 = np.percentile(vals, [5, 50])
+    return {"n": len(vals), "p5": round(float(p5), 3), "p50": round(float(p50), 3), "min": round(min(vals), 3)}
 
 
 def cache_hit(records: list[Any]) -> float | None:
@@ -327,6 +460,7 @@ def run_main(args: argparse.Namespace) -> int:
             raise
         http, url = server.http, f"ws://127.0.0.1:{server.port}/ws"
         print(f"server ready in {summary['runs'][-1]['server_start_s']} s at {url}", flush=True)
+    server_pid = server.proc.pid if server.proc else read_pid(out)
     _, health = http_json(http + "/healthz")
     summary["runs"][-1]["healthz_at_start"] = health
     clips = tuple(load_clip(a, 16000) for a in args.audio)
@@ -349,12 +483,15 @@ def run_main(args: argparse.Namespace) -> int:
             cfg = replace(base, stagger_s=args.ramp_s / n, workers=workers)
             sampler = HealthSampler(http)
             sampler.start()
+            loop0, engines0 = http_json(http + LOOP_PATH)[1], engine_cpu(server_pid)
             t0 = time.monotonic()
             result = asyncio.run(run_level_measured(cfg, n))
             last_wall = time.monotonic() - t0
+            loop1, engines1 = http_json(http + LOOP_PATH)[1], engine_cpu(server_pid)
             sampler.stop_flag.set()
             sampler.join(3)
             row = summarize_level(n, result.records, result.stats.as_dict(), last_wall, sampler.peaks)
+            row["server"] = server_cost(loop0, loop1, engines0, engines1)
             row["fails"] = level_fails(row, args)
             summary["levels"] = [lv for lv in summary["levels"] if lv["sessions"] != n] + [row]
             (out / f"level_{n}.json").write_text(json.dumps(
@@ -366,6 +503,8 @@ def run_main(args: argparse.Namespace) -> int:
                   f"ttft {st['llm_ttft_ms']} clause {st['first_clause_ms']} tts {st['tts_first_audio_ms']}  "
                   f"rtf p5 {row['reply_rtf']['p5']} stalls {row['stalled_replies']}  "
                   f"probe {row['probe']['cores']} cores late p99 {row['probe']['tick_late_ms']['p99']} ms  "
+                  f"server loop {row['server'].get('loop_thread_cores')} cores lag p99 "
+                  f"{(row['server'].get('lag_ms') or {}).get('p99')} ms process {row['server'].get('process_cores')}  "
                   f"{last_wall:.0f} s {'FAIL: ' + '; '.join(row['fails']) if row['fails'] else ''}", flush=True)
             if row["fails"] and not args.keep_going:
                 break

@@ -441,4 +441,4 @@ async def test_sessions_spread_over_worker_processes(scripted_url: str, say_clip
     report = build_report({}, [(3, result.records)], probe=[stats])
     assert report["levels"][0]["probe"] == stats
     assert report["levels"][0]["stalled_replies"] == 0
-    assert report["levels"][0]["reply_rtf"]["n"] == 3
+    assert report["levels"][0]["reply_rtf_pct"]["n"] == 3

@@ -43,9 +43,9 @@ def summarize(records: list[TurnRecord]) -> dict[str, Any]:
             r.voice_to_voice_ms for r in records if r.voice_to_voice_ms is not None
         ),
         "stages_ms": stages,
-        # reply audio / its arrival span per turn: under 1, the caller heard the reply stall
-        "reply_rtf": percentiles(
-            r.reply_audio_ms / r.reply_span_ms
+        # reply audio / its arrival span per turn, in %: under 100, the caller heard it stall
+        "reply_rtf_pct": percentiles(
+            100.0 * r.reply_audio_ms / r.reply_span_ms
             for r in records
             if r.reply_audio_ms is not None and r.reply_span_ms
         ),
