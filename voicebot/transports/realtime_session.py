@@ -96,6 +96,7 @@ class RealtimeTranslator:
         self._items: OrderedDict[str, dict[str, Any]] = OrderedDict()  # id -> item as last sent
         self._metadata: OrderedDict[str, dict[str, str]] = OrderedDict()  # response id -> metadata
         self._last_response: str | None = None
+        self._requested: str | None = None  # asked for by response.create, not yet created
         self._own_ids = itertools.count(1)
         # turn_detection as the client set it (type, eagerness, idle_timeout_ms): echoed back.
         self._td_type = "server_vad"
@@ -141,6 +142,8 @@ class RealtimeTranslator:
         elif kind in ("response.created", "response.done"):
             response = e["response"]
             self._last_response = response["id"]
+            if self._requested == response["id"]:
+                self._requested = None  # created (then replies.current has it) or over
             meta = self._metadata.get(response["id"])
             if meta is not None:
                 response["metadata"] = meta
@@ -251,13 +254,20 @@ class RealtimeTranslator:
                         code="conversation_already_has_active_response")
                 metadata = _metadata((ev.response or {}).get("metadata"))
                 rid = self.session.create_response()
+                self._requested = rid  # cancellable before its response.created is out
                 if metadata is not None:  # echoed in response.created / response.done (LiveKit waits for it)
                     self._metadata[rid] = metadata
                     while len(self._metadata) > 8:
                         self._metadata.popitem(last=False)
                 return []  # response.created follows from the session's ResponseStarted
             case rt.ResponseCancel():
-                if not self.session.cancel_response():
+                # Only a reply the client knows of (created, or asked for) is cancelled: the
+                # session may be preparing the next turn's reply speculatively, and a cancel
+                # that raced the end of the last one (LiveKit sends one on every
+                # speech_started) must not kill that.
+                known = self.replies.current.id if self.replies.current is not None else self._requested
+                if (known is None or (ev.response_id is not None and ev.response_id != known)
+                        or not self.session.cancel_response()):
                     # OpenAI's exact text: clients match it to ignore a cancel that raced the end.
                     raise rt.RealtimeRequestError("Cancellation failed: no active response found",
                                                   code="response_cancel_not_active")
@@ -420,7 +430,7 @@ class RealtimeTranslator:
         if self.fam.item_done:
             out.append({"type": self.fam.item_done, "previous_item_id": None,
                         "item": rt.user_audio_item(item_id, "")})
-        self.session.create_response()
+        self._requested = self.session.create_response()
         return self._out(out)
 
     def _append(self, audio_b64: str) -> list[dict[str, Any]]:
