@@ -3,7 +3,7 @@
     python benchmarks/pipeline_gpu.py run --config configs/gpu.yaml --gpu-dummy \
         --llm-dir .gpu/qwen7b --whisper-dir .gpu/whisper-turbo --voice ~/tts/voice \
         --audio .gpu/audio/librivox_08*.wav --sessions 16 32 64 128 256 512 --out OUT
-    python benchmarks/pipeline_gpu.py plot OUT/pipeline.json --png docs/img/pipeline_gpu.png
+    python benchmarks/pipeline_gpu.py plot "16 TTS workers=OUT/pipeline.json" --png docs/img/pipeline-gpu.png
 
 ``run`` starts ``voicebot serve`` (this file's ``serve`` mode: the real CLI path with the
 benchmark patches below) and waits for /healthz, then drives each level with the probe
@@ -524,36 +524,47 @@ def run_main(args: argparse.Namespace) -> int:
 
 # ============================================================== plot
 def plot_main(args: argparse.Namespace) -> int:
+    """Left: v2v p50/p95 against N per run; right: per-stage p95 against N per run."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    summary = json.loads(Path(args.summary).read_text())
-    levels = sorted(summary["levels"], key=lambda lv: lv["sessions"])
-    ns = [lv["sessions"] for lv in levels]
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for key, style in (("p50", "o-"), ("p95", "s-"), ("p99", "^--")):
-        ax.plot(ns, [lv["v2v_ms"][key] for lv in levels], style, label=f"voice-to-voice {key}")
-    ax.axhline(800, color="grey", lw=0.8, ls=":", label="p95 target 800 ms")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(ns, [str(n) for n in ns])
-    ax.set_xlabel("concurrent sessions")
-    ax.set_ylabel("ms")
-    ax.set_title(args.title or "voice-to-voice latency vs sessions")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    for key, label in (("asr_final_ms", "ASR final"), ("llm_ttft_ms", "LLM TTFT"),
-                       ("first_clause_ms", "first clause"), ("tts_first_audio_ms", "TTS first audio"),
-                       ("endpointing_ms", "endpointing")):
-        bx.plot(ns, [lv["stage_p95_ms"].get(key) for lv in levels], "o-", label=label)
-    bx.set_xscale("log", base=2)
-    bx.set_xticks(ns, [str(n) for n in ns])
-    bx.set_xlabel("concurrent sessions")
-    bx.set_ylabel("p95 ms (server turn.timings)")
-    bx.set_title("per-stage p95")
-    bx.grid(alpha=0.3)
-    bx.legend(fontsize=8)
+    runs = []
+    for item in args.summary:
+        label, _, path = item.rpartition("=")
+        summary = json.loads(Path(path).read_text())
+        levels = [lv for lv in sorted(summary["levels"], key=lambda lv: lv["sessions"]) if lv["v2v_ms"]["n"]]
+        runs.append((label or Path(path).parent.name, levels))
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.6))
+    all_ns: set[int] = set()
+    for k, (label, levels) in enumerate(runs):
+        ns = [lv["sessions"] for lv in levels]
+        all_ns.update(ns)
+        color = f"C{k}"
+        ax.plot(ns, [lv["v2v_ms"]["p50"] for lv in levels], "o--", color=color, label=f"{label}: p50")
+        ax.plot(ns, [lv["v2v_ms"]["p95"] for lv in levels], "s-", color=color, label=f"{label}: p95")
+        for lv in levels:
+            if lv["dropped_sessions"]:
+                ax.annotate(f"{lv['dropped_sessions']} dropped", (lv["sessions"], lv["v2v_ms"]["p95"]),
+                            fontsize=7, color=color, xytext=(4, 4), textcoords="offset points")
+        # right panel: colour = stage, marker/line = run
+        stages = ("asr_final_ms", "llm_ttft_ms", "tts_first_audio_ms", "endpointing_ms")
+        for j, key in enumerate(stages):
+            bx.plot(ns, [lv["stage_p95_ms"].get(key) for lv in levels], "os^"[k % 3] + ("-", "--", ":")[k % 3],
+                    color=f"C{j + 3}", alpha=0.9, label=f"{key.removesuffix('_ms')} ({label})")
+    ax.axhline(800, color="grey", lw=0.8, ls=":", label="target p95 800 ms")
+    ticks = sorted(all_ns)
+    for axis, title, ylabel in ((ax, args.title or "voice-to-voice latency vs sessions", "ms (probe, from the audio)"),
+                                (bx, "per-stage p95 (server turn.timings)", "p95 ms")):
+        axis.set_xscale("log", base=2)
+        axis.set_yscale("log")
+        axis.set_xticks(ticks, [str(n) for n in ticks])
+        axis.set_xlabel("concurrent sessions")
+        axis.set_ylabel(ylabel)
+        axis.set_title(title, fontsize=10)
+        axis.grid(alpha=0.3, which="both")
+        axis.legend(fontsize=6.5)
     fig.tight_layout()
     Path(args.png).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.png, dpi=100)
@@ -595,8 +606,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--asr-tokens-per-s", type=float, default=3.0)
     r.add_argument("--asr-max-tokens", type=int, default=24)
     r.add_argument("--script-replies", action=argparse.BooleanOptionalAction, default=True)
-    pl = sub.add_parser("plot", help="plot v2v p50/p95/p99 and stage p95 against N")
-    pl.add_argument("summary")
+    pl = sub.add_parser("plot", help="plot v2v p50/p95 and stage p95 against N")
+    pl.add_argument("summary", nargs="+", help="[LABEL=]OUT/pipeline.json, one per run")
     pl.add_argument("--png", required=True)
     pl.add_argument("--title")
     return p
