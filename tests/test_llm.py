@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import AsyncIterator
 
@@ -13,6 +14,9 @@ from voicebot.config import ModelsConfig, load_config
 from voicebot.engines.llm import GenerationStats, Lane, LlmEngine
 from voicebot.provision import resolve_model
 from voicebot.session.history import Conversation
+from voicebot.tools.grammar import constraint_for
+from voicebot.tools.parser import ToolCallStream
+from voicebot.tools.spec import ToolChoice, ToolSpec
 
 
 @pytest.fixture(scope="module")
@@ -148,3 +152,56 @@ async def _until(cond, timeout: float = 10.0) -> None:  # type: ignore[no-untype
     while not cond():
         assert time.monotonic() < deadline, "condition not reached in time"
         await asyncio.sleep(0.02)
+
+
+# ------------------------------------------------------------------ tool calls
+# An enum keeps even the random model's call short: the grammar decides every token.
+WEATHER = ToolSpec("get_weather", "Current weather in a city.", {
+    "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "London"]},
+                                     "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"], "additionalProperties": False})
+
+
+async def tool_reply(engine: LlmEngine, ids: list[int], choice: ToolChoice, stats: GenerationStats) -> tuple[str, list[int], ToolCallStream]:
+    stream = ToolCallStream(engine.tokenizer, "hermes", [WEATHER], choice)
+    constraint = constraint_for(engine.tokenizer, "hermes", [WEATHER], choice, "always")
+    text, out_ids = "", []
+    async with contextlib.aclosing(engine.generate(ids, max_tokens=64, stats=stats, **constraint.sampling_kwargs())) as gen:
+        async for delta in gen:
+            text += delta.text
+            out_ids.extend(delta.token_ids)
+            stream.feed(delta.text, delta.token_ids)
+    return text, out_ids, stream
+
+
+async def test_a_forced_call_is_valid_json_for_the_schema_even_from_a_random_model(llm_engine: LlmEngine) -> None:
+    conv = Conversation(llm_engine.tokenizer, "Be brief.", budget_tokens=2000, reply_tokens=64)
+    conv.set_tools([WEATHER.as_chat_tool()])
+    conv.append("user", "Weather in Paris?")
+    for choice in (ToolChoice("required"), ToolChoice("function", "get_weather")):
+        st = GenerationStats("", Lane.INTERACTIVE)
+        text, _, stream = await tool_reply(llm_engine, conv.prompt_ids(), choice, st)
+        assert text.startswith("<tool_call>"), text  # the grammar makes the first token the call
+        (call,) = stream.finish()
+        assert call.valid and call.name == "get_weather", text
+        args = json.loads(call.arguments)
+        assert set(args) == {"city", "unit"} and args["city"] in ("Paris", "London"), args
+        assert st.finish_reason == "stop", "the grammar ends the reply after the one call"
+
+
+async def test_the_turn_after_a_tool_result_hits_the_prefix_cache(llm_engine: LlmEngine) -> None:
+    conv = Conversation(llm_engine.tokenizer, SYSTEM, budget_tokens=4000, reply_tokens=64)
+    conv.set_tools([WEATHER.as_chat_tool()])
+    conv.append("user", "What is the weather in Paris?")
+    first_ids = conv.prompt_ids()
+    text, out_ids, stream = await tool_reply(llm_engine, first_ids, ToolChoice("required"), GenerationStats("", Lane.INTERACTIVE))
+    (call,) = stream.finish()
+    conv.append("assistant", text, "a1", token_ids=out_ids)  # as generated, markup included
+    conv.append("tool", '{"temp_c": 21, "sky": "sunny"}', call_id="call_1")
+    second_ids = conv.prompt_ids()
+    assert second_ids[: len(first_ids) + len(out_ids)] == first_ids + out_ids  # append-only
+    after = GenerationStats("", Lane.INTERACTIVE)
+    await llm_engine.complete(second_ids, max_tokens=4, stats=after)
+    assert after.cached_tokens > 0, "the turn after a tool result must reuse the cached prefix"
+    block = 128  # the CPU backend's default KV block (configs/test.yaml sets none)
+    assert after.cached_tokens >= (len(first_ids) // block) * block

@@ -268,6 +268,7 @@ class LlmEngine:
         min_tokens: int,
         structured_outputs: Any = None,
         logit_bias: dict[int, float] | None = None,
+        skip_special_tokens: bool = True,
     ) -> Any:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
@@ -285,6 +286,10 @@ class LlmEngine:
             # valid for its schema; a logit bias bans the call tag under tool_choice none.
             structured_outputs=structured_outputs,
             logit_bias=logit_bias,
+            # False when tools are in the prompt: vLLM's detokenizer drops <tool_call> (an
+            # added token) otherwise, and the parser never sees the call (vLLM's hermes
+            # parser asks the same of its requests in adjust_request).
+            skip_special_tokens=skip_special_tokens,
         )
 
     async def generate(
@@ -300,6 +305,7 @@ class LlmEngine:
         request_id: str | None = None,
         structured_outputs: Any = None,
         logit_bias: dict[int, float] | None = None,
+        skip_special_tokens: bool = True,
     ) -> AsyncGenerator[TextDelta, None]:
         """Stream text deltas for a tokenised prompt.
 
@@ -316,7 +322,9 @@ class LlmEngine:
         if lane is Lane.BACKGROUND:
             await self._enter_background()
         try:
-            params = self._sampling(max_tokens, temperature, stop, min_tokens, structured_outputs, logit_bias)
+            params = self._sampling(
+                max_tokens, temperature, stop, min_tokens, structured_outputs, logit_bias, skip_special_tokens
+            )
             # aclosing: when our consumer stops early, the inner stream's cleanup
             # (the abort) must run now, not whenever the generator is collected.
             async with contextlib.aclosing(self._stream(rid, prompt_ids, lane, st, params)) as stream:

@@ -178,6 +178,7 @@ class RemoteLlmEngine(LlmEngine):
         min_tokens: int,
         structured_outputs: Any = None,
         logit_bias: dict[int, float] | None = None,
+        skip_special_tokens: bool = True,
     ) -> dict[str, Any]:
         c = self.cfg
         body: dict[str, Any] = {
@@ -194,6 +195,8 @@ class RemoteLlmEngine(LlmEngine):
             body["structured_outputs"] = _plain(structured_outputs)
         if logit_bias:
             body["logit_bias"] = {str(k): v for k, v in logit_bias.items()}
+        if not skip_special_tokens:  # (TOOLS) tools in the prompt: keep <tool_call> in the text
+            body["skip_special_tokens"] = False
         return body
 
     async def _stream(

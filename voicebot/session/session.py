@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from voicebot.affinity import bind_session
 from voicebot.audio import ASR_RATE, Resampler, pcm16_to_float
 from voicebot.config import Config
 from voicebot.engines import Engines
@@ -45,6 +46,7 @@ from voicebot.session.events import (
     SessionEvent,
     SpeechStarted,
     SpeechStopped,
+    ToolResult,
     TranscriptFinal,
     TranscriptPartial,
     TurnTimings,
@@ -52,9 +54,12 @@ from voicebot.session.events import (
 from voicebot.session.history import Conversation, Message
 from voicebot.session.outbox import Outbox
 from voicebot.session.playout import Playout
-from voicebot.session.response import Response
+from voicebot.session.response import Response, ResponseOptions
 from voicebot.session.settings import SessionSettings
+from voicebot.session.text_only import TextOnlyTts
 from voicebot.session.turns import Signal, make_turn_detector
+from voicebot.tools.session_tools import SessionTools
+from voicebot.tools.spec import ToolChoice, ToolSpec
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +141,10 @@ class Session:
             cfg.session.history_tokens,
             self.settings.max_tokens,
         )
+        # Function tools (voicebot/tools): server-side webhooks from the config, or a
+        # Realtime client's own; rendered into the system message by the chat template.
+        self.tools = SessionTools(cfg, engines.llm.tokenizer, transport)
+        self.conversation.set_tools(self.tools.chat_tools())
         self._ids = itertools.count(1)
         self._turn_seq = 0
         self._item_id: str | None = None  # the open user turn
@@ -187,6 +196,7 @@ class Session:
     async def _run(self) -> None:
         # However the session ends (aclose, idle timeout, slow consumer, a fatal error,
         # this task cancelled), its teardown runs here, once, after its last task.
+        bind_session(self.id)
         try:
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
@@ -235,6 +245,10 @@ class Session:
     async def _guard(self, coro) -> None:  # type: ignore[no-untyped-def]
         """An error in one task becomes an error event; the session goes on.
         Cancellation propagates untouched."""
+        # A task started from a transport's reader (response.create) copies the reader's
+        # context, not _run's: bind the call here too, so every LLM request of the call
+        # carries its id (voicebot/affinity.py: X-Session-ID, data-parallel rank).
+        bind_session(self.id)
         try:
             await coro
         except Exception as exc:
@@ -529,10 +543,35 @@ class Session:
         self._trim_history()
         return item_id
 
-    def create_response(self) -> str:
+    def create_response(self, options: ResponseOptions | None = None) -> str:
+        """Reply now; ``options``: this reply's own instructions / tools / tool_choice /
+        max_tokens (a Realtime ``response.create`` override)."""
+        if options is not None:
+            self.tools.plan(options)  # a tool_choice naming no declared tool: refused here
         if self._response is not None:
             self._cancel_response(status="cancelled")
-        return self._start_response(gated=False, turn=None).id
+        return self._start_response(gated=False, turn=None, options=options).id
+
+    # -------------------------------------------------------------------- tools
+    def set_tools(self, tools: list[ToolSpec] | None = None, choice: ToolChoice | None = None) -> None:
+        """A client's ``session.tools`` / ``tool_choice`` (None: unchanged)."""
+        self.tools.set(tools, choice)
+        self.conversation.set_tools(self.tools.chat_tools())
+
+    def add_tool_result(self, call_id: str, output: str, item_id: str | None = None) -> str:
+        """A client's result of a function call (Realtime ``function_call_output``)."""
+        item_id = item_id or f"item_{self.id[5:]}_{next(self._ids)}"
+        self.conversation.append("tool", self.tools.clip(output), item_id, call_id=call_id)
+        self._trim_history()
+        return item_id
+
+    def add_tool_call(self, call_id: str, name: str, arguments: dict[str, object], item_id: str | None = None) -> str:
+        """A function call a client adds to the history itself (Realtime ``function_call`` item)."""
+        item_id = item_id or f"item_{self.id[5:]}_{next(self._ids)}"
+        self.conversation.append("assistant", "", item_id, tool_calls=[{"name": name, "arguments": arguments}],
+                                 call_id=call_id)
+        self._trim_history()
+        return item_id
 
     def cancel_response(self) -> bool:
         if self._response is None:
@@ -581,26 +620,36 @@ class Session:
         return list(self.conversation.messages)
 
     # ------------------------------------------------------------------ replies
-    def _start_response(self, *, gated: bool, turn: _Turn | None) -> Response:
+    def _start_response(
+        self, *, gated: bool, turn: _Turn | None, options: ResponseOptions | None = None, tool_round: int = 0
+    ) -> Response:
         rid = f"resp_{self.id[5:]}_{next(self._ids)}"
         item_id = f"item_{self.id[5:]}_{next(self._ids)}"
         s = self.settings
+        options = options or ResponseOptions()
+        plan = self.tools.plan(options, tool_round)
         resp = Response(
             rid,
             item_id,
             [],
             self.engines.llm,
-            self.engines.tts,
+            # Text-only replies (Realtime output_modalities ["text"]) synthesise nothing.
+            self.engines.tts if s.audio_output else TextOnlyTts(self.engines.tts.sample_rate),
             voice=s.voice,
             speed=s.speed,
-            max_tokens=s.max_tokens,
+            max_tokens=options.max_tokens or s.max_tokens,
             first_clause_words=self.cfg.session.first_clause_words,
             max_clause_words=self.cfg.session.max_clause_words,
             gated=gated,
             output_rate=s.output_sample_rate,
             clock=self._clock,
             on_audio=self._wake.set,
+            tool_stream=plan.stream,
+            constraint=plan.constraint,
+            options=options,
+            tool_round=tool_round,
         )
+        resp.prompt_tools = plan.prompt_tools
         self._response = resp
         self._response_turn = turn
         self._response_task = self._spawn(self._drive(resp, turn), "response")
@@ -613,6 +662,7 @@ class Session:
         self._wake.set()
 
     async def _drive(self, resp: Response, turn: _Turn | None) -> None:
+        results: list[str] | None = None  # server tools' results, when the reply called them
         try:
             if turn is not None:
                 # shield: this reply being cancelled must not cancel the turn's transcript.
@@ -624,13 +674,17 @@ class Session:
                 user_text = None if in_history else transcript.text
                 resp.prompt_ids = self.conversation.prompt_ids(user_text=user_text)
             else:
-                resp.prompt_ids = self.conversation.prompt_ids()
+                resp.prompt_ids = self.conversation.prompt_ids(
+                    system_prompt=resp.options.instructions, tools=resp.prompt_tools
+                )
             resp.times.requested = self._clock.monotonic()
             forward = self._spawn(self._forward_text(resp), "text")
             try:
                 await resp.run()
                 await forward
                 await resp.released.wait()
+                if self.tools.runs(resp.tool_calls, resp.tool_round):
+                    results = await self._run_tools(resp)
                 if resp.playout.queued_samples:
                     await resp.drained.wait()  # the pacer is still sending
             finally:
@@ -649,6 +703,31 @@ class Session:
             raise
         if self._response is resp:
             self._finish(resp, "completed")
+            if results is not None:
+                self._reply_to_tool_results(resp, results)
+
+    async def _run_tools(self, resp: Response) -> list[str]:
+        """Run a released reply's server-tool calls, speaking the filler if they are
+        slow and the reply said nothing before its call. Runs inside the reply's task:
+        a barge-in cancels the webhook requests with it."""
+        filler, after_s = self.tools.filler
+        work = asyncio.ensure_future(self.tools.run_all(resp.tool_calls, self.id))
+        try:
+            if filler and not resp.full_text:
+                done, _ = await asyncio.wait({work}, timeout=after_s)
+                if not done:
+                    await resp.say(filler)
+            return await work
+        finally:
+            work.cancel()  # only does something when we are cancelled
+
+    def _reply_to_tool_results(self, resp: Response, results: list[str]) -> None:
+        """Results into the history (after the call's reply), then the next reply."""
+        for call, output in zip(resp.tool_calls, results, strict=True):
+            self.add_tool_result(call.call_id, output)
+            self.emit(ToolResult(call.call_id, call.name, output))
+        if self._response is None and not self._closing.is_set():
+            self._start_response(gated=False, turn=None, options=resp.options, tool_round=resp.tool_round + 1)
 
     async def _forward_text(self, resp: Response) -> None:
         await resp.released.wait()
@@ -693,10 +772,13 @@ class Session:
             lead = int(self.cfg.session.playout_lead_ms * rate / 1000)
             played = max(0, resp.playout.taken - lead)
         heard = resp.playout.heard_text(played) if status != "completed" else resp.full_text
-        # A reply played in full is stored as the tokens the model produced: the next
-        # prompt then reuses its KV blocks from the prefix cache as well.
+        # A reply played in full is stored as the tokens the model produced (tool-call
+        # markup included): the next prompt then reuses its KV blocks from the prefix
+        # cache as well. A reply cut short keeps what was heard, and no call.
+        completed = status == "completed"
         self.conversation.append(
-            "assistant", heard, resp.item_id, token_ids=resp.token_ids if status == "completed" else None
+            "assistant", resp.raw_text if completed else heard, resp.item_id,
+            token_ids=resp.token_ids if completed else None,
         )
         self._heard[resp.item_id] = resp.playout
         while len(self._heard) > 4:  # only recent replies can still be truncated
@@ -710,6 +792,7 @@ class Session:
             ResponseDone(
                 resp.id, resp.item_id, status, heard, resp.full_text, played_ms,  # type: ignore[arg-type]
                 st.finish_reason, st.prompt_tokens, st.output_tokens,
+                tuple(resp.tool_calls) if completed else (), st.cached_tokens,
             )
         )
         self._played_override = None

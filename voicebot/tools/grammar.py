@@ -35,13 +35,15 @@ _BAN = -100.0  # vLLM clamps logit biases to [-100, 100]: effectively never samp
 
 @dataclass(frozen=True)
 class Constraint:
-    """What one reply's SamplingParams get: a structural tag (JSON) and/or a logit bias."""
+    """What one reply's SamplingParams get: a structural tag (JSON) and/or a logit bias.
+    ``tools``: tools are in the prompt, so the call markup must stay in the text."""
 
     structural_tag: str | None = None
     logit_bias: dict[int, float] | None = None
+    tools: bool = False
 
     def sampling_kwargs(self) -> dict[str, Any]:
-        kw: dict[str, Any] = {}
+        kw: dict[str, Any] = {"skip_special_tokens": False} if self.tools else {}
         if self.structural_tag is not None:
             from vllm.sampling_params import StructuredOutputsParams
 
@@ -91,7 +93,48 @@ def structural_tag(parser: str, tools: Sequence[ToolSpec], choice: ToolChoice) -
     if tag is None:
         return None
     limit_to_single_tool_call(tag)
+    _bound_whitespace(tag.format)
+    tag.format = _no_bare_calls(tag.format)
     return json.dumps(tag.model_dump())
+
+
+def _no_bare_calls(fmt: Any) -> Any:
+    """``auto``: the reply is a call opened by its start tag, or text that does not open
+    like one. Qwen2.5-0.5B often writes a call as bare JSON (``{"name": ...}`` without
+    ``<tool_call>``): no parser sees that as a call, the grammar's trigger never fires,
+    and the caller would hear the JSON read out. Masking ``{`` / ``[`` / ``<`` (and
+    leading whitespace) as a reply's first character leaves the model the start tag
+    instead, which it then must complete as a valid call of a declared tool."""
+    from xgrammar.structural_tag import (
+        OrFormat,
+        RegexFormat,
+        SequenceFormat,
+        TagsWithSeparatorFormat,
+        TriggeredTagsFormat,
+    )
+
+    if not isinstance(fmt, TriggeredTagsFormat):
+        return fmt  # required / named: already a call from the first token
+    call = TagsWithSeparatorFormat(tags=fmt.tags, separator="", at_least_one=True, stop_after_first=True)
+    text = SequenceFormat(elements=[RegexFormat(pattern=r"[^\s{\[<]"), fmt])
+    return OrFormat(elements=[call, text])
+
+
+def _bound_whitespace(node: Any) -> None:
+    """At most one whitespace character in a row inside a call's JSON: the arguments
+    stay short however the model samples (a run of newlines inside the object would
+    otherwise be valid JSON until max_tokens cuts the call)."""
+    from pydantic import BaseModel
+    from xgrammar.structural_tag import JSONSchemaFormat
+
+    if isinstance(node, JSONSchemaFormat):
+        node.max_whitespace_cnt = 1
+    if isinstance(node, BaseModel):
+        for name in type(node).model_fields:
+            _bound_whitespace(getattr(node, name))
+    elif isinstance(node, list | tuple):
+        for item in node:
+            _bound_whitespace(item)
 
 
 def constraint_for(
@@ -102,7 +145,7 @@ def constraint_for(
         return NO_CONSTRAINT
     if choice.mode == "none":
         token = start_tag_token(tokenizer, parser)
-        return Constraint(logit_bias={token: _BAN}) if token is not None else NO_CONSTRAINT
+        return Constraint(logit_bias={token: _BAN} if token is not None else None, tools=True)
     if mode == "off" or (mode == "forced" and not choice.forces_call()):
-        return NO_CONSTRAINT
-    return Constraint(structural_tag=structural_tag(parser, tools, choice))
+        return Constraint(tools=True)
+    return Constraint(structural_tag=structural_tag(parser, tools, choice), tools=True)

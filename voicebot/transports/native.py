@@ -140,6 +140,10 @@ def render_event(event: ev.SessionEvent) -> dict[str, Any] | None:
             return {"type": "response.audio.started", **asdict(event)}
         case ev.ResponseDone():
             return {"type": "response.done", **asdict(event)}
+        case ev.ToolCallDone(call=call):  # server-side tools (docs/tools.md): what the model called
+            return {"type": "tool.call", "response_id": event.response_id, **asdict(call)}
+        case ev.ToolResult():
+            return {"type": "tool.result", **asdict(event)}
         case ev.BargeIn():
             return {"type": "barge_in", **asdict(event)}
         case ev.TurnTimings():
