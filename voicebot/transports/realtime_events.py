@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from voicebot.errors import BadMessage
 from voicebot.server import edge
@@ -107,6 +107,9 @@ class SessionIn(BaseModel):
     output_modalities: list[Literal["text", "audio"]] | None = None
     audio: AudioIn | None = None
     max_output_tokens: int | Literal["inf"] | None = None
+    # Function tools, GA and beta alike (TOOLS: parsed in realtime_tools.py).
+    tools: list[dict[str, Any]] | None = Field(None, max_length=128)
+    tool_choice: str | dict[str, Any] | None = None
     # beta
     modalities: list[Literal["text", "audio"]] | None = None
     input_audio_format: str | None = None
@@ -153,9 +156,20 @@ class ContentIn(BaseModel):
 class ItemIn(BaseModel):
     model_config = _LENIENT
     id: str | None = Field(None, max_length=64)
-    type: Literal["message"] = "message"
-    role: Literal["user", "assistant", "system"]
+    type: Literal["message", "function_call", "function_call_output"] = "message"
+    role: Literal["user", "assistant", "system"] | None = None  # required for a message (checked below)
     content: list[ContentIn] = Field(default_factory=list, max_length=64)
+    # function_call / function_call_output items (TOOLS: realtime_tools.py)
+    call_id: str | None = Field(None, max_length=64)
+    name: str | None = Field(None, max_length=64)
+    arguments: str | None = Field(None, max_length=100_000)
+    output: str | None = Field(None, max_length=200_000)
+
+    @model_validator(mode="after")
+    def _message_has_role(self) -> ItemIn:
+        if self.type == "message" and self.role is None:
+            raise ValueError("a message item needs a role (user, assistant or system)")
+        return self
 
 
 class ItemCreate(_ClientEvent):
@@ -341,6 +355,8 @@ class SessionView:
     max_tokens: int
     transcription_only: bool = False  # a ``type: "transcription"`` session
     noise_reduction: dict[str, Any] | None = None  # echoed as set
+    tools: tuple[dict[str, Any], ...] = ()  # session.tools, Realtime shape (TOOLS)
+    tool_choice: str | dict[str, Any] = "auto"
 
 
 def transcription_session_object(v: SessionView) -> dict[str, Any]:
@@ -356,7 +372,7 @@ def session_object(fam: Family, v: SessionView) -> dict[str, Any]:
         return transcription_session_object(v)
     modalities = ["text"] if v.text_only else ["audio"]
     common = {"id": v.id, "object": "realtime.session", "model": v.model,
-              "instructions": v.instructions, "tools": [], "tool_choice": "auto"}
+              "instructions": v.instructions, "tools": list(v.tools), "tool_choice": v.tool_choice}
     if fam.beta:
         return {**common, "modalities": modalities if v.text_only else ["audio", "text"],
                 "voice": v.voice, "speed": v.speed,

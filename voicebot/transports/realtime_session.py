@@ -22,8 +22,10 @@ from pydantic import ValidationError
 from voicebot.errors import VoicebotError
 from voicebot.server import edge
 from voicebot.session import events as se
+from voicebot.session.response import ResponseOptions
 from voicebot.session.settings import SessionSettings
-from voicebot.transports import g711
+from voicebot.tools.spec import ToolChoice, ToolError, ToolSpec
+from voicebot.transports import g711, realtime_tools
 from voicebot.transports import realtime_events as rt
 from voicebot.transports.realtime_replies import Replies, Wire
 
@@ -66,7 +68,11 @@ class SessionPort(Protocol):
     def commit_input(self) -> str: ...
     def clear_input(self) -> None: ...
     def add_text(self, role: str, text: str, item_id: str | None = None) -> str: ...
-    def create_response(self) -> str: ...
+    def create_response(self, options: ResponseOptions | None = None) -> str: ...
+    def set_tools(self, tools: list[ToolSpec] | None = None, choice: ToolChoice | None = None) -> None: ...
+    def add_tool_result(self, call_id: str, output: str, item_id: str | None = None) -> str: ...
+    def add_tool_call(self, call_id: str, name: str, arguments: dict[str, object],
+                      item_id: str | None = None) -> str: ...
     def cancel_response(self) -> bool: ...
     def truncate(self, item_id: str, audio_end_ms: int) -> str | None: ...
     def set_played(self, ms: int) -> None: ...
@@ -98,6 +104,8 @@ class RealtimeTranslator:
         self._last_response: str | None = None
         self._requested: str | None = None  # asked for by response.create, not yet created
         self._own_ids = itertools.count(1)
+        self.tools: list[ToolSpec] = []  # session.tools as the client set them (TOOLS)
+        self.tool_choice = ToolChoice()
         # turn_detection as the client set it (type, eagerness, idle_timeout_ms): echoed back.
         self._td_type = "server_vad"
         self._eagerness: str | None = None
@@ -188,7 +196,8 @@ class RealtimeTranslator:
         w = self.wire
         return rt.SessionView(self.id, self.model, s.system_prompt, self.voice_name, s.speed, w.in_fmt,
                               w.out_fmt, td, self.transcription, w.text_only, s.max_tokens,
-                              transcription_only=self.transcription_only, noise_reduction=self.noise_reduction)
+                              transcription_only=self.transcription_only, noise_reduction=self.noise_reduction,
+                              tools=tuple(t.as_realtime() for t in self.tools), tool_choice=self.tool_choice.as_wire())
 
     def error(self, exc: VoicebotError, client_event_id: str | None = None) -> list[dict[str, Any]]:
         kind = "server_error" if exc.code in _SERVER_ERRORS else "invalid_request_error"
@@ -253,7 +262,14 @@ class RealtimeTranslator:
                         f"response {self.replies.current.id} is still in progress; cancel it or wait for response.done",
                         code="conversation_already_has_active_response")
                 metadata = _metadata((ev.response or {}).get("metadata"))
-                rid = self.session.create_response()
+                # Per-response instructions / tools / tool_choice / max_output_tokens (TOOLS).
+                options = realtime_tools.response_options(ev.response)
+                if options is not None and options.tools:
+                    self.replies.lazy_message = True
+                try:
+                    rid = self.session.create_response(options) if options else self.session.create_response()
+                except ToolError as exc:
+                    raise rt.RealtimeRequestError(str(exc), code="invalid_value", param="response.tool_choice") from None
                 self._requested = rid  # cancellable before its response.created is out
                 if metadata is not None:  # echoed in response.created / response.done (LiveKit waits for it)
                     self._metadata[rid] = metadata
@@ -349,6 +365,15 @@ class RealtimeTranslator:
         modalities = cfg.output_modalities or cfg.modalities
         if modalities is not None and "audio_output" in SessionSettings.model_fields:
             changes["audio_output"] = "audio" in modalities  # text only: no TTS runs at all
+        tools, choice = realtime_tools.session_tools(cfg)  # (TOOLS) applied before the rest: it may refuse
+        if (tools is not None and tools != self.tools) or (choice is not None and choice != self.tool_choice):
+            try:
+                self.session.set_tools(tools, choice)
+            except ToolError as exc:
+                raise rt.RealtimeRequestError(str(exc), code="invalid_value", param="session.tool_choice") from None
+            self.tools = tools if tools is not None else self.tools
+            self.tool_choice = choice or self.tool_choice
+            self.replies.lazy_message = self.replies.lazy_message or bool(self.tools)
         try:
             self.session.update_settings(**changes)
         except (ValidationError, ValueError, TypeError) as exc:
@@ -472,6 +497,9 @@ class RealtimeTranslator:
                 {"type": self.fam.item_added, "previous_item_id": prev, "item": rt.user_audio_item(item_id, None)}]
 
     def _create_item(self, item: rt.ItemIn) -> list[dict[str, Any]]:
+        if item.type != "message":
+            return self._create_tool_item(item)
+        assert item.role is not None  # ItemIn requires one for a message
         if any(p.audio for p in item.content):
             raise rt.RealtimeRequestError("audio content in conversation.item.create is not supported; "
                                           "use input_audio_buffer.append", code="invalid_value", param="item.content")
@@ -490,6 +518,29 @@ class RealtimeTranslator:
         item_id = self.session.add_text(item.role, text, item.id)
         prev = self._link(item_id)
         body = rt.text_item(self.fam, item_id, item.role, text)
+        out = [{"type": self.fam.item_added, "previous_item_id": prev, "item": body}]
+        if self.fam.item_done:
+            out.append({"type": self.fam.item_done, "previous_item_id": prev, "item": body})
+        return out
+
+    def _create_tool_item(self, item: rt.ItemIn) -> list[dict[str, Any]]:
+        """A client's ``function_call_output`` (its result of a call) or ``function_call`` (TOOLS)."""
+        if not item.call_id:
+            raise rt.RealtimeRequestError(f"a {item.type} item needs a call_id", code="invalid_value",
+                                          param="item.call_id")
+        if item.type == "function_call_output":
+            output = item.output or ""
+            item_id = self.session.add_tool_result(item.call_id, output, item.id)
+            body = realtime_tools.function_call_output_item(item_id, item.call_id, output)
+        else:
+            if not item.name:
+                raise rt.RealtimeRequestError("a function_call item needs a name", code="invalid_value",
+                                              param="item.name")
+            arguments = realtime_tools.call_arguments(item)
+            item_id = self.session.add_tool_call(item.call_id, item.name, arguments, item.id)
+            body = realtime_tools.function_call_item(item_id, item.call_id, item.name, item.arguments or "{}",
+                                                     "completed")
+        prev = self._link(item_id)
         out = [{"type": self.fam.item_added, "previous_item_id": prev, "item": body}]
         if self.fam.item_done:
             out.append({"type": self.fam.item_done, "previous_item_id": prev, "item": body})
@@ -550,6 +601,12 @@ class RealtimeTranslator:
                 return self.replies.start(rid, item_id)
             case se.ResponseTextDelta():
                 return self.replies.text(event)
+            case se.ToolCallStarted():
+                return self.replies.call_started(event)
+            case se.ToolCallArgumentsDelta():
+                return self.replies.call_arguments(event)
+            case se.ToolCallDone():
+                return self.replies.call_done(event)
             case se.ResponseAudio():
                 return self.replies.audio(event)
             case se.ResponseDone():
