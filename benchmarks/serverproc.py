@@ -36,6 +36,7 @@ from urllib.parse import urlsplit
 
 ROOT = Path(__file__).resolve().parent.parent
 TASKS_PATH = "/_bench/tasks"
+HEAP_PATH = "/_bench/heap"
 # On top of configs/test.yaml: its random-weight LLM says 24 tokens of CJK that espeak
 # spells out for a minute; a small instruct model gives replies of a few seconds.
 # The CPU tuning of configs/default.yaml comes along (both cores for vLLM, 32-token blocks).
@@ -144,6 +145,11 @@ class ServerProcess:
         _, body = http_get(self.http + "/healthz")
         return dict(json.loads(body))
 
+    def heap(self, mark: bool = False) -> dict[str, Any]:
+        # A snapshot of a ~1 GB server takes seconds; comparing two, longer.
+        _, body = http_get(self.http + HEAP_PATH + ("?mark=1" if mark else ""), timeout=300.0)
+        return dict(json.loads(body))
+
     def tasks(self) -> dict[str, Any]:
         _, body = http_get(self.http + TASKS_PATH)
         return dict(json.loads(body))
@@ -218,6 +224,31 @@ def _install_task_route() -> None:
     import voicebot.server.app as app_module
 
     original = app_module.create_app
+    marked: list[Any] = []
+
+    async def heap(request: Request) -> JSONResponse:
+        """``?mark=1``: remember the Python heap now; otherwise: what grew since, by where
+        it was allocated (needs $VOICEBOT_BENCH_TRACEMALLOC, the frames to keep)."""
+        import gc
+        import tracemalloc
+
+        if not tracemalloc.is_tracing():
+            return JSONResponse({"error": "start the server with VOICEBOT_BENCH_TRACEMALLOC=<frames>"}, 409)
+        gc.collect()
+        snap = tracemalloc.take_snapshot().filter_traces(
+            [tracemalloc.Filter(False, tracemalloc.__file__), tracemalloc.Filter(False, "<frozen importlib._bootstrap*>")]
+        )
+        if request.query_params.get("mark") or not marked:
+            marked[:] = [snap]
+            return JSONResponse({"marked": True, "traced_mb": round(tracemalloc.get_traced_memory()[0] / 2**20, 2)})
+        stats = snap.compare_to(marked[0], "traceback")
+        top = [
+            {"kb": round(st.size_diff / 1024, 1), "count": st.count_diff,
+             "where": [f"{f.filename.split('site-packages/')[-1]}:{f.lineno}" for f in st.traceback][-6:]}
+            for st in stats[:25] if st.size_diff > 0
+        ]
+        total = sum(st.size_diff for st in stats)
+        return JSONResponse({"growth_kb": round(total / 1024, 1), "top": top})
 
     def create_app(*args: Any, **kwargs: Any) -> Any:
         app = original(*args, **kwargs)
@@ -227,6 +258,7 @@ def _install_task_route() -> None:
             return JSONResponse({"count": len(names), "families": dict(Counter(names).most_common())})
 
         app.router.routes.insert(0, Route(TASKS_PATH, tasks))
+        app.router.routes.insert(0, Route(HEAP_PATH, heap))
         return app
 
     app_module.create_app = create_app
@@ -236,6 +268,11 @@ def main() -> int:
     if len(sys.argv) < 2 or sys.argv[1] != "serve":
         print("usage: serverproc.py serve [voicebot serve options]", file=sys.stderr)
         return 2
+    frames = int(os.environ.get("VOICEBOT_BENCH_TRACEMALLOC", "0") or 0)
+    if frames:  # heap growth by allocation site (soak.py --heap); slows the server
+        import tracemalloc
+
+        tracemalloc.start(frames)
     _install_task_route()
     from voicebot.cli import main as cli_main
 
