@@ -453,3 +453,113 @@ def test_speech_then_a_call_gives_two_output_items() -> None:
     assert fake.calls[-1] == ("call", "call_7", "get_weather", {"city": "Oslo"})
     (err,) = send(tr, type="conversation.item.create", item={"type": "function_call_output", "output": "x"})
     assert err["error"]["param"] == "item.call_id"
+
+
+# ------------------------------------------------- the session's tool loop (fakes)
+async def test_a_server_tool_round_in_a_session(
+    tok: Any, webhook_server: tuple[str, list[dict[str, Any]]]
+) -> None:
+    """Fake engines (test_session's) and a real local webhook: the call is run, the filler
+    is said while it is slow, the result goes into the history, the model answers; a
+    model that calls again and again is stopped after tools.max_rounds."""
+    from test_session import FakeLlm, make_engines
+
+    from voicebot.session.clock import REAL_CLOCK
+    from voicebot.session.session import Session
+
+    base, seen = webhook_server
+
+    class ScriptedLlm(FakeLlm):
+        script: list[str] = []
+        kwargs: list[dict[str, Any]] = []
+
+        async def generate(self, prompt_ids: list[int], **kw: Any) -> AsyncGenerator[TextDelta, None]:  # type: ignore[override]
+            self.kwargs.append(kw)
+            self.reply = self.script.pop(0) if self.script else "It is sunny."
+            async for d in super().generate(prompt_ids, **kw):
+                yield d
+
+    engines = make_engines(tok, clock=REAL_CLOCK, word_delay=0.001)
+    llm = ScriptedLlm(tok, clock=REAL_CLOCK, word_delay=0.001)
+    engines.llm = llm  # type: ignore[assignment]
+    engines.cfg = server_config(max_rounds=2, filler_after_ms=100)
+    engines.cfg.tools.server = [ServerToolConfig(name="get_weather", url=f"{base}/weather",
+                                                 parameters=WEATHER.parameters)]
+    call_words = CALL.replace("\n", " \n ")  # the fake streams word by word
+    llm.script[:] = [call_words, "It is 21 degrees and sunny in Paris."]
+    session = Session(engines, SessionSettings.from_config(engines.cfg), transport="native")
+    events: list[Any] = []
+
+    async def collect() -> None:
+        async for e in session.events():
+            events.append(e)
+
+    async with session:
+        reader = asyncio.create_task(collect())
+        session.add_text("user", "What's the weather in Paris?")
+        session.create_response()
+        async with asyncio.timeout(10):
+            while len([e for e in events if isinstance(e, se.ResponseDone)]) < 2:
+                await asyncio.sleep(0.01)
+        first, second = [e for e in events if isinstance(e, se.ResponseDone)]
+        (call,) = first.tool_calls
+        assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+        (result,) = [e for e in events if isinstance(e, se.ToolResult)]
+        assert json.loads(result.output)["temp_c"] == 21 and seen[-1]["arguments"] == {"city": "Paris"}
+        assert first.text == "" and second.text == "It is 21 degrees and sunny in Paris." and not second.tool_calls
+        assert "structured_outputs" in llm.kwargs[0] and llm.kwargs[0]["skip_special_tokens"] is False
+        roles = [m.role for m in session.conversation.messages]
+        assert roles == ["user", "assistant", "tool", "assistant"]
+        assert "<tool_call>" in session.conversation.messages[1].content  # kept as generated
+        assert session.conversation.messages[2].call_id == call.call_id
+
+        # A model that calls every time: run twice (max_rounds), then it must answer.
+        llm.script[:] = [call_words] * 5
+        runs_before = len(seen)
+        session.add_text("user", "And in Paris again?")
+        session.create_response()
+        async with asyncio.timeout(10):
+            while len([e for e in events if isinstance(e, se.ResponseDone)]) < 5:
+                await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)
+        assert len(seen) - runs_before == 2
+        assert "logit_bias" in llm.kwargs[-1]  # the last reply may not start a call
+        assert len([e for e in events if isinstance(e, se.ResponseDone)]) == 5
+        reader.cancel()
+
+
+async def test_a_slow_server_tool_is_an_error_result_and_the_filler_is_said(
+    tok: Any, webhook_server: tuple[str, list[dict[str, Any]]]
+) -> None:
+    from test_session import FakeLlm, make_engines
+
+    from voicebot.session.clock import REAL_CLOCK
+    from voicebot.session.session import Session
+
+    base, _ = webhook_server
+    engines = make_engines(tok, clock=REAL_CLOCK, word_delay=0.001)
+    llm = FakeLlm(tok, clock=REAL_CLOCK, word_delay=0.001, reply=CALL.replace("get_weather", "slow"))
+    engines.llm = llm  # type: ignore[assignment]
+    engines.cfg = server_config(filler_after_ms=100)
+    engines.cfg.tools.server = [ServerToolConfig(name="slow", url=f"{base}/slow", parameters=WEATHER.parameters,
+                                                 timeout_s=0.5)]
+    session = Session(engines, SessionSettings.from_config(engines.cfg), transport="twilio")
+    events: list[Any] = []
+
+    async def collect() -> None:
+        async for e in session.events():
+            events.append(e)
+
+    async with session:
+        reader = asyncio.create_task(collect())
+        session.add_text("user", "What's the weather in Paris?")
+        session.create_response()
+        async with asyncio.timeout(10):
+            while not [e for e in events if isinstance(e, se.ToolResult)]:
+                await asyncio.sleep(0.01)
+        (result,) = [e for e in events if isinstance(e, se.ToolResult)]
+        assert "did not answer within 0.5 s" in json.loads(result.output)["error"]
+        first = next(e for e in events if isinstance(e, se.ResponseDone))
+        assert first.text == "" and first.played_ms > 0  # the filler was heard while it waited
+        assert engines.tts.started >= 1  # type: ignore[attr-defined]
+        reader.cancel()
