@@ -10,6 +10,9 @@
 # 70% of memory as in the pipeline) and, once it is up, gpu_asr.py beside it with the pipeline's
 # ASR settings; then gpu_asr.py again with the GPU to itself. JSON: OUT/asr_with_llm.json,
 # OUT/asr_alone.json, OUT/share_llm.json. Dummy weights, as everywhere on the GPU machines.
+# Needs vLLM staged (gpu_suite.sh stage) and PYTHONPATH=REPO:$HOME/vllm-site:STUBS, where STUBS holds
+# import-only soundfile.py / soxr.py (a version string and empty available_formats() /
+# available_subtypes()): voicebot.audio imports them, and they arrive only with the Piper bundle.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: gpu_share.sh OUT QWEN_DIR WHISPER_DIR CLIPS_DIR}
