@@ -291,6 +291,9 @@ async def _text_call(llm: Any, cfg: Any, index: int, items: list[tuple[Item, str
     from voicebot.session.history import Conversation
 
     conv = Conversation(llm.tokenizer, variant["system_prompt"], cfg.session.history_tokens, cfg.llm.max_tokens)
+    for user, reply in variant.get("examples", []):  # few-shot as chat turns before the call
+        conv.append("user", user)
+        conv.append("assistant", reply)
     out = []
     for k, (it, heard) in enumerate(items):
         conv.append("user", heard)
@@ -308,12 +311,30 @@ async def _text_call(llm: Any, cfg: Any, index: int, items: list[tuple[Item, str
     return out
 
 
+_PENALTY: dict[str, float] = {}  # the running variant's repetition_penalty (text mode)
+
+
+def _penalty_hook(llm: Any) -> None:
+    """Text mode: a variant may try vLLM's ``repetition_penalty`` (tokens of the prompt,
+    the caller's words among them, and of the reply so far), which LlmConfig does not
+    expose: set on the SamplingParams the engine builds."""
+    build = llm._sampling
+
+    def sampling(*a: Any, **kw: Any) -> Any:
+        params = build(*a, **kw)
+        if _PENALTY.get("value"):
+            params.repetition_penalty = _PENALTY["value"]
+        return params
+
+    llm._sampling = sampling
+
+
 async def run_text(
     calls: list[list[tuple[Item, str]]], args: argparse.Namespace, variants: list[dict[str, Any]]
 ) -> list[list[Turn]]:
     """LLM only, through the session's prompt building; each call its own Conversation.
-    One engine for every variant ({"name", "system_prompt", "temperature"}); one list
-    of turns per variant."""
+    One engine for every variant ({"name", "system_prompt", "temperature", "examples":
+    [[user, reply], ...] as chat turns before the call}); one list of turns per variant."""
     from voicebot.config import load_config
     from voicebot.engines import resolve_specs
     from voicebot.session.history import Conversation
@@ -321,9 +342,11 @@ async def run_text(
     cfg = load_config(args.config, list(args.set))
     llm = (await resolve_specs(cfg)).llm()
     await llm.start()
+    _penalty_hook(llm)
     runs = []
     try:
         for variant in variants:
+            _PENALTY["value"] = variant.get("repetition_penalty", 0.0)
             if args.warm:  # the system prompt in the prefix cache, as on a server that took a call
                 warm = Conversation(llm.tokenizer, variant["system_prompt"], 4096, 8).prompt_ids("Hi.")
                 async for _ in llm.generate(warm, max_tokens=1):

@@ -111,3 +111,17 @@ def test_prompts_are_token_identical_to_the_default_models_chat_template(default
         conv.append("assistant", reply, token_ids=ids)
         messages.append({"role": "assistant", "content": reply})
     assert conv.prompt_ids() == _template_ids(default_tokenizer, messages)
+
+
+# --------------------------------------------------------------- the echo fix
+def test_default_config_penalises_repetition_and_the_engine_passes_it() -> None:
+    """Qwen2.5-0.5B echoed the caller in ~20% of replies (issue 12: 15 of 16 short phone
+    prompts); prompts alone did not fix it, vLLM's repetition_penalty did (the rate is
+    benchmarks/echo_rate.py's figure). Off with tools: a call repeats the tool's name."""
+    from voicebot.engines.llm import LlmEngine
+
+    cfg = load_config("configs/default.yaml").llm
+    assert cfg.repetition_penalty > 1.0
+    engine = LlmEngine(cfg, "unused-model-path")
+    assert engine._sampling(None, None, None, 0).repetition_penalty == cfg.repetition_penalty
+    assert engine._sampling(None, None, None, 0, skip_special_tokens=False).repetition_penalty == 1.0

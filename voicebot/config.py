@@ -117,6 +117,7 @@ class LlmConfig(_Section):
     max_tokens: int = Field(160, ge=1, le=32_768, description="Longest spoken reply, in tokens.")
     temperature: float = Field(0.7, ge=0.0, le=2.0, description="Sampling temperature for replies.")
     top_p: float = Field(0.9, gt=0.0, le=1.0, description="Nucleus sampling for replies.")
+    repetition_penalty: float = Field(1.0, ge=1.0, le=2.0, description="vLLM repetition_penalty over prompt and reply tokens; above 1 keeps a small model from echoing the caller (benchmarks/echo_rate.py); 1.0: off. Not applied with tools in the prompt.")
     seed: int | None = Field(None, description="Sampling seed (tests set it for reproducibility).")
     background_concurrency: int = Field(1, ge=0, le=4096, description="Background requests running at once (summaries ...).")
     background_queue: int = Field(64, ge=0, le=100_000, description="Background requests waiting for a slot; one more is refused at once (BackgroundQueueFull), never queued.")

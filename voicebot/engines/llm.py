@@ -278,6 +278,9 @@ class LlmEngine:
             max_tokens=max_tokens or c.max_tokens,
             temperature=c.temperature if temperature is None else temperature,
             top_p=c.top_p,
+            # Off with tools in the prompt (skip_special_tokens False): a call must repeat
+            # the tool's name and argument names from the system message.
+            repetition_penalty=c.repetition_penalty if skip_special_tokens else 1.0,
             seed=c.seed,
             stop=stop,
             min_tokens=min_tokens,
