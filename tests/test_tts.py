@@ -317,3 +317,14 @@ def test_missing_piper_voice_is_a_model_error(tmp_path: Path) -> None:
         create_tts(TtsConfig(engine="piper"), str(tmp_path / "nope"))
     with pytest.raises(ModelError, match="exactly one .onnx"):
         create_tts(TtsConfig(engine="piper"), str(tmp_path))
+
+
+async def test_piper_intra_op_threads_are_configurable() -> None:
+    # A many-core host runs several tts.workers: each synthesis must not take every core.
+    engine = await make_engine("piper", intra_op_threads=1)
+    try:
+        session = engine._default.session  # type: ignore[attr-defined]
+        assert session.get_session_options().intra_op_num_threads == 1
+        assert await collect(engine, SENTENCE)
+    finally:
+        await engine.aclose()

@@ -133,6 +133,7 @@ class TtsConfig(_Section):
     workers: int = Field(1, ge=1, le=64, description="Synthesis threads shared by all sessions.")
     queue_size: int = Field(64, ge=1, le=100_000, description="Clauses waiting for a synthesis thread.")
     speed: float = Field(1.0, ge=0.25, le=4.0, description="Speaking rate multiplier.")
+    intra_op_threads: int = Field(0, ge=0, le=256, description="Piper: onnxruntime threads per synthesis (0: onnxruntime's default, one per core). 1-2 on a many-core host lets tts.workers scale without each synthesis taking every core (docs/gpu-results.md).")
 
 
 class VadConfig(_Section):

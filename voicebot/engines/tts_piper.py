@@ -61,10 +61,27 @@ def find_voice_files(path: str | Path) -> tuple[Path, Path]:
     return model, config
 
 
-def _load_voice(model: Path, config: Path) -> PiperVoice:
+def _load_voice(model: Path, config: Path, threads: int = 0) -> PiperVoice:
+    """``threads``: onnxruntime intra-op threads per synthesis (0: its default, every
+    core). ``PiperVoice.load`` takes no session options, so the session is built here."""
     t0 = time.perf_counter()
     try:
-        voice = PiperVoice.load(model, config)
+        if threads:
+            import onnxruntime
+            from piper.config import PiperConfig
+            from piper.phonemize_espeak import ESPEAK_DATA_DIR
+
+            options = onnxruntime.SessionOptions()
+            options.intra_op_num_threads = threads
+            session = onnxruntime.InferenceSession(str(model), sess_options=options, providers=["CPUExecutionProvider"])
+            voice = PiperVoice(
+                config=PiperConfig.from_dict(json.loads(config.read_text(encoding="utf-8"))),
+                session=session,
+                espeak_data_dir=Path(ESPEAK_DATA_DIR),
+                download_dir=Path.cwd(),
+            )
+        else:
+            voice = PiperVoice.load(model, config)
     except Exception as exc:
         raise ModelError(f"cannot load Piper voice {model}: {exc}") from exc
     log.info("loaded Piper voice %s in %.2f s", model.stem, time.perf_counter() - t0)
@@ -88,7 +105,7 @@ class PiperTts(PooledTts):
         self._load_lock = asyncio.Lock()
 
     async def start(self) -> None:
-        self._default = await asyncio.to_thread(_load_voice, *self._default_files)
+        self._default = await asyncio.to_thread(_load_voice, *self._default_files, self._cfg.intra_op_threads)
         self._pool.start()
 
     def voices(self) -> list[str]:
@@ -119,7 +136,7 @@ class PiperTts(PooledTts):
                 # Loaded outside the worker pool: a 1.4 s load must not stall every
                 # session's sentences queued behind it.
                 try:
-                    voice = await asyncio.to_thread(_load_voice, model, config)
+                    voice = await asyncio.to_thread(_load_voice, model, config, self._cfg.intra_op_threads)
                 except ModelError as exc:
                     raise EngineError(str(exc)) from None
                 self._extra[key] = voice
