@@ -145,9 +145,10 @@ class ServerProcess:
         _, body = http_get(self.http + "/healthz")
         return dict(json.loads(body))
 
-    def heap(self, mark: bool = False) -> dict[str, Any]:
-        # A snapshot of a ~1 GB server takes seconds; comparing two, longer.
-        _, body = http_get(self.http + HEAP_PATH + ("?mark=1" if mark else ""), timeout=300.0)
+    def heap(self, start_frames: int = 0) -> dict[str, Any]:
+        # A snapshot of a server holding a few hundred MB of Python objects takes a while.
+        query = f"?start={start_frames}" if start_frames else ""
+        _, body = http_get(self.http + HEAP_PATH + query, timeout=300.0)
         return dict(json.loads(body))
 
     def tasks(self) -> dict[str, Any]:
@@ -224,31 +225,28 @@ def _install_task_route() -> None:
     import voicebot.server.app as app_module
 
     original = app_module.create_app
-    marked: list[Any] = []
 
     async def heap(request: Request) -> JSONResponse:
-        """``?mark=1``: remember the Python heap now; otherwise: what grew since, by where
-        it was allocated (needs $VOICEBOT_BENCH_TRACEMALLOC, the frames to keep)."""
+        """``?start=FRAMES``: trace Python allocations from now on (started late: tracing a
+        vLLM start makes it minutes slower); otherwise: the traced blocks still alive, by
+        allocation site, i.e. what the server has kept since the start."""
         import gc
         import tracemalloc
 
+        if frames := int(request.query_params.get("start", "0") or 0):
+            tracemalloc.start(frames)
+            return JSONResponse({"tracing": True})
         if not tracemalloc.is_tracing():
-            return JSONResponse({"error": "start the server with VOICEBOT_BENCH_TRACEMALLOC=<frames>"}, 409)
+            return JSONResponse({"error": "not tracing: GET ?start=FRAMES first"}, 409)
         gc.collect()
-        snap = tracemalloc.take_snapshot().filter_traces(
-            [tracemalloc.Filter(False, tracemalloc.__file__), tracemalloc.Filter(False, "<frozen importlib._bootstrap*>")]
-        )
-        if request.query_params.get("mark") or not marked:
-            marked[:] = [snap]
-            return JSONResponse({"marked": True, "traced_mb": round(tracemalloc.get_traced_memory()[0] / 2**20, 2)})
-        stats = snap.compare_to(marked[0], "traceback")
+        snap = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(False, tracemalloc.__file__)])
+        stats = snap.statistics("traceback")
         top = [
-            {"kb": round(st.size_diff / 1024, 1), "count": st.count_diff,
+            {"kb": round(st.size / 1024, 1), "count": st.count,
              "where": [f"{f.filename.split('site-packages/')[-1]}:{f.lineno}" for f in st.traceback][-6:]}
-            for st in stats[:25] if st.size_diff > 0
+            for st in stats[:25]
         ]
-        total = sum(st.size_diff for st in stats)
-        return JSONResponse({"growth_kb": round(total / 1024, 1), "top": top})
+        return JSONResponse({"growth_kb": round(sum(st.size for st in stats) / 1024, 1), "top": top})
 
     def create_app(*args: Any, **kwargs: Any) -> Any:
         app = original(*args, **kwargs)
@@ -268,11 +266,6 @@ def main() -> int:
     if len(sys.argv) < 2 or sys.argv[1] != "serve":
         print("usage: serverproc.py serve [voicebot serve options]", file=sys.stderr)
         return 2
-    frames = int(os.environ.get("VOICEBOT_BENCH_TRACEMALLOC", "0") or 0)
-    if frames:  # heap growth by allocation site (soak.py --heap); slows the server
-        import tracemalloc
-
-        tracemalloc.start(frames)
     _install_task_route()
     from voicebot.cli import main as cli_main
 

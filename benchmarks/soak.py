@@ -29,7 +29,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import random
 import sys
 import time
@@ -287,17 +286,18 @@ def print_table(result: dict[str, Any]) -> None:
     print(f"server log: {result['server_log']['tracebacks']} tracebacks, {result['server_log']['error_lines']} ERROR lines")
     heap = result.get("heap_growth")
     if heap and "top" in heap:
-        print(f"python heap since the mark: {heap['growth_kb']:+.1f} KB; largest growth by site:")
+        print(f"python heap allocated since the mark and still alive: {heap['growth_kb']:.1f} KB; by site:")
         for row in heap["top"][:10]:
             print(f"  {row['kb']:+9.1f} KB {row['count']:+6d}  {' <- '.join(reversed(row['where'][-3:]))}")
     print("targets: " + ", ".join(f"{k}={'PASS' if v else 'FAIL'}" for k, v in result["targets"].items()))
 
 
-async def mark_heap(server: ServerProcess, after_s: float) -> None:
-    """Remember the server's Python heap ``after_s`` into the soak (past the warm-up of
-    caches and allocator arenas); the final report lists what grew since, by site."""
+async def mark_heap(server: ServerProcess, after_s: float, frames: int) -> None:
+    """Trace the server's Python allocations from ``after_s`` into the soak (past the
+    warm-up of caches and allocator arenas); the final report lists what is still alive
+    of them, by site."""
     await asyncio.sleep(after_s)
-    await asyncio.to_thread(server.heap, True)
+    await asyncio.to_thread(server.heap, frames)
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -305,13 +305,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     server = ServerProcess(config=args.config, overrides=(*SERVER_SET, *args.set),
                            log_path=Path(args.server_log))
     t_start = time.time()
-    if args.heap:
-        os.environ["VOICEBOT_BENCH_TRACEMALLOC"] = str(args.heap)
     await asyncio.to_thread(server.start)
     try:
         soak = Soak(args, server, clips)
         baseline = await soak.warm_up()
-        heap_mark = asyncio.create_task(mark_heap(server, args.heap_mark_s)) if args.heap else None
+        heap_mark = asyncio.create_task(mark_heap(server, args.heap_mark_s, args.heap)) if args.heap else None
         await soak.soak()
         await asyncio.sleep(args.settle_s)
         final = await asyncio.to_thread(server.wait_idle, 60.0)
