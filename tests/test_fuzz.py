@@ -45,8 +45,10 @@ from voicebot.engines import Engines
 from voicebot.errors import ProtocolError, VoicebotError
 from voicebot.server.state import ServerState
 from voicebot.session import events as ev
+from voicebot.session.response import ResponseOptions
 from voicebot.session.session import Session
 from voicebot.session.settings import SessionSettings
+from voicebot.tools.spec import ToolChoice, ToolSpec
 from voicebot.transports import native
 from voicebot.transports import realtime_events as rt
 from voicebot.transports import twilio_protocol as tp
@@ -520,8 +522,35 @@ class FakePort:
         self.items[item_id] = text
         return item_id
 
-    def create_response(self) -> str:
+    @property
+    def input_ms(self) -> float:
+        return self.audio_ms
+
+    @property
+    def token_count(self) -> int:
+        return sum(len(t) // 4 for t in self.items.values())
+
+    budget_tokens = 4096
+
+    def create_response(self, options: ResponseOptions | None = None) -> str:
+        assert options is None or isinstance(options, ResponseOptions)
         return self._id("resp")
+
+    def set_tools(self, tools: list[ToolSpec] | None = None, choice: ToolChoice | None = None) -> None:
+        assert tools is None or all(isinstance(t, ToolSpec) for t in tools)
+        assert choice is None or isinstance(choice, ToolChoice)
+
+    def add_tool_result(self, call_id: str, output: str, item_id: str | None = None) -> str:
+        assert isinstance(call_id, str) and isinstance(output, str)
+        item_id = item_id or self._id("item")
+        self.items[item_id] = output
+        return item_id
+
+    def add_tool_call(self, call_id: str, name: str, arguments: dict[str, object], item_id: str | None = None) -> str:
+        assert isinstance(call_id, str) and isinstance(name, str) and isinstance(arguments, dict)
+        item_id = item_id or self._id("item")
+        self.items[item_id] = name
+        return item_id
 
     def cancel_response(self) -> bool:
         return False
