@@ -281,8 +281,8 @@ class RealtimeTranslator:
                 # session may be preparing the next turn's reply speculatively, and a cancel
                 # that raced the end of the last one (LiveKit sends one on every
                 # speech_started) must not kill that.
-                known = self.replies.current.id if self.replies.current is not None else self._requested
-                if (known is None or (ev.response_id is not None and ev.response_id != known)
+                active = self.replies.current.id if self.replies.current is not None else self._requested
+                if (active is None or (ev.response_id is not None and ev.response_id != active)
                         or not self.session.cancel_response()):
                     # OpenAI's exact text: clients match it to ignore a cancel that raced the end.
                     raise rt.RealtimeRequestError("Cancellation failed: no active response found",
