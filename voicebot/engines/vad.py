@@ -10,6 +10,14 @@ sequence, so a chunk of several windows costs one ``run()``; this is how
 
 A window costs ~0.15 ms on one core (measured), so sessions run it inline on the event
 loop instead of paying a thread hop per 20 ms chunk.
+
+Long silence: after several seconds of silence (a caller listening to a reply) the
+model's recurrent state drifts so that the next short word scores low: a real 0.75 s
+telephone "them" after 5-19 s of silence stayed below 0.5, or above it for fewer than
+``vad.min_speech_ms`` in a row, at 11 of 48 window alignments (tests/test_short_utterance.py),
+and the word was never heard. The state is therefore reset after ``QUIET_RESET_WINDOWS``
+windows of quiet (about a second), as if a fresh stream began; speech never triggers
+it, and a reset in the middle of silence changes nothing that follows but the drift.
 """
 
 from __future__ import annotations
@@ -24,6 +32,8 @@ from voicebot.errors import ModelError
 WINDOW = 512  # samples at 16 kHz: 32 ms
 CONTEXT = 64  # samples of the previous window the model sees
 _STATE_SHAPE = (1, 1, 128)
+QUIET_PROB = 0.15  # below this a window is quiet
+QUIET_RESET_WINDOWS = 31  # ~1 s of quiet: start the recurrent state afresh
 
 
 def default_model_path() -> Path:
@@ -72,10 +82,14 @@ class VadStream:
         self.reset()
 
     def reset(self) -> None:
-        self._h = np.zeros(_STATE_SHAPE, dtype=np.float32)
-        self._c = np.zeros(_STATE_SHAPE, dtype=np.float32)
+        self._reset_state()
         self._context = np.zeros(CONTEXT, dtype=np.float32)
         self._rest = np.zeros(0, dtype=np.float32)
+
+    def _reset_state(self) -> None:
+        self._h = np.zeros(_STATE_SHAPE, dtype=np.float32)
+        self._c = np.zeros(_STATE_SHAPE, dtype=np.float32)
+        self._quiet = 0  # consecutive quiet windows since the state was last fresh
 
     def process(self, audio16k: np.ndarray) -> np.ndarray:
         """Speech probabilities, one per complete 512-sample window (may be empty)."""
@@ -91,5 +105,21 @@ class VadStream:
         contexts = np.concatenate([self._context[None, :], windows[:-1, -CONTEXT:]])
         batch = np.ascontiguousarray(np.concatenate([contexts, windows], axis=1))
         self._context = windows[-1, -CONTEXT:].copy()
-        probs, self._h, self._c = self._model._run(batch, self._h, self._c)
+        return self._run(batch)
+
+    def _run(self, batch: np.ndarray) -> np.ndarray:
+        """Run windows in order, resetting the state where a quiet stretch reaches
+        QUIET_RESET_WINDOWS (the windows after it run again from the fresh state, so
+        the result does not depend on how the audio was chunked)."""
+        h, c = self._h, self._c
+        probs, self._h, self._c = self._model._run(batch, h, c)
+        quiet = self._quiet
+        for i, p in enumerate(probs):
+            quiet = quiet + 1 if p < QUIET_PROB else 0
+            if quiet >= QUIET_RESET_WINDOWS:
+                self._reset_state()
+                if i + 1 < len(probs):
+                    probs = np.concatenate([probs[: i + 1], self._run(batch[i + 1 :])])
+                return probs
+        self._quiet = quiet
         return probs
