@@ -816,6 +816,41 @@ async def test_beta_client_with_g711_both_ways(server: Running, clip: Clip) -> N
         assert pcm.size > 800 and dbfs(pcm) > -40
 
 
+async def test_transcription_session_and_text_only_replies(server: Running, clip: Clip) -> None:
+    # ?intent=transcription: speech in, transcripts out, never a reply.
+    async with websockets.connect(server.url() + "?intent=transcription",
+                                  additional_headers={"Authorization": f"Bearer {KEY}"}, max_size=None) as ws:
+        created = await next_of(ws, "session.created")
+        assert created["session"]["type"] == "transcription", created
+        for chunk in b64_pcm24k(clip.audio):
+            await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": chunk}))
+        seen: list[dict[str, Any]] = []
+        async with asyncio.timeout(TIMEOUT):
+            while not seen or seen[-1]["type"] != "conversation.item.input_audio_transcription.completed":
+                seen.append(json.loads(await ws.recv()))
+        assert wer(clip.text, seen[-1]["transcript"]) <= 0.25, seen[-1]
+        await ws.send(json.dumps({"type": "response.create", "event_id": "r1"}))
+        err = await next_of(ws, "error", "response.created")
+        assert err["type"] == "error" and err["error"]["event_id"] == "r1", err
+    # output_modalities ["text"]: text deltas, no audio at all, metadata echoed.
+    async with await raw(server) as ws:
+        await next_of(ws, "session.created")
+        await ws.send(json.dumps({"type": "session.update", "session": {"type": "realtime",
+                                                                        "output_modalities": ["text"]}}))
+        await next_of(ws, "session.updated")
+        await ws.send(json.dumps({"type": "conversation.item.create", "item": {
+            "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hello!"}]}}))
+        await ws.send(json.dumps({"type": "response.create", "response": {"metadata": {"topic": "greeting"}}}))
+        seen = []
+        async with asyncio.timeout(TIMEOUT):
+            while not seen or seen[-1]["type"] != "response.done":
+                seen.append(json.loads(await ws.recv()))
+        types = [e["type"] for e in seen]
+        assert "response.output_text.delta" in types and not [t for t in types if "audio" in t], types
+        assert seen[-1]["response"]["metadata"] == {"topic": "greeting"}
+        assert seen[-1]["response"]["output"][0]["content"][0]["type"] == "output_text"
+
+
 async def test_probe_speaks_realtime(server: Running, clip: Clip) -> None:
     probe_clip = load_clip(clip.path, 16000)
     started = time.monotonic()
