@@ -170,6 +170,7 @@ def test_auto_grammar_takes_calls_only_with_their_tag(tok: Any) -> None:
         return all(matcher.accept_token(t) for t in tok.encode(text, add_special_tokens=False))
 
     assert not accepts('{"name": "get_weather", "arguments": {"city": "Paris"}}')  # bare JSON
+    assert not accepts('```json\n{"name": "get_weather"') and not accepts('Sure: {"name": "get_weather"')
     assert accepts(CALL) and accepts("Let me check. " + CALL) and accepts("It is sunny, 21 degrees.")
     assert not accepts('<tool_call>\n{"name": "tell_joke"')  # only declared tools
     assert not accepts('<tool_call>\n{"name": "get_weather", "arguments": {"city":     "Paris"}}')  # bounded

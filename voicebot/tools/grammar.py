@@ -116,8 +116,14 @@ def _no_bare_calls(fmt: Any) -> Any:
     if not isinstance(fmt, TriggeredTagsFormat):
         return fmt  # required / named: already a call from the first token
     call = TagsWithSeparatorFormat(tags=fmt.tags, separator="", at_least_one=True, stop_after_first=True)
-    text = SequenceFormat(elements=[RegexFormat(pattern=r"[^\s{\[<]"), fmt])
+    # Spoken text never needs braces or code fences: the only way to JSON is the tag.
+    fmt.excludes = [*fmt.excludes, *_NOT_SPOKEN]
+    text = SequenceFormat(elements=[RegexFormat(pattern=r"[^\s{}\[\]<>`*#|]"), fmt])
     return OrFormat(elements=[call, text])
+
+
+# Text a spoken reply never contains; Qwen2.5-0.5B wrapped calls in them ("```json {...}").
+_NOT_SPOKEN = ["{", "}", "```"]
 
 
 def _bound_whitespace(node: Any) -> None:
