@@ -219,6 +219,8 @@ async def hop(args: argparse.Namespace) -> dict[str, Any]:
     extra = ["--dtype", c.dtype, "--seed", str(c.seed or 0)]
     if c.block_size:
         extra += ["--block-size", str(c.block_size)]
+    if c.enforce_eager:
+        extra.append("--enforce-eager")
     env = {"VLLM_CPU_OMP_THREADS_BIND": c.cpu_threads_bind, "VLLM_CPU_KVCACHE_SPACE": str(c.kv_cache_space_gib)}
     async with llm_tier(model, 1, router=True, placement="none", server_extra=extra, server_env=env,
                         max_model_len=c.max_model_len, max_num_seqs=c.max_num_seqs) as tier:
