@@ -180,12 +180,15 @@ class RemoteLlmEngine(LlmEngine):
         logit_bias: dict[int, float] | None = None,
         skip_special_tokens: bool = True,
     ) -> dict[str, Any]:
+        # The body fields mirror LlmEngine._sampling's SamplingParams one for one.
         c = self.cfg
         body: dict[str, Any] = {
             "max_tokens": max_tokens or c.max_tokens,
             "temperature": c.temperature if temperature is None else temperature,
             "top_p": c.top_p,
             "min_tokens": min_tokens,
+            "skip_special_tokens": skip_special_tokens,
+            "repetition_penalty": c.repetition_penalty if skip_special_tokens else 1.0,
         }
         if c.seed is not None:
             body["seed"] = c.seed
