@@ -147,7 +147,7 @@ def test_constraints_per_tool_choice(tok: Any) -> None:
     assert tag(ToolChoice("auto"), "forced") is None and tag(ToolChoice("required"), "forced") is not None
     assert tag(ToolChoice("required"), "off") is None
     none = constraint_for(tok, "hermes", [WEATHER], ToolChoice("none"), "always")
-    assert none.structural_tag is None
+    assert none.structural_tag is not None and "tool_call" not in none.structural_tag  # text only
     assert none.logit_bias == {tok.convert_tokens_to_ids("<tool_call>"): -100.0}
     assert constraint_for(tok, "hermes", [], ToolChoice("auto"), "always").sampling_kwargs() == {}
     # With tools in the prompt vLLM must keep <tool_call> in the text, grammar or not.
@@ -239,6 +239,8 @@ def test_server_tool_rounds_end_in_an_answer(tok: Any) -> None:
     assert [t.name for t in native.tools] == ["get_weather"]
     plans = [native.plan(ResponseOptions(), r).choice.mode for r in range(3)]
     assert plans == ["required", "auto", "none"]  # forced once, then free, then must answer
+    assert native.plan(ResponseOptions(), 1, after_result=True).choice.mode == "none"  # answer the result
+    assert native.plan(ResponseOptions(tool_choice=ToolChoice("auto")), 1, after_result=True).choice.mode == "auto"
     call = [ToolCall("c1", "i1", "get_weather", '{"city": "Paris"}')]
     assert native.runs(call, 0) and native.runs(call, 1) and not native.runs(call, 2) and not native.runs([], 0)
     realtime = SessionTools(cfg, tok, "realtime")  # Realtime clients bring their own tools
@@ -514,18 +516,34 @@ async def test_a_server_tool_round_in_a_session(
         assert "<tool_call>" in session.conversation.messages[1].content  # kept as generated
         assert session.conversation.messages[2].call_id == call.call_id
 
-        # A model that calls every time: run twice (max_rounds), then it must answer.
+        # The reply after a result may not call (tools.answer_after_result): a model that
+        # calls anyway gets a text-only grammar and the <tool_call> ban, and is not run.
+        assert "logit_bias" in llm.kwargs[1] and "structured_outputs" in llm.kwargs[1]
         llm.script[:] = [call_words] * 5
         runs_before = len(seen)
         session.add_text("user", "And in Paris again?")
         session.create_response()
         async with asyncio.timeout(10):
-            while len([e for e in events if isinstance(e, se.ResponseDone)]) < 5:
+            while len([e for e in events if isinstance(e, se.ResponseDone)]) < 4:
                 await asyncio.sleep(0.01)
         await asyncio.sleep(0.2)
-        assert len(seen) - runs_before == 2
+        assert len(seen) - runs_before == 1
         assert "logit_bias" in llm.kwargs[-1]  # the last reply may not start a call
-        assert len([e for e in events if isinstance(e, se.ResponseDone)]) == 5
+        assert len([e for e in events if isinstance(e, se.ResponseDone)]) == 4
+
+        # Without that rule, tools.max_rounds stops a model that calls every time.
+        engines.cfg.tools.answer_after_result = False
+        session.tools._cfg = engines.cfg.tools
+        llm.script[:] = [call_words] * 5
+        runs_before = len(seen)
+        session.add_text("user", "And once more?")
+        session.create_response()
+        async with asyncio.timeout(10):
+            while len([e for e in events if isinstance(e, se.ResponseDone)]) < 7:
+                await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)
+        assert len(seen) - runs_before == 2 and "logit_bias" in llm.kwargs[-1]
+        assert len([e for e in events if isinstance(e, se.ResponseDone)]) == 7
         reader.cancel()
 
 

@@ -221,6 +221,7 @@ class ToolsConfig(_Section):
     transports: list[TransportName] = Field(default_factory=lambda: list[TransportName](["native", "twilio"]), description="Transports whose sessions get the server tools (Realtime clients bring their own).")
     tool_choice: Literal["auto", "none", "required"] = Field("auto", description="tool_choice of server-tool sessions' replies (the follow-up after a tool result is always 'auto').")
     max_rounds: int = Field(3, ge=1, le=16, description="Server tool calls in a row before the model must answer without one.")
+    answer_after_result: bool = Field(True, description="The reply right after a tool result may not call a tool (tool_choice none; Qwen2.5-0.5B calls the same tool again instead of answering); a response.create tool_choice overrides it.")
     max_result_chars: int = Field(4000, ge=64, le=100_000, description="Longest tool result given to the model (server tools and Realtime function_call_output).")
     filler: str = Field("Let me check.", max_length=200, description="Said while a slow server tool runs, if the model said nothing before its call ('' for none).")
     filler_after_ms: int = Field(700, ge=0, le=60_000, description="How long a server tool may run before the filler is said.")

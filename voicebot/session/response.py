@@ -121,6 +121,7 @@ class Response:
         self.tool_round = tool_round  # server-tool rounds before this reply in its turn
         self.tool_calls: list[ToolCall] = []
         self.prompt_tools: list[dict[str, Any]] | None = None  # this reply's own tools (an override)
+        self.tool_choice: ToolChoice | None = None  # as planned; calls made under "none" are never run
         self._tools = tool_stream
         self._constraint = constraint
         self._calls: dict[int, tuple[str, str, str]] = {}  # parser index -> call_id, item_id, name

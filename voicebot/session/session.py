@@ -627,7 +627,8 @@ class Session:
         item_id = f"item_{self.id[5:]}_{next(self._ids)}"
         s = self.settings
         options = options or ResponseOptions()
-        plan = self.tools.plan(options, tool_round)
+        last = self.conversation.messages[-1] if self.conversation.messages else None
+        plan = self.tools.plan(options, tool_round, after_result=turn is None and last is not None and last.role == "tool")
         resp = Response(
             rid,
             item_id,
@@ -649,7 +650,7 @@ class Session:
             options=options,
             tool_round=tool_round,
         )
-        resp.prompt_tools = plan.prompt_tools
+        resp.prompt_tools, resp.tool_choice = plan.prompt_tools, plan.choice
         self._response = resp
         self._response_turn = turn
         self._response_task = self._spawn(self._drive(resp, turn), "response")
@@ -683,7 +684,7 @@ class Session:
                 await resp.run()
                 await forward
                 await resp.released.wait()
-                if self.tools.runs(resp.tool_calls, resp.tool_round):
+                if self.tools.runs(resp.tool_calls, resp.tool_round) and resp.tool_choice != ToolChoice("none"):
                     results = await self._run_tools(resp)
                 if resp.playout.queued_samples:
                     await resp.drained.wait()  # the pacer is still sending

@@ -118,10 +118,19 @@ def _no_bare_calls(fmt: Any) -> Any:
     call = TagsWithSeparatorFormat(tags=fmt.tags, separator="", at_least_one=True, stop_after_first=True)
     # Spoken text never needs braces or code fences: the only way to JSON is the tag.
     fmt.excludes = [*fmt.excludes, *_NOT_SPOKEN]
-    text = SequenceFormat(elements=[RegexFormat(pattern=r"[^\s{}\[\]<>`*#|]"), fmt])
+    text = SequenceFormat(elements=[RegexFormat(pattern=_FIRST_CHAR), fmt])
     return OrFormat(elements=[call, text])
 
 
+def spoken_text_tag() -> str:
+    """A reply that is text only: no markup first, no braces or code fences at all."""
+    from xgrammar.structural_tag import AnyTextFormat, RegexFormat, SequenceFormat, StructuralTag
+
+    fmt = SequenceFormat(elements=[RegexFormat(pattern=_FIRST_CHAR), AnyTextFormat(excludes=list(_NOT_SPOKEN))])
+    return json.dumps(StructuralTag(format=fmt).model_dump())
+
+
+_FIRST_CHAR = r"[^\s{}\[\]<>`*#|]"  # a spoken reply does not open with markup
 # Text a spoken reply never contains; Qwen2.5-0.5B wrapped calls in them ("```json {...}").
 _NOT_SPOKEN = ["{", "}", "```"]
 
@@ -151,7 +160,8 @@ def constraint_for(
         return NO_CONSTRAINT
     if choice.mode == "none":
         token = start_tag_token(tokenizer, parser)
-        return Constraint(logit_bias={token: _BAN} if token is not None else None, tools=True)
+        text = spoken_text_tag() if mode == "always" else None  # no bare-JSON "call" either
+        return Constraint(text, logit_bias={token: _BAN} if token is not None else None, tools=True)
     if mode == "off" or (mode == "forced" and not choice.forces_call()):
         return Constraint(tools=True)
     return Constraint(structural_tag=structural_tag(parser, tools, choice), tools=True)

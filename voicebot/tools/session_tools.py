@@ -73,12 +73,15 @@ class SessionTools:
         return self._cfg.max_result_chars
 
     # ------------------------------------------------------------------- plans
-    def plan(self, options: ResponseOptions, tool_round: int = 0) -> ReplyPlan:
+    def plan(self, options: ResponseOptions, tool_round: int = 0, after_result: bool = False) -> ReplyPlan:
+        """``after_result``: the history ends with a tool result (the reply is its answer)."""
         tools = self.tools if options.tools is None else options.tools
         choice = options.tool_choice or self.choice
         choice.check(tools)
         if tool_round > 0 and choice.forces_call():
             choice = ToolChoice("auto")
+        if after_result and options.tool_choice is None and self._cfg.answer_after_result:
+            choice = ToolChoice("none")
         if self.runner is not None and tool_round >= self._cfg.max_rounds:
             choice = ToolChoice("none")  # enough calls in a row: now answer
         return ReplyPlan(
