@@ -100,7 +100,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     if calls and calls[0].valid:
                         conv.append("assistant", r["text"], token_ids=r["ids"])
                         conv.append("tool", RESULT.get(calls[0].name, '{"error": "unknown"}'))
-                        a = await reply(engine, conv.prompt_ids(), ToolChoice("auto"), grammar)
+                        # As the session does (tools.answer_after_result): the answer may not call.
+                        a = await reply(engine, conv.prompt_ids(), ToolChoice("none"), grammar)
                         answer = a["speech"]
                         cached.append(a["cached"])
                         uses += "21" in answer
