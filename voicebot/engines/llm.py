@@ -372,6 +372,12 @@ class LlmEngine:
         if self._background_running < self._background_limit:
             self._hand_over()
 
+    def _priority(self, lane: Lane) -> int:
+        """The vLLM priority of a request in ``lane`` (lower runs first)."""
+        if self.cfg.scheduling_policy != "priority":
+            return 0  # vLLM (in process or a server) rejects a non-zero priority under FCFS
+        return self.cfg.interactive_priority if lane is Lane.INTERACTIVE else self.cfg.background_priority
+
     async def _stream(
         self,
         rid: str,
@@ -381,9 +387,7 @@ class LlmEngine:
         params: Any,
     ) -> AsyncGenerator[TextDelta, None]:
         assert self._engine is not None
-        priority = self.cfg.interactive_priority if lane is Lane.INTERACTIVE else self.cfg.background_priority
-        if self.cfg.scheduling_policy != "priority":
-            priority = 0  # vLLM rejects a non-zero priority under FCFS
+        priority = self._priority(lane)
         st.submitted_at = time.monotonic()
         self._running[rid] = st
         finished = False

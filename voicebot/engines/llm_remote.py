@@ -198,8 +198,6 @@ class RemoteLlmEngine(LlmEngine):
             body["structured_outputs"] = _plain(structured_outputs)
         if logit_bias:
             body["logit_bias"] = {str(k): v for k, v in logit_bias.items()}
-        if not skip_special_tokens:  # (TOOLS) tools in the prompt: keep <tool_call> in the text
-            body["skip_special_tokens"] = False
         return body
 
     async def _stream(
@@ -210,9 +208,7 @@ class RemoteLlmEngine(LlmEngine):
         st: GenerationStats,
         params: Any,
     ) -> AsyncGenerator[TextDelta, None]:
-        priority = self.cfg.interactive_priority if lane is Lane.INTERACTIVE else self.cfg.background_priority
-        if self.cfg.scheduling_policy != "priority":
-            priority = 0  # a server under FCFS rejects a non-zero priority
+        priority = self._priority(lane)
         body = {
             **params,
             "model": self._model,
