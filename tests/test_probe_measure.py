@@ -442,3 +442,13 @@ async def test_sessions_spread_over_worker_processes(scripted_url: str, say_clip
     assert report["levels"][0]["probe"] == stats
     assert report["levels"][0]["stalled_replies"] == 0
     assert report["levels"][0]["reply_rtf_pct"]["n"] == 3
+
+
+def test_sessions_spread_over_several_servers_by_index(say_clip: Any) -> None:
+    """Scale-out runs (several frontends): session i calls urls[i % len(urls)]."""
+    from voicebot.probe.client import ProbeConfig, _Session
+
+    a, b = "ws://127.0.0.1:1/ws", "ws://127.0.0.1:2/ws"
+    cfg = ProbeConfig(url=a, urls=(a, b), clips=(say_clip,))
+    assert [_Session(cfg, i, 5).client.options.url for i in range(5)] == [a, b, a, b, a]  # type: ignore[attr-defined]
+    assert _Session(replace(cfg, urls=()), 1, 5).client.options.url == a  # type: ignore[attr-defined]

@@ -75,6 +75,8 @@ class ProbeConfig:
     save_audio: Path | None = None
     keep_audio_s: float = 60.0  # per turn, only with save_audio
     workers: int = 1  # processes the sessions are spread over (1: this event loop)
+    # Several servers (frontends): session i calls urls[i % len(urls)]; empty: every session calls url.
+    urls: tuple[str, ...] = ()
 
 
 async def check_reachable(url: str, timeout_s: float) -> None:
@@ -147,7 +149,7 @@ class _Session:
         self.client: ProbeClient = make_client(
             cfg.protocol,
             ConnectOptions(
-                url=cfg.url,
+                url=cfg.urls[index % len(cfg.urls)] if cfg.urls else cfg.url,
                 sample_rate=cfg.sample_rate,
                 output_sample_rate=cfg.output_sample_rate,
                 token=cfg.token,
