@@ -646,7 +646,13 @@ def run_main(args: argparse.Namespace) -> int:
         else:
             recorded = out / "llm_server.json"
             if args.remote_llm and not llm_url and recorded.exists():  # started by ``llm-server``
-                llm_url = json.loads(recorded.read_text())["url"]
+                info = json.loads(recorded.read_text())
+                try:
+                    os.killpg(int(info["pid"]), 0)
+                    llm_url = info["url"]
+                except ProcessLookupError:
+                    print(f"the recorded LLM server (pid {info['pid']}) is gone: starting one", flush=True)
+                    recorded.unlink()
             if args.remote_llm and not llm_url:
                 llm = LlmServer(args, out)
                 print("starting the LLM server ...", flush=True)
