@@ -436,7 +436,7 @@ async def test_unknown_voice_is_refused(tokenizer) -> None:  # type: ignore[no-u
     assert info.value.code == "invalid_voice"
 
 
-async def test_a_client_that_stops_reading_is_dropped_not_buffered(tokenizer) -> None:  # type: ignore[no-untyped-def]
+async def test_a_client_that_stops_reading_is_dropped_not_buffered(tokenizer, caplog) -> None:  # type: ignore[no-untyped-def]
     engines = make_engines(tokenizer)
     with_session_cfg(engines, out_queue_frames=16)
     clock = clock_of(engines)
@@ -451,6 +451,11 @@ async def test_a_client_that_stops_reading_is_dropped_not_buffered(tokenizer) ->
         await until(clock, lambda: session.closed_reason is not None)
         assert session.closed_reason == "slow_consumer"
         assert session._out.qsize() <= 16
+        # Said once: under load the GPU profile logged it ~35 times per dropped session.
+        for _ in range(50):
+            session.emit(ev.ErrorEvent(code="x", message="x"))
+    warned = [r for r in caplog.records if "not reading events" in r.getMessage()]
+    assert len(warned) == 1, len(warned)
 
 
 async def test_a_silent_wire_ends_the_session(tokenizer) -> None:  # type: ignore[no-untyped-def]

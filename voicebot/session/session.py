@@ -282,8 +282,10 @@ class Session:
         try:
             self._out.put_nowait(event)
         except asyncio.QueueFull:
-            self.log.warning("client is not reading events; closing")
-            self.closed_reason = "slow_consumer"
+            # Once: every later event of a closing session lands here too.
+            if self.closed_reason is None:
+                self.log.warning("client is not reading events; closing")
+                self.closed_reason = "slow_consumer"
             self._closing.set()
 
     def error(self, code: str, message: str, *, event_id: str | None = None, fatal: bool = False) -> None:
