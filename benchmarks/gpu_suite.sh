@@ -121,9 +121,7 @@ run() {
           --llm-memory "${PIPE_LLM_MEMORY:-0.45}" --out "$out/llm-server" >> "$out/llm_server_part.log" 2>&1 || rc=$? ;;
       pipeline-multi)  # one LLM server + K frontends; one run per K in PIPE_FRONTENDS
         local llm_url="" k
-        if [ -f "$out/llm-server/llm_server.json" ]; then
-          llm_url=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["url"])' "$out/llm-server/llm_server.json")
-        fi
+        [ -f "$out/llm-server/llm_server.json" ] && llm_url="$out/llm-server/llm_server.json"
         for k in ${PIPE_FRONTENDS:-1 4}; do
           # shellcheck disable=SC2086  # word lists
           python3 benchmarks/pipeline_gpu.py run --config configs/gpu.yaml --gpu-dummy --remote-llm --frontends "$k" \

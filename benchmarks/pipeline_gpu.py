@@ -408,8 +408,10 @@ class LlmServer:
         self.out.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("ab")
         # its own session: it can outlive this script (llm-server, --detach) and is stopped by group
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=dict(os.environ, **env), start_new_session=True)
+        # cwd: not the repo copy, which a later device call replaces (vLLM's model-inspection
+        # subprocess then dies in os.getcwd())
+        self.proc = subprocess.Popen(cmd, cwd=Path.home(), stdout=log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, env=dict(os.environ, **env), start_new_session=True)
         (self.out / "llm_server.json").write_text(json.dumps(
             {"pid": self.proc.pid, "port": self.port, "url": self.url, "cmd": cmd, "env": env}, indent=1) + "\n")
 
@@ -635,7 +637,9 @@ def run_main(args: argparse.Namespace) -> int:
     summary.setdefault("runs", []).append(run_info)
     llm: LlmServer | None = None
     frontends: list[Server] = []
-    llm_url = args.llm_url
+    # --llm-url: a URL, or the llm_server.json an ``llm-server`` wrote (default: OUT's)
+    recorded = Path(args.llm_url) if args.llm_url and args.llm_url.endswith(".json") else out / "llm_server.json"
+    llm_url = None if args.llm_url and args.llm_url.endswith(".json") else args.llm_url
     llm_pid: int | None = None
     rc = 0
     try:
@@ -644,7 +648,6 @@ def run_main(args: argparse.Namespace) -> int:
             https = [u.replace("ws://", "http://").rsplit("/ws", 1)[0] for u in urls]
             pids = [read_pid(p) for p in sorted(out.glob("server*.pid"))]
         else:
-            recorded = out / "llm_server.json"
             if args.remote_llm and not llm_url and recorded.exists():  # started by ``llm-server``
                 info = json.loads(recorded.read_text())
                 try:
@@ -677,7 +680,7 @@ def run_main(args: argparse.Namespace) -> int:
             pids = [s.proc.pid if s.proc else None for s in frontends]
         if args.remote_llm:
             with contextlib.suppress(OSError, ValueError, KeyError):
-                info = json.loads((out / "llm_server.json").read_text())
+                info = json.loads(recorded.read_text())
                 llm_pid = int(info["pid"])
                 llm_url = llm_url or info["url"]
             run_info["llm_url"] = llm_url
