@@ -60,17 +60,18 @@ from voicebot.config import LlmConfig, load_config  # noqa: E402  (pydantic, pyy
 from voicebot.session.history import Conversation  # noqa: E402  (no dependencies)
 
 
-def _load_llm_module() -> Any:
-    """``voicebot.engines.llm`` without ``voicebot/engines/__init__.py``.
+def load_engine_module(stem: str = "llm") -> Any:
+    """``voicebot.engines.<stem>`` (llm, llm_remote) without ``voicebot/engines/__init__.py``.
 
     The package's ``__init__`` imports the ASR, TTS and VAD engines (faster-whisper,
     piper, onnxruntime ...), which a GPU machine that only runs this benchmark lacks.
-    llm.py itself needs only voicebot.config and voicebot.errors.
+    llm.py and llm_remote.py need only voicebot.config, voicebot.errors, voicebot.affinity
+    (and httpx).
     """
-    name = "voicebot.engines.llm"
+    name = f"voicebot.engines.{stem}"
     if name in sys.modules:
         return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, ROOT / "voicebot" / "engines" / "llm.py")
+    spec = importlib.util.spec_from_file_location(name, ROOT / "voicebot" / "engines" / f"{stem}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses look their module up while the class is built
@@ -78,7 +79,7 @@ def _load_llm_module() -> Any:
     return module
 
 
-_llm = _load_llm_module()
+_llm = load_engine_module("llm")
 LlmEngine = _llm.LlmEngine
 Lane = _llm.Lane
 GenerationStats = _llm.GenerationStats

@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import importlib.util
 import json
 import os
 import platform
@@ -53,28 +52,15 @@ for p in (ROOT, ROOT / "tests"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
+from llm_load import load_engine_module, summarise  # noqa: E402  (same folder)
 from llm_tier import llm_tier  # noqa: E402  (tests/llm_tier.py: starts and stops the tier)
 
 from voicebot.affinity import bind_session  # noqa: E402
 from voicebot.config import load_config  # noqa: E402
 from voicebot.session.history import Conversation  # noqa: E402
 
-
-def _load(name: str, rel: str) -> Any:
-    """A module of voicebot/engines without the package's ``__init__`` (which loads ASR
-    and TTS: a GPU machine that only runs this benchmark lacks them)."""
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, ROOT / rel)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-_llm = _load("voicebot.engines.llm", "voicebot/engines/llm.py")
-_remote = _load("voicebot.engines.llm_remote", "voicebot/engines/llm_remote.py")
+_llm = load_engine_module("llm")
+_remote = load_engine_module("llm_remote")
 LlmEngine, Lane, GenerationStats = _llm.LlmEngine, _llm.Lane, _llm.GenerationStats
 RemoteLlmEngine = _remote.RemoteLlmEngine
 
@@ -95,21 +81,8 @@ UTTERANCES = [
 ]
 
 
-def pct(values: list[float], p: float) -> float | None:
-    if not values:
-        return None
-    v = sorted(values)
-    k = (len(v) - 1) * p / 100.0
-    lo = int(k)
-    hi = min(lo + 1, len(v) - 1)
-    return round(v[lo] + (v[hi] - v[lo]) * (k - lo), 1)
-
-
 def summary_ms(values_ms: list[float]) -> dict[str, Any]:
-    if not values_ms:
-        return {"n": 0}
-    return {"n": len(values_ms), "p50": pct(values_ms, 50), "p95": pct(values_ms, 95),
-            "mean": round(sum(values_ms) / len(values_ms), 1), "max": round(max(values_ms), 1)}
+    return summarise([v / 1000.0 for v in values_ms])
 
 
 def write(path: str | None, report: dict[str, Any]) -> None:
@@ -257,6 +230,7 @@ async def voice_turns(args: argparse.Namespace, overrides: list[str]) -> dict[st
     cfg = load_config(args.config, [*args.set, *overrides, "server.port=0", "server.transports=[native]"])
     clips = load_clips(cfg.models)
     timings: list[dict[str, Any]] = []
+    dones: list[dict[str, Any]] = []  # each reply's token counts (the remote ones known only at its end)
     async with running_server(cfg) as srv:
         client = NativeClient(ConnectOptions(srv.ws(), 16000, 16000, start_fields={"system_prompt": SYSTEM}))
         await client.connect()
@@ -285,11 +259,14 @@ async def voice_turns(args: argparse.Namespace, overrides: list[str]) -> dict[st
                     if time.monotonic() - t0 > 120:
                         raise TimeoutError("no reply in 120 s")
                 timings += [e for e in events[mark:] if e["type"] == "turn.timings"]
+                dones += [e for e in events[mark:] if e["type"] == "response.done"]
         finally:
             reader.cancel()
             await client.close()
     keys = ("voice_to_voice_ms", "llm_ttft_ms", "asr_final_ms", "first_clause_ms", "tts_first_audio_ms")
     out: dict[str, Any] = {k: summary_ms([t[k] for t in timings if t.get(k) is not None]) for k in keys}
+    prompt = sum(d.get("input_tokens", 0) for d in dones)
+    out["prefix_hit_rate"] = round(sum(d.get("cached_tokens", 0) for d in dones) / prompt, 3) if prompt else None
     out["turns_detail"] = timings
     print("v2v", overrides or "inprocess", out["voice_to_voice_ms"], flush=True)
     return out
@@ -297,6 +274,14 @@ async def voice_turns(args: argparse.Namespace, overrides: list[str]) -> dict[st
 
 # ------------------------------------------------------------------ GPU
 async def gpu(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        # One server per GPU here (placement "gpu", 0.85 of each): two on one GPU would
+        # both ask for 0.85 of it. benchmarks/gpu_remote_tier.py shares one GPU between
+        # two servers (each a fraction of its memory, started one after the other).
+        raise SystemExit(f"gpu: needs 2 GPUs, {torch.cuda.device_count()} visible; "
+                         "on one GPU run benchmarks/gpu_remote_tier.py")
     report: dict[str, Any] = {"kind": "gpu", "model_dir": args.model_dir, "versions": versions(), "scenarios": {}}
     extra = ["--load-format", "dummy", "--gpu-memory-utilization", "0.85", "--max-num-batched-tokens", "8192"]
     system = (SYSTEM * 40)[: args.system_tokens * 4]  # ~4 characters a token; trimmed below
@@ -338,7 +323,8 @@ def table(report: dict[str, Any]) -> str:
             rows.append(f"llm {name:10s} TTFT p50 {t.get('p50')} p95 {t.get('p95')} ms  hit {s['prefix_hit_rate']}")
         for name, s in report["voice_to_voice"].items():
             v, t = s["voice_to_voice_ms"], s["llm_ttft_ms"]
-            rows.append(f"v2v {name:10s} p50 {v.get('p50')} p95 {v.get('p95')} ms  TTFT p50 {t.get('p50')} ms")
+            rows.append(f"v2v {name:10s} p50 {v.get('p50')} p95 {v.get('p95')} ms  TTFT p50 {t.get('p50')} ms"
+                        f"  hit {s.get('prefix_hit_rate')}")
     else:
         for name, s in report["scenarios"].items():
             t = s["ttft_ms"]

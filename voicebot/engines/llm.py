@@ -270,30 +270,37 @@ class LlmEngine:
         logit_bias: dict[int, float] | None = None,
         skip_special_tokens: bool = True,
     ) -> Any:
+        """One request's sampling, the config's defaults resolved here for both backends;
+        :meth:`_params` gives it the backend's form (SamplingParams, or a JSON body)."""
+        c = self.cfg
+        return self._params(
+            dict(
+                max_tokens=max_tokens or c.max_tokens,
+                temperature=c.temperature if temperature is None else temperature,
+                top_p=c.top_p,
+                # Off with tools in the prompt (skip_special_tokens False): a call must repeat
+                # the tool's name and argument names from the system message.
+                repetition_penalty=c.repetition_penalty if skip_special_tokens else 1.0,
+                seed=c.seed,
+                stop=stop,
+                min_tokens=min_tokens,
+                # Tool calls (voicebot/tools/grammar.py): a structural tag keeps a call's JSON
+                # valid for its schema; a logit bias bans the call tag under tool_choice none.
+                structured_outputs=structured_outputs,
+                logit_bias=logit_bias,
+                # False when tools are in the prompt: vLLM's detokenizer drops <tool_call> (an
+                # added token) otherwise, and the parser never sees the call (vLLM's hermes
+                # parser asks the same of its requests in adjust_request).
+                skip_special_tokens=skip_special_tokens,
+            )
+        )
+
+    def _params(self, values: dict[str, Any]) -> Any:
+        """The in-process form: vLLM's SamplingParams, streamed as deltas."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        c = self.cfg
-        return SamplingParams(
-            max_tokens=max_tokens or c.max_tokens,
-            temperature=c.temperature if temperature is None else temperature,
-            top_p=c.top_p,
-            # Off with tools in the prompt (skip_special_tokens False): a call must repeat
-            # the tool's name and argument names from the system message.
-            repetition_penalty=c.repetition_penalty if skip_special_tokens else 1.0,
-            seed=c.seed,
-            stop=stop,
-            min_tokens=min_tokens,
-            output_kind=RequestOutputKind.DELTA,
-            # Tool calls (voicebot/tools/grammar.py): a structural tag keeps a call's JSON
-            # valid for its schema; a logit bias bans the call tag under tool_choice none.
-            structured_outputs=structured_outputs,
-            logit_bias=logit_bias,
-            # False when tools are in the prompt: vLLM's detokenizer drops <tool_call> (an
-            # added token) otherwise, and the parser never sees the call (vLLM's hermes
-            # parser asks the same of its requests in adjust_request).
-            skip_special_tokens=skip_special_tokens,
-        )
+        return SamplingParams(**values, output_kind=RequestOutputKind.DELTA)
 
     async def generate(
         self,

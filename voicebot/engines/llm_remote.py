@@ -170,34 +170,14 @@ class RemoteLlmEngine(LlmEngine):
         return self._model
 
     # --------------------------------------------------------------- generation
-    def _sampling(
-        self,
-        max_tokens: int | None,
-        temperature: float | None,
-        stop: list[str] | None,
-        min_tokens: int,
-        structured_outputs: Any = None,
-        logit_bias: dict[int, float] | None = None,
-        skip_special_tokens: bool = True,
-    ) -> dict[str, Any]:
-        # The body fields mirror LlmEngine._sampling's SamplingParams one for one.
-        c = self.cfg
-        body: dict[str, Any] = {
-            "max_tokens": max_tokens or c.max_tokens,
-            "temperature": c.temperature if temperature is None else temperature,
-            "top_p": c.top_p,
-            "min_tokens": min_tokens,
-            "skip_special_tokens": skip_special_tokens,
-            "repetition_penalty": c.repetition_penalty if skip_special_tokens else 1.0,
-        }
-        if c.seed is not None:
-            body["seed"] = c.seed
-        if stop:
-            body["stop"] = stop
-        if structured_outputs is not None:
-            body["structured_outputs"] = _plain(structured_outputs)
-        if logit_bias:
-            body["logit_bias"] = {str(k): v for k, v in logit_bias.items()}
+    def _params(self, values: dict[str, Any]) -> dict[str, Any]:
+        """The remote form of LlmEngine._sampling's values: the /v1/completions body fields
+        of the same names (vLLM's CompletionRequest), unset ones left out."""
+        body = {k: v for k, v in values.items() if v not in (None, [], {})}
+        if "structured_outputs" in body:
+            body["structured_outputs"] = _plain(body["structured_outputs"])
+        if "logit_bias" in body:
+            body["logit_bias"] = {str(k): v for k, v in body["logit_bias"].items()}  # JSON keys are strings
         return body
 
     async def _stream(
