@@ -175,6 +175,19 @@ def unfinished_requests(m: dict[str, float]) -> float:
     return m.get("vllm:num_requests_running", 0.0) + m.get("vllm:num_requests_waiting", 0.0)
 
 
+def finished_over(m: dict[str, float], max_tokens: float) -> float:
+    """Requests that finished (not aborted) with a ``max_tokens`` parameter above
+    ``max_tokens`` (an edge of vLLM's 1-2-5 buckets: 100, 200, 500, 1000 ...).
+
+    From the ``vllm:request_params_max_tokens`` histogram, which vLLM observes when a
+    request finishes in the engine (stop, length) and never for one the API server
+    aborted because its client went away; ``request_success_total`` cannot tell a
+    call's long reply from its short background requests (history summaries)."""
+    edge = f'le="{float(max_tokens)}"'
+    below = sum(v for k, v in m.items() if k.startswith("vllm:request_params_max_tokens_bucket{") and edge in k)
+    return m.get("vllm:request_params_max_tokens_count", 0.0) - below
+
+
 @dataclass
 class Tier:
     servers: list[Proc]

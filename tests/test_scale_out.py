@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from llm_tier import Tier, finished_requests, llm_tier, unfinished_requests
+from llm_tier import Tier, finished_over, finished_requests, llm_tier, unfinished_requests
 from servers import RunningServer, running_server
 from speech import Clip
 
@@ -42,6 +42,7 @@ from voicebot.probe.native import NativeClient
 OUT_RATE = 16000
 FRAME = 320  # 20 ms at 16 kHz
 CPU_BLOCK = 128  # vLLM's KV block on CPU: only whole blocks are cached
+LONG_REPLY = 800  # tokens: far longer than the barge-in test (between vLLM's 500 and 1000 buckets)
 
 
 def own_prompt(name: str) -> str:
@@ -80,6 +81,25 @@ async def test_the_session_binding_reaches_every_task_of_the_call() -> None:
     await asyncio.gather(asyncio.create_task(call("sess_x")), asyncio.create_task(call("sess_y")))
     assert seen == {"sess_x/a": "sess_x", "sess_x/b": "sess_x", "sess_y/a": "sess_y", "sess_y/b": "sess_y"}
     assert current_session() is None, "a call's binding never leaks into its caller"
+
+
+def test_the_remote_request_samples_as_the_in_process_engine_does() -> None:
+    # One resolution of the config's defaults (LlmEngine._sampling) for both backends: the
+    # body's fields are SamplingParams' own, value for value; the ones left out are unset.
+    from voicebot.engines.llm import LlmEngine
+
+    cfg = load_config("configs/default.yaml").llm
+    local, remote = LlmEngine(cfg, "unused"), RemoteLlmEngine(cfg, "unused")
+    tools = {"logit_bias": {7: -100.0}, "skip_special_tokens": False}
+    for args, kw in (((None, None, None, 0), {}), ((32, 0.7, ["\n"], 2), tools)):
+        params, body = local._sampling(*args, **kw), remote._sampling(*args, **kw)
+        for key in ("max_tokens", "temperature", "top_p", "repetition_penalty", "seed", "stop", "min_tokens",
+                    "structured_outputs", "logit_bias", "skip_special_tokens"):
+            want = getattr(params, key)
+            if key == "logit_bias" and want:
+                want = {str(k): v for k, v in want.items()}  # JSON object keys
+            assert body.get(key) == (want or None if key in ("stop", "logit_bias") else want), key
+    assert body["max_tokens"] == 32 and body["repetition_penalty"] == 1.0 and body["logit_bias"] == {"7": -100.0}
 
 
 # ------------------------------------------------------------------- the tier
@@ -187,9 +207,12 @@ class Call:
 
 
 async def wait_until(pred: Callable[[], Any], timeout: float, what: str) -> None:
-    async with asyncio.timeout(timeout):
-        while not await pred():
-            await asyncio.sleep(0.05)
+    try:
+        async with asyncio.timeout(timeout):
+            while not await pred():
+                await asyncio.sleep(0.05)
+    except TimeoutError:
+        raise AssertionError(f"{what} (waited {timeout:g} s)") from None
 
 
 # -------------------------------------------------------------------- e2e tests
@@ -218,11 +241,56 @@ async def test_calls_get_spoken_replies_each_pinned_to_its_server_and_hit_its_pr
                     assert cached == 0, f"{name}'s prompt is its own: nothing to reuse yet"
                 else:
                     assert cached >= 2 * CPU_BLOCK, f"{name} turn 2 reused only {cached} cached tokens"
+                # The reply reports its own count, from the server's usage block, as the
+                # in-process engine's replies do.
+                assert done["cached_tokens"] == cached, (done["cached_tokens"], cached)
         # sticky_least_loaded gives a new call the server with fewer calls.
         assert owner["alpha"] != owner["bravo"], owner
         assert all(not c.errors() for c in calls.values()), [c.errors() for c in calls.values()]
     finally:
         await asyncio.gather(*(c.close() for c in calls.values()))
+
+
+async def test_a_barge_in_and_a_hang_up_abort_the_reply_on_the_server(
+    server: RunningServer, tier: Tier, speech_clips: list[Clip]
+) -> None:
+    # Each reply may run to LONG_REPLY tokens, far longer than the test: the first is cut
+    # by a barge-in while it streams, the second by the hang-up. A cut that did not reach
+    # the server would leave its request generating there until it finished, and vLLM would
+    # count it finished, with its max_tokens, in vllm:request_params_max_tokens; a request
+    # aborted because its client went away is never counted. (request_success_total
+    # cannot tell: a call's history summaries, 64 tokens, finish on the same server.)
+    await cut_twice(server, tier, speech_clips[5].audio)
+
+
+async def cut_twice(server: RunningServer, tier: Tier, clip: np.ndarray) -> None:
+    call = await Call.open(server, system_prompt="You are charlie, a voice assistant.", max_tokens=LONG_REPLY)
+    before = await tier.server_metrics()
+    try:
+        await call.say(clip)
+        started = await call.wait_for("response.audio.started", timeout=60)
+        busy = [i for i, m in enumerate(await tier.server_metrics()) if unfinished_requests(m) >= 1]
+        assert len(busy) == 1, f"the long reply is generating on one server: {busy}"
+        owner = busy[0]
+        speaking = asyncio.create_task(call.say(clip))  # over the reply: a barge-in
+        cut = await call.wait_for("response.done", timeout=15, response_id=started["response_id"])
+        assert cut["status"] == "interrupted", cut
+        # Cut while it streamed: the server had sent no finish reason yet.
+        assert cut["finish_reason"] is None and 0 < cut["output_tokens"] < LONG_REPLY, cut
+        await speaking
+        # The interruption is a turn of its own: its reply streams when the caller hangs up.
+        await call.wait_for("response.audio.started", timeout=60, after=call.events.index(cut) + 1)
+    finally:
+        await call.close()
+
+    async def idle() -> bool:
+        return unfinished_requests((await tier.server_metrics())[owner]) == 0
+
+    await wait_until(idle, 15.0, "no request left on the call's server after the hang-up")
+    after = (await tier.server_metrics())[owner]
+    assert finished_over(after, 500) == finished_over(before[owner], 500), (
+        "a reply of this call finished on the server: the barge-in or the hang-up did not abort it"
+    )
 
 
 async def test_a_server_killed_mid_reply_fails_that_reply_and_the_call_goes_on_through_the_other(
