@@ -144,6 +144,65 @@ async def test_voice_turn_and_barge_in_over_webrtc(
     await _settled(server)
 
 
+async def test_client_output_audio_buffer_clear_cancels_the_reply(
+    server: RunningServer, speech_clips: list[Clip]
+) -> None:
+    """output_audio_buffer.clear from the page (e.g. a push-to-talk button): the reply is
+    cancelled, not just cut on the track. It used to flush the track only: the reply went
+    on generating, response.done said "completed" and the history kept all of it."""
+    turn = speech_clips[4]
+    client = WebRTCClient(ConnectOptions(url=server.http, start_fields={"max_output_tokens": 64}))
+    await client.connect()
+    mouth = _Mouth(client)
+    speaker = asyncio.create_task(mouth.run())
+    playing: str | None = None
+    cleared: dict[str, object] | None = None
+    cleared_at: float | None = None
+    done: dict[str, str] = {}
+    loud_ms = 0.0
+    loud_after_clear: list[float] = []
+    try:
+        mouth.say(turn.audio)
+        deadline = time.monotonic() + 60
+        # After the clear: 1.5 s of listening, and the reply's response.done (which a
+        # cancel sends at once) within 10 s.
+        while cleared_at is None or time.monotonic() < cleared_at + 1.5 or playing not in done:
+            if time.monotonic() > (deadline if cleared_at is None else cleared_at + 10):
+                break
+            try:
+                item = await asyncio.wait_for(client.receive(), 1.0)
+            except TimeoutError:
+                continue
+            if isinstance(item, Event):
+                if item.data["type"] == "response.audio.started":
+                    playing = playing or item.data["response_id"]
+                elif item.data["type"] == "barge_in":  # output_audio_buffer.cleared
+                    cleared, cleared_at = item.data, item.t
+                elif item.data["type"] == "response.done":
+                    done[item.data["response_id"]] = item.data["status"]
+                continue
+            assert isinstance(item, Audio)
+            if playing is None or dbfs(pcm16_to_float(item.pcm)) <= -40:
+                continue
+            if cleared_at is not None:
+                loud_after_clear.append(item.t - cleared_at)
+                continue
+            loud_ms += 1000 * len(item.pcm) / 2 / client.output_rate
+            if loud_ms >= 300 and playing not in done:
+                client._send({"type": "output_audio_buffer.clear"})
+                loud_ms = -1e9  # once
+    finally:
+        speaker.cancel()
+        await client.close()
+    seen = list(client.seen)[-40:]
+    assert playing is not None and cleared is not None, (playing, cleared, done, seen)
+    assert cleared["response_id"] == playing, (cleared, playing)
+    assert done.get(playing) == "cancelled", (done, seen)  # the reply itself stopped
+    # Nothing of that reply is played after the clear (jitter buffer aside).
+    assert not [t for t in loud_after_clear if t > 0.3], loud_after_clear
+    await _settled(server)
+
+
 async def test_ephemeral_secret_with_auth_on(server: RunningServer) -> None:
     state = server.state
     state.cfg.server.api_key = "sk-test-key"

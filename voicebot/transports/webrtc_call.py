@@ -285,10 +285,12 @@ class Call:
             text = await self._commands.get()
             kind = _peek_type(text)
             if kind == "output_audio_buffer.clear":
-                # WebRTC only: the page cuts the reply audio it has not played yet.
-                rid = self._current
+                # The page cuts the reply audio it has not played yet. The translator then
+                # cancels the reply, as on the WebSocket (response.done "cancelled",
+                # output_audio_buffer.cleared): flushing the track alone left the reply
+                # generating and its whole text in the history as if heard.
                 self.track.flush()
-                self._send({"type": "output_audio_buffer.cleared", "response_id": rid})
+                self._send_all(tr.client_message(text))
             elif kind == "input_audio_buffer.append":
                 self._send_error("invalid_event", "over WebRTC, audio goes on the media track")
             else:
