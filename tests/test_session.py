@@ -140,6 +140,9 @@ class FakeLlm:
     background_waiting: int = 0
     cache_hit_ratio: float = 0.0
     clock: Clock = REAL_CLOCK
+    # (prompt, cached) token counts set with the last token, as the remote backend
+    # learns them from the stream's final usage block.
+    usage_at_end: tuple[int, int] | None = None
 
     async def generate(self, prompt_ids: list[int], *, stats: GenerationStats | None = None, **_: object) -> AsyncIterator[TextDelta]:
         rid = f"r{len(self.started)}"
@@ -153,6 +156,8 @@ class FakeLlm:
                 if stats is not None and stats.first_token_at is None:
                     stats.first_token_at = self.clock.monotonic()
                 yield TextDelta(("" if i == 0 else " ") + word, 1)
+            if stats is not None and self.usage_at_end is not None:
+                stats.prompt_tokens, stats.cached_tokens = self.usage_at_end
             finished = True
             self.completed.append(rid)
         finally:
@@ -529,6 +534,27 @@ async def test_a_session_that_ends_itself_is_torn_down_once(tokenizer, ending: s
         await session.aclose()
     await session.aclose()
     assert engines.asr.closed == 1 and active_sessions(metrics) == 0, "exactly once"
+
+
+async def test_token_counters_take_usage_known_only_at_the_end(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """The prompt/cached token counters were fed at first audio: a remote reply's usage
+    arrives with its last chunk, so they counted 0 for it."""
+    engines = make_engines(tokenizer)
+    engines.llm.usage_at_end = (300, 256)  # type: ignore[attr-defined]
+    clock = clock_of(engines)
+    metrics = Metrics()
+    session = Session(engines, SessionSettings.from_config(engines.cfg), metrics=metrics, clock=clock)
+    async with session:
+        caller = Caller(session, clock)
+        try:
+            await caller.speak(600)
+            await caller.silence(700)
+            await until(clock, lambda: len(caller.of(ev.ResponseDone)) >= 1)
+        finally:
+            await caller.close()
+    assert caller.of(ev.ResponseDone)[0].status == "completed"
+    assert metrics.registry.get_sample_value("voicebot_llm_prompt_tokens_total") == 300
+    assert metrics.registry.get_sample_value("voicebot_llm_cached_prompt_tokens_total") == 256
 
 
 async def test_a_closed_session_is_torn_down_once(tokenizer) -> None:  # type: ignore[no-untyped-def]

@@ -66,8 +66,11 @@ class Metrics:
         for hist, ms in pairs:
             if ms is not None:
                 hist.observe(ms / 1000.0)
-        self.prompt_tokens.inc(t.prompt_tokens)
-        self.cached_tokens.inc(t.cached_prompt_tokens)
+
+    def count_tokens(self, prompt: int, cached: int) -> None:
+        """At a reply's end: a remote backend learns both counts from the last chunk only."""
+        self.prompt_tokens.inc(prompt)
+        self.cached_tokens.inc(cached)
 
     def update_process(self, health: Mapping[str, Any] | None) -> None:
         """Scrape-time values: live tasks (call from the loop) and each engine's health."""

@@ -791,6 +791,8 @@ class Session:
         if status == "interrupted":
             self.emit(BargeIn(resp.id, played_ms, heard))
         st = resp.stats
+        if self.metrics:
+            self.metrics.count_tokens(st.prompt_tokens, st.cached_tokens)
         self.emit(
             ResponseDone(
                 resp.id, resp.item_id, status, heard, resp.full_text, played_ms,  # type: ignore[arg-type]
