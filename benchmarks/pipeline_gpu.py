@@ -684,6 +684,7 @@ def run_main(args: argparse.Namespace) -> int:
                     print(server.log_path.read_text(errors="replace")[-4000:], file=sys.stderr)
                     raise
                 print(f"frontend {k} ready in {run_info['server_start_s'][-1]} s at port {server.port}", flush=True)
+            run_info["overrides"] = server_overrides(args, llm_url)  # with the LLM server's real URL
             urls = [f"ws://127.0.0.1:{s.port}/ws" for s in frontends]
             https = [s.http for s in frontends]
             pids = [s.proc.pid if s.proc else None for s in frontends]
