@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 from dataclasses import dataclass, field
@@ -100,10 +101,22 @@ async def resolve_specs(cfg: Config) -> EngineSpecs:
     return EngineSpecs(cfg, asr_path, llm_path, tok_path, voice_path)
 
 
+def _import_transformers_once(cfg: Config) -> None:
+    """transformers' lazy module is not safe to import from two threads at once: a GPU
+    frontend (remote LLM: the tokenizer; vLLM Whisper: vLLM) failed to start with "cannot
+    import name 'PretrainedConfig' from 'transformers'". Both names, once, before the
+    engines start concurrently; a missing package is left for its engine to report."""
+    if cfg.llm.backend != "remote" and cfg.asr.backend != "vllm":
+        return  # only vLLM imports transformers, on the LLM's thread alone
+    with contextlib.suppress(ImportError):
+        from transformers import AutoTokenizer, PretrainedConfig  # noqa: F401
+
+
 async def load_engines(cfg: Config) -> Engines:
     """Resolve the models and start the engines: all of them, or none (see start_all)."""
     specs = await resolve_specs(cfg)
     asr, llm, tts = specs.asr(), specs.llm(), specs.tts()
+    await asyncio.to_thread(_import_transformers_once, cfg)
     # The LLM takes longest to start (engine-core process); load the rest meanwhile.
     await start_all({"llm": llm, "asr": asr, "tts": tts})
     try:
