@@ -4,7 +4,8 @@ Each is pointed at the server by its base URL and key only, nothing patched, and
 includes a barge-in (the caller talking over the reply):
 
 - the OpenAI Agents SDK (``openai-agents``): a ``RealtimeAgent`` with a ``get_weather``
-  function tool hears a spoken "What's the weather in Paris?";
+  function tool hears a spoken "What's the weather in Paris?", calls the tool, and
+  speaks an answer that uses its result (issue 11's done-when);
 - Pipecat's ``OpenAIRealtimeLLMService`` in a minimal pipeline fed from a WAV;
 - LiveKit's ``openai.realtime.RealtimeModel`` in an ``AgentSession`` with no LiveKit
   server (WAV input, a sink for output), replying to ``generate_reply``.
@@ -18,14 +19,15 @@ our server sent (clients.harness.WireLog). The client glue is in tests/clients/.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
 import pytest
+from clients.agents_sdk import FORECAST, no_errors, send_speech
 from clients.agents_sdk import agent_session as agents_sdk_session
-from clients.agents_sdk import no_errors, send_speech
 from clients.harness import PCM_RATE, TIMEOUT, client_config, pcm24k, speak, wait_for, wire_log
 from clients.livekit_session import agent_session as livekit_session
 from clients.pipecat_pipeline import feed, pipeline
@@ -63,10 +65,15 @@ def reason(done: dict[str, Any]) -> str | None:
 
 
 # ------------------------------------------------------------ OpenAI Agents SDK
-async def test_agents_sdk_spoken_turn_and_barge_in(server: RunningServer, interruption: bytes) -> None:
-    # The agent declares get_weather (the SDK sends it in session.tools); whether the
-    # CPU default's 0.5B model calls it is not asserted here (see the CLIENTS report):
-    # the spoken turn, the SDK's retrieve after each truncation, and the barge-in are.
+def said(transcript: str) -> bool:
+    """The answer carries the tool's value (13 degrees), in digits or words."""
+    return str(FORECAST["temperature_c"]) in transcript or "thirteen" in transcript.lower()
+
+
+async def test_agents_sdk_tool_call_spoken_answer_and_barge_in(server: RunningServer, interruption: bytes) -> None:
+    # Issue 11's done-when: a spoken "What's the weather in Paris?" to a RealtimeAgent
+    # with a get_weather function tool gives the call, the SDK's result and a spoken
+    # answer holding it; then the caller talks over that answer. No error anywhere.
     question = pcm24k(await speak(server.state, QUESTION), silence_s=1.0)
     with server_errors() as logged, wire_log() as wire:
         async with agents_sdk_session(server) as run:
@@ -75,12 +82,33 @@ async def test_agents_sdk_spoken_turn_and_barge_in(server: RunningServer, interr
             await run.wait_for(lambda: run.raw("input_audio_transcription_completed"))
             heard = run.raw("input_audio_transcription_completed")[0].transcript
             assert "weather" in heard.lower() and "paris" in heard.lower(), heard
-            assert any('"get_weather"' in m and '"session.update"' in m for m in wire.received)
+            updates = [json.loads(m)["session"] for m in wire.received if '"session.update"' in m]
+            assert any(u.get("tool_choice") == "required" and '"get_weather"' in json.dumps(u) for u in updates), updates
+
+            # The model calls the SDK's function tool with the city; the SDK runs it and
+            # sends the result with a response.create.
+            await run.wait_for(lambda: run.of("tool_end"), context=lambda: (
+                [d["response"]["output"] for d in wire.of("response.done")], run.transcripts()))
+            start = run.of("tool_start")[0]
+            assert start.tool.name == "get_weather", start
+            assert "paris" in json.loads(start.arguments)["city"].lower(), start.arguments
+            assert run.tool_calls and "paris" in run.tool_calls[0].lower(), run.tool_calls
+            await wire.wait_for(lambda: any('"function_call_output"' in m for m in wire.received))
+            sent = [json.loads(m) for m in wire.received]
+            output_at = next(i for i, e in enumerate(sent) if (e.get("item") or {}).get("type") == "function_call_output")
+            assert json.loads(sent[output_at]["item"]["output"])["temperature_c"] == FORECAST["temperature_c"]
+            await wire.wait_for(lambda: any(json.loads(m)["type"] == "response.create" for m in wire.received[output_at:]))
+
+            # The spoken answer: the first reply with audio (the call's reply had none).
             await run.wait_for(lambda: run.of("audio"))
-            replying = run.of("audio")[0].item_id
+            answer = run.of("audio")[0].item_id
+            # Its text runs ahead of its audio: give it a moment to reach the value while
+            # the answer is still playing (checked at the end).
+            with contextlib.suppress(AssertionError):
+                await run.wait_for(lambda: said(run.transcript(answer)), timeout=3)
 
             # The caller talks over the answer: the SDK is told to stop playback, and the
-            # reply is cancelled for the turn the server detected, with no error anywhere.
+            # reply is cancelled for the turn the server detected.
             await send_speech(run, interruption)
             await run.wait_for(lambda: run.of("audio_interrupted"))
             await wire.wait_for(lambda: any(reason(d) == "turn_detected" for d in wire.of("response.done")))
@@ -89,8 +117,11 @@ async def test_agents_sdk_spoken_turn_and_barge_in(server: RunningServer, interr
             # unknown_event here, on every turn).
             await wire.wait_for(lambda: bool(wire.of("conversation.item.retrieved")))
             await asyncio.sleep(0.5)
-            assert run.of("audio_interrupted")[0].item_id == replying
+            assert run.of("audio_interrupted")[0].item_id == answer
             no_errors(run, wire)
+            # The answer uses the tool's result (checked last, so a miss here does not
+            # hide the barge-in checks above).
+            assert said(run.transcript(answer)), (run.transcript(answer), run.transcripts())
     assert not logged, [r.getMessage() for r in logged]
 
 

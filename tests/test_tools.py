@@ -547,6 +547,59 @@ async def test_a_server_tool_round_in_a_session(
         reader.cancel()
 
 
+async def test_realtime_required_forces_a_turns_first_reply_and_lets_the_result_be_answered(tok: Any) -> None:
+    """A Realtime client's tool_choice "required" (what the Agents SDK test sets): the
+    reply to a user turn must call; the reply the client asks for after its
+    function_call_output answers (else the SDK would call the tool forever); the next
+    user turn is forced again."""
+    from test_session import FakeLlm, make_engines
+
+    from voicebot.session.clock import REAL_CLOCK
+    from voicebot.session.session import Session
+
+    class ScriptedLlm(FakeLlm):
+        script: list[str] = []
+
+        async def generate(self, prompt_ids: list[int], **kw: Any) -> AsyncGenerator[TextDelta, None]:  # type: ignore[override]
+            self.reply = self.script.pop(0)
+            async for d in super().generate(prompt_ids, **kw):
+                yield d
+
+    engines = make_engines(tok, clock=REAL_CLOCK, word_delay=0.001)
+    llm = ScriptedLlm(tok, clock=REAL_CLOCK, word_delay=0.001)
+    engines.llm = llm  # type: ignore[assignment]
+    llm.script[:] = [CALL.replace("\n", " \n "), "It is 13 degrees.", CALL.replace("\n", " \n ")]
+    session = Session(engines, SessionSettings.from_config(engines.cfg), transport="realtime")
+    events: list[Any] = []
+    choices: list[str] = []
+
+    async def collect() -> None:
+        async for e in session.events():
+            events.append(e)
+
+    async def reply(done: int) -> None:
+        session.create_response()
+        assert session._response is not None
+        choices.append(session._response.tool_choice.mode)
+        async with asyncio.timeout(10):
+            while len([e for e in events if isinstance(e, se.ResponseDone)]) < done:
+                await asyncio.sleep(0.01)
+
+    async with session:
+        reader = asyncio.create_task(collect())
+        session.set_tools([WEATHER], ToolChoice("required"))
+        session.add_text("user", "What's the weather in Paris?")
+        await reply(1)
+        (call,) = [e for e in events if isinstance(e, se.ResponseDone)][0].tool_calls
+        session.add_tool_result(call.call_id, "It is foggy and 13 degrees in Paris.")
+        await reply(2)
+        session.add_text("user", "And in Oslo?")
+        await reply(3)
+        reader.cancel()
+    assert choices == ["required", "none", "required"]
+    assert [e for e in events if isinstance(e, se.ResponseDone)][1].text == "It is 13 degrees."
+
+
 async def test_a_slow_server_tool_is_an_error_result_and_the_filler_is_said(
     tok: Any, webhook_server: tuple[str, list[dict[str, Any]]]
 ) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,7 +20,13 @@ from .harness import KEY, TIMEOUT, WireLog, chunks
 # The SDK's trace export goes to OpenAI's servers; a self-hosted deployment turns it off.
 set_tracing_disabled(True)
 
-FORECAST = "sunny and 22 degrees"
+# What get_weather returns (with the city): a value the model cannot guess (it made up
+# "sunny, 22 degrees" when it answered without calling), so an answer holding it used the
+# result. JSON, not a sentence: given "It is foggy and 13 degrees in Paris." Qwen2.5-0.5B
+# answered "tool_response" (the template's tag for the result, as words).
+FORECAST = {"temperature_c": 13, "sky": "foggy"}
+INSTRUCTIONS = ("You are a friendly voice assistant. Use the tools for weather questions, "
+                "then tell the caller what the tool returned. Answer in one short sentence.")
 
 
 @dataclass
@@ -37,13 +44,21 @@ class Run:
         """The SDK's own model events of ``kind`` (errors, exceptions, transcripts...)."""
         return [e.data for e in self.of("raw_model_event") if e.data.type == kind]
 
-    async def wait_for(self, check: Any, timeout: float = TIMEOUT) -> None:
-        async with asyncio.timeout(timeout):
-            while not check():
-                await asyncio.sleep(0.05)
+    async def wait_for(self, check: Any, timeout: float = TIMEOUT, context: Any = None) -> None:
+        """Poll ``check``; on a timeout, fail with ``context()`` (what was seen instead)."""
+        try:
+            async with asyncio.timeout(timeout):
+                while not check():
+                    await asyncio.sleep(0.05)
+        except TimeoutError:
+            raise AssertionError(f"timed out after {timeout} s: {context() if context else ''}") from None
 
     def transcript(self, item_id: str) -> str:
         return "".join(d.delta for d in self.raw("transcript_delta") if d.item_id == item_id)
+
+    def transcripts(self) -> dict[str, str]:
+        """Every reply item's spoken transcript so far."""
+        return {d.item_id: self.transcript(d.item_id) for d in self.raw("transcript_delta")}
 
 
 @contextlib.asynccontextmanager
@@ -54,15 +69,12 @@ async def agent_session(server: RunningServer) -> AsyncIterator[Run]:
     def get_weather(city: str) -> str:
         """Get the current weather in a city."""
         calls.append(city)
-        return f"It is {FORECAST} in {city}."
+        return json.dumps({"city": city, **FORECAST})
 
-    agent = RealtimeAgent(
-        name="Assistant",
-        instructions="You are a voice assistant. For any weather question, call get_weather. "
-                     "Answer in one short sentence.",
-        tools=[get_weather],
-    )
-    runner = RealtimeRunner(agent)
+    agent = RealtimeAgent(name="Assistant", instructions=INSTRUCTIONS, tools=[get_weather])
+    # Our server's tool_choice "required" forces the first reply after each user turn to
+    # call a tool; the reply after a function_call_output is free to answer (docs/realtime.md).
+    runner = RealtimeRunner(agent, config={"model_settings": {"tool_choice": "required"}})
     # Pointed at our server by URL and key, as a user of the SDK does.
     session = await runner.run(model_config={
         "url": f"ws://127.0.0.1:{server.port}/v1/realtime?model=voicebot", "api_key": KEY})
