@@ -75,6 +75,12 @@ class Soak:
         self.args, self.server, self.clips = args, server, clips
         self.rng = random.Random(args.seed)
         self.samples: list[dict[str, Any]] = []
+        self.missed_samples: list[str] = []  # samples the server did not answer in time
+        # Each sample is also appended here as it is taken: an hour's run that dies at
+        # the end keeps its memory curve (one did: a sample timed out, nothing was written).
+        self.samples_log = Path(args.json).with_suffix(".samples.jsonl")
+        self.samples_log.parent.mkdir(parents=True, exist_ok=True)
+        self.samples_log.write_text("")
         self.records: list[TurnRecord] = []
         self.turns: list[dict[str, Any]] = []  # what the JSON keeps of each turn
         self.calls = {"placed": 0, "completed": 0, "dropped": 0, "failed": 0, "barge_turns": 0}
@@ -128,7 +134,14 @@ class Soak:
 
     async def sampler(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
-            self.samples.append(await asyncio.to_thread(self.server.sample))
+            try:
+                sample = await asyncio.to_thread(self.server.sample)
+            except (TimeoutError, OSError) as exc:  # a slow moment is a missed sample, not the end
+                self.missed_samples.append(f"{time.time():.0f}: {type(exc).__name__}: {exc}")
+            else:
+                self.samples.append(sample)
+                with self.samples_log.open("a") as f:
+                    f.write(json.dumps(sample, default=str) + "\n")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.args.sample_s)
 
@@ -318,7 +331,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         heap_growth = None
         if heap_mark is not None:
             heap_mark.cancel()
-            heap_growth = await asyncio.to_thread(server.heap)
+            try:
+                heap_growth = await asyncio.to_thread(server.heap)
+            except (TimeoutError, OSError) as exc:
+                heap_growth = {"error": f"{type(exc).__name__}: {exc}"}
         overload = await soak.overload() if args.overload_turns > 0 else None
     finally:
         exit_code = await asyncio.to_thread(server.stop)
@@ -338,6 +354,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "server_exit_code": exit_code,
         "server_log": server.log_problems(),
         "samples": soak.samples,
+        "missed_samples": soak.missed_samples,
         "turn_log": soak.turns,
     }
     result["targets"] = targets(result, args)
