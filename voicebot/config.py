@@ -101,7 +101,7 @@ class LlmConfig(_Section):
     tokenizer: str | None = Field(None, description="Tokenizer reference if it differs from the model (backend remote: the tokenizer is all that is loaded, from here or llm.model).")
     data_parallel_size: int = Field(1, ge=1, le=64, description="In-process engine replicas, one per GPU (vLLM data parallel); each call is pinned to one by its session id.")
     remote: RemoteLlmConfig = Field(default_factory=RemoteLlmConfig, description="The remote tier (backend remote).")
-    dtype: str = Field("bfloat16", description="Weights and activations dtype (vLLM 'dtype').")
+    dtype: str = Field("auto", description="Weights and activations dtype (vLLM 'dtype'). auto: on a CPU, bfloat16 where it is native (AVX512-BF16, AMX), else float32 (bf16 emulated on AVX2 made prefill 4x slower); on a GPU, the model's own.")
     load_format: str = Field("auto", description="vLLM load_format; 'dummy' for shape-only benchmarks.")
     max_model_len: int = Field(4096, ge=256, le=1_048_576, description="Context length (prompt + reply).")
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of shared prompt prefixes across turns.")

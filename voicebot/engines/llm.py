@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from voicebot.affinity import current_session, rank_for
 from voicebot.config import LlmConfig
+from voicebot.engines.dtype import resolve_dtype
 from voicebot.errors import EngineError, ModelError
 
 if TYPE_CHECKING:
@@ -164,11 +165,15 @@ class LlmEngine:
             from vllm.v1.engine.async_llm import AsyncLLM
         except ImportError as exc:  # pragma: no cover - install problem
             raise ModelError(f"vLLM is not installed ({exc}); run `make install`") from exc
+        from vllm.platforms import current_platform
+
         c = self.cfg
+        dtype = resolve_dtype(c.dtype, on_cpu=current_platform.is_cpu())
+        log.info("LLM dtype: %s (llm.dtype %s)", dtype, c.dtype)
         args: dict[str, Any] = dict(
             model=self.model_path,
             tokenizer=self.tokenizer_path,
-            dtype=c.dtype,
+            dtype=dtype,
             load_format=c.load_format,
             max_model_len=c.max_model_len,
             enable_prefix_caching=c.enable_prefix_caching,
