@@ -59,6 +59,8 @@ if str(ROOT) not in sys.path:
 from voicebot.config import LlmConfig, load_config  # noqa: E402  (pydantic, pyyaml)
 from voicebot.session.history import Conversation  # noqa: E402  (no dependencies)
 
+_ENGINE_DEPS = {"llm": ("dtype",), "llm_remote": ("llm",)}
+
 
 def load_engine_module(stem: str = "llm") -> Any:
     """``voicebot.engines.<stem>`` (llm, llm_remote) without ``voicebot/engines/__init__.py``.
@@ -71,6 +73,10 @@ def load_engine_module(stem: str = "llm") -> Any:
     name = f"voicebot.engines.{stem}"
     if name in sys.modules:
         return sys.modules[name]
+    # What the module imports from the package, loaded the same way first: an import that
+    # finds its module in sys.modules never runs the package's __init__.
+    for dep in _ENGINE_DEPS.get(stem, ()):
+        load_engine_module(dep)
     spec = importlib.util.spec_from_file_location(name, ROOT / "voicebot" / "engines" / f"{stem}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
