@@ -189,7 +189,11 @@ async def hop(args: argparse.Namespace) -> dict[str, Any]:
 
     # The server gets the same vLLM knobs as the in-process engine of this config.
     c = cfg.llm
-    extra = ["--dtype", c.dtype, "--seed", str(c.seed or 0)]
+    # llm.dtype auto: the dtype the in-process engine resolved (float32 on a CPU without
+    # native bf16); vLLM's own "auto" would take the model's bfloat16, emulated there.
+    from voicebot.engines.dtype import resolve_dtype
+
+    extra = ["--dtype", resolve_dtype(c.dtype, on_cpu=True), "--seed", str(c.seed or 0)]
     if c.block_size:
         extra += ["--block-size", str(c.block_size)]
     if c.enforce_eager:
