@@ -813,3 +813,33 @@ async def test_cancelling_a_reply_aborts_its_llm_request_and_pending_tts(tokeniz
         assert (await c.wait_for(ev.ResponseDone)).status == "cancelled"
         await c.pause(1.0)
         assert engines.tts.started == engines.tts.finished + engines.tts.aborted, "nothing new synthesised"
+
+
+# ------------------------------------------------------ issue 12: Smart Turn verdicts
+async def test_a_finished_verdict_after_the_last_audio_still_ends_the_turn(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """The end-of-turn model's answer was read only when the next audio window came: a
+    client that streamed its question faster than real time (the Agents SDK test, a WAV
+    at ~10x) or stops sending at a pause was never answered with Smart Turn on."""
+    from concurrent.futures import Future
+
+    class HeldModel:
+        def __init__(self) -> None:
+            self.futures: list[Future[float]] = []
+
+        def submit(self, audio16k: np.ndarray) -> Future[float]:
+            self.futures.append(Future())
+            return self.futures[-1]
+
+    engines = make_engines(tokenizer)
+    model = HeldModel()
+    engines.turn_model = model  # type: ignore[assignment]
+    vad = engines.cfg.vad.model_copy(update={"turn_detector": "smart_turn", "smart_turn_check_ms": 192})
+    async with call(engines, vad=vad) as c:
+        await c.speak(600)
+        await c.silence(300)  # past the check: the model is asked; then the client sends nothing
+        await until(c.clock, lambda: bool(model.futures))
+        await elapse(c.clock, 0.5)
+        assert not c.of(ev.TranscriptFinal)
+        model.futures[0].set_result(0.9)  # finished
+        await until(c.clock, lambda: bool(c.of(ev.ResponseDone)))
+        assert c.of(ev.TranscriptFinal)

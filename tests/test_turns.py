@@ -163,6 +163,20 @@ def test_turn_waits_for_a_slow_verdict_and_ends_when_it_comes() -> None:
     assert det.update(0.05, W) == [Signal.END]
 
 
+def test_a_verdict_after_the_last_window_is_read_by_poll() -> None:
+    model = FakeModel(hold=True)
+    det = SemanticTurnDetector(smart(), model)
+    feed_run(det, [0.9] * 10 + [0.05] * 8)  # asked at 192 ms; then no more audio
+    assert det.pending is model.futures[0] and det.poll() == []
+    model.futures[0].set_result(0.2)  # unfinished: the pause stays open
+    assert det.poll() == [] and det.in_speech
+    det.update(0.9, W)  # the caller goes on; the next pause is asked again
+    feed_run(det, [0.05] * 8, start=19)
+    model.futures[1].set_result(0.9)
+    assert det.poll() == [Signal.END] and not det.in_speech
+    assert det.poll() == []
+
+
 def test_a_verdict_that_never_comes_ends_at_the_cap() -> None:
     det = SemanticTurnDetector(smart(), FakeModel(hold=True))
     signals = feed_run(det, [0.9] * 10 + [0.05] * 40)

@@ -124,6 +124,7 @@ class Session:
         self._vad = engines.vad.stream()
         self._asr = engines.asr.stream(language=self.settings.language)
         self._turns = make_turn_detector(self.settings.vad, engines.turn_model)
+        self._watched_verdict: object = None  # the verdict _watch_verdict last hooked
         self._resamplers: dict[int, Resampler] = {}
         # Input waiting to be processed: audio slices and, in order with them, the
         # commits/clears that came after them. Bounded by max_input_backlog_s.
@@ -379,6 +380,7 @@ class Session:
                 self._speech_end_asr_s = self._asr.buffered_s + (i + 1) * _VAD_WINDOW_MS / 1000
             for sig in self._turns.update(float(prob), _VAD_WINDOW_MS, bot_speaking):
                 pushed |= self._on_signal(sig)
+        self._watch_verdict()
         # During a pause the speculative final already has the audio; decoding the
         # silence as partials would only compete with it and the LLM for the cores.
         if self._item_id is not None and not pushed and not self._turns.paused:
@@ -386,6 +388,28 @@ class Session:
             if self._clock.monotonic() - self._turn_open_at > self.cfg.session.max_turn_s:
                 for sig in self._turns.force_end():
                     self._on_signal(sig)
+
+    def _watch_verdict(self) -> None:
+        """The end-of-turn model answers on its own thread, maybe after the last audio
+        window (a client that streamed faster than real time, or sends nothing at a
+        pause): its answer is acted on when it comes, not only at the next window."""
+        fut = self._turns.pending
+        if fut is None or fut is self._watched_verdict:
+            return
+        self._watched_verdict = fut
+        loop = asyncio.get_running_loop()
+
+        def wake(_: object) -> None:
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(self._poll_turns)
+
+        fut.add_done_callback(wake)
+
+    def _poll_turns(self) -> None:
+        if self._closing.is_set():
+            return
+        for sig in self._turns.poll():
+            self._on_signal(sig)
 
     def _remember(self, audio: np.ndarray) -> None:
         """Keep the last few hundred ms: the start of speech precedes its detection."""

@@ -66,6 +66,11 @@ class TurnDetector(Protocol):
 
     def force_end(self) -> list[Signal]: ...
 
+    @property
+    def pending(self) -> Future[float] | None: ...
+
+    def poll(self) -> list[Signal]: ...
+
     def reset(self) -> None: ...
 
 
@@ -144,6 +149,19 @@ class SilenceTurnDetector:
         self._silence_run = 0.0
         self._speaking_again()
 
+    @property
+    def pending(self) -> Future[float] | None:
+        """A verdict asked for and not yet read (semantic detectors only)."""
+        return None
+
+    def poll(self) -> list[Signal]:
+        """Between audio windows: END if the open pause is now the end of the turn (a
+        verdict that came after the last window; a client may send nothing more)."""
+        if not (self.in_speech and self.paused) or not self._turn_over(self._silence_run):
+            return []
+        self._close_turn()
+        return [Signal.END]
+
     def force_end(self) -> list[Signal]:
         """End an over-long turn (``session.max_turn_s``)."""
         if not self.in_speech:
@@ -172,6 +190,10 @@ class SemanticTurnDetector(SilenceTurnDetector):
         self.verdict: float | None = None  # the model's answer for this pause
         self._failed = False  # the model failed at this pause: silence decides
         self.checks = 0  # model calls since reset (for tests and logs)
+
+    @property
+    def pending(self) -> Future[float] | None:
+        return self._pending
 
     def feed(self, audio16k: np.ndarray) -> None:
         audio = np.asarray(audio16k, dtype=np.float32).reshape(-1)
