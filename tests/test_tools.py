@@ -497,13 +497,17 @@ async def test_a_server_tool_round_in_a_session(
         async for e in session.events():
             events.append(e)
 
-    async with session:
-        reader = asyncio.create_task(collect())
-        session.add_text("user", "What's the weather in Paris?")
+    async def ask(text: str, done: int) -> None:
+        """The caller's text, a reply, and its tool rounds until ``done`` replies in all."""
+        session.add_text("user", text)
         session.create_response()
         async with asyncio.timeout(10):
-            while len([e for e in events if isinstance(e, se.ResponseDone)]) < 2:
+            while len([e for e in events if isinstance(e, se.ResponseDone)]) < done:
                 await asyncio.sleep(0.01)
+
+    async with session:
+        reader = asyncio.create_task(collect())
+        await ask("What's the weather in Paris?", 2)
         first, second = [e for e in events if isinstance(e, se.ResponseDone)]
         (call,) = first.tool_calls
         assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
@@ -521,11 +525,7 @@ async def test_a_server_tool_round_in_a_session(
         assert "logit_bias" in llm.kwargs[1] and "structured_outputs" in llm.kwargs[1]
         llm.script[:] = [call_words] * 5
         runs_before = len(seen)
-        session.add_text("user", "And in Paris again?")
-        session.create_response()
-        async with asyncio.timeout(10):
-            while len([e for e in events if isinstance(e, se.ResponseDone)]) < 4:
-                await asyncio.sleep(0.01)
+        await ask("And in Paris again?", 4)
         await asyncio.sleep(0.2)
         assert len(seen) - runs_before == 1
         assert "logit_bias" in llm.kwargs[-1]  # the last reply may not start a call
@@ -536,11 +536,7 @@ async def test_a_server_tool_round_in_a_session(
         session.tools._cfg = engines.cfg.tools
         llm.script[:] = [call_words] * 5
         runs_before = len(seen)
-        session.add_text("user", "And once more?")
-        session.create_response()
-        async with asyncio.timeout(10):
-            while len([e for e in events if isinstance(e, se.ResponseDone)]) < 7:
-                await asyncio.sleep(0.01)
+        await ask("And once more?", 7)
         await asyncio.sleep(0.2)
         assert len(seen) - runs_before == 2 and "logit_bias" in llm.kwargs[-1]
         assert len([e for e in events if isinstance(e, se.ResponseDone)]) == 7
