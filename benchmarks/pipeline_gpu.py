@@ -223,15 +223,7 @@ def install_loop_route() -> None:
 def serve_main(argv: list[str]) -> int:
     opts = json.loads(os.environ.get(PATCH_ENV, "{}"))
     install_patches(opts)
-    if opts.get("remote_llm"):
-        # The remote LLM's tokenizer load and Whisper's vLLM start import transformers from two
-        # threads at once; its lazy module then raced ("cannot import name 'PretrainedConfig'",
-        # H100 run 2026-11-23). Import both here first, on one thread.
-        with contextlib.suppress(ImportError):
-            import transformers
-            import vllm  # noqa: F401
-
-            _ = transformers.PretrainedConfig, transformers.AutoTokenizer
+    # The transformers import race of remote LLM + vLLM Whisper is handled by load_engines.
     if opts.get("whisper") and not opts.get("remote_llm"):
         serialize_gpu_starts()  # with a remote LLM, Whisper is this process's only GPU engine
     install_loop_route()

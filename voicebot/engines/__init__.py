@@ -104,12 +104,16 @@ async def resolve_specs(cfg: Config) -> EngineSpecs:
 def _import_transformers_once(cfg: Config) -> None:
     """transformers' lazy module is not safe to import from two threads at once: a GPU
     frontend (remote LLM: the tokenizer; vLLM Whisper: vLLM) failed to start with "cannot
-    import name 'PretrainedConfig' from 'transformers'". Both names, once, before the
-    engines start concurrently; a missing package is left for its engine to report."""
-    if cfg.llm.backend != "remote" and cfg.asr.backend != "vllm":
-        return  # only vLLM imports transformers, on the LLM's thread alone
+    import name 'PretrainedConfig' from 'transformers'" (H100, 2026-11-23). With vLLM Whisper
+    beside either LLM backend, both are imported here, on one thread, before the engines
+    start concurrently; a missing package is left for its engine to report."""
+    if cfg.asr.backend != "vllm":
+        return  # one importer only: the LLM's thread
     with contextlib.suppress(ImportError):
-        from transformers import AutoTokenizer, PretrainedConfig  # noqa: F401
+        import transformers
+        import vllm  # noqa: F401
+
+        _ = transformers.PretrainedConfig, transformers.AutoTokenizer
 
 
 async def load_engines(cfg: Config) -> Engines:
