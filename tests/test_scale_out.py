@@ -252,8 +252,23 @@ async def test_calls_get_spoken_replies_each_pinned_to_its_server_and_hit_its_pr
 
 
 async def test_a_barge_in_and_a_hang_up_abort_the_reply_on_the_server(
-    server: RunningServer, tier: Tier, speech_clips: list[Clip]
+    server: RunningServer, tier: Tier, speech_clips: list[Clip], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    llm = server.state.engines.llm
+    assert isinstance(llm, RemoteLlmEngine)
+    real_params = llm._params
+
+    def long_replies(values: dict[str, Any]) -> dict[str, Any]:
+        # The random test model draws an end-of-sequence token after a few hundred tokens
+        # (~300 here, ~3 s): on a loaded machine a reply could end on its own before the
+        # test looks at it (a CI run failed so). Long replies (the call's, not its 64-token
+        # summaries) must run to LONG_REPLY unless something aborts them.
+        body = real_params(values)
+        if body.get("max_tokens") == LONG_REPLY:
+            body["min_tokens"] = LONG_REPLY
+        return body
+
+    monkeypatch.setattr(llm, "_params", long_replies)
     # Each reply may run to LONG_REPLY tokens, far longer than the test: the first is cut
     # by a barge-in while it streams, the second by the hang-up. A cut that did not reach
     # the server would leave its request generating there until it finished, and vLLM would
