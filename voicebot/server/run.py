@@ -12,6 +12,7 @@ import uvicorn
 from voicebot.config import Config
 from voicebot.provision import bundle_names_for, pull
 from voicebot.server.drain import drain
+from voicebot.server.heap import limit_arenas
 from voicebot.server.state import ServerState
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,8 @@ def serve(cfg: Config, *, pull_models: bool = True) -> int:
     if names and pull_models:
         # Before binding the port, so a missing package is one clear CLI error.
         pull(names, cfg.models, log=lambda msg: log.info("%s", msg))
+    # Before the engines start their threads (docs/reliability.md, memory).
+    limit_arenas(cfg.server.malloc_arena_max)
     from voicebot.server.app import create_app
 
     state = ServerState(cfg)

@@ -16,6 +16,7 @@ from voicebot.engines import Engines
 from voicebot.errors import AuthError, CapacityError, VoicebotError
 from voicebot.metrics import Metrics
 from voicebot.server import edge
+from voicebot.server.heap import HeapTrimmer
 from voicebot.session.session import Session
 from voicebot.session.settings import SessionSettings
 
@@ -50,8 +51,12 @@ class ServerState:
     # Open sessions per client address (edge.check_admission's per-client limit).
     client_sessions: dict[str, int] = field(default_factory=dict)
 
+    # Gives freed native memory back after calls end (voicebot/server/heap.py).
+    heap: HeapTrimmer = field(init=False)
+
     def __post_init__(self) -> None:
         self.api_keys = edge.load_api_keys(self.cfg.server)
+        self.heap = HeapTrimmer(self.cfg.server.heap_trim_interval_s)
 
     @property
     def ready(self) -> bool:
@@ -128,10 +133,12 @@ class ServerState:
                     self.client_sessions[client] = left
                 else:
                     self.client_sessions.pop(client, None)
+            self.heap.session_ended()
 
     async def close_all(self) -> None:
         await asyncio.gather(*(s.aclose("server shutdown") for s in list(self.sessions.values())), return_exceptions=True)
         await asyncio.gather(*(hook() for hook in self.shutdown_hooks), return_exceptions=True)
+        await self.heap.aclose()
 
     def engine_failure(self) -> str | None:
         """Why sessions cannot be served now that the engines are loaded (an engine down), or None."""
