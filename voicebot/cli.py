@@ -36,6 +36,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, help="listen port (overrides server.port)")
     serve.add_argument("--no-pull", action="store_true", help="fail instead of building missing bundle models")
 
+    asr = sub.add_parser("asr-serve", help="run the shared ASR service (one engine for many frontends)")
+    _add_config_args(asr, "configs/default.yaml")
+    asr.add_argument("--host", default="127.0.0.1", help="listen address (default: %(default)s)")
+    asr.add_argument("--port", type=int, default=8092, help="listen port, 0: any free one (default: %(default)s)")
+    asr.add_argument("--no-pull", action="store_true", help="fail instead of building a missing bundle model")
+    asr.set_defaults(func=_asr_serve)
+
     from voicebot.probe.cli import add_probe_parser
     from voicebot.provision.cli import add_models_parser
 
@@ -81,6 +88,14 @@ def _serve(args: argparse.Namespace) -> int:
     if warning:
         logging.getLogger("voicebot").warning("%s", warning)
     return serve(cfg, pull_models=not args.no_pull)
+
+
+def _asr_serve(args: argparse.Namespace) -> int:
+    from voicebot.asr_service import run_asr_service
+    from voicebot.config import load_config
+
+    cfg = load_config(args.config, list(args.overrides))
+    return run_asr_service(cfg, args.host, args.port, pull=not args.no_pull)
 
 
 def main(argv: list[str] | None = None) -> int:

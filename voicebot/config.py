@@ -64,6 +64,20 @@ class ModelsConfig(_Section):
     offline: bool = Field(True, description="Never contact the Hugging Face hub (sets HF_HUB_OFFLINE=1).")
 
 
+class RemoteAsrConfig(_Section):
+    """The shared ASR service (``asr.backend: remote``): ``voicebot asr-serve`` hosts ONE engine
+    for many frontends; each frontend keeps its streams (partials, agreement) and sends decodes."""
+
+    url: str = Field("ws://127.0.0.1:8092", pattern=r"^wss?://[^\s?#]+$", description="WebSocket URL of the ASR service (voicebot asr-serve).")
+    engine: Literal["faster-whisper", "vllm"] = Field("faster-whisper", description="The engine `voicebot asr-serve` hosts when asr.backend is remote (the rest of the asr section configures it).")
+    concurrency: int = Field(64, ge=1, le=4096, description="Decodes in flight from one frontend; more wait in its finals-first queue.")
+    connect_timeout_s: float = Field(2.0, gt=0.0, le=60.0, description="Longest wait for a connection to the service.")
+    decode_timeout_s: float = Field(15.0, gt=0.0, le=600.0, description="Longest wait for one decode's result (queueing included); then it fails, never retried.")
+    retries: int = Field(2, ge=0, le=10, description="Further tries of a decode whose connection was lost before its result; never after it.")
+    retry_backoff_s: float = Field(0.2, ge=0.0, le=10.0, description="Wait before the first retry; doubled for each further one.")
+    startup_timeout_s: float = Field(300.0, ge=0.0, le=3600.0, description="How long a frontend's start-up waits for the service (vLLM Whisper compiles for minutes on a GPU).")
+
+
 class AsrConfig(_Section):
     model: str = Field("bundle:whisper-tiny.en", description="CTranslate2 Whisper model: directory, hub id or bundle:NAME.")
     device: Literal["cpu", "cuda", "auto"] = Field("cpu", description="Where CTranslate2 runs.")
@@ -77,7 +91,8 @@ class AsrConfig(_Section):
     partial_interval_ms: int = Field(600, ge=100, le=10_000, description="New audio needed before another partial decode.")
     max_utterance_s: float = Field(28.0, ge=2.0, le=30.0, description="Longest utterance buffered; Whisper's window is 30 s.")
     queue_size: int = Field(64, ge=1, le=100_000, description="Pending decode jobs before new partials are dropped.")
-    backend: Literal["faster-whisper", "vllm"] = Field("faster-whisper", description="Decoder: faster-whisper (CTranslate2; CPU, or CUDA 12) or Whisper on vLLM (GPU on torch's CUDA, batched across sessions; model: a Hugging Face Whisper directory).")
+    backend: Literal["faster-whisper", "vllm", "remote"] = Field("faster-whisper", description="Decoder: faster-whisper (CTranslate2; CPU, or CUDA 12), Whisper on vLLM (GPU on torch's CUDA, batched across sessions; model: a Hugging Face Whisper directory), or remote: a shared `voicebot asr-serve` service (asr.remote) that batches every frontend's streams on one engine.")
+    remote: RemoteAsrConfig = Field(default_factory=RemoteAsrConfig, description="The shared ASR service (backend remote; also what `voicebot asr-serve` hosts).")
 
 
 class RemoteLlmConfig(_Section):

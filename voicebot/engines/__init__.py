@@ -89,7 +89,10 @@ async def resolve_specs(cfg: Config) -> EngineSpecs:
     if cfg.models.offline:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
     m = cfg.models
-    asr_path = await asyncio.to_thread(resolve_model, cfg.asr.model, m)
+    if cfg.asr.backend == "remote":  # the model lives in the ASR service (voicebot asr-serve)
+        asr_path = cfg.asr.remote.url
+    else:
+        asr_path = await asyncio.to_thread(resolve_model, cfg.asr.model, m)
     if cfg.llm.backend == "remote":
         # The weights live on the tier's servers: a frontend loads only the tokenizer.
         llm_path = await asyncio.to_thread(resolve_model, cfg.llm.tokenizer or cfg.llm.model, m)

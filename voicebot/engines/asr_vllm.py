@@ -311,7 +311,12 @@ class VllmAsrEngine(AsrEngine):
 
 
 def create_asr(cfg: AsrConfig, model_path: str, *, settings: WhisperVllmSettings | None = None) -> AsrEngine:
-    """The ASR engine ``cfg.backend`` names (faster-whisper on CPU/CUDA 12, or Whisper on vLLM)."""
+    """The ASR engine ``cfg.backend`` names (faster-whisper on CPU/CUDA 12, Whisper on vLLM,
+    or the shared ASR service)."""
     if cfg.backend == "vllm":
         return VllmAsrEngine(cfg, model_path, agreement_n=cfg.agreement_n, settings=settings)
+    if cfg.backend == "remote":  # the shared ASR service (voicebot asr-serve)
+        from voicebot.engines.asr_remote import RemoteAsrEngine
+
+        return RemoteAsrEngine(cfg, model_path, agreement_n=cfg.agreement_n)
     return AsrEngine(cfg, model_path, agreement_n=cfg.agreement_n)

@@ -1,0 +1,414 @@
+"""The frontend half of the shared ASR service (``asr.backend: remote``).
+
+One GPU serves more callers when ONE Whisper engine batches every frontend's streams
+(docs/gpu-results.md, 2026-11-23 third session: four frontends with an engine each
+time-sliced the GPU). ``voicebot asr-serve`` (:mod:`voicebot.asr_service`) hosts that
+engine; this module is what a frontend runs instead of a local one.
+
+The split: everything per call stays here. :class:`RemoteAsrEngine` *is* an
+:class:`~voicebot.engines.asr.AsrEngine` with the same :class:`~voicebot.engines.asr_stream.AsrStream`
+(partials every ``partial_interval_ms``, LocalAgreement, the forced prefix, reuse of the
+partial that saw the end of speech, the bounded finals-first queue). Only a decode --
+audio, forced prefix, language, priority in; the text after the prefix out -- goes to
+the service, over one multiplexed WebSocket per frontend (:class:`AsrServiceClient`).
+
+vLLM's own ``/v1/audio/transcriptions`` does not fit: its ``prompt`` goes before
+``<|startoftranscript|>`` as previous-text context, not as a forced prefix after
+``<|notimestamps|>`` (what stable partials need), it has no priority for finals over
+partials, and every decode would be a multipart upload of an encoded file.
+
+Wire format (protocol 1):
+
+- frontend -> service, binary: 4-byte big-endian header length, a JSON header
+  ``{"type": "decode", "id", "priority": 0 final | 1 partial, "prefix", "language"}``,
+  then the audio as little-endian float32, 16 kHz mono (what the stream holds: no
+  requantisation, the same transcript as in-process);
+- frontend -> service, text: ``{"type": "cancel", "id"}`` (a final nobody waits for, a
+  partial superseded by ``reset()``, a stream closed at the end of the call);
+- service -> frontend, text: ``{"type": "hello", "protocol", "backend", "model", "slots"}``
+  once, then ``{"type": "result", "id", "text", "decode_s"}`` or
+  ``{"type": "error", "id", "code", "message"}`` (``code: "dropped"``: no room for a
+  partial; it is retried on the stream's next audio, as a local engine's would be).
+
+Failures: a connection lost before a decode's result is retried (``asr.remote.retries``,
+on a new connection); a result is never asked for twice once it came. When the service
+stays unreachable the decode fails with ``EngineError(code="asr_unavailable")``: a final's
+waiter (the session) gets it and sends the caller an error event; a partial is skipped.
+A decode with no answer within ``decode_timeout_s`` fails with ``asr_timeout``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import struct
+import time
+from typing import Any
+
+import numpy as np
+import websockets
+from websockets.asyncio.client import ClientConnection
+
+from voicebot.config import AsrConfig, RemoteAsrConfig
+from voicebot.engines.asr import AsrEngine, DecodeAbandoned
+from voicebot.engines.asr_queue import DecodeJob, Priority
+from voicebot.engines.asr_stream import AsrStream
+from voicebot.errors import EngineError, ModelError
+
+__all__ = [
+    "PROTOCOL",
+    "AsrServiceClient",
+    "PartialDropped",
+    "RemoteAsrEngine",
+    "RemoteAsrStream",
+    "ServiceLost",
+    "pack_decode",
+    "unpack_decode",
+]
+
+log = logging.getLogger(__name__)
+
+PROTOCOL = 1
+# 30 s of float32 audio is 1.92 MB; the header is small.
+MAX_FRAME = 4 * 1024 * 1024
+_HEADER = struct.Struct(">I")
+# Keepalive: a service that stops answering (hung, host gone) is found within ~15 s
+# even with no decode waiting; decode_timeout_s bounds the decodes themselves.
+PING_INTERVAL_S = 5.0
+PING_TIMEOUT_S = 10.0
+
+
+class ServiceLost(Exception):
+    """The connection went away (or could not be made) before a decode's result: retryable."""
+
+
+class PartialDropped(Exception):
+    """The service's queue had no room for a partial."""
+
+
+def pack_decode(job_id: int, priority: Priority, prefix: str, language: str | None, audio: np.ndarray) -> bytes:
+    header = json.dumps(
+        {"type": "decode", "id": job_id, "priority": int(priority), "prefix": prefix, "language": language}
+    ).encode()
+    return _HEADER.pack(len(header)) + header + np.ascontiguousarray(audio, dtype="<f4").tobytes()
+
+
+def unpack_decode(frame: bytes) -> tuple[dict[str, Any], np.ndarray]:
+    """The header and audio of a decode frame; ValueError when it is malformed."""
+    if len(frame) < _HEADER.size:
+        raise ValueError("decode frame shorter than its header length")
+    (n,) = _HEADER.unpack_from(frame)
+    end = _HEADER.size + n
+    if end > len(frame):
+        raise ValueError("decode frame header runs past the frame")
+    try:
+        header = json.loads(frame[_HEADER.size : end])
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"decode frame header is not JSON: {exc}") from exc
+    if not isinstance(header, dict) or header.get("type") != "decode":
+        raise ValueError("decode frame header is not a decode")
+    job_id, priority = header.get("id"), header.get("priority")
+    if not isinstance(job_id, int) or isinstance(job_id, bool):
+        raise ValueError("decode id must be an integer")
+    if priority not in (int(Priority.FINAL), int(Priority.PARTIAL)):
+        raise ValueError("decode priority must be 0 (final) or 1 (partial)")
+    if not isinstance(header.get("prefix", ""), str):
+        raise ValueError("decode prefix must be a string")
+    language = header.get("language")
+    if language is not None and not isinstance(language, str):
+        raise ValueError("decode language must be a string or null")
+    body = frame[end:]
+    if len(body) % 4:
+        raise ValueError("decode audio is not whole float32 samples")
+    audio = np.frombuffer(body, dtype="<f4").astype(np.float32)  # a writable native copy
+    if not np.isfinite(audio).all():
+        raise ValueError("decode audio has NaN or infinite samples")
+    return header, audio
+
+
+_CONNECT_ERRORS = (OSError, TimeoutError, websockets.InvalidHandshake, websockets.ConnectionClosed, ValueError)
+
+
+class AsrServiceClient:
+    """One multiplexed WebSocket to the ASR service: many decodes in flight, matched by id."""
+
+    def __init__(self, cfg: RemoteAsrConfig) -> None:
+        self.cfg = cfg
+        self.hello: dict[str, Any] | None = None
+        self._ws: ClientConnection | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._pending: dict[int, asyncio.Future[tuple[str, float]]] = {}
+        self._ids = itertools.count(1)
+        self._connecting = asyncio.Lock()
+        self._background: set[asyncio.Task[Any]] = set()
+        self._closed = False
+        self.reconnects = 0
+
+    @property
+    def connected(self) -> bool:
+        return self._ws is not None
+
+    async def connect(self) -> None:
+        """Open the connection unless open; raises what connecting raised."""
+        async with self._connecting:
+            if self._ws is not None:
+                return
+            if self._closed:
+                raise EngineError("ASR service client is closed")
+            ws = await websockets.connect(
+                self.cfg.url,
+                open_timeout=self.cfg.connect_timeout_s,
+                max_size=MAX_FRAME,
+                compression=None,
+                ping_interval=PING_INTERVAL_S,
+                ping_timeout=PING_TIMEOUT_S,
+            )
+            try:
+                raw = await asyncio.wait_for(ws.recv(), self.cfg.connect_timeout_s)
+                hello = json.loads(raw)
+                if not isinstance(hello, dict) or hello.get("type") != "hello":
+                    raise ValueError(f"ASR service {self.cfg.url} did not say hello: {raw!r:.200}")
+                if hello.get("protocol") != PROTOCOL:
+                    raise ValueError(f"ASR service speaks protocol {hello.get('protocol')}, we speak {PROTOCOL}")
+            except BaseException:
+                await ws.close()
+                raise
+            if self.hello is not None:
+                self.reconnects += 1
+            self.hello = hello
+            self._ws = ws
+            self._reader = asyncio.create_task(self._read(ws), name="asr-service-reader")
+
+    async def _read(self, ws: ClientConnection) -> None:
+        try:
+            async for msg in ws:
+                if isinstance(msg, bytes):
+                    continue
+                data = json.loads(msg)
+                fut = self._pending.pop(data.get("id"), None)
+                if fut is None or fut.done():
+                    continue  # cancelled meanwhile
+                if data.get("type") == "result":
+                    fut.set_result((str(data.get("text", "")), float(data.get("decode_s", 0.0))))
+                elif data.get("code") == "dropped":
+                    fut.set_exception(PartialDropped())
+                else:
+                    code = str(data.get("code") or "engine_error")
+                    fut.set_exception(EngineError(f"ASR service: {data.get('message', code)}", code=code))
+        except websockets.ConnectionClosed:
+            pass
+        except Exception:
+            log.exception("ASR service connection: bad message; dropping the connection")
+            await ws.close()
+        finally:
+            # No await from here on: no decode can register on this connection meanwhile.
+            if self._ws is ws:
+                self._ws = None
+            lost = ServiceLost(f"connection to {self.cfg.url} lost")
+            pending, self._pending = self._pending, {}
+            for fut in pending.values():
+                if not fut.done():
+                    fut.set_exception(lost)
+
+    async def decode(
+        self, audio: np.ndarray, prefix: str, language: str | None, priority: Priority
+    ) -> tuple[str, float]:
+        """The text after ``prefix`` and the service's decode time; cancelling it cancels
+        the decode at the service."""
+        cfg = self.cfg
+        for attempt in itertools.count():
+            try:
+                return await self._decode_once(audio, prefix, language, priority)
+            except ServiceLost as exc:
+                if attempt >= cfg.retries or self._closed:
+                    raise EngineError(f"ASR service {cfg.url} unavailable: {exc}", code="asr_unavailable") from exc
+                log.info("ASR service: %s; retry %d", exc, attempt + 1)
+                await asyncio.sleep(cfg.retry_backoff_s * 2**attempt)
+        raise AssertionError("unreachable")
+
+    async def _decode_once(
+        self, audio: np.ndarray, prefix: str, language: str | None, priority: Priority
+    ) -> tuple[str, float]:
+        try:
+            await self.connect()
+        except _CONNECT_ERRORS as exc:
+            raise ServiceLost(f"cannot connect to {self.cfg.url}: {exc}") from exc
+        ws = self._ws
+        if ws is None:
+            raise ServiceLost(f"connection to {self.cfg.url} lost")
+        job_id = next(self._ids)
+        fut: asyncio.Future[tuple[str, float]] = asyncio.get_running_loop().create_future()
+        self._pending[job_id] = fut
+        try:
+            try:
+                await ws.send(pack_decode(job_id, priority, prefix, language, audio))
+            except websockets.ConnectionClosed as exc:
+                raise ServiceLost(f"connection to {self.cfg.url} lost: {exc}") from exc
+            try:
+                async with asyncio.timeout(self.cfg.decode_timeout_s):
+                    return await fut
+            except TimeoutError:
+                self._cancel_remote(ws, job_id)
+                raise EngineError(
+                    f"ASR service gave no result in {self.cfg.decode_timeout_s:g} s", code="asr_timeout"
+                ) from None
+        except asyncio.CancelledError:
+            self._cancel_remote(ws, job_id)
+            raise
+        finally:
+            self._pending.pop(job_id, None)
+
+    def _cancel_remote(self, ws: ClientConnection, job_id: int) -> None:
+        """Tell the service to stop a decode (fire and forget: its result is ignored anyway)."""
+        if ws is not self._ws:
+            return  # that connection is gone, and the service dropped its jobs with it
+
+        async def send() -> None:
+            with contextlib.suppress(websockets.ConnectionClosed):
+                await ws.send(json.dumps({"type": "cancel", "id": job_id}))
+
+        task = asyncio.create_task(send(), name="asr-service-cancel")
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def aclose(self) -> None:
+        self._closed = True
+        ws, self._ws = self._ws, None
+        if ws is not None:
+            await ws.close()
+        if self._reader is not None:
+            await asyncio.gather(self._reader, return_exceptions=True)
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+
+
+class RemoteAsrStream(AsrStream):
+    """An :class:`AsrStream` whose superseded decodes are also stopped at the service."""
+
+    engine: RemoteAsrEngine
+
+    def reset(self) -> None:
+        running = self._partial_job
+        super().reset()
+        if running is not None and running.audio is not None:
+            self.engine._abandon(running)  # its audio belongs to the old utterance
+
+    async def aclose(self) -> None:
+        running = self._partial_job
+        await super().aclose()
+        if running is not None and running.audio is not None:
+            self.engine._abandon(running)  # the call ended
+
+
+class RemoteAsrEngine(AsrEngine):
+    """:class:`AsrEngine` whose decodes run on the shared ASR service (module docstring)."""
+
+    def __init__(
+        self,
+        cfg: AsrConfig,
+        model_path: str = "",
+        *,
+        agreement_n: int = 3,
+        client: AsrServiceClient | None = None,
+    ) -> None:
+        super().__init__(cfg, model_path or cfg.remote.url, agreement_n=agreement_n)
+        self.client = client or AsrServiceClient(cfg.remote)
+        self.in_flight = 0  # decodes sent to the service and not answered
+        self._running: dict[DecodeJob, asyncio.Task[tuple[str, float]]] = {}
+
+    async def start(self) -> None:
+        rcfg = self.cfg.remote
+        t0 = time.monotonic()
+        while True:
+            try:
+                await self.client.connect()
+                break
+            except _CONNECT_ERRORS as exc:
+                if time.monotonic() - t0 >= rcfg.startup_timeout_s:
+                    raise ModelError(
+                        f"ASR service {rcfg.url} not reachable after {rcfg.startup_timeout_s:g} s: {exc}"
+                    ) from exc
+                await asyncio.sleep(min(1.0, rcfg.startup_timeout_s / 10 or 0.1))
+        # One task per decode slot, as for vLLM: each takes the next job (finals first)
+        # and awaits the service. The service bounds its own queue; this count bounds ours.
+        self._workers = [
+            asyncio.create_task(self._worker(), name=f"asr-remote-{i}") for i in range(rcfg.concurrency)
+        ]
+        log.info(
+            "ASR: the shared service at %s (%s, %s) in %.1f s, %d decode slots",
+            rcfg.url,
+            (self.client.hello or {}).get("backend"),
+            (self.client.hello or {}).get("model"),
+            time.monotonic() - t0,
+            rcfg.concurrency,
+        )
+
+    async def aclose(self) -> None:
+        try:
+            await super().aclose()  # cancels the workers: their decodes are cancelled at the service
+        finally:
+            await self.client.aclose()
+
+    def stream(self, *, language: str | None = None) -> AsrStream:
+        return RemoteAsrStream(self, language or self.cfg.language)
+
+    def _abandon(self, job: DecodeJob) -> None:
+        task = self._running.get(job)
+        if task is not None:
+            task.cancel()
+
+    async def _decode_remote(self, job: DecodeJob) -> tuple[str, float]:
+        assert job.audio is not None
+        self.in_flight += 1
+        try:
+            return await self.client.decode(job.audio, job.prefix, job.language, job.priority)
+        finally:
+            self.in_flight -= 1
+
+    async def _run_decode(self, job: DecodeJob) -> tuple[str, float]:
+        decode = asyncio.ensure_future(self._decode_remote(job))
+        self._running[job] = decode
+        try:
+            if job.future is None:
+                return await self._partial(job, decode)
+            return await self._final(job, decode)
+        finally:
+            self._running.pop(job, None)
+
+    async def _partial(self, job: DecodeJob, decode: asyncio.Future[tuple[str, float]]) -> tuple[str, float]:
+        assert job.owner is not None
+        try:
+            return await decode
+        except PartialDropped:
+            self.stats.dropped_partials += 1
+            job.owner._partial_dropped(job)  # retried on the stream's next audio
+            raise DecodeAbandoned from None
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # the engine is closing
+            job.owner._partial_done(job, None)  # superseded (_abandon): nothing to report
+            raise DecodeAbandoned from None
+
+    async def _final(self, job: DecodeJob, decode: asyncio.Future[tuple[str, float]]) -> tuple[str, float]:
+        assert job.future is not None
+        try:
+            await asyncio.wait({decode, job.future}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            decode.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await decode
+            raise
+        if not decode.done():  # the waiter went away: stop the service's work
+            decode.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await decode
+            raise DecodeAbandoned
+        try:
+            return decode.result()
+        except PartialDropped:  # the service never drops finals; be safe all the same
+            raise EngineError("ASR service dropped a final decode", code="asr_unavailable") from None
