@@ -232,3 +232,50 @@ def test_check_must_come_before_the_cap() -> None:
 
     with pytest.raises(pydantic.ValidationError, match="smart_turn_check_ms"):
         smart(smart_turn_check_ms=960)
+
+
+# ------------------------------------------- time with no audio (the client stopped)
+def test_idle_time_ends_an_unfinished_turn_at_the_cap() -> None:
+    """The cap counted silence frames only: a client that sends nothing after its
+    question, heard as unfinished, was never answered. Time with no audio counts now."""
+    det = SemanticTurnDetector(smart(), FakeModel(0.1))
+    feed_run(det, [0.9] * 10 + [0.05] * 8)  # 256 ms of silence heard, the model says "not finished"
+    assert det.checks == 1 and det.poll() == []
+    assert det.poll(idle_ms=960 - 256 - 1) == [] and det.in_speech
+    assert det.poll(idle_ms=960 - 256) == [Signal.END] and not det.in_speech
+    assert det.poll(idle_ms=5000) == []
+
+
+def test_idle_time_asks_the_model_once_a_pause_has_begun() -> None:
+    model = FakeModel(0.9)
+    det = SemanticTurnDetector(smart(), model)
+    feed_run(det, [0.9] * 10 + [0.05] * 2)  # 64 ms of silence, less than the check's 192
+    assert det.poll(idle_ms=100) == [] and det.checks == 0
+    # Asked at 192 ms of silence and no audio; "finished" ends the turn.
+    assert det.poll(idle_ms=128) == [Signal.PAUSE, Signal.END] and model.seen
+
+
+def test_idle_time_during_speech_ends_the_turn_at_the_cap_only() -> None:
+    model = FakeModel(0.9)
+    det = SemanticTurnDetector(smart(), model)
+    feed_run(det, [0.9] * 10)  # the last window was speech: no pause to judge
+    assert det.poll(idle_ms=900) == [] and det.checks == 0
+    assert det.poll(idle_ms=960) == [Signal.PAUSE, Signal.END]
+
+
+def test_speech_after_idle_time_starts_the_count_again() -> None:
+    det = SemanticTurnDetector(smart(), FakeModel(0.1, 0.1))
+    feed_run(det, [0.9] * 10 + [0.05] * 8)
+    assert det.poll(idle_ms=600) == []  # a gap, then the caller goes on
+    feed_run(det, [0.9] * 5 + [0.05] * 8, start=18)
+    assert det.poll(idle_ms=600) == [] and det.in_speech  # 256 + 600 < 960: the old gap is gone
+    assert det.poll(idle_ms=704) == [Signal.END]
+
+
+def test_silence_mode_is_judged_on_audio_only() -> None:
+    """The silence rule is audio time, as OpenAI's server VAD: a stall on the wire is not
+    a pause. (Only the semantic cap also counts time with no audio.)"""
+    det = SilenceTurnDetector(cfg())
+    run(det, [0.9] * 10 + [0.05] * 5)
+    assert det.poll(idle_ms=5000) == [] and det.in_speech
+    assert det.idle_deadline_ms() is None

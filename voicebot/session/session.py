@@ -125,6 +125,9 @@ class Session:
         self._asr = engines.asr.stream(language=self.settings.language)
         self._turns = make_turn_detector(self.settings.vad, engines.turn_model)
         self._watched_verdict: object = None  # the verdict _watch_verdict last hooked
+        self._last_window_at = self._clock.monotonic()  # when audio last reached the detector
+        self._turn_timer: asyncio.Task[None] | None = None  # _time_turn
+        self._turn_timer_at = 0.0  # when it wakes next
         self._resamplers: dict[int, Resampler] = {}
         # Input waiting to be processed: audio slices and, in order with them, the
         # commits/clears that came after them. Bounded by max_input_backlog_s.
@@ -381,6 +384,8 @@ class Session:
             for sig in self._turns.update(float(prob), _VAD_WINDOW_MS, bot_speaking):
                 pushed |= self._on_signal(sig)
         self._watch_verdict()
+        self._last_window_at = self._clock.monotonic()
+        self._arm_turn_timer()
         # During a pause the speculative final already has the audio; decoding the
         # silence as partials would only compete with it and the LLM for the cores.
         if self._item_id is not None and not pushed and not self._turns.paused:
@@ -405,11 +410,47 @@ class Session:
 
         fut.add_done_callback(wake)
 
-    def _poll_turns(self) -> None:
+    def _poll_turns(self, idle_ms: float | None = None) -> None:
         if self._closing.is_set():
             return
-        for sig in self._turns.poll():
+        if idle_ms is None:  # audio waiting in the backlog is not time without audio
+            idle_ms = 0.0 if self._backlog else 1000 * (self._clock.monotonic() - self._last_window_at)
+        for sig in self._turns.poll(idle_ms):
             self._on_signal(sig)
+        self._watch_verdict()  # a check asked just now
+
+    def _arm_turn_timer(self) -> None:
+        if self._tg is None or self._closing.is_set():
+            return
+        due = self._turns.idle_deadline_ms()
+        if due is None:
+            return
+        at = self._last_window_at + due / 1000
+        timer = self._turn_timer
+        if timer is not None and not timer.done():
+            if at >= self._turn_timer_at - 0.001:
+                return  # it wakes in time and reads the deadline again
+            timer.cancel()  # the deadline came nearer (a pause began): wake sooner
+        self._turn_timer_at = at
+        self._turn_timer = self._spawn(self._time_turn(), "turn-timer")
+
+    async def _time_turn(self) -> None:
+        """The semantic cap is wall-clock time: a turn heard as unfinished ends
+        ``smart_turn_max_silence_ms`` after its last speech even when the client sends
+        nothing more (it counted silence frames received, so a client that stopped after
+        its question was never answered). One task per open turn, sleeping until the
+        detector's next deadline; audio that comes in the meantime moves the deadline
+        (new speech restarts the count), and the task reads it again when it wakes."""
+        while (due := self._turns.idle_deadline_ms()) is not None:
+            idle = 1000 * (self._clock.monotonic() - self._last_window_at)
+            if self._backlog or idle < due:
+                wait = max(due - idle, 1.0) / 1000
+                self._turn_timer_at = self._clock.monotonic() + wait
+                await self._clock.sleep(wait)
+                continue
+            self._poll_turns(max(idle, due))
+            if self._turns.idle_deadline_ms() == due:  # nothing moved: never spin
+                await self._clock.sleep(_VAD_WINDOW_MS / 1000)
 
     def _remember(self, audio: np.ndarray) -> None:
         """Keep the last few hundred ms: the start of speech precedes its detection."""

@@ -17,7 +17,10 @@ without audio or clocks. It speaks in signals; the session decides what they mea
 at ``smart_turn_check_ms`` of silence it asks an end-of-turn model (Smart Turn v3,
 :mod:`voicebot.engines.smart_turn`) whether the turn sounds finished, on its own thread;
 the turn ends as soon as the answer is yes, and only after
-``smart_turn_max_silence_ms`` when it is no. A caller reading out a list with pauses
+``smart_turn_max_silence_ms`` when it is no. That cap is wall-clock time since the
+last speech: time with no audio at all counts as silence toward it (:meth:`poll` with
+``idle_ms``, driven by the session's timer), so a client that stops sending after its
+question is still answered. A caller reading out a list with pauses
 between items is then not cut off at each pause, and one who has clearly finished
 is answered sooner than the silence rule allows. The session is unchanged by the
 choice: PAUSE still starts the speculative reply, which END releases.
@@ -69,7 +72,9 @@ class TurnDetector(Protocol):
     @property
     def pending(self) -> Future[float] | None: ...
 
-    def poll(self) -> list[Signal]: ...
+    def poll(self, idle_ms: float = 0.0) -> list[Signal]: ...
+
+    def idle_deadline_ms(self) -> float | None: ...
 
     def reset(self) -> None: ...
 
@@ -154,13 +159,26 @@ class SilenceTurnDetector:
         """A verdict asked for and not yet read (semantic detectors only)."""
         return None
 
-    def poll(self) -> list[Signal]:
-        """Between audio windows: END if the open pause is now the end of the turn (a
-        verdict that came after the last window; a client may send nothing more)."""
-        if not (self.in_speech and self.paused) or not self._turn_over(self._silence_run):
+    def poll(self, idle_ms: float = 0.0) -> list[Signal]:
+        """Between audio windows, ``idle_ms`` after the last one: END (after PAUSE, if
+        that was not sent) if the open turn is over although no audio came: a verdict
+        that came after the last window, or, for the semantic cap, time (a client may
+        send nothing more after its question, or send it slowly)."""
+        if not self.in_speech or not self._over_when_idle(max(0.0, idle_ms)):
             return []
+        out = [] if self.paused else [Signal.PAUSE]
         self._close_turn()
-        return [Signal.END]
+        return [*out, Signal.END]
+
+    def _over_when_idle(self, idle_ms: float) -> bool:
+        """The silence rule is judged on audio only, as OpenAI's server VAD: a stall on
+        the wire is not a pause."""
+        return self.paused and self._turn_over(self._silence_run)
+
+    def idle_deadline_ms(self) -> float | None:
+        """Time with no audio after the last window at which :meth:`poll` may end the
+        open turn or ask the model; None when only audio (or a verdict) can."""
+        return None
 
     def force_end(self) -> list[Signal]:
         """End an over-long turn (``session.max_turn_s``)."""
@@ -238,6 +256,33 @@ class SemanticTurnDetector(SilenceTurnDetector):
                 self._failed = True
                 return super()._turn_over(silence_ms)
         return self.verdict is not None and self.verdict >= cfg.smart_turn_threshold
+
+    def _over_when_idle(self, idle_ms: float) -> bool:
+        """Time with no audio counts as silence toward the cap, so a turn heard as
+        unfinished still ends when the client sends nothing more; and, once a pause has
+        begun, toward the check (a client that streamed its question faster than real
+        time may end it with less trailing silence than the check needs)."""
+        cfg = self.cfg
+        if cfg.turn_detector != "smart_turn" or self._failed:
+            return super()._over_when_idle(idle_ms)
+        silence = self._silence_run + idle_ms
+        if silence >= cfg.smart_turn_max_silence_ms:
+            return True
+        if self._silence_run == 0:
+            return False  # the last window was speech: no pause to judge yet
+        over = self._turn_over(silence)
+        if self._failed:  # the model failed just now: silence decides, on audio
+            return super()._over_when_idle(idle_ms)
+        return over
+
+    def idle_deadline_ms(self) -> float | None:
+        cfg = self.cfg
+        if not self.in_speech or cfg.turn_detector != "smart_turn" or self._failed:
+            return None
+        cap = cfg.smart_turn_max_silence_ms - self._silence_run
+        if self._silence_run > 0 and self.verdict is None and self._pending is None:
+            cap = min(cap, cfg.smart_turn_check_ms - self._silence_run)
+        return max(0.0, cap)
 
     def _speaking_again(self) -> None:
         if self._pending is not None:
