@@ -5,7 +5,9 @@ per-turn latencies) goes through a :class:`Clock`. Production uses :class:`RealC
 tests use :class:`VirtualClock` and move time on explicitly, so a loaded machine
 cannot make them flaky: virtual time passes only when the test says so.
 
-Turn detection needs neither: it counts time in audio windows.
+The silence rule of turn detection needs neither: it counts time in audio windows.
+Smart Turn's cap on an "unfinished" verdict is wall-clock time since the last window
+(a client may stop sending after its question), so it runs on this clock.
 """
 
 from __future__ import annotations
