@@ -9,15 +9,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
+import numpy as np
 import uvicorn
+from aiohttp import web
 
+from voicebot.audio import float_to_pcm16, pcm16_to_float
 from voicebot.config import Config
 from voicebot.engines import load_engines
+from voicebot.probe.base import Audio, ClientClosed, ConnectOptions, Event
+from voicebot.probe.native import NativeClient
 from voicebot.server.app import create_app
 from voicebot.server.state import ServerState
+
+MIC_RATE = 16000
+OUT_RATE = 16000  # what NativeCall asks the server to send
+FRAME = 320  # 20 ms at 16 kHz
 
 
 @dataclass
@@ -90,3 +101,105 @@ def server_errors() -> Iterator[list[logging.LogRecord]]:
     finally:
         for lg in loggers:
             lg.removeHandler(handler)
+
+
+@dataclass
+class NativeCall:
+    """One scripted caller on native /ws: a mic that sends silence between utterances
+    (a phone line is never quiet on the wire: the frames keep the VAD clock going) and
+    streams clips in real time, and a record of what comes back. Every event carries
+    its arrival time as ``_t``; ``audio`` holds (arrival time, response id, pcm)."""
+
+    client: NativeClient
+    events: list[dict[str, Any]] = field(default_factory=list)
+    audio: list[tuple[float, str | None, bytes]] = field(default_factory=list)
+    _response: str | None = None
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    _mic: asyncio.Lock = field(default_factory=asyncio.Lock)  # one sender of mic frames at a time
+
+    @classmethod
+    async def open(cls, server: RunningServer, **start: object) -> NativeCall:
+        client = NativeClient(ConnectOptions(server.ws(), MIC_RATE, OUT_RATE, start_fields=dict(start)))
+        await client.connect()
+        call = cls(client)
+        call._tasks = [asyncio.create_task(call._read()), asyncio.create_task(call._silence())]
+        return call
+
+    @property
+    def session_id(self) -> str:
+        assert self.client.session_id
+        return self.client.session_id
+
+    async def _read(self) -> None:
+        with contextlib.suppress(ClientClosed):
+            while True:
+                item = await self.client.receive()
+                if isinstance(item, Audio):
+                    self.audio.append((item.t, self._response, item.pcm))
+                elif isinstance(item, Event):
+                    item.data["_t"] = item.t
+                    if item.data["type"] == "response.started":
+                        self._response = item.data["response_id"]
+                    self.events.append(item.data)
+
+    async def _silence(self) -> None:
+        while True:
+            async with self._mic:
+                await self.client.send_audio(bytes(2 * FRAME))
+            await asyncio.sleep(0.02)
+
+    async def say(self, audio: np.ndarray) -> float:
+        """Stream ``audio`` (16 kHz) in real time; return when its last frame was sent."""
+        async with self._mic:
+            start = time.monotonic()
+            for i in range(0, audio.size, FRAME):
+                await self.client.send_audio(float_to_pcm16(audio[i : i + FRAME]))
+                # Sleep to the frame's due time, not a fixed 20 ms: no drift.
+                await asyncio.sleep(max(0.0, start + (i + FRAME) / MIC_RATE - time.monotonic()))
+            return time.monotonic()
+
+    async def wait_for(self, kind: str, timeout: float = 60.0, after: int = 0, **match: object) -> dict[str, Any]:
+        """The first event of ``kind`` (from index ``after`` on) whose fields match."""
+        async with asyncio.timeout(timeout):
+            while True:
+                for e in self.events[after:]:
+                    if e["type"] == kind and all(e.get(k) == v for k, v in match.items()):
+                        return e
+                await asyncio.sleep(0.02)
+
+    async def turn(self, audio: np.ndarray, timeout: float = 60.0) -> dict[str, Any]:
+        """Say ``audio``; return the response.done of the reply to it."""
+        mark = len(self.events)
+        await self.say(audio)
+        return await self.wait_for("response.done", timeout, after=mark)
+
+    def of(self, kind: str) -> list[dict[str, Any]]:
+        return [e for e in self.events if e["type"] == kind]
+
+    def errors(self) -> list[dict[str, Any]]:
+        return self.of("error")
+
+    def reply_audio(self, response_id: str) -> np.ndarray:
+        return pcm16_to_float(b"".join(p for _, r, p in self.audio if r == response_id))
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await self.client.close()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+@contextlib.asynccontextmanager
+async def serve_routes(routes: list[web.RouteDef]) -> AsyncIterator[str]:
+    """A local aiohttp server of ``routes`` on a free port; yields its base URL."""
+    app = web.Application()
+    app.add_routes(routes)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()

@@ -20,27 +20,21 @@ import asyncio
 import contextlib
 import os
 import signal
-import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import pytest
 from llm_tier import Tier, finished_over, finished_requests, llm_tier, unfinished_requests
-from servers import RunningServer, running_server
+from servers import NativeCall, RunningServer, running_server
 from speech import Clip
 
 from voicebot.affinity import bind_session, current_session, rank_for
-from voicebot.audio import dbfs, float_to_pcm16, pcm16_to_float
+from voicebot.audio import dbfs
 from voicebot.config import ModelsConfig, load_config
 from voicebot.engines.llm import TextDelta
 from voicebot.engines.llm_remote import RemoteLlmEngine
-from voicebot.probe.base import Audio, ClientClosed, ConnectOptions, Event
-from voicebot.probe.native import NativeClient
 
-OUT_RATE = 16000
-FRAME = 320  # 20 ms at 16 kHz
 CPU_BLOCK = 128  # vLLM's KV block on CPU: only whole blocks are cached
 LONG_REPLY = 800  # tokens: far longer than the barge-in test (between vLLM's 500 and 1000 buckets)
 
@@ -131,81 +125,6 @@ async def server(tier: Tier, models_config: ModelsConfig) -> AsyncIterator[Runni
         yield running
 
 
-@dataclass
-class Call:
-    """One caller: a mic that sends silence between utterances, and what comes back."""
-
-    client: NativeClient
-    events: list[dict[str, Any]] = field(default_factory=list)
-    audio: list[tuple[str | None, bytes]] = field(default_factory=list)
-    _response: str | None = None
-    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
-    _mic: asyncio.Lock = field(default_factory=asyncio.Lock)
-
-    @classmethod
-    async def open(cls, server: RunningServer, **start: object) -> Call:
-        client = NativeClient(ConnectOptions(server.ws(), 16000, OUT_RATE, start_fields=dict(start)))
-        await client.connect()
-        call = cls(client)
-        call._tasks = [asyncio.create_task(call._read()), asyncio.create_task(call._silence())]
-        return call
-
-    @property
-    def session_id(self) -> str:
-        assert self.client.session_id
-        return self.client.session_id
-
-    async def _read(self) -> None:
-        with contextlib.suppress(ClientClosed):
-            while True:
-                item = await self.client.receive()
-                if isinstance(item, Audio):
-                    self.audio.append((self._response, item.pcm))
-                elif isinstance(item, Event):
-                    if item.data["type"] == "response.started":
-                        self._response = item.data["response_id"]
-                    self.events.append(item.data)
-
-    async def _silence(self) -> None:
-        while True:
-            async with self._mic:
-                await self.client.send_audio(bytes(2 * FRAME))
-            await asyncio.sleep(0.02)
-
-    async def say(self, audio: np.ndarray) -> None:
-        async with self._mic:
-            start = time.monotonic()
-            for i in range(0, audio.size, FRAME):
-                await self.client.send_audio(float_to_pcm16(audio[i : i + FRAME]))
-                await asyncio.sleep(max(0.0, start + (i + FRAME) / 16000 - time.monotonic()))
-
-    async def wait_for(self, kind: str, timeout: float = 60.0, after: int = 0, **match: object) -> dict[str, Any]:
-        async with asyncio.timeout(timeout):
-            while True:
-                for e in self.events[after:]:
-                    if e["type"] == kind and all(e.get(k) == v for k, v in match.items()):
-                        return e
-                await asyncio.sleep(0.02)
-
-    async def turn(self, audio: np.ndarray, timeout: float = 60.0) -> dict[str, Any]:
-        """Say ``audio``; return the response.done of the reply to it."""
-        mark = len(self.events)
-        await self.say(audio)
-        return await self.wait_for("response.done", timeout, after=mark)
-
-    def reply_audio(self, response_id: str) -> np.ndarray:
-        return pcm16_to_float(b"".join(p for r, p in self.audio if r == response_id))
-
-    def errors(self) -> list[dict[str, Any]]:
-        return [e for e in self.events if e["type"] == "error"]
-
-    async def close(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        await self.client.close()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-
-
 async def wait_until(pred: Callable[[], Any], timeout: float, what: str) -> None:
     try:
         async with asyncio.timeout(timeout):
@@ -221,7 +140,7 @@ async def test_calls_get_spoken_replies_each_pinned_to_its_server_and_hit_its_pr
 ) -> None:
     clip = speech_clips[5]  # "go forward ten meters": the shortest
     llm = server.state.engines.llm
-    calls = {name: await Call.open(server, system_prompt=own_prompt(name)) for name in ("alpha", "bravo")}
+    calls = {name: await NativeCall.open(server, system_prompt=own_prompt(name)) for name in ("alpha", "bravo")}
     owner: dict[str, int] = {}
     try:
         for turn in (1, 2):
@@ -279,7 +198,7 @@ async def test_a_barge_in_and_a_hang_up_abort_the_reply_on_the_server(
 
 
 async def cut_twice(server: RunningServer, tier: Tier, clip: np.ndarray) -> None:
-    call = await Call.open(server, system_prompt="You are charlie, a voice assistant.", max_tokens=LONG_REPLY)
+    call = await NativeCall.open(server, system_prompt="You are charlie, a voice assistant.", max_tokens=LONG_REPLY)
     before = await tier.server_metrics()
     try:
         await call.say(clip)
@@ -330,7 +249,7 @@ async def test_a_server_killed_mid_reply_fails_that_reply_and_the_call_goes_on_t
                 yield delta
 
     monkeypatch.setattr(llm, "_try", kill_after_first_token)
-    call = await Call.open(server, system_prompt=own_prompt("delta"), max_tokens=200)
+    call = await NativeCall.open(server, system_prompt=own_prompt("delta"), max_tokens=200)
     try:
         done = await call.turn(speech_clips[5].audio, timeout=60)
         assert killed, "a server was killed mid-reply"

@@ -15,6 +15,7 @@ import pytest
 from aiohttp import web
 from openai.types.realtime import RealtimeServerEvent
 from pydantic import TypeAdapter
+from servers import serve_routes
 from transformers import AutoTokenizer
 
 from voicebot.config import Config, ServerToolConfig, load_config
@@ -270,17 +271,8 @@ async def webhook_server() -> AsyncIterator[tuple[str, list[dict[str, Any]]]]:
     async def broken(request: web.Request) -> web.Response:
         return web.Response(status=500, text="boom")
 
-    app = web.Application()
-    app.add_routes([web.post("/weather", weather), web.post("/slow", slow), web.post("/broken", broken)])
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        yield f"http://127.0.0.1:{port}", seen
-    finally:
-        await runner.cleanup()
+    async with serve_routes([web.post("/weather", weather), web.post("/slow", slow), web.post("/broken", broken)]) as base:
+        yield base, seen
 
 
 async def test_webhooks_answer_or_give_the_model_an_error(webhook_server: tuple[str, list[dict[str, Any]]]) -> None:

@@ -26,7 +26,7 @@ import websockets
 from aiohttp import web
 from clients.harness import chunks, pcm24k, speak
 from openai import AsyncOpenAI
-from servers import RunningServer, running_server, server_errors
+from servers import RunningServer, running_server, serve_routes, server_errors
 
 from voicebot.config import ModelsConfig, ServerToolConfig, load_config
 
@@ -55,17 +55,8 @@ async def webhook() -> AsyncIterator[Webhook]:
         await asyncio.sleep(WEBHOOK_DELAY_S)
         return web.json_response({"temperature_c": 17, "sky": "cloudy"})
 
-    app = web.Application()
-    app.add_routes([web.post("/weather", weather)])
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        yield Webhook(f"http://127.0.0.1:{port}/weather", calls)
-    finally:
-        await runner.cleanup()
+    async with serve_routes([web.post("/weather", weather)]) as base:
+        yield Webhook(f"{base}/weather", calls)
 
 
 @pytest.fixture(scope="module")

@@ -11,22 +11,15 @@ import json
 import re
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
 import jiwer
-import numpy as np
 import pytest
 import websockets
-from servers import RunningServer, running_server
+from servers import OUT_RATE, NativeCall, RunningServer, running_server
 from speech import Clip
 
-from voicebot.audio import dbfs, float_to_pcm16, pcm16_to_float, resample
+from voicebot.audio import dbfs, resample
 from voicebot.config import ModelsConfig, load_config
-from voicebot.probe.base import Audio, ClientClosed, ConnectOptions, Event
-from voicebot.probe.native import NativeClient
-
-OUT_RATE = 16000
-FRAME = 320  # 20 ms at 16 kHz
 
 
 def norm(text: str) -> str:
@@ -54,90 +47,9 @@ async def server(models_config: ModelsConfig) -> AsyncIterator[RunningServer]:
         yield running
 
 
-@dataclass
-class Call:
-    """One scripted caller: streams clips in real time, records what comes back."""
-
-    client: NativeClient
-    events: list[dict] = field(default_factory=list)
-    audio: list[tuple[float, str | None, bytes]] = field(default_factory=list)  # (t, response_id, pcm)
-    _current_response: str | None = None
-    _reader: asyncio.Task | None = None
-    _silence: asyncio.Task | None = None
-    _lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one sender of mic frames at a time
-
-    @classmethod
-    async def open(cls, server: RunningServer, **start: object) -> Call:
-        client = NativeClient(ConnectOptions(server.ws(), 16000, OUT_RATE, start_fields=dict(start)))
-        await client.connect()
-        call = cls(client)
-        call._reader = asyncio.create_task(call._read())
-        call._silence = asyncio.create_task(call._send_silence())
-        return call
-
-    @property
-    def session_id(self) -> str:
-        assert self.client.session_id
-        return self.client.session_id
-
-    async def _read(self) -> None:
-        try:
-            while True:
-                item = await self.client.receive()
-                if isinstance(item, Audio):
-                    self.audio.append((item.t, self._current_response, item.pcm))
-                elif isinstance(item, Event):
-                    item.data["_t"] = item.t
-                    if item.data["type"] == "response.started":
-                        self._current_response = item.data["response_id"]
-                    self.events.append(item.data)
-        except ClientClosed:
-            return
-
-    async def _send_silence(self) -> None:
-        # A phone line is never quiet on the wire: silence frames keep the VAD clock going.
-        silence = bytes(2 * FRAME)
-        while True:
-            async with self._lock:
-                await self.client.send_audio(silence)
-            await asyncio.sleep(0.02)
-
-    async def say(self, audio: np.ndarray) -> float:
-        """Stream ``audio`` (16 kHz) in real time; return when its last frame was sent."""
-        async with self._lock:
-            start = time.monotonic()
-            for i in range(0, audio.size, FRAME):
-                await self.client.send_audio(float_to_pcm16(audio[i : i + FRAME]))
-                # Sleep to the frame's due time, not a fixed 20 ms: no drift.
-                await asyncio.sleep(max(0.0, start + (i + FRAME) / 16000 - time.monotonic()))
-            return time.monotonic()
-
-    async def wait_for(self, kind: str, timeout: float = 60.0, **match: object) -> dict:
-        async with asyncio.timeout(timeout):
-            while True:
-                for e in self.events:
-                    if e["type"] == kind and all(e.get(k) == v for k, v in match.items()):
-                        return e
-                await asyncio.sleep(0.02)
-
-    def of(self, kind: str) -> list[dict]:
-        return [e for e in self.events if e["type"] == kind]
-
-    def reply_audio(self, response_id: str) -> np.ndarray:
-        pcm = b"".join(p for _, rid, p in self.audio if rid == response_id)
-        return pcm16_to_float(pcm)
-
-    async def close(self) -> None:
-        for task in (self._silence, self._reader):
-            if task is not None:
-                task.cancel()
-        await self.client.close()
-        await asyncio.gather(*(t for t in (self._silence, self._reader) if t), return_exceptions=True)
-
-
 async def test_a_clip_gets_its_transcript_and_a_spoken_reply(server: RunningServer, speech_clips: list[Clip]) -> None:
     clip = speech_clips[0]  # "and mister john dashwood had then leisure to consider ..."
-    call = await Call.open(server, system_prompt="You are a helpful assistant. Reply with one short sentence.")
+    call = await NativeCall.open(server, system_prompt="You are a helpful assistant. Reply with one short sentence.")
     try:
         await call.say(clip.audio)
         final = await call.wait_for("transcript.final")
@@ -164,7 +76,7 @@ async def test_a_clip_gets_its_transcript_and_a_spoken_reply(server: RunningServ
 async def test_barge_in_stops_playout_and_keeps_only_what_was_heard(
     server: RunningServer, speech_clips: list[Clip]
 ) -> None:
-    call = await Call.open(
+    call = await NativeCall.open(
         server,
         system_prompt="You are a storyteller. Always answer with a long story of at least five sentences.",
         max_tokens=96,
@@ -202,7 +114,7 @@ async def test_barge_in_stops_playout_and_keeps_only_what_was_heard(
 
 async def test_two_concurrent_sessions_never_mix(server: RunningServer, speech_clips: list[Clip]) -> None:
     a, b = speech_clips[2], speech_clips[5]
-    calls = [await Call.open(server), await Call.open(server)]
+    calls = [await NativeCall.open(server), await NativeCall.open(server)]
     try:
         await asyncio.gather(calls[0].say(a.audio), calls[1].say(b.audio))
         finals = await asyncio.gather(*(c.wait_for("transcript.final") for c in calls))
@@ -222,7 +134,7 @@ async def test_disconnect_mid_turn_leaves_no_task_and_no_vllm_request(
     server: RunningServer, speech_clips: list[Clip]
 ) -> None:
     state = server.state
-    call = await Call.open(server, system_prompt="Always answer with a long story.", max_tokens=96)
+    call = await NativeCall.open(server, system_prompt="Always answer with a long story.", max_tokens=96)
     sid = call.session_id
     await call.say(speech_clips[1].audio)
     await call.wait_for("response.started", timeout=60)
@@ -359,7 +271,7 @@ async def test_start_errors_close_the_connection_with_a_code(server: RunningServ
         assert err["type"] == "error" and err["code"] == "unsupported_format"
     cfg = server.state.cfg.server
     old, cfg.max_sessions = cfg.max_sessions, 1
-    first = await Call.open(server)
+    first = await NativeCall.open(server)
     try:
         async with websockets.connect(server.ws()) as ws:
             await ws.send(json.dumps({"type": "session.start"}))
