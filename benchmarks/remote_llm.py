@@ -177,15 +177,17 @@ async def hop(args: argparse.Namespace) -> dict[str, Any]:
                               "versions": versions(), "llm_stage": {}, "voice_to_voice": {}}
     stage = dict(sessions=args.sessions, turns=args.turns, reply_tokens=args.reply_tokens, system=SYSTEM)
 
-    eng = LlmEngine(cfg.llm, model, specs.tokenizer_path)
-    await eng.start()
-    try:
-        recs = await conversations(eng, eng.tokenizer, **stage)
-    finally:
-        await eng.aclose()
-    report["llm_stage"]["inprocess"] = {**stage_summary(recs), "turns_detail": recs}
-    print("inprocess", report["llm_stage"]["inprocess"]["ttft_ms"], flush=True)
-    write(args.json, report)
+    sides = ("router", "inprocess") if args.v2v_side == "both" else (args.v2v_side,)
+    if args.sessions:
+        eng = LlmEngine(cfg.llm, model, specs.tokenizer_path)
+        await eng.start()
+        try:
+            recs = await conversations(eng, eng.tokenizer, **stage)
+        finally:
+            await eng.aclose()
+        report["llm_stage"]["inprocess"] = {**stage_summary(recs), "turns_detail": recs}
+        print("inprocess", report["llm_stage"]["inprocess"]["ttft_ms"], flush=True)
+        write(args.json, report)
 
     # The server gets the same vLLM knobs as the in-process engine of this config.
     c = cfg.llm
@@ -196,83 +198,114 @@ async def hop(args: argparse.Namespace) -> dict[str, Any]:
     extra = ["--dtype", resolve_dtype(c.dtype, on_cpu=True), "--seed", str(c.seed or 0)]
     if c.block_size:
         extra += ["--block-size", str(c.block_size)]
+    if c.max_num_batched_tokens:
+        extra += ["--max-num-batched-tokens", str(c.max_num_batched_tokens)]
     if c.enforce_eager:
         extra.append("--enforce-eager")
     env = {"VLLM_CPU_OMP_THREADS_BIND": c.cpu_threads_bind, "VLLM_CPU_KVCACHE_SPACE": str(c.kv_cache_space_gib)}
-    async with llm_tier(model, 1, router=True, placement="none", server_extra=extra, server_env=env,
-                        max_model_len=c.max_model_len, max_num_seqs=c.max_num_seqs) as tier:
-        report["startup_s"] = tier.startup_s
-        for name, url in (("direct", tier.servers[0].url), ("router", tier.url)):
-            rcfg = load_config(args.config, [*args.set, "llm.backend=remote", f"llm.remote.url={url}"])
-            remote = RemoteLlmEngine(rcfg.llm, model)
-            await remote.start()
-            try:
-                recs = await conversations(remote, remote.tokenizer, **stage, seed=1 if name == "direct" else 2)
-            finally:
-                await remote.aclose()
-            report["llm_stage"][name] = {**stage_summary(recs), "turns_detail": recs}
-            print(name, report["llm_stage"][name]["ttft_ms"], flush=True)
-            write(args.json, report)
-        if args.v2v_turns:
-            report["voice_to_voice"]["router"] = await voice_turns(args, [f"llm.remote.url={tier.url}", "llm.backend=remote"])
-            write(args.json, report)
-    if args.v2v_turns:
+    if args.sessions or (args.v2v_turns and "router" in sides):
+        async with llm_tier(model, 1, router=True, placement="none", server_extra=extra, server_env=env,
+                            max_model_len=c.max_model_len, max_num_seqs=c.max_num_seqs) as tier:
+            report["startup_s"] = tier.startup_s
+            for name, url in (("direct", tier.servers[0].url), ("router", tier.url)) if args.sessions else ():
+                rcfg = load_config(args.config, [*args.set, "llm.backend=remote", f"llm.remote.url={url}"])
+                remote = RemoteLlmEngine(rcfg.llm, model)
+                await remote.start()
+                try:
+                    recs = await conversations(remote, remote.tokenizer, **stage, seed=1 if name == "direct" else 2)
+                finally:
+                    await remote.aclose()
+                report["llm_stage"][name] = {**stage_summary(recs), "turns_detail": recs}
+                print(name, report["llm_stage"][name]["ttft_ms"], flush=True)
+                write(args.json, report)
+            if args.v2v_turns and "router" in sides:
+                report["voice_to_voice"]["router"] = await voice_turns(
+                    args, [f"llm.remote.url={tier.url}", "llm.backend=remote"])
+                write(args.json, report)
+    if args.v2v_turns and "inprocess" in sides:
         report["voice_to_voice"]["inprocess"] = await voice_turns(args, [])
     write(args.json, report)
     return report
 
 
-async def voice_turns(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
-    """A real frontend; a caller says clips; the server's own turn timings."""
-    from servers import running_server
-    from speech import load_clips
+def cpu_seconds() -> dict[str, float]:
+    """CPU seconds used so far, by role: this process (the frontend: sessions, ASR, TTS,
+    the in-process LLM's client side), the vLLM engine cores and API servers it started
+    (in-process: the engine core; remote: the server's API process and engine core),
+    the router, and the whole machine (busy time, others' work included)."""
+    import psutil
 
-    from voicebot.audio import float_to_pcm16
-    from voicebot.probe.base import ClientClosed, ConnectOptions, Event
-    from voicebot.probe.native import NativeClient
+    me = psutil.Process()
+    t = me.cpu_times()
+    out = {"frontend": t.user + t.system, "llm_engine": 0.0, "llm_api": 0.0, "router": 0.0}
+    for child in me.children(recursive=True):
+        try:
+            name, cmd, ct = child.name(), " ".join(child.cmdline()), child.cpu_times()
+        except psutil.Error:
+            continue  # gone meanwhile
+        role = "router" if "vllm-router" in cmd else "llm_engine" if "EngineCor" in name else "llm_api"
+        out[role] += ct.user + ct.system
+    m = psutil.cpu_times()
+    out["machine"] = m.user + m.nice + m.system + m.irq + m.softirq + getattr(m, "steal", 0.0)
+    return out
+
+
+def event_ms(events: list[dict[str, Any]], kind: str, rid: str, since: float, last: bool = False) -> float | None:
+    """When (ms after ``since``) the first (or last) ``kind`` event of reply ``rid`` arrived."""
+    ts = [e["_t"] for e in events if e["type"] == kind and e.get("response_id", rid) == rid]
+    return None if not ts else round(1000 * ((ts[-1] if last else ts[0]) - since), 1)
+
+
+async def voice_turns(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
+    """A real frontend; a caller says clips; the server's own turn timings, split into
+    stages (benchmarks/v2v_stages.py), and the CPU each part of the system used per turn."""
+    from servers import NativeCall, running_server
+    from speech import load_clips
+    from v2v_stages import COLUMNS, stages
 
     cfg = load_config(args.config, [*args.set, *overrides, "server.port=0", "server.transports=[native]"])
     clips = load_clips(cfg.models)
-    timings: list[dict[str, Any]] = []
+    turns: list[dict[str, Any]] = []  # the probe report's shape: what v2v_stages.py reads
     dones: list[dict[str, Any]] = []  # each reply's token counts (the remote ones known only at its end)
     async with running_server(cfg) as srv:
-        client = NativeClient(ConnectOptions(srv.ws(), 16000, 16000, start_fields={"system_prompt": SYSTEM}))
-        await client.connect()
-        events: list[dict[str, Any]] = []
-
-        async def read() -> None:
-            with contextlib.suppress(ClientClosed):
-                while True:
-                    item = await client.receive()
-                    if isinstance(item, Event):
-                        events.append(item.data)
-
-        reader = asyncio.create_task(read())
+        call = await NativeCall.open(srv, system_prompt=SYSTEM)
         try:
             for i in range(args.v2v_turns):
-                clip = clips[i % len(clips)]
-                mark = len(events)
-                t0 = time.monotonic()
-                pcm = clip.audio
-                for k in range(0, pcm.size, 320):  # real time, then silence until the reply is over
-                    await client.send_audio(float_to_pcm16(pcm[k : k + 320]))
-                    await asyncio.sleep(max(0.0, t0 + (k + 320) / 16000 - time.monotonic()))
-                while not any(e["type"] == "response.done" for e in events[mark:]):
-                    await client.send_audio(bytes(640))
-                    await asyncio.sleep(0.02)
-                    if time.monotonic() - t0 > 120:
-                        raise TimeoutError("no reply in 120 s")
-                timings += [e for e in events[mark:] if e["type"] == "turn.timings"]
-                dones += [e for e in events[mark:] if e["type"] == "response.done"]
+                mark = len(call.events)
+                cpu0, t0 = cpu_seconds(), time.monotonic()
+                spoken = await call.say(clips[i % len(clips)].audio)  # then silence until the reply is over
+                timing = await call.wait_for("turn.timings", 120, after=mark)  # the reply that was heard
+                rid = timing["response_id"]
+                done = await call.wait_for("response.done", 120, after=mark, response_id=rid)
+                cpu1, t1 = cpu_seconds(), time.monotonic()
+
+                events = call.events[mark:]
+                dones.append(done)
+                turns.append({
+                    "voice_to_voice_ms": timing.get("voice_to_voice_ms"), "timings": timing,
+                    # ms after the clip's last frame was sent: when the caller heard what
+                    "events_ms": {"final": event_ms(events, "transcript.final", rid, spoken),
+                                  "audio": event_ms(events, "response.audio.started", rid, spoken),
+                                  "last_text": event_ms(events, "response.text.delta", rid, spoken, last=True),
+                                  "done": event_ms(events, "response.done", rid, spoken)},
+                    "output_tokens": done.get("output_tokens"),
+                    "cpu_s": {k: round(cpu1[k] - cpu0[k], 2) for k in cpu0}, "window_s": round(t1 - t0, 2),
+                })
         finally:
-            reader.cancel()
-            await client.close()
+            await call.close()
     keys = ("voice_to_voice_ms", "llm_ttft_ms", "asr_final_ms", "first_clause_ms", "tts_first_audio_ms")
+    timings = [t["timings"] for t in turns]
     out: dict[str, Any] = {k: summary_ms([t[k] for t in timings if t.get(k) is not None]) for k in keys}
+    rows = [r for r in (stages(t) for t in turns) if r is not None]
+    out["stages_ms"] = {c: summary_ms([r[c] for r in rows]) for c in COLUMNS}
+    window = sum(t["window_s"] for t in turns)
+    out["cpu_cores_busy"] = {k: round(sum(t["cpu_s"][k] for t in turns) / window, 2) for k in turns[0]["cpu_s"]} if turns else {}
     prompt = sum(d.get("input_tokens", 0) for d in dones)
     out["prefix_hit_rate"] = round(sum(d.get("cached_tokens", 0) for d in dones) / prompt, 3) if prompt else None
-    out["turns_detail"] = timings
+    out["turns"] = turns
     print("v2v", overrides or "inprocess", out["voice_to_voice_ms"], flush=True)
+    print("  stages p50 " + "  ".join(f"{c} {out['stages_ms'][c].get('p50')}" for c in COLUMNS), flush=True)
+    print("  cores busy", out["cpu_cores_busy"], flush=True)
     return out
 
 
@@ -341,10 +374,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     sub = ap.add_subparsers(dest="part", required=True)
     h = sub.add_parser("hop", help="CPU: in-process vs HTTP hop vs router, same machine")
     h.add_argument("--config", default="configs/default.yaml")
-    h.add_argument("--sessions", type=int, default=3)
+    h.add_argument("--sessions", type=int, default=3, help="LLM-stage conversations (0: voice to voice only)")
     h.add_argument("--turns", type=int, default=6)
     h.add_argument("--reply-tokens", type=int, default=24)
     h.add_argument("--v2v-turns", type=int, default=6)
+    h.add_argument("--v2v-side", choices=("both", "inprocess", "router"), default="both",
+                   help="which voice-to-voice run(s): one side per run keeps each run short")
     g = sub.add_parser("gpu", help="2 GPUs: one server vs two behind the router, affinity on/off")
     g.add_argument("--config", default="configs/gpu.yaml")
     g.add_argument("--model-dir", required=True, help="a model directory (config.json of the real shape suffices)")
