@@ -175,6 +175,8 @@ class ServerProcess:
         health = self.health()
         queues = health.get("queues") or {}
         tasks = self.tasks()
+        _, prom = http_get(self.http + "/metrics")
+        trims = re.search(rb"^voicebot_heap_trims_total (\S+)$", prom, re.M)
         return {
             "t": time.time(),
             "rss_mb": round(rss_main / 2**20, 2),
@@ -189,6 +191,7 @@ class ServerProcess:
             "llm_background_waiting": queues.get("llm_background_waiting"),
             "asr_queue": queues.get("asr"),
             "tts_queue": queues.get("tts"),
+            "heap_trims": float(trims.group(1)) if trims else None,
         }
 
     def wait_idle(self, timeout_s: float = 30.0) -> dict[str, Any]:

@@ -85,6 +85,15 @@ class Soak:
         self.turns: list[dict[str, Any]] = []  # what the JSON keeps of each turn
         self.calls = {"placed": 0, "completed": 0, "dropped": 0, "failed": 0, "barge_turns": 0}
         self.failures: list[str] = []
+        # Idle checkpoints (--checkpoint-min): callers finish their call and wait while
+        # the server goes idle, so its RSS is sampled with nothing in flight.
+        self.running = asyncio.Event()
+        self.running.set()
+        self.in_call = 0
+        self.no_call = asyncio.Event()  # set while no caller is in a call
+        self.no_call.set()
+        self.checkpoints: list[dict[str, Any]] = []
+        self.call_time_s = 0.0  # caller-seconds spent in calls (session-hours for the slope)
 
     def probe_config(self, protocol: str, turns: int, barge: bool) -> ProbeConfig:
         return ProbeConfig(
@@ -96,41 +105,57 @@ class Soak:
     async def caller(self, index: int, stop_at: float) -> None:
         rng = random.Random(self.args.seed * 1000 + index)
         first = True
-        while time.monotonic() < stop_at:
-            protocol = rng.choice(self.args.protocols)
-            turns = rng.randint(1, 3)
-            barge = rng.random() < self.args.barge_prob
-            drop = rng.random() < self.args.drop_prob
-            if first:
-                # However short the run, both happen: caller 0 barges in, caller 1 drops.
-                barge, drop, first = index % 2 == 0, index % 2 == 1, False
-                latest = 2.5  # while the caller is still speaking: surely before the call ends
-            else:
-                latest = 2.5 * turns * 3.0
-            session = _Session(self.probe_config(protocol, turns, barge), index, self.args.sessions)
-            self.calls["placed"] += 1
-            task = asyncio.create_task(session.run())
-            if drop:
-                # Somewhere in the call: while speaking, listening or being answered.
-                await asyncio.wait([task], timeout=rng.uniform(0.5, latest))
-                if not task.done():
-                    abort_connection(session)
-                    task.cancel()
-                    await asyncio.wait([task])
-                    self.calls["dropped"] += 1
-                    continue
-            records = await task
-            self.records.extend(records)
-            self.turns.extend({"protocol": protocol, "status": r.status, "v2v_ms": r.voice_to_voice_ms,
-                               "barge_in": r.barge_in, "timings": r.timings, "errors": r.errors[:3]}
-                              for r in records)
-            self.calls["barge_turns"] += sum(r.barge_in is not None for r in records)
-            bad = [r for r in records if r.status != "ok"]
-            if bad:
-                self.calls["failed"] += 1
-                self.failures.append(f"{protocol}: " + "; ".join(sorted({e for r in bad for e in r.errors}))[:300])
-            else:
-                self.calls["completed"] += 1
+        while True:
+            await self.running.wait()
+            if time.monotonic() >= stop_at:
+                break
+            self.in_call += 1
+            self.no_call.clear()
+            began = time.monotonic()
+            try:
+                await self.one_call(rng, index, first)
+            finally:
+                self.in_call -= 1
+                if not self.in_call:
+                    self.no_call.set()
+                self.call_time_s += time.monotonic() - began
+            first = False
+
+    async def one_call(self, rng: random.Random, index: int, first: bool) -> None:
+        protocol = rng.choice(self.args.protocols)
+        turns = rng.randint(1, 3)
+        barge = rng.random() < self.args.barge_prob
+        drop = rng.random() < self.args.drop_prob
+        if first:
+            # However short the run, both happen: caller 0 barges in, caller 1 drops.
+            barge, drop = index % 2 == 0, index % 2 == 1
+            latest = 2.5  # while the caller is still speaking: surely before the call ends
+        else:
+            latest = 2.5 * turns * 3.0
+        session = _Session(self.probe_config(protocol, turns, barge), index, self.args.sessions)
+        self.calls["placed"] += 1
+        task = asyncio.create_task(session.run())
+        if drop:
+            # Somewhere in the call: while speaking, listening or being answered.
+            await asyncio.wait([task], timeout=rng.uniform(0.5, latest))
+            if not task.done():
+                abort_connection(session)
+                task.cancel()
+                await asyncio.wait([task])
+                self.calls["dropped"] += 1
+                return
+        records = await task
+        self.records.extend(records)
+        self.turns.extend({"protocol": protocol, "status": r.status, "v2v_ms": r.voice_to_voice_ms,
+                           "barge_in": r.barge_in, "timings": r.timings, "errors": r.errors[:3]}
+                          for r in records)
+        self.calls["barge_turns"] += sum(r.barge_in is not None for r in records)
+        bad = [r for r in records if r.status != "ok"]
+        if bad:
+            self.calls["failed"] += 1
+            self.failures.append(f"{protocol}: " + "; ".join(sorted({e for r in bad for e in r.errors}))[:300])
+        else:
+            self.calls["completed"] += 1
 
     async def sampler(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -153,14 +178,42 @@ class Soak:
         await asyncio.sleep(2.0)
         return await asyncio.to_thread(self.server.wait_idle)
 
+    async def checkpoint(self, t0: float) -> None:
+        """Hold new calls, let the server go idle and give its heap back, sample, go on."""
+        self.running.clear()
+        try:
+            await self.no_call.wait()
+            idle = await asyncio.to_thread(self.server.wait_idle, 60.0)
+            await asyncio.sleep(self.args.checkpoint_settle_s)  # the heap trim after the last call
+            sample = await asyncio.to_thread(self.server.sample)
+            self.checkpoints.append({
+                "t": sample["t"], "soak_s": round(time.monotonic() - t0, 1),
+                "session_hours": round(self.call_time_s / 3600.0, 4),
+                "rss_mb": sample["rss_mb"], "tree_rss_mb": sample["tree_rss_mb"],
+                "idle": not idle["sessions"], "heap_trims": sample.get("heap_trims"),
+            })
+            print(f"checkpoint at {self.checkpoints[-1]['soak_s']:.0f} s: server {sample['rss_mb']:.1f} MB, "
+                  f"tree {sample['tree_rss_mb']:.1f} MB", flush=True)
+        finally:
+            self.running.set()
+
+    async def checkpoints_every(self, period_s: float, stop_at: float, t0: float) -> None:
+        await self.checkpoint(t0)  # the reference, right after the warm-up calls
+        while time.monotonic() + period_s < stop_at:
+            await asyncio.sleep(period_s)
+            await self.checkpoint(t0)
+
     async def soak(self) -> None:
-        stop_at = time.monotonic() + 60.0 * self.args.minutes
+        t0 = time.monotonic()
+        stop_at = t0 + 60.0 * self.args.minutes
         stop = asyncio.Event()
         sampler = asyncio.create_task(self.sampler(stop))
         try:
             async with asyncio.TaskGroup() as tg:
                 for i in range(self.args.sessions):
                     tg.create_task(self.caller(i, stop_at))
+                if self.args.checkpoint_min > 0:
+                    tg.create_task(self.checkpoints_every(60.0 * self.args.checkpoint_min, stop_at, t0))
         finally:
             stop.set()
             await sampler
@@ -229,6 +282,22 @@ def rss_trend(samples: list[dict[str, Any]], warmup_s: float, sessions: int) -> 
     return out
 
 
+def idle_trend(checkpoints: list[dict[str, Any]]) -> dict[str, Any]:
+    """RSS at the idle checkpoints against the session-hours served before each: what a
+    call leaves behind, without the in-flight buffers that make the floor noisy. The first
+    checkpoint (after only the warm-up calls) is the reference; the slope is fitted from
+    the second on, after the caches have filled."""
+    out: dict[str, Any] = {"n": len(checkpoints), "points": [
+        (c["session_hours"], c["rss_mb"], c["tree_rss_mb"]) for c in checkpoints]}
+    fit = checkpoints[1:]
+    if len(fit) >= 3:
+        x = np.array([c["session_hours"] for c in fit])
+        for key, col in (("main", "rss_mb"), ("tree", "tree_rss_mb")):
+            slope, _ = np.polyfit(x, np.array([c[col] for c in fit]), 1)
+            out[f"{key}_mb_per_session_hour"] = round(float(slope), 2)
+    return out
+
+
 def leaks(baseline: dict[str, Any], final: dict[str, Any]) -> dict[str, Any]:
     fam_b, fam_f = baseline["task_families"], final["task_families"]
     grown = {k: fam_f.get(k, 0) - fam_b.get(k, 0) for k in set(fam_b) | set(fam_f)
@@ -258,7 +327,10 @@ def targets(result: dict[str, Any], args: argparse.Namespace) -> dict[str, bool]
         "no_failed_call": result["calls"]["failed"] == 0,
         "no_traceback": result["server_log"]["tracebacks"] == 0,
     }
-    if "tree_mb_per_session_hour" in trend:
+    idle = result.get("idle_trend") or {}
+    if "tree_mb_per_session_hour" in idle:
+        out["memory_flat"] = idle["tree_mb_per_session_hour"] < args.max_mb_per_session_hour
+    elif "tree_mb_per_session_hour" in trend:
         slope = trend.get("floor_mb_per_session_hour", trend["tree_mb_per_session_hour"])
         out["memory_flat"] = slope < args.max_mb_per_session_hour
     ov = result.get("overload")
@@ -290,6 +362,13 @@ def print_table(result: dict[str, Any]) -> None:
             print(f"  floor (lowest sample per minute, what the target uses): {tr['floor_first_mb']:.1f} -> "
                   f"{tr['floor_last_mb']:.1f} MB, {tr['floor_mb_per_hour']:+.1f} MB/h = "
                   f"{tr['floor_mb_per_session_hour']:+.2f} MB/session-hour")
+    it = result.get("idle_trend") or {}
+    if it.get("n"):
+        pts = ", ".join(f"{h:.2f} h: {m:.1f}" for h, m, _ in it["points"])
+        print(f"idle checkpoints (session-hours: server MB): {pts}")
+        if "tree_mb_per_session_hour" in it:
+            print(f"  idle slope from the 2nd checkpoint (what the target uses): server "
+                  f"{it['main_mb_per_session_hour']:+.2f}, tree {it['tree_mb_per_session_hour']:+.2f} MB/session-hour")
     ov = result.get("overload")
     if ov:
         o = ov["overloaded"]
@@ -349,6 +428,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "final": final,
         "leaks": leaks(baseline, final),
         "rss_trend": rss_trend(soak.samples, args.warmup_s, args.sessions),
+        "checkpoints": soak.checkpoints,
+        "idle_trend": idle_trend(soak.checkpoints),
         "heap_growth": heap_growth,
         "overload": overload,
         "server_exit_code": exit_code,
@@ -378,6 +459,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-s", type=float, default=30.0, help="soak time left out of the RSS fit (default: %(default)s)")
     p.add_argument("--settle-s", type=float, default=3.0, help="quiet time before the final sample")
     p.add_argument("--overload-turns", type=int, default=2, help="turns per caller in the overload phase (0: skip)")
+    p.add_argument("--checkpoint-min", type=float, default=0.0,
+                   help="every this many minutes, let the server go idle and sample it (0: never)")
+    p.add_argument("--checkpoint-settle-s", type=float, default=40.0,
+                   help="idle time before a checkpoint's sample: over server.heap_trim_interval_s (default: %(default)s)")
     p.add_argument("--max-mb-per-session-hour", type=float, default=1.0, help="memory target (default: %(default)s)")
     p.add_argument("--heap", type=int, default=0, metavar="FRAMES",
                    help="trace the server's Python heap (tracemalloc, FRAMES deep) and report what grew (0: off)")

@@ -51,6 +51,7 @@ class Metrics:
         self.engine_restarts = Gauge("voicebot_engine_restarts", "Successful supervised restarts per engine.", ["engine"], registry=r)
         # Leak watching (soak): live asyncio tasks, plus process_open_fds /
         # process_resident_memory_bytes from prometheus_client's process collector.
+        self.heap_trims = Counter("voicebot_heap_trims", "glibc malloc_trim runs after calls ended (server.heap_trim_interval_s).", registry=r)
         self.asyncio_tasks = Gauge("voicebot_asyncio_tasks", "Live asyncio tasks of the server's loop.", registry=r)
         ProcessCollector(registry=r)
 

@@ -71,10 +71,11 @@ class HeapTrimmer:
     most), so the memory of a burst of hang-ups is still given back."""
 
     def __init__(self, interval_s: float, *, clock: Callable[[], float] = time.monotonic,
-                 trim_fn: Callable[[], bool] = trim) -> None:
+                 trim_fn: Callable[[], bool] = trim, on_trim: Callable[[], None] | None = None) -> None:
         self.interval_s = interval_s
         self._clock = clock
         self._trim = trim_fn
+        self._on_trim = on_trim
         self._last = -float("inf")
         self._task: asyncio.Task[None] | None = None
         self.trims = 0
@@ -95,6 +96,8 @@ class HeapTrimmer:
         self._last = self._clock()
         await asyncio.to_thread(self._trim)
         self.trims += 1
+        if self._on_trim is not None:
+            self._on_trim()
 
     async def aclose(self) -> None:
         task, self._task = self._task, None

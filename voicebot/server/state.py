@@ -56,7 +56,7 @@ class ServerState:
 
     def __post_init__(self) -> None:
         self.api_keys = edge.load_api_keys(self.cfg.server)
-        self.heap = HeapTrimmer(self.cfg.server.heap_trim_interval_s)
+        self.heap = HeapTrimmer(self.cfg.server.heap_trim_interval_s, on_trim=self.metrics.heap_trims.inc)
 
     @property
     def ready(self) -> bool:
