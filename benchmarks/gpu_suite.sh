@@ -17,7 +17,13 @@
 #               Whisper on the GPU and Piper on the CPU; the probe spreads N sessions over them;
 #               PIPE_FRONTENDS="1 4" (one run per K), PIPE_MULTI_SESSIONS, PIPE_WHISPER_MEMORY,
 #               PIPE_WALL_S, PIPE_ARGS) -> OUT/pipeline-multi-kK/pipeline.json
-#             llm-stop (stop what llm-server / --detach left running in OUT)
+#             asr-server (issue 9: the ONE shared ASR service, `voicebot asr-serve` hosting Whisper on vLLM
+#               at PIPE_WHISPER_MEMORY, started detached into OUT/asr-server like llm-server)
+#             pipeline-asr (issue 9 after the third GPU session: the LLM server + that ONE ASR service +
+#               K frontends with asr.backend remote and llm.backend remote (configs/gpu-asr-service.yaml):
+#               no frontend holds a GPU engine; PIPE_FRONTENDS="1 4", PIPE_ASR_SESSIONS, PIPE_ASR_SLOTS,
+#               PIPE_WHISPER_MEMORY, PIPE_WALL_S, PIPE_ARGS) -> OUT/pipeline-asr-kK/pipeline.json
+#             llm-stop (stop what llm-server / asr-server / --detach left running in OUT)
 #             remote-tier (issue 10, one GPU: two vLLM servers sharing it behind vllm-router vs one,
 #               affinity on vs off, gpu_remote_tier.py; needs the vllm-router wheel: .whl/, see below)
 #
@@ -132,9 +138,33 @@ run() {
             --sessions ${PIPE_MULTI_SESSIONS:-16 32 48 64 96 128} --max-wall-s "${PIPE_WALL_S:-540}" ${PIPE_ARGS:-} \
             --out "$out/pipeline-multi-k$k" >> "$out/pipeline_multi.log" 2>&1 || rc=$?
         done ;;
+      asr-server)  # the ONE shared ASR service, detached (pipeline-asr finds it in OUT/asr-server)
+        python3 benchmarks/pipeline_gpu.py asr-server --config configs/gpu-asr-service.yaml --gpu-dummy \
+          --whisper-dir "$whisper" --whisper-memory "${PIPE_WHISPER_MEMORY:-0.15}" \
+          ${PIPE_ASR_SLOTS:+--asr-slots "$PIPE_ASR_SLOTS"} \
+          --out "$out/asr-server" >> "$out/asr_server_part.log" 2>&1 || rc=$? ;;
+      pipeline-asr)  # one LLM server + ONE ASR service + K frontends; one run per K in PIPE_FRONTENDS
+        local llm_url="" asr_url="" k
+        [ -f "$out/llm-server/llm_server.json" ] && llm_url="$out/llm-server/llm_server.json"
+        [ -f "$out/asr-server/asr_server.json" ] && asr_url="$out/asr-server/asr_server.json"
+        for k in ${PIPE_FRONTENDS:-1 4}; do
+          # shellcheck disable=SC2086  # word lists
+          python3 benchmarks/pipeline_gpu.py run --config configs/gpu-asr-service.yaml --gpu-dummy \
+            --remote-llm --remote-asr --frontends "$k" \
+            ${llm_url:+--llm-url "$llm_url"} ${asr_url:+--asr-url "$asr_url"} \
+            --llm-memory "${PIPE_LLM_MEMORY:-0.45}" --whisper-memory "${PIPE_WHISPER_MEMORY:-0.15}" \
+            ${PIPE_ASR_SLOTS:+--asr-slots "$PIPE_ASR_SLOTS"} \
+            --llm-dir "$qwen" --whisper-dir "$whisper" --voice "$HOME/tts/voice" \
+            --audio "$audio"/librivox_08*.wav "$audio"/librivox_09*.wav "$audio"/goforward.wav \
+            --sessions ${PIPE_ASR_SESSIONS:-16 32 64 128 256 512} --max-wall-s "${PIPE_WALL_S:-540}" ${PIPE_ARGS:-} \
+            --out "$out/pipeline-asr-k$k" >> "$out/pipeline_asr.log" 2>&1 || rc=$?
+        done ;;
       llm-stop)
         python3 benchmarks/pipeline_gpu.py stop --out "$out/llm-server" || rc=$?
-        for d in "$out"/pipeline-multi-k*/; do [ -d "$d" ] && python3 benchmarks/pipeline_gpu.py stop --out "$d"; done ;;
+        [ -d "$out/asr-server" ] && python3 benchmarks/pipeline_gpu.py stop --out "$out/asr-server"
+        for d in "$out"/pipeline-multi-k*/ "$out"/pipeline-asr-k*/; do
+          [ -d "$d" ] && python3 benchmarks/pipeline_gpu.py stop --out "$d"
+        done ;;
       remote-tier)  # issue 10 on one GPU (both servers share it)
         if [ -d .whl ] || [ -d ../../.whl ]; then
           python3 -m pip install -q --no-index --no-deps --no-compile "$( [ -d .whl ] && echo .whl || echo ../../.whl )"/*.whl || rc=$?

@@ -5,6 +5,9 @@
         --audio .gpu/audio/librivox_08*.wav --sessions 16 32 64 128 256 512 --out OUT
     python benchmarks/pipeline_gpu.py run ... --remote-llm --frontends 4 --out OUT    # scale-out (below)
     python benchmarks/pipeline_gpu.py llm-server --llm-dir .gpu/qwen7b --gpu-dummy --out OUT   # detached
+    python benchmarks/pipeline_gpu.py run --config configs/gpu-asr-service.yaml ... --remote-llm \
+        --remote-asr --frontends 4 --out OUT     # + ONE shared ASR service (below)
+    python benchmarks/pipeline_gpu.py asr-server --whisper-dir .gpu/whisper-turbo --gpu-dummy --out OUT  # detached
     python benchmarks/pipeline_gpu.py plot "16 TTS workers=OUT/pipeline.json" --png docs/img/pipeline-gpu.png
 
 ``run`` starts ``voicebot serve`` (this file's ``serve`` mode: the real CLI path with the
@@ -32,7 +35,16 @@ cores) start one after the other (vLLM sizes its memory from what is free). The 
 spreads the N sessions over the K frontends (session i calls frontend i mod K), and the
 level rows carry each frontend's loop lag and cores and the LLM server's cores.
 
-Benchmark patches (``serve`` mode only, chosen by ``--gpu-dummy``; all stated in the JSON):
+Shared ASR (``--remote-asr``, issue 9 after the third GPU session): ONE ``voicebot asr-serve``
+(this file's ``asr-serve`` mode: the real CLI path with the Whisper patches below) hosts a
+single Whisper engine on vLLM that batches every frontend's streams, as the LLM server
+does for replies; the frontends run ``asr.backend: remote`` (their streams, partials and
+agreement stay in the frontend; decodes go over one WebSocket each), so no frontend holds
+a GPU engine. It starts after the LLM server and before the frontends, or is named by
+``--asr-url`` (``asr-server`` starts one detached). Level rows add the service's cores,
+its decode counts in the level and its peak queue / decodes running.
+
+Benchmark patches (``serve`` and ``asr-serve`` modes only, chosen by ``--gpu-dummy``; all stated in the JSON):
 - Whisper on vLLM and the LLM run with ``load_format="dummy"``: random weights of the real
   shapes (no weights can be downloaded on the GPU machines). Speed does not depend on the
   weights' values, but lengths do, so they are forced: ASR text is min=max tokens,
@@ -220,6 +232,15 @@ def install_loop_route() -> None:
     app_module.create_app = create_app  # type: ignore[assignment]
 
 
+def asr_serve_main(argv: list[str]) -> int:
+    """The shared ASR service with the Whisper patches (random weights: forced lengths)."""
+    opts = json.loads(os.environ.get(PATCH_ENV, "{}"))
+    install_patches({"whisper": opts["whisper"]} if opts.get("whisper") else {})
+    from voicebot.cli import main as cli_main
+
+    return cli_main(["asr-serve", *argv])
+
+
 def serve_main(argv: list[str]) -> int:
     opts = json.loads(os.environ.get(PATCH_ENV, "{}"))
     install_patches(opts)
@@ -250,7 +271,8 @@ def http_json(url: str, timeout: float = 5.0) -> tuple[int, dict[str, Any]]:
 
 
 def patch_options(args: argparse.Namespace) -> dict[str, Any]:
-    opts: dict[str, Any] = {"script_replies": bool(args.script_replies), "remote_llm": bool(args.remote_llm)}
+    opts: dict[str, Any] = {"script_replies": bool(getattr(args, "script_replies", False)),
+                            "remote_llm": bool(getattr(args, "remote_llm", False))}
     if args.gpu_dummy:
         opts["whisper"] = {
             "settings": {
@@ -258,6 +280,7 @@ def patch_options(args: argparse.Namespace) -> dict[str, Any]:
                 "gpu_memory_utilization": args.whisper_memory,
                 "max_num_batched_tokens": args.whisper_batched_tokens,
                 "feature_workers": args.whisper_feature_workers,
+                **({"concurrency": args.asr_slots, "max_num_seqs": args.asr_slots} if args.asr_slots else {}),
             },
             "tokens_per_s": args.asr_tokens_per_s,
             "max_tokens": args.asr_max_tokens,
@@ -265,7 +288,7 @@ def patch_options(args: argparse.Namespace) -> dict[str, Any]:
     return opts
 
 
-def server_overrides(args: argparse.Namespace, llm_url: str | None = None) -> list[str]:
+def server_overrides(args: argparse.Namespace, llm_url: str | None = None, asr_url: str | None = None) -> list[str]:
     sets = [f"server.max_sessions={max(args.sessions) + 8}", "server.transports=[native]"]
     if args.gpu_dummy:
         sets += [
@@ -280,6 +303,10 @@ def server_overrides(args: argparse.Namespace, llm_url: str | None = None) -> li
         # the frontend loads only the tokenizer (llm.model: the same directory the server serves)
         sets += ["llm.backend=remote", f"llm.remote.url={llm_url or 'http://127.0.0.1:1'}",
                  f"llm.remote.max_connections={max(args.sessions) * 2 + 16}"]
+    if getattr(args, "remote_asr", False):
+        # after asr.backend=vllm above: the frontends hold no Whisper, the service does
+        sets += ["asr.backend=remote", f"asr.remote.url={asr_url or 'ws://127.0.0.1:1'}",
+                 f"asr.remote.concurrency={args.asr_frontend_concurrency}"]
     if args.voice:
         sets += ["tts.engine=piper", f"tts.voice={Path(args.voice).expanduser().resolve()}"]
     if args.llm_max_tokens:
@@ -291,8 +318,9 @@ class Server:
     """The server child, or nothing when --url names one that is already up."""
 
     def __init__(self, args: argparse.Namespace, out: Path, index: int | None = None,
-                 llm_url: str | None = None) -> None:
+                 llm_url: str | None = None, asr_url: str | None = None) -> None:
         self.args, self.out = args, out
+        self.asr_url = asr_url
         self.proc: subprocess.Popen[bytes] | None = None
         self.port = free_port()
         self.suffix = "" if index is None else f"_{index}"  # frontend k of --frontends
@@ -307,7 +335,7 @@ class Server:
         args = self.args
         cmd = [sys.executable, str(Path(__file__).resolve()), "serve", "--config", args.config,
                "--host", "127.0.0.1", "--port", str(self.port)]
-        for item in server_overrides(args, self.llm_url):
+        for item in server_overrides(args, self.llm_url, self.asr_url):
             cmd += ["--set", item]
         env = dict(os.environ, **{PATCH_ENV: json.dumps(patch_options(args))})
         (self.out / f"server{self.suffix}_cmd.json").write_text(
@@ -434,13 +462,116 @@ class LlmServer:
             proc.wait(10)
 
 
+class AsrServer:
+    """The one shared ASR service of ``--remote-asr`` runs: ``voicebot asr-serve`` through this
+    file's ``asr-serve`` mode (Whisper on vLLM with the benchmark patches under --gpu-dummy;
+    the config's asr section otherwise, e.g. faster-whisper in a CPU smoke run)."""
+
+    def __init__(self, args: argparse.Namespace, out: Path) -> None:
+        self.args, self.out = args, out
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.port = free_port()
+        self.log_path = out / "asr_server.log"
+
+    @property
+    def url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        args = self.args
+        cmd = [sys.executable, str(Path(__file__).resolve()), "asr-serve", "--config", args.config,
+               "--host", "127.0.0.1", "--port", str(self.port)]
+        sets = []
+        if args.gpu_dummy:
+            sets += ["asr.backend=vllm", f"asr.model={Path(args.whisper_dir).resolve()}", "models.offline=true"]
+        for item in sets + list(args.set):
+            cmd += ["--set", item]
+        return cmd
+
+    def spawn(self) -> None:
+        cmd = self.command()
+        env = dict(os.environ, **{PATCH_ENV: json.dumps(patch_options(self.args))})
+        self.out.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env=env, start_new_session=True)
+        (self.out / "asr_server.json").write_text(json.dumps(
+            {"pid": self.proc.pid, "port": self.port, "url": self.url, "cmd": cmd,
+             "patches": patch_options(self.args)}, indent=1) + "\n")
+
+    def start(self) -> float:
+        self.spawn()
+        return wait_asr_ready(self.url, self.args.start_timeout_s, self.proc, self.log_path)
+
+    def stop(self) -> None:
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(30)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # vLLM's engine core too
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(10)
+
+
+def asr_service_stats(url: str, timeout: float = 5.0) -> dict[str, Any]:
+    """The service's counters (``{"type": "stats"}`` on a connection of its own)."""
+    from websockets.sync.client import connect
+
+    with connect(url, open_timeout=timeout, max_size=None) as ws:
+        ws.recv(timeout)  # hello
+        ws.send(json.dumps({"type": "stats"}))
+        return dict(json.loads(ws.recv(timeout)))
+
+
+def wait_asr_ready(url: str, timeout_s: float, proc: subprocess.Popen[bytes] | None = None,
+                   log: Path | None = None) -> float:
+    """Poll the ASR service until it answers its stats; the seconds it took."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        if proc is not None and proc.poll() is not None:
+            tail = log.read_text(errors="replace")[-4000:] if log and log.exists() else ""
+            raise RuntimeError(f"{url}: the ASR service exited with {proc.returncode}\n{tail}")
+        with contextlib.suppress(Exception):
+            asr_service_stats(url, 2.0)
+            return time.monotonic() - t0
+        time.sleep(1.0)
+    raise RuntimeError(f"{url} not up within {timeout_s:.0f} s")
+
+
+class AsrStatsSampler(threading.Thread):
+    """The ASR service's queue depth and decodes running every second during a level (peaks)."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.url, self.stop_flag = url, threading.Event()
+        self.peaks: dict[str, float] = {}
+        self.errors = 0
+
+    def run(self) -> None:
+        while not self.stop_flag.wait(1.0):
+            try:
+                stats = asr_service_stats(self.url, 2.0)
+            except Exception:
+                self.errors += 1
+                continue
+            for key in ("queue_depth", "running", "open_connections"):
+                val = stats.get(key)
+                if isinstance(val, int | float):
+                    self.peaks[key] = max(self.peaks.get(key, val), val)
+
+
 def stop_recorded(out: Path) -> list[int]:
     """Stop the servers an earlier ``--detach`` / ``llm-server`` left running (by the
     process groups recorded in OUT), frontends first."""
     stopped = []
     pids = [pid for pid in (read_pid(p) for p in sorted(out.glob("server*.pid"))) if pid]
-    with contextlib.suppress(OSError, ValueError, KeyError):
-        pids.append(int(json.loads((out / "llm_server.json").read_text())["pid"]))
+    for name in ("asr_server.json", "llm_server.json"):
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            pids.append(int(json.loads((out / name).read_text())["pid"]))
     for pid in pids:
         for sig, wait in ((signal.SIGTERM, 20.0), (signal.SIGKILL, 5.0)):
             try:
@@ -634,6 +765,7 @@ def run_main(args: argparse.Namespace) -> int:
         "weights": "dummy (random, real shapes)" if args.gpu_dummy else "real",
         "frontends": len(args.url) if args.url else args.frontends if args.remote_llm else 1,
         "llm": "remote: one vLLM OpenAI server" if args.remote_llm else "in-process",
+        "asr": "remote: one shared ASR service (voicebot asr-serve)" if args.remote_asr else "in each frontend",
     }
     summary.setdefault("runs", []).append(run_info)
     llm: LlmServer | None = None
@@ -642,6 +774,12 @@ def run_main(args: argparse.Namespace) -> int:
     recorded = Path(args.llm_url) if args.llm_url and args.llm_url.endswith(".json") else out / "llm_server.json"
     llm_url = None if args.llm_url and args.llm_url.endswith(".json") else args.llm_url
     llm_pid: int | None = None
+    asr: AsrServer | None = None
+    # --asr-url: a URL, or the asr_server.json an ``asr-server`` wrote (default: OUT's)
+    asr_recorded = (Path(args.asr_url) if args.asr_url and args.asr_url.endswith(".json")
+                    else out / "asr_server.json")
+    asr_url = None if args.asr_url and args.asr_url.endswith(".json") else args.asr_url
+    asr_pid: int | None = None
     rc = 0
     try:
         if args.url:  # frontends already up (an earlier --detach)
@@ -665,8 +803,29 @@ def run_main(args: argparse.Namespace) -> int:
                 print(f"LLM server ready in {run_info['llm_server_start_s']} s at {llm_url}", flush=True)
             elif llm_url:
                 run_info["llm_server_wait_s"] = round(wait_http_ok(llm_url + "/health", args.start_timeout_s), 1)
-            count = args.frontends if args.remote_llm else 1
-            frontends = [Server(args, out, k if args.remote_llm else None, llm_url) for k in range(count)]
+            if args.remote_asr and not asr_url and asr_recorded.exists():  # started by ``asr-server``
+                info = json.loads(asr_recorded.read_text())
+                try:
+                    os.killpg(int(info["pid"]), 0)
+                    asr_url = info["url"]
+                except ProcessLookupError:
+                    print(f"the recorded ASR service (pid {info['pid']}) is gone: starting one", flush=True)
+                    asr_recorded.unlink()
+            if args.remote_asr and not asr_url:
+                asr = AsrServer(args, out)
+                print("starting the shared ASR service ...", flush=True)
+                try:
+                    run_info["asr_server_start_s"] = round(asr.start(), 1)
+                except Exception:
+                    print(asr.log_path.read_text(errors="replace")[-4000:], file=sys.stderr)
+                    raise
+                asr_url = asr.url
+                print(f"ASR service ready in {run_info['asr_server_start_s']} s at {asr_url}", flush=True)
+            elif asr_url:
+                run_info["asr_server_wait_s"] = round(wait_asr_ready(asr_url, args.start_timeout_s), 1)
+            multi = args.remote_llm or args.remote_asr
+            count = args.frontends if multi else 1
+            frontends = [Server(args, out, k if multi else None, llm_url, asr_url) for k in range(count)]
             run_info["server_start_s"] = []
             for k, server in enumerate(frontends):  # one after the other: each sizes vLLM from free memory
                 print(f"starting frontend {k} ({args.config}) ...", flush=True)
@@ -676,7 +835,7 @@ def run_main(args: argparse.Namespace) -> int:
                     print(server.log_path.read_text(errors="replace")[-4000:], file=sys.stderr)
                     raise
                 print(f"frontend {k} ready in {run_info['server_start_s'][-1]} s at port {server.port}", flush=True)
-            run_info["overrides"] = server_overrides(args, llm_url)  # with the LLM server's real URL
+            run_info["overrides"] = server_overrides(args, llm_url, asr_url)  # with the servers' real URLs
             urls = [f"ws://127.0.0.1:{s.port}/ws" for s in frontends]
             https = [s.http for s in frontends]
             pids = [s.proc.pid if s.proc else None for s in frontends]
@@ -686,6 +845,12 @@ def run_main(args: argparse.Namespace) -> int:
                 llm_pid = int(info["pid"])
                 llm_url = llm_url or info["url"]
             run_info["llm_url"] = llm_url
+        if args.remote_asr:
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                info = json.loads(asr_recorded.read_text())
+                asr_pid = int(info["pid"])
+                asr_url = asr_url or info["url"]
+            run_info["asr_url"] = asr_url
         run_info["healthz_at_start"] = [http_json(h + "/healthz")[1] for h in https]
         clips = tuple(load_clip(a, 16000) for a in args.audio)
         base = ProbeConfig(url=urls[0], urls=tuple(urls), clips=clips, turns=args.turns, gap_s=args.gap_s,
@@ -708,10 +873,28 @@ def run_main(args: argparse.Namespace) -> int:
                 sampler.start()
             loop0 = [http_json(h + LOOP_PATH)[1] for h in https]
             eng0 = [engine_cpu(pid) for pid in pids]
-            llm0, t0 = tree_cpu(llm_pid), time.monotonic()
+            asr_sampler = AsrStatsSampler(asr_url) if asr_url else None
+            asr_stats0: dict[str, Any] = {}
+            if asr_url and asr_sampler is not None:
+                with contextlib.suppress(Exception):
+                    asr_stats0 = asr_service_stats(asr_url)
+                asr_sampler.start()
+            llm0, asr_cpu0, t0 = tree_cpu(llm_pid), tree_cpu(asr_pid), time.monotonic()
             result = asyncio.run(run_level_measured(cfg, n))
             last_wall = time.monotonic() - t0
             llm_cores = (tree_cpu(llm_pid) - llm0) / last_wall if llm_pid else None
+            asr_cores = (tree_cpu(asr_pid) - asr_cpu0) / last_wall if asr_pid else None
+            asr_row: dict[str, Any] | None = None
+            if asr_url and asr_sampler is not None:
+                asr_sampler.stop_flag.set()
+                asr_sampler.join(3)
+                asr_row = {"peaks": asr_sampler.peaks, "sampler_errors": asr_sampler.errors,
+                           "cores": round(asr_cores, 3) if asr_cores is not None else None}
+                with contextlib.suppress(Exception):
+                    asr_stats1 = asr_service_stats(asr_url)
+                    asr_row["in_level"] = {k: asr_stats1[k] - asr_stats0.get(k, 0)
+                                           for k in ("finals", "partials", "dropped_partials", "cancelled", "failed")
+                                           if isinstance(asr_stats1.get(k), int)}
             loop1 = [http_json(h + LOOP_PATH)[1] for h in https]
             eng1 = [engine_cpu(pid) for pid in pids]
             for sampler in samplers:
@@ -729,6 +912,8 @@ def run_main(args: argparse.Namespace) -> int:
                                                                                        strict=True)])
             if llm_cores is not None:
                 row["llm_server_cores"] = round(llm_cores, 3)
+            if asr_row is not None:
+                row["asr_service"] = asr_row
             row["fails"] = level_fails(row, args)
             summary["levels"] = [lv for lv in summary["levels"]
                                  if (lv["sessions"], lv.get("frontends", 1)) != (n, len(urls))] + [row]
@@ -745,6 +930,8 @@ def run_main(args: argparse.Namespace) -> int:
                   f"server loop {row['server'].get('loop_thread_cores')} cores lag p99 "
                   f"{(row['server'].get('lag_ms') or {}).get('p99')} ms process {row['server'].get('process_cores')}  "
                   f"llm server {row.get('llm_server_cores')} cores  "
+                  f"asr service {(row.get('asr_service') or {}).get('cores')} cores "
+                  f"peaks {(row.get('asr_service') or {}).get('peaks')}  "
                   f"{last_wall:.0f} s {'FAIL: ' + '; '.join(row['fails']) if row['fails'] else ''}", flush=True)
             if row["fails"] and not args.keep_going:
                 break
@@ -761,8 +948,21 @@ def run_main(args: argparse.Namespace) -> int:
                 server.stop()
             if llm is not None:
                 llm.stop()
+            if asr is not None:
+                asr.stop()
         print(f"largest passing N: {summary['sessions_per_gpu']}; {summary_path}", flush=True)
     return rc
+
+
+def asr_server_main(args: argparse.Namespace) -> int:
+    """Start the shared ASR service detached (its pid and URL in OUT/asr_server.json)."""
+    server = AsrServer(args, Path(args.out))
+    server.spawn()
+    print(f"ASR service starting: pid {server.proc.pid if server.proc else None} at {server.url}", flush=True)
+    if args.wait:
+        print(f"ASR service ready in {wait_asr_ready(server.url, args.start_timeout_s, server.proc, server.log_path):.1f} s",
+              flush=True)
+    return 0
 
 
 def llm_server_main(args: argparse.Namespace) -> int:
@@ -836,6 +1036,17 @@ def add_model_args(r: argparse.ArgumentParser) -> None:
     r.add_argument("--llm-server-args", default="", help="more `vllm serve` flags for the LLM server (--remote-llm)")
 
 
+def add_whisper_args(r: argparse.ArgumentParser) -> None:
+    r.add_argument("--whisper-dir", default=".gpu/whisper-turbo")
+    r.add_argument("--whisper-memory", type=float, default=0.15)
+    r.add_argument("--whisper-batched-tokens", type=int, default=48_000)
+    r.add_argument("--whisper-feature-workers", type=int, default=8)
+    r.add_argument("--asr-tokens-per-s", type=float, default=3.0)
+    r.add_argument("--asr-max-tokens", type=int, default=24)
+    r.add_argument("--asr-slots", type=int, default=0,
+                   help="Whisper decodes in flight in vLLM (concurrency = max_num_seqs; 0: the default 256)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
@@ -860,15 +1071,19 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--rtf-limit", type=float, default=0.95, help="reply delivery RTF p5 below this fails")
     r.add_argument("--keep-going", action="store_true", help="run every level even after one fails")
     r.add_argument("--max-wall-s", type=float, default=0.0, help="start no level that would end after this")
-    r.add_argument("--whisper-dir", default=".gpu/whisper-turbo")
     r.add_argument("--voice", help="Piper voice directory (sets tts.engine=piper)")
     r.add_argument("--llm-max-tokens", type=int, default=24, help="reply length (forced: random weights)")
-    r.add_argument("--whisper-memory", type=float, default=0.15)
-    r.add_argument("--whisper-batched-tokens", type=int, default=48_000)
-    r.add_argument("--whisper-feature-workers", type=int, default=8)
-    r.add_argument("--asr-tokens-per-s", type=float, default=3.0)
-    r.add_argument("--asr-max-tokens", type=int, default=24)
+    add_whisper_args(r)
+    r.add_argument("--remote-asr", action="store_true",
+                   help="ONE shared ASR service (voicebot asr-serve) for all frontends (asr.backend remote)")
+    r.add_argument("--asr-url", help="an ASR service already up (default: OUT/asr_server.json's, else start one)")
+    r.add_argument("--asr-frontend-concurrency", type=int, default=256,
+                   help="decodes in flight from one frontend to the service (asr.remote.concurrency)")
     r.add_argument("--script-replies", action=argparse.BooleanOptionalAction, default=True)
+    asr = sub.add_parser("asr-server", help="start the shared ASR service of --remote-asr runs, detached")
+    add_model_args(asr)
+    add_whisper_args(asr)
+    asr.add_argument("--wait", action="store_true", help="return once it answers")
     ls = sub.add_parser("llm-server", help="start the LLM server of --remote-llm runs, detached")
     add_model_args(ls)
     ls.add_argument("--wait", action="store_true", help="return once it answers /health")
@@ -884,11 +1099,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "serve":
         return serve_main(sys.argv[2:])
+    if len(sys.argv) > 1 and sys.argv[1] == "asr-serve":
+        return asr_serve_main(sys.argv[2:])
     args = build_parser().parse_args()
+    if args.command == "run" and args.frontends > 1 and not args.remote_llm:
+        build_parser().error("--frontends > 1 needs --remote-llm (one LLM for all frontends)")
     if args.command == "run":
         return run_main(args)
     if args.command == "llm-server":
         return llm_server_main(args)
+    if args.command == "asr-server":
+        return asr_server_main(args)
     if args.command == "stop":
         print(f"stopped process groups {stop_recorded(Path(args.out))}", flush=True)
         return 0
