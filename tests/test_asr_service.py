@@ -352,3 +352,29 @@ async def test_the_remote_backend_builds_the_service_client_and_resolves_no_whis
     assert specs.asr_path == cfg.asr.remote.url
     assert cfg.asr.model not in resolved  # a frontend does not need the Whisper model
     assert isinstance(specs.asr(), RemoteAsrEngine)
+
+
+async def test_decodes_waiting_on_a_connect_that_fails_fail_with_it_not_one_timeout_after_another() -> None:
+    """A service host that accepts TCP but never answers (hung, black-holed): 20 decodes
+    waiting on the same connect must fail together after one connect timeout, not after 20
+    connect timeouts one by one (a final would hang for minutes)."""
+    from voicebot.engines.asr_remote import AsrServiceClient
+
+    async def mute(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # never answers the handshake
+
+    server = await asyncio.start_server(mute, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    client = AsrServiceClient(RemoteAsrConfig(url=f"ws://127.0.0.1:{port}", connect_timeout_s=0.3, retries=0))
+    try:
+        t0 = asyncio.get_running_loop().time()
+        results = await asyncio.wait_for(
+            asyncio.gather(*(client.decode(audio(0.5), "", "en", Priority.FINAL) for _ in range(20)), return_exceptions=True),
+            WAIT,
+        )
+        took = asyncio.get_running_loop().time() - t0
+        assert all(isinstance(r, EngineError) and r.code == "asr_unavailable" for r in results), results
+        assert took < 1.5, f"the waiting decodes failed one connect timeout after another ({took:.1f} s)"
+    finally:
+        await client.aclose()
+        server.close()

@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 import websockets
-from websockets.asyncio.client import ClientConnection
+from websockets.asyncio.client import ClientConnection, connect
 
 from voicebot.config import AsrConfig, RemoteAsrConfig
 from voicebot.engines.asr import AsrEngine, DecodeAbandoned
@@ -146,41 +146,59 @@ class AsrServiceClient:
         self._background: set[asyncio.Task[Any]] = set()
         self._closed = False
         self.reconnects = 0
+        self._attempts = 0  # connect attempts made
+        self._last_error: BaseException | None = None  # of the last failed attempt
 
     @property
     def connected(self) -> bool:
         return self._ws is not None
 
     async def connect(self) -> None:
-        """Open the connection unless open; raises what connecting raised."""
+        """Open the connection unless open; raises what connecting raised.
+
+        Callers that waited while another one's attempt failed share that failure instead
+        of trying again one after another (with a host that never answers, 20 waiting
+        decodes would otherwise take 20 connect timeouts)."""
+        seen = self._attempts
         async with self._connecting:
             if self._ws is not None:
                 return
             if self._closed:
                 raise EngineError("ASR service client is closed")
-            ws = await websockets.connect(
-                self.cfg.url,
-                open_timeout=self.cfg.connect_timeout_s,
-                max_size=MAX_FRAME,
-                compression=None,
-                ping_interval=PING_INTERVAL_S,
-                ping_timeout=PING_TIMEOUT_S,
-            )
+            if self._attempts != seen and self._last_error is not None:
+                raise self._last_error
+            self._attempts += 1
+            self._last_error = None  # a cancelled attempt leaves none: waiters try themselves
             try:
-                raw = await asyncio.wait_for(ws.recv(), self.cfg.connect_timeout_s)
-                hello = json.loads(raw)
-                if not isinstance(hello, dict) or hello.get("type") != "hello":
-                    raise ValueError(f"ASR service {self.cfg.url} did not say hello: {raw!r:.200}")
-                if hello.get("protocol") != PROTOCOL:
-                    raise ValueError(f"ASR service speaks protocol {hello.get('protocol')}, we speak {PROTOCOL}")
-            except BaseException:
-                await ws.close()
+                await self._open()
+            except Exception as exc:
+                self._last_error = exc
                 raise
-            if self.hello is not None:
-                self.reconnects += 1
-            self.hello = hello
-            self._ws = ws
-            self._reader = asyncio.create_task(self._read(ws), name="asr-service-reader")
+
+    async def _open(self) -> None:
+        ws = await connect(
+            self.cfg.url,
+            open_timeout=self.cfg.connect_timeout_s,
+            max_size=MAX_FRAME,
+            compression=None,
+            ping_interval=PING_INTERVAL_S,
+            ping_timeout=PING_TIMEOUT_S,
+        )
+        try:
+            raw = await asyncio.wait_for(ws.recv(), self.cfg.connect_timeout_s)
+            hello = json.loads(raw)
+            if not isinstance(hello, dict) or hello.get("type") != "hello":
+                raise ValueError(f"ASR service {self.cfg.url} did not say hello: {raw!r:.200}")
+            if hello.get("protocol") != PROTOCOL:
+                raise ValueError(f"ASR service speaks protocol {hello.get('protocol')}, we speak {PROTOCOL}")
+        except BaseException:
+            await ws.close()
+            raise
+        if self.hello is not None:
+            self.reconnects += 1
+        self.hello = hello
+        self._ws = ws
+        self._reader = asyncio.create_task(self._read(ws), name="asr-service-reader")
 
     async def _read(self, ws: ClientConnection) -> None:
         try:
