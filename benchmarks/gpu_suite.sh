@@ -138,8 +138,11 @@ run() {
             --sessions ${PIPE_MULTI_SESSIONS:-16 32 48 64 96 128} --max-wall-s "${PIPE_WALL_S:-540}" ${PIPE_ARGS:-} \
             --out "$out/pipeline-multi-k$k" >> "$out/pipeline_multi.log" 2>&1 || rc=$?
         done ;;
-      asr-server)  # the ONE shared ASR service, detached (pipeline-asr finds it in OUT/asr-server)
+      asr-server)  # the ONE shared ASR service, detached (pipeline-asr finds it in OUT/asr-server); it
+        # starts once a recorded LLM server is up (two vLLM engines starting at once mis-size GPU memory)
+        # shellcheck disable=SC2046
         python3 benchmarks/pipeline_gpu.py asr-server --config configs/gpu-asr-service.yaml --gpu-dummy \
+          $( [ -f "$out/llm-server/llm_server.json" ] && echo --after "$out/llm-server/llm_server.json" ) \
           --whisper-dir "$whisper" --whisper-memory "${PIPE_WHISPER_MEMORY:-0.15}" \
           ${PIPE_ASR_SLOTS:+--asr-slots "$PIPE_ASR_SLOTS"} \
           --out "$out/asr-server" >> "$out/asr_server_part.log" 2>&1 || rc=$? ;;

@@ -956,6 +956,10 @@ def run_main(args: argparse.Namespace) -> int:
 
 def asr_server_main(args: argparse.Namespace) -> int:
     """Start the shared ASR service detached (its pid and URL in OUT/asr_server.json)."""
+    if args.after:  # another vLLM engine's start must be over first (GPU memory is sized from what is free)
+        url = json.loads(Path(args.after).read_text())["url"] if args.after.endswith(".json") else args.after
+        print(f"waiting for {url}/health before starting ...", flush=True)
+        wait_http_ok(url + "/health", args.start_timeout_s)
     server = AsrServer(args, Path(args.out))
     server.spawn()
     print(f"ASR service starting: pid {server.proc.pid if server.proc else None} at {server.url}", flush=True)
@@ -1084,6 +1088,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(asr)
     add_whisper_args(asr)
     asr.add_argument("--wait", action="store_true", help="return once it answers")
+    asr.add_argument("--after", help="start only once this LLM server (URL or llm_server.json) answers /health")
     ls = sub.add_parser("llm-server", help="start the LLM server of --remote-llm runs, detached")
     add_model_args(ls)
     ls.add_argument("--wait", action="store_true", help="return once it answers /health")

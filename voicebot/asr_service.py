@@ -346,5 +346,9 @@ def run_asr_service(cfg: Config, host: str, port: int, *, pull: bool = True) -> 
     def ready(url: str) -> None:
         print(json.dumps({"asr_service": url}), flush=True)
 
+    ws_log = logging.getLogger("websockets.server")
+    if ws_log.level == logging.NOTSET:
+        ws_log.setLevel(logging.WARNING)  # "connection open/closed" at INFO, one per stats probe
+
     asyncio.run(serve_asr(cfg, host, port, ready=ready, pull=pull))
     return 0
