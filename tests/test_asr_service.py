@@ -378,3 +378,29 @@ async def test_decodes_waiting_on_a_connect_that_fails_fail_with_it_not_one_time
     finally:
         await client.aclose()
         server.close()
+
+
+async def test_partials_failing_while_the_service_is_gone_are_counted_with_one_log_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The supervisor's failure streak needs every failed partial counted; the log needs
+    one line, not a traceback per caller per partial."""
+    fake = FakeWhisper()
+    async with service(fake) as (svc, url):
+        eng = frontend(url, retries=0)
+        await eng.start()
+    try:
+        streams = [eng.stream() for _ in range(3)]
+        with caplog.at_level("WARNING", logger="voicebot.engines"):
+            for s in streams:
+                s.push(audio(0.5))
+            await until(lambda: eng.stats.failed_decodes == 3)
+            for s in streams:  # each stream schedules its next partial again
+                s.push(audio(0.5))
+            await until(lambda: eng.stats.failed_decodes == 6)
+        lines = [r for r in caplog.records if r.name.startswith("voicebot.engines")]
+        assert len(lines) == 1 and lines[0].exc_info is None, [r.getMessage() for r in lines]
+        for s in streams:
+            await s.aclose()
+    finally:
+        await eng.aclose()

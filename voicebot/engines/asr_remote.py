@@ -337,6 +337,7 @@ class RemoteAsrEngine(AsrEngine):
         self.client = client or AsrServiceClient(cfg.remote)
         self.in_flight = 0  # decodes sent to the service and not answered
         self._running: dict[DecodeJob, asyncio.Task[tuple[str, float]]] = {}
+        self._last_partial_warning = -1e9  # monotonic time of the last failed-partial log line
 
     async def start(self) -> None:
         rcfg = self.cfg.remote
@@ -404,6 +405,17 @@ class RemoteAsrEngine(AsrEngine):
         except PartialDropped:
             self.stats.dropped_partials += 1
             job.owner._partial_dropped(job)  # retried on the stream's next audio
+            raise DecodeAbandoned from None
+        except EngineError as exc:
+            # Counted as the base worker would (the supervisor's failure streak), but with
+            # the service down every caller's partials fail: one log line per 10 s, not a
+            # traceback per decode. A final's failure still goes to its waiter.
+            self.stats.failed_decodes += 1
+            now = time.monotonic()
+            if now - self._last_partial_warning >= 10.0:
+                self._last_partial_warning = now
+                log.warning("ASR partial decodes failing: %s", exc)
+            job.owner._partial_done(job, None)
             raise DecodeAbandoned from None
         except asyncio.CancelledError:
             task = asyncio.current_task()
