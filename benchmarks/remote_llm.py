@@ -44,9 +44,11 @@ import platform
 import random
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+STARTED = time.monotonic()
 ROOT = Path(__file__).resolve().parents[1]
 for p in (ROOT, ROOT / "tests"):
     if str(p) not in sys.path:
@@ -89,6 +91,13 @@ def write(path: str | None, report: dict[str, Any]) -> None:
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(report, indent=2))
+
+
+def saver(args: argparse.Namespace, report: dict[str, Any], side: str) -> Callable[[dict[str, Any]], None]:
+    def save(summary: dict[str, Any]) -> None:
+        report["voice_to_voice"][side] = summary
+        write(args.json, report)
+    return save
 
 
 def versions() -> dict[str, str]:
@@ -220,31 +229,30 @@ async def hop(args: argparse.Namespace) -> dict[str, Any]:
                 write(args.json, report)
             if args.v2v_turns and "router" in sides:
                 report["voice_to_voice"]["router"] = await voice_turns(
-                    args, [f"llm.remote.url={tier.url}", "llm.backend=remote"])
+                    args, [f"llm.remote.url={tier.url}", "llm.backend=remote"], saver(args, report, "router"))
                 write(args.json, report)
     if args.v2v_turns and "inprocess" in sides:
-        report["voice_to_voice"]["inprocess"] = await voice_turns(args, [])
+        report["voice_to_voice"]["inprocess"] = await voice_turns(args, [], saver(args, report, "inprocess"))
     write(args.json, report)
     return report
 
 
 def cpu_seconds() -> dict[str, float]:
     """CPU seconds used so far, by role: this process (the frontend: sessions, ASR, TTS,
-    the in-process LLM's client side), the vLLM engine cores and API servers it started
-    (in-process: the engine core; remote: the server's API process and engine core),
-    the router, and the whole machine (busy time, others' work included)."""
+    the in-process LLM's client side), the vLLM processes it started (in-process: the
+    engine core and its worker; remote: the server's API process, engine core and
+    worker), the router, and the whole machine (busy time, others' work included)."""
     import psutil
 
     me = psutil.Process()
     t = me.cpu_times()
-    out = {"frontend": t.user + t.system, "llm_engine": 0.0, "llm_api": 0.0, "router": 0.0}
+    out = {"frontend": t.user + t.system, "llm": 0.0, "router": 0.0}
     for child in me.children(recursive=True):
         try:
-            name, cmd, ct = child.name(), " ".join(child.cmdline()), child.cpu_times()
+            cmd, ct = " ".join(child.cmdline()), child.cpu_times()
         except psutil.Error:
             continue  # gone meanwhile
-        role = "router" if "vllm-router" in cmd else "llm_engine" if "EngineCor" in name else "llm_api"
-        out[role] += ct.user + ct.system
+        out["router" if "vllm-router" in cmd else "llm"] += ct.user + ct.system
     m = psutil.cpu_times()
     out["machine"] = m.user + m.nice + m.system + m.irq + m.softirq + getattr(m, "steal", 0.0)
     return out
@@ -256,43 +264,9 @@ def event_ms(events: list[dict[str, Any]], kind: str, rid: str, since: float, la
     return None if not ts else round(1000 * ((ts[-1] if last else ts[0]) - since), 1)
 
 
-async def voice_turns(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
-    """A real frontend; a caller says clips; the server's own turn timings, split into
-    stages (benchmarks/v2v_stages.py), and the CPU each part of the system used per turn."""
-    from servers import NativeCall, running_server
-    from speech import load_clips
+def v2v_summary(turns: list[dict[str, Any]], dones: list[dict[str, Any]]) -> dict[str, Any]:
     from v2v_stages import COLUMNS, stages
 
-    cfg = load_config(args.config, [*args.set, *overrides, "server.port=0", "server.transports=[native]"])
-    clips = load_clips(cfg.models)
-    turns: list[dict[str, Any]] = []  # the probe report's shape: what v2v_stages.py reads
-    dones: list[dict[str, Any]] = []  # each reply's token counts (the remote ones known only at its end)
-    async with running_server(cfg) as srv:
-        call = await NativeCall.open(srv, system_prompt=SYSTEM)
-        try:
-            for i in range(args.v2v_turns):
-                mark = len(call.events)
-                cpu0, t0 = cpu_seconds(), time.monotonic()
-                spoken = await call.say(clips[i % len(clips)].audio)  # then silence until the reply is over
-                timing = await call.wait_for("turn.timings", 120, after=mark)  # the reply that was heard
-                rid = timing["response_id"]
-                done = await call.wait_for("response.done", 120, after=mark, response_id=rid)
-                cpu1, t1 = cpu_seconds(), time.monotonic()
-
-                events = call.events[mark:]
-                dones.append(done)
-                turns.append({
-                    "voice_to_voice_ms": timing.get("voice_to_voice_ms"), "timings": timing,
-                    # ms after the clip's last frame was sent: when the caller heard what
-                    "events_ms": {"final": event_ms(events, "transcript.final", rid, spoken),
-                                  "audio": event_ms(events, "response.audio.started", rid, spoken),
-                                  "last_text": event_ms(events, "response.text.delta", rid, spoken, last=True),
-                                  "done": event_ms(events, "response.done", rid, spoken)},
-                    "output_tokens": done.get("output_tokens"),
-                    "cpu_s": {k: round(cpu1[k] - cpu0[k], 2) for k in cpu0}, "window_s": round(t1 - t0, 2),
-                })
-        finally:
-            await call.close()
     keys = ("voice_to_voice_ms", "llm_ttft_ms", "asr_final_ms", "first_clause_ms", "tts_first_audio_ms")
     timings = [t["timings"] for t in turns]
     out: dict[str, Any] = {k: summary_ms([t[k] for t in timings if t.get(k) is not None]) for k in keys}
@@ -303,8 +277,57 @@ async def voice_turns(args: argparse.Namespace, overrides: list[str]) -> dict[st
     prompt = sum(d.get("input_tokens", 0) for d in dones)
     out["prefix_hit_rate"] = round(sum(d.get("cached_tokens", 0) for d in dones) / prompt, 3) if prompt else None
     out["turns"] = turns
+    return out
+
+
+async def voice_turns(args: argparse.Namespace, overrides: list[str],
+                      save: Callable[[dict[str, Any]], None] = lambda _: None) -> dict[str, Any]:
+    """A real frontend; a caller says clips; the server's own turn timings, split into
+    stages (benchmarks/v2v_stages.py), and the CPU each part of the system used per turn.
+    ``save`` gets the summary so far after every turn (a run cut short keeps its turns);
+    no turn starts after ``--stop-after-s`` (from the start of the process)."""
+    from servers import NativeCall, running_server
+    from speech import load_clips
+
+    cfg = load_config(args.config, [*args.set, *overrides, "server.port=0", "server.transports=[native]"])
+    clips = load_clips(cfg.models)
+    turns: list[dict[str, Any]] = []  # the probe report's shape: what v2v_stages.py reads
+    dones: list[dict[str, Any]] = []  # each reply's token counts (the remote ones known only at its end)
+    async with running_server(cfg) as srv:
+        call = await NativeCall.open(srv, system_prompt=SYSTEM)
+        try:
+            for i in range(args.v2v_turns):
+                if args.stop_after_s and time.monotonic() - STARTED > args.stop_after_s:
+                    print(f"  --stop-after-s {args.stop_after_s:g}: stopping after {i} turns", flush=True)
+                    break
+                mark = len(call.events)
+                cpu0, t0 = cpu_seconds(), time.monotonic()
+                spoken = await call.say(clips[i % len(clips)].audio)  # then silence until the reply is over
+                timing = await call.wait_for("turn.timings", 120, after=mark)  # the reply that was heard
+                rid = timing["response_id"]
+                done = await call.wait_for("response.done", 120, after=mark, response_id=rid)
+                cpu1, t1 = cpu_seconds(), time.monotonic()
+                events = call.events[mark:]
+                dones.append(done)
+                turns.append({
+                    "voice_to_voice_ms": timing.get("voice_to_voice_ms"), "timings": timing,
+                    # ms after the clip's last frame was sent (clips end in some silence)
+                    "events_ms": {"final": event_ms(events, "transcript.final", rid, spoken),
+                                  "audio": event_ms(events, "response.audio.started", rid, spoken),
+                                  "last_text": event_ms(events, "response.text.delta", rid, spoken, last=True),
+                                  "done": event_ms(events, "response.done", rid, spoken)},
+                    "output_tokens": done.get("output_tokens"),
+                    "cpu_s": {k: round(cpu1[k] - cpu0[k], 2) for k in cpu0}, "window_s": round(t1 - t0, 2),
+                })
+                print(f"  turn {i}: {time.monotonic() - STARTED:.0f} s", {k: timing.get(k) for k in (
+                    "voice_to_voice_ms", "asr_final_ms", "llm_ttft_ms", "first_clause_ms", "tts_first_audio_ms")},
+                    flush=True)
+                save(v2v_summary(turns, dones))
+        finally:
+            await call.close()
+    out = v2v_summary(turns, dones)
     print("v2v", overrides or "inprocess", out["voice_to_voice_ms"], flush=True)
-    print("  stages p50 " + "  ".join(f"{c} {out['stages_ms'][c].get('p50')}" for c in COLUMNS), flush=True)
+    print("  stages p50 " + "  ".join(f"{c} {v.get('p50')}" for c, v in out["stages_ms"].items()), flush=True)
     print("  cores busy", out["cpu_cores_busy"], flush=True)
     return out
 
@@ -378,6 +401,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     h.add_argument("--turns", type=int, default=6)
     h.add_argument("--reply-tokens", type=int, default=24)
     h.add_argument("--v2v-turns", type=int, default=6)
+    h.add_argument("--stop-after-s", type=float, default=0.0,
+                   help="start no voice turn after this many seconds of the run (0: no limit)")
     h.add_argument("--v2v-side", choices=("both", "inprocess", "router"), default="both",
                    help="which voice-to-voice run(s): one side per run keeps each run short")
     g = sub.add_parser("gpu", help="2 GPUs: one server vs two behind the router, affinity on/off")
