@@ -542,26 +542,40 @@ def wait_asr_ready(url: str, timeout_s: float, proc: subprocess.Popen[bytes] | N
     raise RuntimeError(f"{url} not up within {timeout_s:.0f} s")
 
 
-class AsrStatsSampler(threading.Thread):
-    """The ASR service's queue depth and decodes running every second during a level (peaks)."""
+class PeakSampler(threading.Thread):
+    """Polls ``read()`` every second during a level and keeps each number's peak."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self) -> None:
         super().__init__(daemon=True)
-        self.url, self.stop_flag = url, threading.Event()
+        self.stop_flag = threading.Event()
         self.peaks: dict[str, float] = {}
         self.errors = 0
+
+    def read(self) -> dict[str, object]:
+        raise NotImplementedError
 
     def run(self) -> None:
         while not self.stop_flag.wait(1.0):
             try:
-                stats = asr_service_stats(self.url, 2.0)
+                items = self.read()
             except Exception:
                 self.errors += 1
                 continue
-            for key in ("queue_depth", "running", "open_connections"):
-                val = stats.get(key)
-                if isinstance(val, int | float):
-                    self.peaks[key] = max(self.peaks.get(key, val), val)
+            for k, v in items.items():
+                if isinstance(v, int | float):
+                    self.peaks[k] = max(self.peaks.get(k, v), v)
+
+
+class AsrStatsSampler(PeakSampler):
+    """The ASR service's queue depth and decodes running (peaks)."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__()
+        self.url = url
+
+    def read(self) -> dict[str, object]:
+        stats = asr_service_stats(self.url, 2.0)
+        return {k: stats.get(k) for k in ("queue_depth", "running", "open_connections")}
 
 
 def stop_recorded(out: Path) -> list[int]:
@@ -589,27 +603,18 @@ def stop_recorded(out: Path) -> list[int]:
     return stopped
 
 
-class HealthSampler(threading.Thread):
-    """/healthz every second during a level: sessions, engine queues (max seen)."""
+class HealthSampler(PeakSampler):
+    """/healthz: sessions, engine queues (max seen)."""
 
     def __init__(self, http: str) -> None:
-        super().__init__(daemon=True)
-        self.http, self.stop_flag = http, threading.Event()
-        self.peaks: dict[str, float] = {}
-        self.errors = 0
+        super().__init__()
+        self.http = http
 
-    def run(self) -> None:
-        while not self.stop_flag.wait(1.0):
-            try:
-                _, body = http_json(self.http + "/healthz", 2.0)
-            except Exception:
-                self.errors += 1
-                continue
-            items = {"active_sessions": body.get("active_sessions")}
-            items.update({f"queue_{k}": v for k, v in (body.get("queues") or {}).items()})
-            for k, v in items.items():
-                if isinstance(v, int | float):
-                    self.peaks[k] = max(self.peaks.get(k, v), v)
+    def read(self) -> dict[str, object]:
+        _, body = http_json(self.http + "/healthz", 2.0)
+        items: dict[str, object] = {"active_sessions": body.get("active_sessions")}
+        items.update({f"queue_{k}": v for k, v in (body.get("queues") or {}).items()})
+        return items
 
 
 def read_pid(path: Path) -> int | None:

@@ -17,62 +17,14 @@ from collections.abc import AsyncIterator
 import numpy as np
 import pytest
 import websockets
+from fake_whisper import WAIT, WORDS, FakeWhisper, audio
 
 from voicebot.asr_service import AsrService, listen
-from voicebot.audio import ASR_RATE
 from voicebot.config import AsrConfig, RemoteAsrConfig
 from voicebot.engines.asr_queue import Priority
 from voicebot.engines.asr_remote import RemoteAsrEngine, pack_decode, unpack_decode
 from voicebot.engines.asr_vllm import VllmAsrEngine, WhisperVllmSettings, create_asr
 from voicebot.errors import EngineError, ModelError
-
-WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima".split()
-WAIT = 5.0
-
-
-class FakeWhisper:
-    """Scripted Whisper: the text for N seconds of audio is WORDS[: 2N], after the prefix."""
-
-    def __init__(self) -> None:
-        self.calls: list[dict[str, object]] = []
-        self.started = asyncio.Event()  # a decode began
-        self.hold: asyncio.Event | None = None  # set: decodes wait for it
-        self.aborted: list[str] = []
-
-    async def start(self) -> None:
-        pass
-
-    async def aclose(self) -> None:
-        pass
-
-    def prompt_ids(self, language: str | None, prefix: str) -> list[int]:
-        return [1, 2, 3, 4] + [100 + WORDS.index(w) for w in prefix.split()]
-
-    async def decode(
-        self,
-        request_id: str,
-        audio: np.ndarray,
-        prompt_ids: list[int],
-        *,
-        max_tokens: int,
-        min_tokens: int,
-        priority: int,
-    ) -> str:
-        self.calls.append({"rid": request_id, "audio_s": audio.size / ASR_RATE, "prompt": prompt_ids, "priority": priority})
-        self.started.set()
-        try:
-            if self.hold is not None:
-                await self.hold.wait()
-            await asyncio.sleep(0)
-        except asyncio.CancelledError:
-            self.aborted.append(request_id)
-            raise
-        words = WORDS[: int(audio.size / ASR_RATE * 2)]
-        return "".join(" " + w for w in words[len(prompt_ids) - 4 :])
-
-
-def audio(seconds: float) -> np.ndarray:
-    return np.full(int(seconds * ASR_RATE), 0.01, dtype=np.float32)
 
 
 @contextlib.asynccontextmanager

@@ -12,8 +12,8 @@ import asyncio
 import subprocess
 import sys
 
-import numpy as np
 import pytest
+from fake_whisper import WAIT, WORDS, FakeWhisper, audio
 
 from voicebot.audio import ASR_RATE
 from voicebot.config import AsrConfig, load_config
@@ -25,60 +25,6 @@ from voicebot.engines.asr_vllm import (
     create_asr,
 )
 from voicebot.errors import EngineError
-
-WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima".split()
-WAIT = 5.0
-
-
-class FakeWhisper:
-    """Scripted Whisper: the text for N seconds of audio is WORDS[: 2N]."""
-
-    def __init__(self) -> None:
-        self.calls: list[dict[str, object]] = []
-        self.started = asyncio.Event()  # a decode began
-        self.hold: asyncio.Event | None = None  # set: decodes wait for it
-        self.aborted: list[str] = []
-        self.closed = False
-
-    async def start(self) -> None:
-        pass
-
-    async def aclose(self) -> None:
-        self.closed = True
-
-    def prompt_ids(self, language: str | None, prefix: str) -> list[int]:
-        # 4 task tokens, then one "token" per prefix word (the word's index + 100).
-        return [1, 2, 3, 4] + [100 + WORDS.index(w) for w in prefix.split()]
-
-    async def decode(
-        self,
-        request_id: str,
-        audio: np.ndarray,
-        prompt_ids: list[int],
-        *,
-        max_tokens: int,
-        min_tokens: int,
-        priority: int,
-    ) -> str:
-        self.calls.append(
-            {"rid": request_id, "audio_s": audio.size / ASR_RATE, "prompt": prompt_ids,
-             "priority": priority, "max_tokens": max_tokens}
-        )
-        self.started.set()
-        try:
-            if self.hold is not None:
-                await self.hold.wait()
-            await asyncio.sleep(0)
-        except asyncio.CancelledError:
-            self.aborted.append(request_id)
-            raise
-        words = WORDS[: int(audio.size / ASR_RATE * 2)]
-        done = len(prompt_ids) - 4
-        return "".join(" " + w for w in words[done:])
-
-
-def audio(seconds: float) -> np.ndarray:
-    return np.full(int(seconds * ASR_RATE), 0.01, dtype=np.float32)
 
 
 def engine(fake: FakeWhisper, concurrency: int = 4, **cfg: object) -> VllmAsrEngine:
