@@ -11,12 +11,13 @@ with them by construction, and so does the final transcript.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -41,8 +42,32 @@ class AsrStats:
 
 
 
+_T = TypeVar("_T")
+
+
 class DecodeAbandoned(Exception):
     """A decode stopped because nobody waits for its result any more: nothing to report."""
+
+
+async def unless_abandoned(decode: asyncio.Future[_T], waiter: asyncio.Future[Any]) -> _T:
+    """A final's decode, raced against its waiter: the result, or -- when the waiter goes
+    first (the turn was cancelled) -- the decode cancelled, so the upstream work stops
+    (a vLLM request, the ASR service's job), and :class:`DecodeAbandoned`. Our own
+    cancellation cancels the decode as well and propagates."""
+    try:
+        await asyncio.wait({decode, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        decode.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await decode
+        raise
+    if not decode.done():
+        decode.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await decode
+        raise DecodeAbandoned
+    return decode.result()
+
 
 class AsrEngine:
     def __init__(self, cfg: AsrConfig, model_path: str, *, agreement_n: int = 3) -> None:

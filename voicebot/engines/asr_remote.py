@@ -53,7 +53,7 @@ import websockets
 from websockets.asyncio.client import ClientConnection, connect
 
 from voicebot.config import AsrConfig, RemoteAsrConfig
-from voicebot.engines.asr import AsrEngine, DecodeAbandoned
+from voicebot.engines.asr import AsrEngine, DecodeAbandoned, unless_abandoned
 from voicebot.engines.asr_queue import DecodeJob, Priority
 from voicebot.engines.asr_stream import AsrStream
 from voicebot.errors import EngineError, ModelError
@@ -427,18 +427,6 @@ class RemoteAsrEngine(AsrEngine):
     async def _final(self, job: DecodeJob, decode: asyncio.Future[tuple[str, float]]) -> tuple[str, float]:
         assert job.future is not None
         try:
-            await asyncio.wait({decode, job.future}, return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:
-            decode.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await decode
-            raise
-        if not decode.done():  # the waiter went away: stop the service's work
-            decode.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await decode
-            raise DecodeAbandoned
-        try:
-            return decode.result()
+            return await unless_abandoned(decode, job.future)
         except PartialDropped:  # the service never drops finals; be safe all the same
             raise EngineError("ASR service dropped a final decode", code="asr_unavailable") from None

@@ -37,7 +37,7 @@ import numpy as np
 from voicebot.audio import ASR_RATE
 from voicebot.config import AsrConfig
 from voicebot.engines.agreement import continuation_after
-from voicebot.engines.asr import AsrEngine, DecodeAbandoned
+from voicebot.engines.asr import AsrEngine, unless_abandoned
 from voicebot.engines.asr_queue import DecodeJob
 from voicebot.errors import EngineError, ModelError
 
@@ -294,20 +294,7 @@ class VllmAsrEngine(AsrEngine):
         """Decode; for a final, abort as soon as its waiter is cancelled."""
         if job.future is None:
             return await self._decode_async(job)
-        decode = asyncio.ensure_future(self._decode_async(job))
-        try:
-            await asyncio.wait({decode, job.future}, return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:
-            decode.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await decode
-            raise
-        if not decode.done():  # the waiter went away (cancelled): stop the GPU work
-            decode.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await decode
-            raise DecodeAbandoned
-        return decode.result()
+        return await unless_abandoned(asyncio.ensure_future(self._decode_async(job)), job.future)
 
 
 def create_asr(cfg: AsrConfig, model_path: str, *, settings: WhisperVllmSettings | None = None) -> AsrEngine:
