@@ -578,6 +578,21 @@ class AsrStatsSampler(PeakSampler):
         return {k: stats.get(k) for k in ("queue_depth", "running", "open_connections")}
 
 
+def recorded_url(path: Path, what: str) -> str | None:
+    """The URL of a server an earlier detached part recorded in ``path``, if it still runs
+    (a recorded server that is gone is forgotten, so the caller starts one)."""
+    if not path.exists():
+        return None
+    info = json.loads(path.read_text())
+    try:
+        os.killpg(int(info["pid"]), 0)
+    except ProcessLookupError:
+        print(f"the recorded {what} (pid {info['pid']}) is gone: starting one", flush=True)
+        path.unlink()
+        return None
+    return str(info["url"])
+
+
 def stop_recorded(out: Path) -> list[int]:
     """Stop the servers an earlier ``--detach`` / ``llm-server`` left running (by the
     process groups recorded in OUT), frontends first."""
@@ -792,14 +807,8 @@ def run_main(args: argparse.Namespace) -> int:
             https = [u.replace("ws://", "http://").rsplit("/ws", 1)[0] for u in urls]
             pids = [read_pid(p) for p in sorted(out.glob("server*.pid"))]
         else:
-            if args.remote_llm and not llm_url and recorded.exists():  # started by ``llm-server``
-                info = json.loads(recorded.read_text())
-                try:
-                    os.killpg(int(info["pid"]), 0)
-                    llm_url = info["url"]
-                except ProcessLookupError:
-                    print(f"the recorded LLM server (pid {info['pid']}) is gone: starting one", flush=True)
-                    recorded.unlink()
+            if args.remote_llm and not llm_url:  # started by ``llm-server``
+                llm_url = recorded_url(recorded, "LLM server")
             if args.remote_llm and not llm_url:
                 llm = LlmServer(args, out)
                 print("starting the LLM server ...", flush=True)
@@ -808,14 +817,8 @@ def run_main(args: argparse.Namespace) -> int:
                 print(f"LLM server ready in {run_info['llm_server_start_s']} s at {llm_url}", flush=True)
             elif llm_url:
                 run_info["llm_server_wait_s"] = round(wait_http_ok(llm_url + "/health", args.start_timeout_s), 1)
-            if args.remote_asr and not asr_url and asr_recorded.exists():  # started by ``asr-server``
-                info = json.loads(asr_recorded.read_text())
-                try:
-                    os.killpg(int(info["pid"]), 0)
-                    asr_url = info["url"]
-                except ProcessLookupError:
-                    print(f"the recorded ASR service (pid {info['pid']}) is gone: starting one", flush=True)
-                    asr_recorded.unlink()
+            if args.remote_asr and not asr_url:  # started by ``asr-server``
+                asr_url = recorded_url(asr_recorded, "ASR service")
             if args.remote_asr and not asr_url:
                 asr = AsrServer(args, out)
                 print("starting the shared ASR service ...", flush=True)
