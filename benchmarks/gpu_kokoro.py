@@ -1,0 +1,367 @@
+"""TTS at scale on a GPU: Kokoro-82M batched across sessions (random weights, real shape).
+
+    python benchmarks/gpu_kokoro.py --device cuda --sessions 64 128 256 512 1024 --json OUT
+
+The workload of ``benchmarks/gpu_tts.py`` (Piper on CPU cores), on one Kokoro model:
+each simulated session speaks a reply clause by clause (a short first clause, then
+sentences), plays it out in real time, then listens for ``--listen-s`` before the next
+reply. Per reply: first audio (the first clause's synthesis, queueing included) and
+stalls, i.e. playback time lost waiting for the next clause (a stream is real-time if it
+never stalls). As there, a session asks for its next clause when the previous one's audio
+arrives (one clause of look-ahead).
+
+Engine: ``voicebot/engines/kokoro_batch.py`` (``KokoroBatcher``: one bounded queue of
+clauses from every session, earliest deadline first; up to ``--max-batch`` clauses per
+forward; ``--workers`` forwards at once, each on its own CUDA stream) over
+``voicebot/engines/kokoro_model.py`` (the ``kokoro`` package's ``KModel`` modules, run
+batched: padded phonemes, then the vocoder in groups of similar length with per-utterance
+instance norms). Modes:
+
+- ``batched``: ``--max-batch`` clauses per forward, ``--workers`` forwards at once;
+- ``streams``: batch 1, ``--stream-workers`` forwards at once, each on its own CUDA
+  stream (what ``KModel`` allows without batching), at ``--stream-sessions``.
+
+**Random weights of the real shape** (hexgrad/Kokoro-82M config.json, 81.8 M parameters;
+weights cannot be downloaded on the GPU machines). Speed does not depend on the weights'
+values, except through the predicted durations, which random weights get wrong (~25
+frames per phoneme): durations are forced instead, 2-4 frames (50-100 ms) per phoneme,
+mean 3 (about 13 phonemes per second of speech), one phoneme per character of the clause
+(so input and audio lengths are those of real English speech). Phoneme ids are random.
+
+Prints a table and writes JSON (``--json``, rewritten after every scenario).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+import types
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+if "voicebot.engines" not in sys.modules:  # skip engines/__init__ (imports ASR/LLM/VAD stacks)
+    _pkg = types.ModuleType("voicebot.engines")
+    _pkg.__path__ = [str(ROOT / "voicebot" / "engines")]
+    sys.modules["voicebot.engines"] = _pkg
+
+log = logging.getLogger("gpu_kokoro")
+
+# The replies of gpu_tts.py (same texts, so the two benchmarks' loads compare).
+FIRST = [
+    "Sure, let me check that.", "The next train leaves at ten.", "Yes, bicycles are allowed.",
+    "I'm sorry about the delay.", "That ticket costs twelve pounds.", "Platform four, in five minutes.",
+]
+REST = [
+    "It stops at every station on the coast line and arrives a little after eleven in the morning.",
+    "If your train was more than thirty minutes late, you can claim half of the single fare back.",
+    "Folding bicycles travel free at any time, but full-size bikes need a free reservation.",
+    "You can change an advance ticket before departure for a fee of ten pounds plus any difference.",
+    "Staff at the station can help you board if you book assistance two hours ahead.",
+    "Is there anything else I can help you with today?",
+]
+N_TOKEN = 178
+
+
+# The stats helpers of llm_load.py, here because that module imports voicebot.config
+# (pydantic), which a bare GPU machine (no vLLM bundle staged) lacks.
+def pct(values: list[float], p: float) -> float | None:
+    if not values:
+        return None
+    v = sorted(values)
+    k = (len(v) - 1) * p / 100.0
+    lo = int(k)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (k - lo)
+
+
+def summarise(values_s: list[float]) -> dict[str, Any]:
+    ms = [x * 1000.0 for x in values_s]
+    if not ms:
+        return {"n": 0}
+    return {"n": len(ms), "p50": round(pct(ms, 50) or 0, 1), "p95": round(pct(ms, 95) or 0, 1),
+            "p99": round(pct(ms, 99) or 0, 1), "mean": round(sum(ms) / len(ms), 1), "max": round(max(ms), 1)}
+
+
+def phonemes(text: str, rng: random.Random) -> tuple[list[int], list[int]]:
+    """Stand-in phoneme ids (one per character) and forced durations (frames of 25 ms)."""
+    ids = [rng.randrange(1, N_TOKEN) for _ in text]
+    return ids, [rng.choice((2, 3, 3, 4)) for _ in text]
+
+
+class Stats:
+    def __init__(self) -> None:
+        self.first_audio: list[float] = []
+        self.stall: list[float] = []
+        self.synth_rtf: list[float] = []
+        self.audio_s = 0.0
+        self.replies = 0
+        self.errors: list[str] = []
+
+
+class GpuSampler:
+    """nvidia-smi every ``period_s`` in a thread: GPU utilisation and memory while a scenario runs."""
+
+    def __init__(self, period_s: float = 0.5) -> None:
+        self.period_s = period_s
+        self.util: list[float] = []
+        self.mem_mib: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.period_s):
+            try:
+                out = subprocess.run(
+                    ["nvidia-smi", "--query-gpu=utilization.gpu,memory.used", "--format=csv,noheader,nounits"],
+                    capture_output=True, text=True, timeout=5, check=True).stdout.splitlines()[0]
+            except (OSError, subprocess.SubprocessError, IndexError):
+                return
+            util, mem = (float(x) for x in out.split(","))
+            self.util.append(util)
+            self.mem_mib.append(mem)
+
+    def __enter__(self) -> GpuSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def summary(self) -> dict[str, Any]:
+        if not self.util:
+            return {}
+        return {"gpu_util_mean": round(sum(self.util) / len(self.util), 1), "gpu_util_max": max(self.util),
+                "gpu_mem_max_mib": max(self.mem_mib), "gpu_samples": len(self.util)}
+
+
+async def session(eng: Any, args: argparse.Namespace, st: Stats, t_start: float, t_end: float,
+                  rng: random.Random, style: Any) -> None:
+    loop = asyncio.get_running_loop()
+    rate = 24_000
+    await asyncio.sleep(rng.uniform(0, args.listen_s[1]))
+    while time.monotonic() < t_end:
+        clauses = [rng.choice(FIRST)] + rng.sample(REST, args.sentences)
+        t0 = time.monotonic()
+        play_start: float | None = None
+        audio_pos = stall = 0.0
+        first = None
+        try:
+            for clause in clauses:
+                ids, dur = phonemes(clause, rng)
+                # Earliest deadline first: the first clause is due now, a later one when
+                # playback reaches it (fifo: every clause is due when asked for).
+                due = None
+                if args.policy == "edf" and play_start is not None:
+                    due = loop.time() + max(0.0, play_start + audio_pos + stall - time.monotonic())
+                chunk = await eng.synthesize(ids, style, deadline=due, durations=dur)
+                now = time.monotonic()
+                if play_start is None:
+                    play_start, first = now, now - t0
+                else:
+                    due_at = play_start + audio_pos + stall  # when playback reaches this chunk
+                    if now > due_at:
+                        stall += now - due_at
+                audio_pos += chunk.size / rate
+        except Exception as exc:  # noqa: BLE001
+            st.errors.append(f"{type(exc).__name__}: {exc}")
+            await asyncio.sleep(1.0)
+            continue
+        synth_wall = time.monotonic() - t0
+        if t0 - t_start >= args.warmup_s and first is not None:
+            st.first_audio.append(first)
+            st.stall.append(stall)
+            st.synth_rtf.append(synth_wall / audio_pos if audio_pos else 0.0)
+        st.audio_s += audio_pos
+        st.replies += 1
+        end_of_playback = (play_start or t0) + audio_pos + stall
+        wait = max(0.0, end_of_playback - time.monotonic()) + rng.uniform(*args.listen_s)
+        if time.monotonic() + wait >= t_end:
+            return
+        await asyncio.sleep(wait)
+
+
+async def scenario(eng: Any, args: argparse.Namespace, n: int, styles: Any) -> dict[str, Any]:
+    st = Stats()
+    t_start = time.monotonic()
+    t_end = t_start + args.duration_s
+    base = random.Random(f"{args.seed}-{n}")
+    b0 = (eng.stats.batches, eng.stats.clauses, eng.stats.busy_s, len(eng.stats.sizes))
+    cpu0 = os.times()
+    with GpuSampler() as gpu:
+        tasks = [asyncio.create_task(session(eng, args, st, t_start, t_end, random.Random(base.random()),
+                                             styles[i % len(styles)])) for i in range(n)]
+        _, late = await asyncio.wait(tasks, timeout=args.duration_s + 60)
+        for t in late:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    cpu1 = os.times()
+    wall = time.monotonic() - t_start
+    stalled = [s for s in st.stall if s > args.stall_tolerance_s]
+    sizes = eng.stats.sizes[b0[3]:]
+    batches = eng.stats.batches - b0[0]
+    return {
+        "sessions": n,
+        "wall_s": round(wall, 1),
+        "replies": st.replies,
+        "replies_measured": len(st.first_audio),
+        "first_audio_ms": summarise(st.first_audio),
+        "stall_ms": summarise(st.stall),
+        "replies_stalled": len(stalled),
+        "stalled_fraction": round(len(stalled) / len(st.stall), 4) if st.stall else None,
+        "synth_wall_over_audio_p50_p95": [round(pct(st.synth_rtf, 50) or 0, 3), round(pct(st.synth_rtf, 95) or 0, 3)],
+        "audio_s_per_wall_s": round(st.audio_s / wall, 2),
+        "process_cpu": round((cpu1.user - cpu0.user + cpu1.system - cpu0.system) / wall, 2),
+        "batches": batches,
+        "batch_mean": round((eng.stats.clauses - b0[1]) / batches, 1) if batches else None,
+        "batch_p95": round(pct([float(s) for s in sizes], 95) or 0, 1),
+        "batch_max": max(sizes, default=0),
+        # Forward wall time summed over workers, over the scenario's wall: 1.0 = one worker always busy.
+        "forward_busy": round((eng.stats.busy_s - b0[2]) / wall, 3),
+        **gpu.summary(),
+        "errors": st.errors[:10],
+        "n_errors": len(st.errors),
+        "sessions_cut": len(late),
+    }
+
+
+def dump(path: str | None, report: dict[str, Any]) -> None:
+    if path:
+        Path(path).write_text(json.dumps(report, indent=2))
+
+
+async def warm_up(eng: Any, styles: Any, max_batch: int) -> float:
+    """Every batch size class once (CUDA kernels, cuDNN LSTM plans, the allocator's pools)."""
+    rng = random.Random(1)
+    t0 = time.perf_counter()
+    for size in sorted({min(s, max_batch) for s in (1, 2, 8, max(1, max_batch // 4), max_batch)}):
+        jobs = []
+        for i in range(size):
+            ids, dur = phonemes(rng.choice(FIRST + REST), rng)
+            jobs.append(eng.synthesize(ids, styles[i % len(styles)], durations=dur))
+        await asyncio.gather(*jobs)
+    return time.perf_counter() - t0
+
+
+async def amain(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from voicebot.engines import kokoro_model as km
+    from voicebot.engines.kokoro_batch import KokoroBatcher, torch_runner
+
+    torch.manual_seed(args.seed)
+    t0 = time.perf_counter()
+    model = km.build_model(km.random_config(N_TOKEN), device=args.device)
+    params = sum(p.numel() for p in model.parameters())
+    load_s = time.perf_counter() - t0
+    styles = torch.randn(args.voices, 256) * 0.15  # voice packs: (510, 1, 256) rows ~N(0, 0.15)
+    report: dict[str, Any] = {
+        "device": args.device, "cpus": os.cpu_count(), "torch": torch.__version__, "argv": sys.argv,
+        "gpu": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else None,
+        "weights": "random (real Kokoro-82M shape), durations forced to 2-4 frames per phoneme",
+        "parameters": params, "build_s": round(load_s, 2), "policy": args.policy, "scenarios": [],
+    }
+    print(f"[gpu_kokoro] model built in {load_s:.1f} s, {params / 1e6:.1f} M parameters, {args.device}", flush=True)
+    plans: list[tuple[str, int, int, list[int]]] = []
+    if "batched" in args.modes:
+        plans += [("batched", args.max_batch, w, args.sessions) for w in args.workers]
+    if "streams" in args.modes:
+        plans += [("streams", 1, w, args.stream_sessions) for w in args.stream_workers]
+    for mode, max_batch, workers, sessions in plans:
+        runner = torch_runner(model, max_pad=args.max_pad, max_frames=args.max_frames)
+        eng = KokoroBatcher(runner, max_batch=max_batch, queue_size=args.queue_size, workers=workers)
+        eng.start()
+        try:
+            warm = await warm_up(eng, styles, max_batch)
+            print(f"[gpu_kokoro] {mode} max-batch {max_batch} workers {workers}: warm-up {warm:.1f} s", flush=True)
+            for n in sessions:
+                if args.device.startswith("cuda"):
+                    torch.cuda.reset_peak_memory_stats()
+                res = await scenario(eng, args, n, styles)
+                if args.device.startswith("cuda"):
+                    res["torch_peak_mem_mib"] = round(torch.cuda.max_memory_allocated() / 2**20)
+                res.update(mode=mode, max_batch=max_batch, workers=workers)
+                report["scenarios"].append(res)
+                print(f"[gpu_kokoro] {mode} b{max_batch} w{workers} sessions {n}: first audio {res['first_audio_ms']} "
+                      f"stalled {res['stalled_fraction']} audio/wall {res['audio_s_per_wall_s']} batch mean "
+                      f"{res['batch_mean']} busy {res['forward_busy']} gpu {res.get('gpu_util_mean')}% "
+                      f"cpu {res['process_cpu']}", flush=True)
+                dump(args.json, report)
+        finally:
+            await eng.aclose()
+    return report
+
+
+def table(report: dict[str, Any]) -> str:
+    head = (f"{'mode':>8}{'batch':>6}{'wkrs':>5}{'sessions':>9}{'replies':>8}{'first audio p50/p95/p99 ms':>29}"
+            f"{'stalled':>9}{'audio s/s':>10}{'batch mean':>11}{'busy':>6}{'gpu %':>6}{'cpu':>6}")
+    lines = [head, "-" * len(head)]
+    for r in report["scenarios"]:
+        f = r["first_audio_ms"]
+        first = f"{f.get('p50')}/{f.get('p95')}/{f.get('p99')}"
+        lines.append(f"{r['mode']:>8}{r['max_batch']:>6}{r['workers']:>5}{r['sessions']:>9}{r['replies_measured']:>8}"
+                     f"{first:>29}{r['stalled_fraction']!s:>9}{r['audio_s_per_wall_s']:>10}{r['batch_mean']!s:>11}"
+                     f"{r['forward_busy']:>6}{r.get('gpu_util_mean', '-')!s:>6}{r['process_cpu']:>6}")
+    return "\n".join(lines)
+
+
+def run_with_deadline(coro: Any, max_wall_s: float) -> Any:
+    """asyncio.run(coro), but the process exits (code 3) after ``max_wall_s`` (a device call must end)."""
+
+    def hard_stop() -> None:
+        print(f"[gpu_kokoro] --max-wall-s {max_wall_s} reached: exiting", file=sys.stderr, flush=True)
+        os._exit(3)
+
+    timer = threading.Timer(max_wall_s, hard_stop)
+    timer.daemon = True
+    timer.start()
+    try:
+        return asyncio.run(coro)
+    finally:
+        timer.cancel()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (a CPU smoke run: tiny --sessions)")
+    p.add_argument("--sessions", type=int, nargs="+", default=[64, 128, 256, 512, 1024])
+    p.add_argument("--modes", nargs="+", choices=["batched", "streams"], default=["batched", "streams"])
+    p.add_argument("--max-batch", type=int, default=128, help="batched: clauses per forward at most")
+    p.add_argument("--workers", type=int, nargs="+", default=[1], help="batched: forwards at once (one run each)")
+    p.add_argument("--stream-workers", type=int, nargs="+", default=[8], help="streams: batch-1 forwards at once")
+    p.add_argument("--stream-sessions", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--policy", choices=["edf", "fifo"], default="edf",
+                   help="edf: later clauses are due when playback reaches them; fifo: all due at once")
+    p.add_argument("--max-pad", type=float, default=0.25, help="vocoder groups: padded frames over real, at most 1+this")
+    p.add_argument("--max-frames", type=int, default=64 * 300, help="vocoder groups: padded frames per forward at most")
+    p.add_argument("--queue-size", type=int, default=100_000)
+    p.add_argument("--voices", type=int, default=8, help="distinct style vectors spread over the sessions")
+    p.add_argument("--sentences", type=int, default=2, help="sentences after the first clause")
+    p.add_argument("--listen-s", type=float, nargs=2, default=[2.0, 4.0], help="caller speaks between replies")
+    p.add_argument("--duration-s", type=float, default=20.0)
+    p.add_argument("--warmup-s", type=float, default=3.0)
+    p.add_argument("--stall-tolerance-s", type=float, default=0.05)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None)
+    p.add_argument("--max-wall-s", type=float, default=280.0)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    report = run_with_deadline(amain(args), args.max_wall_s)
+    print(table(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,266 @@
+"""One Kokoro model shared by every session: clauses from many sessions meet in one
+bounded queue and are synthesised in batches (``voicebot/engines/kokoro_model.py``).
+
+- :class:`ClauseQueue` (plain, synchronous): at most ``size`` waiting clauses, handed out
+  earliest deadline first. A session's first clause is due at once; a later clause is due
+  when playback reaches it, so it may wait behind other sessions' first clauses.
+- :class:`KokoroBatcher` (asyncio): one task takes up to ``max_batch`` clauses whenever a
+  forward slot (``workers`` threads, each with its own CUDA stream) is free, runs
+  :func:`encode` on all of them, then :func:`decode` on groups of similar length, and
+  hands each clause's audio over as soon as its group is done.
+
+Cancelling the awaiting task drops a waiting clause at once; a running clause is skipped
+if its group has not started yet, else its audio is discarded. A full queue raises
+:class:`CapacityError` (as ``WorkerPool`` does: a clause behind that many would be late
+anyway). A failing forward fails every clause of its batch with :class:`EngineError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import heapq
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from voicebot.errors import CapacityError, EngineError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Clause:
+    """One clause to synthesise; ``future`` gets its float32 audio."""
+
+    ids: Sequence[int]
+    style: Any  # [256] tensor: the voice's style for this clause's length
+    speed: float
+    deadline: float
+    future: asyncio.Future[np.ndarray]
+    durations: Sequence[int] | None = None  # forced frames per phoneme (random-weight benchmarks)
+    seq: int = 0
+    queued: bool = False
+
+
+class ClauseQueue:
+    """Bounded, earliest deadline first (ties: first come), with O(1) removal of cancelled clauses."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._heap: list[tuple[float, int, Clause]] = []
+        self._live = 0
+        self._seq = itertools.count()
+
+    def __len__(self) -> int:
+        return self._live
+
+    def push(self, clause: Clause) -> None:
+        if self._live >= self.size:
+            raise CapacityError(f"kokoro: {self._live} clauses already waiting (tts.queue_size)")
+        clause.seq = next(self._seq)
+        clause.queued = True
+        self._live += 1
+        heapq.heappush(self._heap, (clause.deadline, clause.seq, clause))
+
+    def remove(self, clause: Clause) -> bool:
+        """Forget a waiting clause (it stays in the heap until popped); False if not waiting."""
+        if not clause.queued:
+            return False
+        clause.queued = False
+        self._live -= 1
+        return True
+
+    def pop(self, n: int) -> list[Clause]:
+        """Up to ``n`` waiting clauses, earliest deadline first."""
+        out: list[Clause] = []
+        while self._heap and len(out) < n:
+            _, _, clause = heapq.heappop(self._heap)
+            if clause.queued:
+                clause.queued = False
+                self._live -= 1
+                out.append(clause)
+        return out
+
+
+Runner = Callable[[list[Clause], Callable[[list[Clause], list[np.ndarray]], None]], None]
+"""Synthesises a batch in a worker thread, calling ``deliver(clauses, audios)`` per finished group."""
+
+
+@dataclass
+class BatchStats:
+    batches: int = 0
+    clauses: int = 0
+    busy_s: float = 0.0  # summed forward wall time (over all workers)
+    max_batch_seen: int = 0
+    dropped: int = 0  # cancelled while waiting
+    discarded: int = 0  # cancelled while running
+    sizes: list[int] = field(default_factory=list)
+
+
+class KokoroBatcher:
+    """Batches clauses of every session onto ``runner`` (see :data:`Runner`)."""
+
+    def __init__(self, runner: Runner, *, max_batch: int, queue_size: int, workers: int = 1) -> None:
+        self._runner = runner
+        self.max_batch = max_batch
+        self.workers = workers
+        self._queue = ClauseQueue(queue_size)
+        self._wake = asyncio.Event()
+        self._slots = asyncio.Semaphore(workers)
+        self._executor: ThreadPoolExecutor | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._running: set[asyncio.Future[None]] = set()
+        self.stats = BatchStats()
+        self.failure_streak = 0
+        self.last_error: BaseException | None = None
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._queue)
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._executor = ThreadPoolExecutor(self.workers, thread_name_prefix="tts-kokoro")
+        self._task = asyncio.create_task(self._run(), name="kokoro-batcher")
+
+    async def aclose(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        closed = EngineError("kokoro: engine closed")
+        for clause in self._queue.pop(len(self._queue)):
+            if not clause.future.done():
+                clause.future.set_exception(closed)
+                clause.future.exception()
+        executor, self._executor = self._executor, None
+        if self._running:
+            await asyncio.gather(*self._running, return_exceptions=True)
+        if executor is not None:
+            await asyncio.to_thread(executor.shutdown, wait=True)
+
+    async def synthesize(
+        self, ids: Sequence[int], style: Any, *, speed: float = 1.0, deadline: float | None = None,
+        durations: Sequence[int] | None = None,
+    ) -> np.ndarray:
+        """Audio of one clause; ``deadline`` (loop time) orders the queue, default now."""
+        if self._task is None or self._loop is None:
+            raise EngineError("kokoro: engine is not started (or already closed)")
+        fut: asyncio.Future[np.ndarray] = self._loop.create_future()
+        when = self._loop.time() if deadline is None else deadline
+        clause = Clause(ids=ids, style=style, speed=speed, deadline=when, future=fut, durations=durations)
+        self._queue.push(clause)
+        self._wake.set()
+        try:
+            return await fut
+        finally:
+            if not fut.done() or fut.cancelled():
+                fut.cancel()
+                if self._queue.remove(clause):
+                    self.stats.dropped += 1
+                else:
+                    self.stats.discarded += 1
+
+    async def _run(self) -> None:
+        assert self._loop is not None
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while len(self._queue):
+                await self._slots.acquire()
+                batch = self._queue.pop(self.max_batch)
+                if not batch:
+                    self._slots.release()
+                    break
+                self.stats.batches += 1
+                self.stats.clauses += len(batch)
+                self.stats.sizes.append(len(batch))
+                self.stats.max_batch_seen = max(self.stats.max_batch_seen, len(batch))
+                assert self._executor is not None
+                job = self._loop.run_in_executor(self._executor, self._work, batch)
+                self._running.add(job)
+                job.add_done_callback(functools.partial(self._finished, batch=batch))
+
+    def _work(self, batch: list[Clause]) -> None:  # in a worker thread
+        assert self._loop is not None
+        loop = self._loop
+        t0 = time.perf_counter()
+
+        def deliver(clauses: list[Clause], audios: list[np.ndarray]) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody to tell
+                loop.call_soon_threadsafe(self._deliver, clauses, audios)
+
+        try:
+            self._runner(batch, deliver)
+        finally:
+            self.stats.busy_s += time.perf_counter() - t0
+
+    def _deliver(self, clauses: list[Clause], audios: list[np.ndarray]) -> None:
+        for clause, audio in zip(clauses, audios, strict=True):
+            if not clause.future.done():
+                clause.future.set_result(audio)
+
+    def _finished(self, job: asyncio.Future[None], *, batch: list[Clause]) -> None:
+        self._running.discard(job)
+        self._slots.release()
+        exc = job.exception() if not job.cancelled() else EngineError("kokoro: forward cancelled")
+        if exc is None:
+            self.failure_streak = 0
+            # The runner's deliveries were scheduled before this callback (same thread, in
+            # order): a clause still open here was neither delivered nor cancelled.
+            exc = EngineError("kokoro: the runner returned no audio for a clause")
+            if all(c.future.done() for c in batch):
+                return
+        self.failure_streak += 1
+        self.last_error = exc
+        log.warning("kokoro: a batch of %d clauses failed: %s", len(batch), exc)
+        err = exc if isinstance(exc, EngineError) else EngineError(f"kokoro synthesis failed: {exc}")
+        for clause in batch:
+            if not clause.future.done():
+                clause.future.set_exception(err)
+                clause.future.exception()  # its consumer may be gone
+
+
+def torch_runner(model: Any, *, max_pad: float = 0.25, max_frames: int = 1 << 30) -> Runner:
+    """The :data:`Runner` of a ``KModel`` (``kokoro_model.build_model``): encode the batch,
+    decode it in groups of similar length, each worker thread on its own CUDA stream."""
+    import torch
+
+    from voicebot.engines import kokoro_model as km
+
+    local = threading.local()
+    cuda = str(model.device).startswith("cuda")
+
+    def run(batch: list[Clause], deliver: Callable[[list[Clause], list[np.ndarray]], None]) -> None:
+        stream = getattr(local, "stream", None)
+        if cuda and stream is None:
+            stream = local.stream = torch.cuda.Stream(device=model.device)
+        ctx = torch.cuda.stream(stream) if cuda else contextlib.nullcontext()
+        with ctx, torch.inference_mode():
+            styles = torch.stack([c.style for c in batch]).to(model.device, non_blocking=True)
+            forced = [c.durations for c in batch]
+            encoded = km.encode(
+                model, [c.ids for c in batch], styles, [c.speed for c in batch],
+                None if any(d is None for d in forced) else forced,  # type: ignore[arg-type]
+            )
+            for group in km.frame_groups([e.frames for e in encoded], max_pad, max_frames):
+                live = [i for i in group if not batch[i].future.cancelled()]
+                if not live:
+                    continue
+                audio = km.decode(model, [encoded[i] for i in live])
+                sizes = [a.shape[0] for a in audio]
+                flat = torch.cat(audio).float().cpu().numpy()
+                deliver([batch[i] for i in live], np.split(flat, np.cumsum(sizes)[:-1]))
+
+    return run
