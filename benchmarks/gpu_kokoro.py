@@ -251,6 +251,7 @@ async def warm_up(eng: Any, styles: Any, max_batch: int) -> float:
             ids, dur = phonemes(rng.choice(FIRST + REST), rng)
             jobs.append(eng.synthesize(ids, styles[i % len(styles)], durations=dur))
         await asyncio.gather(*jobs)
+    await eng.idle()
     return time.perf_counter() - t0
 
 
@@ -286,6 +287,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
             warm = await warm_up(eng, styles, max_batch)
             print(f"[gpu_kokoro] {mode} max-batch {max_batch} workers {workers}: warm-up {warm:.1f} s", flush=True)
             for n in sessions:
+                await eng.idle()
                 if args.device.startswith("cuda"):
                     torch.cuda.reset_peak_memory_stats()
                 res = await scenario(eng, args, n, styles)

@@ -128,6 +128,12 @@ class KokoroBatcher:
     def queue_depth(self) -> int:
         return len(self._queue)
 
+    async def idle(self) -> None:
+        """Return once no forward is running (its bookkeeping done too)."""
+        while self._running:
+            await asyncio.gather(*self._running, return_exceptions=True)
+            await asyncio.sleep(0)
+
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._executor = ThreadPoolExecutor(self.workers, thread_name_prefix="tts-kokoro")
