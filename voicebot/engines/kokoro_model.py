@@ -103,8 +103,21 @@ def build_model(config: dict[str, Any], weights: str | None = None, device: str 
     else:
         source = weights
     model = kmodel(repo_id="hexgrad/Kokoro-82M", config=config, model=source).to(device).eval()
+    fold_weight_norms(model)
     mask_instance_norms(model)
     return model
+
+
+def fold_weight_norms(model: nn.Module) -> int:
+    """Bake each ``weight_norm`` (g, v) into a plain weight, as an inference export does: else
+    every conv recomputes its weight on every forward (hundreds of small kernels), and
+    concurrent forwards on several threads would swap each other's ``module.weight``."""
+    folded = 0
+    for mod in model.modules():
+        if hasattr(mod, "weight_g") and hasattr(mod, "weight_v"):
+            nn.utils.remove_weight_norm(mod)
+            folded += 1
+    return folded
 
 
 def random_config(n_token: int = 178) -> dict[str, Any]:
