@@ -213,6 +213,7 @@ class KokoroBatcher:
             self.stats.busy_s += time.perf_counter() - t0
 
     def _deliver(self, clauses: list[Clause], audios: list[np.ndarray]) -> None:
+        self.failure_streak = 0  # audio came out: the engine works (before any awaiter resumes)
         for clause, audio in zip(clauses, audios, strict=True):
             if not clause.future.done():
                 clause.future.set_result(audio)
@@ -222,7 +223,6 @@ class KokoroBatcher:
         self._slots.release()
         exc = job.exception() if not job.cancelled() else EngineError("kokoro: forward cancelled")
         if exc is None:
-            self.failure_streak = 0
             # The runner's deliveries were scheduled before this callback (same thread, in
             # order): a clause still open here was neither delivered nor cancelled.
             exc = EngineError("kokoro: the runner returned no audio for a clause")

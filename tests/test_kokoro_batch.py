@@ -1,0 +1,219 @@
+"""The Kokoro clause batcher (voicebot/engines/kokoro_batch.py) with a fake runner.
+
+The runner is the batcher's own interface to the model (``Runner``): here a function that
+records each batch, can be held in its worker thread until a test releases it, and
+returns one float32 array per clause (its length = the clause's phoneme count).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from voicebot.engines.kokoro_batch import Clause, ClauseQueue, KokoroBatcher
+from voicebot.errors import CapacityError, EngineError
+
+
+class FakeRunner:
+    def __init__(self) -> None:
+        self.batches: list[list[int]] = []  # per batch: each clause's first id
+        self.blocking = False  # True: each forward waits for a release() token
+        self.tokens = threading.Semaphore(0)
+        self.entered = threading.Event()
+        self.fail_next = False
+
+    def __call__(self, batch: list[Clause], deliver: Callable[[list[Clause], list[np.ndarray]], None]) -> None:
+        self.batches.append([c.ids[0] for c in batch])
+        self.entered.set()
+        if self.blocking:
+            assert self.tokens.acquire(timeout=10)
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("CUDA out of memory (fake)")
+        # Two groups, as the torch runner delivers them: the first half, then the rest.
+        half = max(1, len(batch) // 2)
+        for group in (batch[:half], batch[half:]):
+            live = [c for c in group if not c.future.cancelled()]
+            if live:
+                deliver(live, [np.full(len(c.ids), c.ids[0], np.float32) for c in live])
+
+    def release(self, n: int = 1) -> None:
+        self.tokens.release(n)
+
+    def open(self) -> None:
+        self.blocking = False
+        self.tokens.release(100)
+
+
+async def wait_entered(runner: FakeRunner) -> None:
+    assert await asyncio.to_thread(runner.entered.wait, 5)
+    runner.entered.clear()
+
+
+@contextlib.asynccontextmanager
+async def batcher(runner: FakeRunner, **kw: int):  # type: ignore[no-untyped-def]
+    eng = KokoroBatcher(runner, max_batch=kw.get("max_batch", 8), queue_size=kw.get("queue_size", 64),
+                        workers=kw.get("workers", 1))
+    eng.start()
+    try:
+        yield eng
+    finally:
+        runner.open()
+        await eng.aclose()
+
+
+def _clause(deadline: float) -> Clause:
+    loop = asyncio.get_running_loop()
+    return Clause(ids=[int(deadline)], style=None, speed=1.0, deadline=deadline, future=loop.create_future())
+
+
+async def test_queue_is_earliest_deadline_first_and_bounded() -> None:
+    q = ClauseQueue(3)
+    a, b, c = _clause(30), _clause(10), _clause(20)
+    for x in (a, b, c):
+        q.push(x)
+    with pytest.raises(CapacityError):
+        q.push(_clause(5))
+    assert q.remove(c) and not q.remove(c)
+    assert len(q) == 2
+    q.push(_clause(40))  # room again after the removal
+    assert [x.ids[0] for x in q.pop(2)] == [10, 30]
+    assert [x.ids[0] for x in q.pop(5)] == [40]
+    assert len(q) == 0
+
+
+async def test_clauses_waiting_behind_a_forward_go_in_one_batch() -> None:
+    runner = FakeRunner()
+    async with batcher(runner, max_batch=4) as eng:
+        runner.blocking = True
+        first = asyncio.create_task(eng.synthesize([1, 1], None))
+        await wait_entered(runner)  # batch 1 holds the only worker
+        later = [asyncio.create_task(eng.synthesize([i] * 3, None, deadline=float(i))) for i in (7, 3, 5, 2, 6, 4)]
+        await asyncio.sleep(0.05)
+        assert eng.queue_depth == 6
+        runner.open()
+        audio = await first
+        outs = await asyncio.gather(*later)
+    assert audio.tolist() == [1.0, 1.0]
+    assert [o[0] for o in outs] == [7, 3, 5, 2, 6, 4]  # each clause gets its own audio
+    # Earliest deadline first, at most max_batch per forward.
+    assert runner.batches == [[1], [2, 3, 4, 5], [6, 7]]
+    assert eng.stats.batches == 3 and eng.stats.max_batch_seen == 4
+
+
+async def test_cancelled_waiting_clause_never_reaches_the_model() -> None:
+    runner = FakeRunner()
+    async with batcher(runner) as eng:
+        runner.blocking = True
+        busy = asyncio.create_task(eng.synthesize([1], None))
+        await wait_entered(runner)
+        doomed = asyncio.create_task(eng.synthesize([2], None))
+        kept = asyncio.create_task(eng.synthesize([3], None))
+        await asyncio.sleep(0.05)
+        doomed.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await doomed
+        assert eng.queue_depth == 1  # dropped at once, not when the forward ends
+        runner.open()
+        await busy
+        assert (await kept).tolist() == [3.0]
+    assert runner.batches == [[1], [3]]
+    assert eng.stats.dropped == 1
+
+
+async def test_cancelled_running_clause_is_discarded_and_the_others_delivered() -> None:
+    runner = FakeRunner()
+    async with batcher(runner) as eng:
+        runner.blocking = True
+        busy = asyncio.create_task(eng.synthesize([1], None))
+        await wait_entered(runner)
+        a = asyncio.create_task(eng.synthesize([2], None))
+        b = asyncio.create_task(eng.synthesize([3], None))
+        await asyncio.sleep(0.05)
+        runner.release()
+        await busy
+        await wait_entered(runner)  # [2, 3] is running now
+        b.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await b
+        runner.release()
+        assert (await a).tolist() == [2.0]
+    assert runner.batches == [[1], [2, 3]]
+    assert eng.stats.discarded == 1
+
+
+async def test_full_queue_raises_capacity_error() -> None:
+    runner = FakeRunner()
+    async with batcher(runner, queue_size=2) as eng:
+        runner.blocking = True
+        busy = asyncio.create_task(eng.synthesize([1], None))
+        await wait_entered(runner)
+        waiting = [asyncio.create_task(eng.synthesize([i], None)) for i in (2, 3)]
+        await asyncio.sleep(0.05)
+        with pytest.raises(CapacityError):
+            await eng.synthesize([4], None)
+        runner.open()
+        await asyncio.gather(busy, *waiting)
+
+
+async def test_failing_forward_fails_its_batch_and_the_next_one_recovers() -> None:
+    runner = FakeRunner()
+    async with batcher(runner) as eng:
+        runner.blocking = True
+        busy = asyncio.create_task(eng.synthesize([1], None))
+        await wait_entered(runner)
+        runner.fail_next = True
+        runner.open()
+        with pytest.raises(EngineError, match="out of memory"):
+            await busy
+        assert eng.failure_streak == 1 and isinstance(eng.last_error, RuntimeError)
+        assert (await eng.synthesize([5], None)).tolist() == [5.0]
+        assert eng.failure_streak == 0
+
+
+async def test_runner_that_forgets_a_clause_fails_it_instead_of_hanging() -> None:
+    def forgetful(batch: list[Clause], deliver: Callable[[list[Clause], list[np.ndarray]], None]) -> None:
+        deliver(batch[:1], [np.zeros(1, np.float32)])
+
+    eng = KokoroBatcher(forgetful, max_batch=8, queue_size=8)
+    eng.start()
+    try:
+        gate = asyncio.Event()
+
+        async def clause(i: int) -> np.ndarray:
+            await gate.wait()
+            return await eng.synthesize([i], None)
+
+        tasks = [asyncio.create_task(clause(i)) for i in (1, 2)]
+        await asyncio.sleep(0)
+        gate.set()
+        results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 5)
+    finally:
+        await eng.aclose()
+    assert isinstance(results[0], np.ndarray)
+    assert isinstance(results[1], EngineError)
+
+
+async def test_aclose_fails_waiting_clauses_and_later_calls() -> None:
+    runner = FakeRunner()
+    eng = KokoroBatcher(runner, max_batch=8, queue_size=8)
+    eng.start()
+    runner.blocking = True
+    busy = asyncio.create_task(eng.synthesize([1], None))
+    await wait_entered(runner)
+    waiting = asyncio.create_task(eng.synthesize([2], None))
+    await asyncio.sleep(0.05)
+    closing = asyncio.create_task(eng.aclose())
+    await asyncio.sleep(0.05)
+    runner.open()
+    await closing
+    assert (await busy).tolist() == [1.0]  # a running forward finishes and delivers
+    with pytest.raises(EngineError, match="closed"):
+        await waiting
+    with pytest.raises(EngineError, match="not started"):
+        await eng.synthesize([3], None)
