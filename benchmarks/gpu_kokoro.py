@@ -263,7 +263,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
 
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
-    model = km.build_model(km.random_config(N_TOKEN), device=args.device)
+    model = km.build_model(km.random_config(), device=args.device)
     params = sum(p.numel() for p in model.parameters())
     load_s = time.perf_counter() - t0
     styles = torch.randn(args.voices, 256) * 0.15  # voice packs: (510, 1, 256) rows ~N(0, 0.15)

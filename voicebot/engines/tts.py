@@ -79,6 +79,10 @@ def create_tts(cfg: TtsConfig, voice_path: str | None) -> TtsEngine:
         if voice_path is None:
             raise ModelError("tts.engine=piper needs a resolved voice directory (tts.voice)")
         return PiperTts(cfg, voice_path)
+    if cfg.engine == "kokoro":
+        from voicebot.engines.tts_kokoro import KokoroTts
+
+        return KokoroTts(cfg)
     from voicebot.engines.tts_espeak import EspeakTts
 
     return EspeakTts(cfg)

@@ -1,0 +1,246 @@
+"""Kokoro-82M behind the TTS interface, one model batched across every session's clauses.
+
+- Weights: ``tts.kokoro_model`` is a local directory (``config.json``, one ``*.pth``, voice
+  packs in ``voices/`` as ``NAME.pt`` or kokoro-js's ``NAME.bin``) or a Hugging Face repo id
+  (``hexgrad/Kokoro-82M``: downloaded on start, voices on first use).
+- G2P: espeak-ng (the copy bundled with piper-tts) in IPA with stress marks, filtered to the
+  model's vocabulary, as kokoro-onnx does; English only (``en-us``).
+- Synthesis: each sentence is one clause in the shared :class:`KokoroBatcher` (bounded,
+  earliest deadline first): a stream's first sentence is due at once, a later one when
+  playback reaches it. As with :func:`stream_jobs`, the next sentence is queued before the
+  current one is handed over (one sentence of look-ahead per stream); closing or
+  cancelling the stream drops it (or discards it if its forward has started).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+from collections.abc import AsyncGenerator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from voicebot.config import TtsConfig
+from voicebot.engines.kokoro_batch import KokoroBatcher, Runner
+from voicebot.engines.tts import clean_text, resolve_speed, split_sentences
+from voicebot.errors import EngineError, ModelError
+
+log = logging.getLogger(__name__)
+
+SAMPLE_RATE = 24_000
+MAX_TOKENS = 510  # the model's 512 positions less the two boundary tokens
+_SPACE = " "
+
+# espeak-ng is one process-global C state: phonemize one text at a time (piper's
+# phonemizer has the same rule). Module-level because the state it guards is.
+_espeak_lock = threading.Lock()
+
+
+class EspeakG2P:
+    """Text to Kokoro phoneme ids through espeak-ng's IPA (the library piper-tts bundles)."""
+
+    def __init__(self, vocab: dict[str, int], language: str = "en-us") -> None:
+        from piper import espeakbridge
+        from piper.phonemize_espeak import ESPEAK_DATA_DIR
+
+        self._bridge = espeakbridge
+        self.vocab = vocab
+        self.language = language
+        with _espeak_lock:
+            espeakbridge.initialize(str(ESPEAK_DATA_DIR))
+
+    def phonemes(self, text: str) -> str:
+        with _espeak_lock:
+            self._bridge.set_voice(self.language)
+            clauses = self._bridge.get_phonemes(text)
+        out = []
+        for phonemes, terminator, _end in clauses:
+            out.append(phonemes + terminator + (_SPACE if terminator in ",:;" else ""))
+        return "".join(ch for ch in "".join(out) if ch in self.vocab).strip()
+
+    def ids(self, text: str) -> list[list[int]]:
+        """Phoneme ids in pieces of at most MAX_TOKENS, cut at word boundaries."""
+        ids = [self.vocab[ch] for ch in self.phonemes(text)]
+        space = self.vocab.get(_SPACE)
+        pieces: list[list[int]] = []
+        while len(ids) > MAX_TOKENS:
+            cut = max((i for i in range(MAX_TOKENS) if ids[i] == space), default=MAX_TOKENS)
+            pieces.append(ids[:cut])
+            ids = ids[cut + 1 if cut < MAX_TOKENS else cut :]
+        if ids:
+            pieces.append(ids)
+        return pieces
+
+
+class VoicePacks:
+    """Voice style tables (510 x 256: one style per utterance length), loaded on first use."""
+
+    def __init__(self, source: str, local: Path | None) -> None:
+        self._source = source
+        self._local = local
+        self._packs: dict[str, Any] = {}
+
+    def names(self) -> list[str]:
+        found = set(self._packs)
+        if self._local is not None and (self._local / "voices").is_dir():
+            found |= {p.stem for p in (self._local / "voices").iterdir() if p.suffix in (".pt", ".bin")}
+        return sorted(found)
+
+    def load(self, name: str) -> Any:
+        """The [510, 256] style table of ``name`` (blocking: call in a thread)."""
+        if name in self._packs:
+            return self._packs[name]
+        import torch
+
+        if "/" in name or not name.replace("_", "").isalnum():
+            raise EngineError(f"bad Kokoro voice name {name!r}")
+        path = self._find(name)
+        if path.suffix == ".bin":  # kokoro-js: raw float32
+            pack = torch.from_numpy(np.fromfile(path, dtype=np.float32).copy())
+        else:
+            pack = torch.load(path, map_location="cpu", weights_only=True)
+        pack = pack.reshape(-1, 256).float()
+        self._packs[name] = pack
+        return pack
+
+    def _find(self, name: str) -> Path:
+        if self._local is not None:
+            for suffix in (".pt", ".bin"):
+                p = self._local / "voices" / f"{name}{suffix}"
+                if p.is_file():
+                    return p
+            raise EngineError(f"unknown Kokoro voice {name!r} (not in {self._local / 'voices'})")
+        from huggingface_hub import hf_hub_download
+
+        try:
+            return Path(hf_hub_download(repo_id=self._source, filename=f"voices/{name}.pt"))
+        except Exception as exc:  # noqa: BLE001 (hub errors have no common base we can rely on)
+            raise EngineError(f"unknown Kokoro voice {name!r}: {exc}") from None
+
+
+def _model_files(source: str) -> tuple[Path, Path | None, Path | None]:
+    """(config.json, weights .pth, local directory or None for a hub repo)."""
+    p = Path(source).expanduser()
+    if p.is_dir():
+        found = sorted(p.glob("*.pth"))
+        if not (p / "config.json").is_file() or len(found) != 1:
+            raise ModelError(f"Kokoro directory {p} needs config.json and exactly one .pth file")
+        return p / "config.json", found[0], p
+    try:
+        from huggingface_hub import hf_hub_download
+
+        config = Path(hf_hub_download(repo_id=source, filename="config.json"))
+        weights = Path(hf_hub_download(repo_id=source, filename="kokoro-v1_0.pth"))
+    except Exception as exc:  # noqa: BLE001
+        raise ModelError(f"cannot fetch Kokoro model {source!r}: {exc}") from exc
+    return config, weights, None
+
+
+class KokoroTts:
+    """``tts.engine: kokoro``; ``runner`` replaces the torch model (tests drive fakes)."""
+
+    sample_rate = SAMPLE_RATE
+
+    def __init__(self, cfg: TtsConfig, *, runner: Runner | None = None, g2p: EspeakG2P | None = None,
+                 voices: VoicePacks | None = None) -> None:
+        self._cfg = cfg
+        self._runner = runner
+        self._g2p = g2p
+        self._voices = voices
+        self._batcher: KokoroBatcher | None = None
+
+    async def start(self) -> None:
+        if self._runner is None or self._g2p is None or self._voices is None:
+            await asyncio.to_thread(self._load)
+        assert self._runner is not None and self._voices is not None
+        await asyncio.to_thread(self._voices.load, self._cfg.voice)  # a bad default voice fails here
+        self._batcher = KokoroBatcher(self._runner, max_batch=self._cfg.max_batch,
+                                      queue_size=self._cfg.queue_size, workers=self._cfg.workers)
+        self._batcher.start()
+
+    def _load(self) -> None:
+        import torch
+
+        from voicebot.engines import kokoro_model as km
+        from voicebot.engines.kokoro_batch import torch_runner
+
+        t0 = time.perf_counter()
+        config_path, weights, local = _model_files(self._cfg.kokoro_model)
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+        device = self._cfg.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        try:
+            model = km.build_model(config, None if weights is None else str(weights), device)
+        except Exception as exc:
+            raise ModelError(f"cannot load Kokoro model {self._cfg.kokoro_model}: {exc}") from exc
+        self._runner = self._runner or torch_runner(model)
+        self._g2p = self._g2p or EspeakG2P(config["vocab"])
+        self._voices = self._voices or VoicePacks(self._cfg.kokoro_model, local)
+        log.info("loaded Kokoro %s on %s in %.1f s", self._cfg.kokoro_model, device, time.perf_counter() - t0)
+
+    async def aclose(self) -> None:
+        if self._batcher is not None:
+            await self._batcher.aclose()
+
+    @property
+    def queue_depth(self) -> int:
+        return self._batcher.queue_depth if self._batcher is not None else 0
+
+    @property
+    def failure_streak(self) -> int:
+        return self._batcher.failure_streak if self._batcher is not None else 0
+
+    @property
+    def last_error(self) -> BaseException | None:
+        return self._batcher.last_error if self._batcher is not None else None
+
+    def voices(self) -> list[str]:
+        names = self._voices.names() if self._voices is not None else []
+        return [self._cfg.voice, *(n for n in names if n != self._cfg.voice)]
+
+    async def synthesize(
+        self, text: str, *, voice: str | None = None, speed: float | None = None
+    ) -> AsyncGenerator[np.ndarray, None]:
+        batcher, g2p, packs = self._batcher, self._g2p, self._voices
+        if batcher is None or g2p is None or packs is None:
+            raise EngineError("Kokoro engine is not started")
+        sentences = split_sentences(clean_text(text))
+        if not sentences:
+            return
+        rate = resolve_speed(speed, self._cfg.speed)
+        pack = await asyncio.to_thread(packs.load, voice or self._cfg.voice)
+        loop = asyncio.get_running_loop()
+        play_from: float | None = None  # loop time the stream's first audio was handed over
+        handed = 0.0  # seconds of audio handed over so far
+
+        # espeak on the event loop: 0.35 ms for a 90-character sentence (less than a thread hop).
+        pieces = (ids for sentence in sentences for ids in g2p.ids(sentence))
+
+        def submit(ids: list[int] | None) -> asyncio.Task[np.ndarray] | None:
+            if ids is None:
+                return None
+            due = None if play_from is None else play_from + handed  # when playback needs it
+            style = pack[min(len(ids), pack.shape[0]) - 1]
+            return asyncio.ensure_future(batcher.synthesize(ids, style, speed=rate, deadline=due))
+
+        pending = submit(next(pieces, None))
+        try:
+            while pending is not None:
+                audio = await pending
+                if play_from is None:
+                    play_from = loop.time()
+                handed += audio.size / SAMPLE_RATE
+                pending = submit(next(pieces, None))
+                if audio.size:
+                    yield audio
+        finally:
+            if pending is not None and not pending.done():
+                pending.cancel()
+                # Let the drop happen now, so queue_depth is exact when we return.
+                await asyncio.gather(pending, return_exceptions=True)
