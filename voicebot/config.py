@@ -90,6 +90,8 @@ class AsrConfig(_Section):
     agreement_n: int = Field(3, ge=2, le=5, description="Consecutive agreeing partials before a word is confirmed (LocalAgreement-n).")
     partial_interval_ms: int = Field(600, ge=100, le=10_000, description="New audio needed before another partial decode.")
     max_utterance_s: float = Field(28.0, ge=2.0, le=30.0, description="Longest utterance buffered; Whisper's window is 30 s.")
+    encoder_pad_s: float | None = Field(None, ge=0.0, le=30.0, description="faster-whisper: run the encoder on the utterance plus this many seconds of padding instead of Whisper's 30 s window (None: the full window); voicebot/engines/whisper_window.py.")
+    encoder_min_s: float = Field(8.0, ge=0.0, le=30.0, description="With encoder_pad_s: the shortest encoder window, in seconds (tiny.en repeats short questions in a loop below ~5 s).")
     queue_size: int = Field(64, ge=1, le=100_000, description="Pending decode jobs before new partials are dropped.")
     backend: Literal["faster-whisper", "vllm", "remote"] = Field("faster-whisper", description="Decoder: faster-whisper (CTranslate2; CPU, or CUDA 12), Whisper on vLLM (GPU on torch's CUDA, batched across sessions; model: a Hugging Face Whisper directory), or remote: a shared `voicebot asr-serve` service (asr.remote) that batches every frontend's streams on one engine.")
     remote: RemoteAsrConfig = Field(default_factory=RemoteAsrConfig, description="The shared ASR service (backend remote; also what `voicebot asr-serve` hosts).")

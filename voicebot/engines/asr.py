@@ -89,13 +89,14 @@ class AsrEngine:
         self._closed = False
 
     async def start(self) -> None:
-        from faster_whisper import WhisperModel  # heavy import, only when serving
+        # heavy import (faster-whisper), only when serving
+        from voicebot.engines.whisper_window import WindowedWhisper
 
         cfg = self.cfg
         t0 = time.perf_counter()
         try:
             self._model = await asyncio.to_thread(
-                WhisperModel,
+                WindowedWhisper,
                 self.model_path,
                 device=cfg.device,
                 compute_type=cfg.compute_type,
@@ -243,8 +244,10 @@ class AsrEngine:
         """Runs in a decode thread; returns the text after the prefix and the decode time."""
         cfg = self.cfg
         t0 = time.perf_counter()
-        segments, _info = self._model.transcribe(
+        text = self._model.transcribe_text(
             job.audio,
+            pad_s=cfg.encoder_pad_s,
+            min_s=cfg.encoder_min_s,
             language=job.language,
             beam_size=cfg.beam_size if job.priority is Priority.FINAL else cfg.partial_beam_size,
             best_of=1,
@@ -256,5 +259,4 @@ class AsrEngine:
             suppress_blank=True,
             prefix=job.prefix or None,
         )
-        text = "".join(s.text for s in segments)
         return continuation_after(text, job.prefix), time.perf_counter() - t0

@@ -1,0 +1,160 @@
+"""Whisper's encoder window on short utterances: time split and word error rate.
+
+    .venv/bin/python benchmarks/asr_window.py --json artifacts/asr_window.json [--pads 0.5,1,2]
+
+faster-whisper pads every window's features to 30 s (3000 frames), so tiny.en's encoder
+costs the same for a 1 s question as for 30 s of speech. CTranslate2 accepts fewer frames
+(since 3.19, "Relax shape checks for Whisper input features"): the encoder then runs on the
+utterance plus ``pad`` seconds of zero features (``voicebot.engines.whisper_window``).
+
+For each clip (every WAV with a ``.txt`` reference in ../shared/audio, and the Piper
+questions of benchmarks/echo_rate.py in artifacts/echo/clips when they exist) and each
+window (full 30 s, then utterance + pad), one decode as the session's final does it
+(greedy, no timestamps, no previous text, from audio only) is timed: feature extraction +
+encoder, and the rest (the decoder). Prints medians and the WER of each window on each set
+and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from voicebot.audio import ASR_RATE, read_wav
+from voicebot.config import load_config
+from voicebot.engines.whisper_window import WindowedWhisper
+from voicebot.provision import resolve_model
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_AUDIO = ROOT.parent / "shared" / "audio"
+QUESTIONS = ROOT / "artifacts" / "echo" / "clips"
+
+
+def words(text: str) -> list[str]:
+    return re.sub(r"[^a-z0-9' ]+", " ", text.lower().replace("-", " ")).split()
+
+
+def edit_distance(ref: list[str], hyp: list[str]) -> int:
+    row = list(range(len(hyp) + 1))
+    for i, r in enumerate(ref, 1):
+        prev, row[0] = row[0], i
+        for j, h in enumerate(hyp, 1):
+            prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (r != h))
+    return row[-1]
+
+
+def label(window: tuple[float, float] | None) -> str:
+    if window is None:
+        return "30 s"
+    pad, least = window
+    return f"audio+{pad:g} s" + (f", >= {least:g} s" if least else "")
+
+
+def load_set() -> dict[str, list[tuple[str, np.ndarray, str]]]:
+    sets: dict[str, list[tuple[str, np.ndarray, str]]] = {"recorded": [], "piper": []}
+    for wav in sorted(SHARED_AUDIO.glob("*.wav")):
+        ref = wav.with_suffix(".txt")
+        if ref.exists():
+            sets["recorded"].append((wav.stem, read_wav(wav, ASR_RATE)[0], ref.read_text().strip()))
+    if QUESTIONS.is_dir():
+        from echo_rate import QUESTIONS as TEXTS  # benchmarks/ is this script's sys.path[0]
+
+        for wav in sorted(QUESTIONS.glob("q*.wav")):
+            index = int(wav.stem[1:3])
+            sets["piper"].append((wav.stem, read_wav(wav, ASR_RATE)[0], TEXTS[index]))
+    return sets
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="configs/default.yaml")
+    parser.add_argument("--pads", default="0.5,1,2", help="seconds of padding after the utterance, comma-separated; PAD/MIN: "
+                        "also at least MIN seconds in all")
+    parser.add_argument("--no-full", action="store_true", help="leave out the full 30 s window")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--json", type=Path, default=Path("artifacts/asr_window.json"))
+    args = parser.parse_args()
+
+    cfg = load_config(args.config)
+    model = WindowedWhisper(
+        resolve_model(cfg.asr.model, cfg.models),
+        device=cfg.asr.device,
+        compute_type=cfg.asr.compute_type,
+        cpu_threads=cfg.asr.cpu_threads,
+    )
+    encode_s: list[float] = []
+    original_encode = model.encode
+
+    def timed_encode(features: Any) -> Any:
+        t0 = time.perf_counter()
+        out = original_encode(features)
+        encode_s.append(time.perf_counter() - t0)
+        return out
+
+    model.encode = timed_encode  # type: ignore[method-assign]
+
+    windows: list[tuple[float, float] | None] = [] if args.no_full else [None]
+    for spec in args.pads.split(","):
+        pad, _, least = spec.partition("/")
+        windows.append((float(pad), float(least or 0)))
+    sets = load_set()
+    rows: list[dict[str, Any]] = []
+    for name, clips in sets.items():
+        for stem, audio, ref in clips:
+            for pad in windows:
+                totals, encodes, text = [], [], ""
+                for _ in range(args.rounds):
+                    encode_s.clear()
+                    t0 = time.perf_counter()
+                    text = model.transcribe_text(
+                        audio,
+                        pad_s=None if pad is None else pad[0],
+                        min_s=0.0 if pad is None else pad[1],
+                        language=cfg.asr.language,
+                        beam_size=cfg.asr.beam_size,
+                        best_of=1,
+                        temperature=0.0,
+                        condition_on_previous_text=False,
+                        without_timestamps=True,
+                        vad_filter=False,
+                        suppress_blank=True,
+                    )
+                    totals.append(1000 * (time.perf_counter() - t0))
+                    encodes.append(1000 * sum(encode_s))
+                ref_words = words(ref)
+                rows.append({
+                    "set": name, "clip": stem, "audio_s": round(audio.size / ASR_RATE, 2),
+                    "window": label(pad), "total_ms": round(min(totals), 1), "encode_ms": round(min(encodes), 1),
+                    "errors": edit_distance(ref_words, words(text)), "ref_words": len(ref_words), "text": text.strip(),
+                })
+                print(f"{name:8} {stem[:28]:28} {label(pad):14} total {min(totals):6.0f} ms  encode {min(encodes):6.0f} ms"
+                      f"  err {rows[-1]['errors']}/{len(ref_words)}  {text.strip()[:60]}", flush=True)
+
+    summary: list[dict[str, Any]] = []
+    print("\nset       window          n   total p50  encode p50  decoder p50   WER")
+    for name in sets:
+        for pad in windows:
+            sel = [r for r in rows if r["set"] == name and r["window"] == label(pad)]
+            if not sel:
+                continue
+            total = statistics.median(r["total_ms"] for r in sel)
+            enc = statistics.median(r["encode_ms"] for r in sel)
+            dec = statistics.median(r["total_ms"] - r["encode_ms"] for r in sel)
+            wer = sum(r["errors"] for r in sel) / sum(r["ref_words"] for r in sel)
+            summary.append({"set": name, "window": label(pad), "n": len(sel), "total_p50_ms": total,
+                            "encode_p50_ms": enc, "decoder_p50_ms": dec, "wer": round(wer, 4)})
+            print(f"{name:9} {label(pad):14} {len(sel):3} {total:10.0f} {enc:11.0f} {dec:12.0f}  {100 * wer:5.1f}%")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"summary": summary, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

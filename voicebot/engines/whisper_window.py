@@ -1,0 +1,61 @@
+"""Whisper's encoder on the utterance, not on 30 s of padding.
+
+faster-whisper pads every window's log-mel features to 3000 frames (30 s) before the
+encoder, so a 1.5 s question costs the encoder as much as 30 s of speech. CTranslate2's
+Whisper encoder takes any number of frames up to 3000 (it checks ``frames <= 3000`` since
+CTranslate2 3.19, "Relax shape checks for Whisper input features", and slices its position
+table to the length). :class:`WindowedWhisper` cuts the padded features down to the
+utterance plus ``pad_s`` seconds of the same zero padding just before the encoder; the
+decoder then attends over that shorter output. Everything else (prompt, prefix,
+suppression, no-speech check) is faster-whisper's own ``transcribe``.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Any
+
+import numpy as np
+from faster_whisper import WhisperModel
+
+__all__ = ["FULL_FRAMES", "WindowedWhisper", "window_frames"]
+
+FULL_FRAMES = 3000  # Whisper's 30 s window, 10 ms per frame
+_HOP = 160  # samples per frame at 16 kHz
+_STEP = 50  # windows are rounded up to 0.5 s: fewer distinct shapes
+
+
+def window_frames(samples: int, pad_s: float | None, min_s: float = 0.0) -> int:
+    """Encoder frames for ``samples`` of 16 kHz audio plus ``pad_s`` seconds of padding,
+    at least ``min_s`` seconds, rounded up to 0.5 s; never more than the full window.
+    ``pad_s=None``: the full window."""
+    if pad_s is None:
+        return FULL_FRAMES
+    content = samples // _HOP + 1  # the feature extractor pads the audio by one hop
+    frames = max(content + pad_s * 100, min_s * 100)
+    return min(FULL_FRAMES, max(_STEP, math.ceil(frames / _STEP) * _STEP))
+
+
+class WindowedWhisper(WhisperModel):  # type: ignore[misc]  # faster-whisper has no type hints
+    """A ``WhisperModel`` whose :meth:`transcribe_text` encodes a window sized to the audio."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._window = threading.local()  # frames for the decode running in this thread
+
+    def transcribe_text(self, audio: np.ndarray, *, pad_s: float | None, min_s: float = 0.0, **options: Any) -> str:
+        """The whole transcript of ``audio`` (``transcribe``'s options), its encoder run on
+        ``window_frames(audio.size, pad_s, min_s)`` frames."""
+        self._window.frames = window_frames(audio.size, pad_s, min_s)
+        try:
+            segments, _info = self.transcribe(audio, **options)
+            return "".join(s.text for s in segments)  # the segments are decoded lazily, here
+        finally:
+            self._window.frames = None
+
+    def encode(self, features: np.ndarray) -> Any:
+        frames = getattr(self._window, "frames", None)
+        if frames is not None and features.shape[-1] > frames:
+            features = np.ascontiguousarray(features[..., :frames])
+        return super().encode(features)
