@@ -16,6 +16,9 @@ stages that follow each other on the critical path of a speculative reply:
 
 ``pause`` and ``rest`` are not measured apart (only their sum is known); ``pause + rest``
 is reported as one column.
+
+``--uncapped MS`` prints the table a second time over the turns whose endpointing took
+less than MS (Smart Turn's cap is 1500 ms: those turns did not wait for it).
 """
 
 from __future__ import annotations
@@ -51,27 +54,41 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
+def table(rows: list[dict[str, float]], title: str = "") -> dict[str, Any]:
+    print(f"{'':>5}" + "".join(f"{c:>11}" for c in COLUMNS) + f"   (ms, n={len(rows)}{title})")
+    out: dict[str, Any] = {"n": len(rows)}
+    for q, name in ((0.5, "p50"), (0.95, "p95")):
+        values = {c: round(pct([r[c] for r in rows], q), 1) for c in COLUMNS}
+        out[name] = values
+        print(f"{name:>5}" + "".join(f"{values[c]:>11.0f}" for c in COLUMNS))
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("probe_json", type=Path)
     p.add_argument("--json", type=Path)
+    p.add_argument("--uncapped", type=float, metavar="MS", help="also: only turns whose endpointing took < MS")
     args = p.parse_args()
     report = json.loads(args.probe_json.read_text())
     rows = [r for r in (stages(t) for t in report["turns"]) if r is not None]
     if not rows:
         print("no turn with complete timings", file=sys.stderr)
         return 1
-    print(f"{'':>5}" + "".join(f"{c:>11}" for c in COLUMNS) + f"   (ms, n={len(rows)})")
-    out: dict[str, Any] = {"n": len(rows)}
-    for q, name in ((0.5, "p50"), (0.95, "p95")):
-        values = {c: round(pct([r[c] for r in rows], q), 1) for c in COLUMNS}
-        out[name] = values
-        print(f"{name:>5}" + "".join(f"{values[c]:>11.0f}" for c in COLUMNS))
+    out = table(rows)
     # The p95 turns: which stage made them slow.
     slow = sorted(rows, key=lambda r: r["v2v"])[-max(1, len(rows) // 10):]
     out["slowest"] = slow
     for r in slow:
         print("slow " + "".join(f"{r[c]:>11.0f}" for c in COLUMNS))
+    if args.uncapped is not None:
+        kept = [
+            r
+            for r, t in ((stages(t), t) for t in report["turns"])
+            if r is not None and (t["timings"].get("endpointing_ms") or 0) < args.uncapped
+        ]
+        if kept:
+            out["uncapped"] = table(kept, f", endpointing < {args.uncapped:g} ms")
     if args.json:
         args.json.write_text(json.dumps(out, indent=2) + "\n")
     return 0
