@@ -18,6 +18,7 @@ and writes JSON.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import re
 import statistics
@@ -72,17 +73,63 @@ def load_set() -> dict[str, list[tuple[str, np.ndarray, str]]]:
     return sets
 
 
+async def streamed_text(engine: Any, audio: np.ndarray, interval_s: float) -> str:
+    per_partial, fed = round(interval_s * ASR_RATE), 0
+    async with engine.stream() as stream:
+        for start in range(0, audio.size, 320):
+            stream.push(audio[start : start + 320])
+            fed += min(320, audio.size - start)
+            if fed >= per_partial:
+                fed = 0
+                await asyncio.wait_for(anext(stream), 60)
+        return str((await asyncio.wait_for(stream.finalize(), 60)).text)
+
+
+async def run_streamed(cfg: Any, windows: list[tuple[float, float] | None], sets: dict[str, Any]) -> list[dict[str, Any]]:
+    from voicebot.engines.asr import AsrEngine
+
+    rows = []
+    for window in windows:
+        asr = cfg.asr.model_copy(update={"encoder_pad_s": None if window is None else window[0],
+                                         "encoder_min_s": 0.0 if window is None else window[1]})
+        async with AsrEngine(asr, resolve_model(asr.model, cfg.models), agreement_n=asr.agreement_n) as engine:
+            for name, clips in sets.items():
+                for stem, audio, ref in clips:
+                    text = await streamed_text(engine, audio, asr.partial_interval_ms / 1000)
+                    ref_words = words(ref)
+                    rows.append({"set": name, "clip": stem, "window": label(window), "text": text.strip(),
+                                 "errors": edit_distance(ref_words, words(text)), "ref_words": len(ref_words)})
+    print("\nstreamed finals: set       window          n   WER")
+    for name in sets:
+        for window in windows:
+            sel = [r for r in rows if r["set"] == name and r["window"] == label(window)]
+            errors, n = sum(r["errors"] for r in sel), sum(r["ref_words"] for r in sel)
+            print(f"{'':17}{name:9} {label(window):14} {len(sel):3}  {100 * errors / n:5.1f}% ({errors}/{n})")
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/default.yaml")
     parser.add_argument("--pads", default="0.5,1,2", help="seconds of padding after the utterance, comma-separated; PAD/MIN: "
                         "also at least MIN seconds in all")
     parser.add_argument("--no-full", action="store_true", help="leave out the full 30 s window")
+    parser.add_argument("--streamed", action="store_true", help="the session's streamed finals (WER only)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--json", type=Path, default=Path("artifacts/asr_window.json"))
     args = parser.parse_args()
 
     cfg = load_config(args.config)
+    windows: list[tuple[float, float] | None] = [] if args.no_full else [None]
+    for spec in args.pads.split(","):
+        pad, _, least = spec.partition("/")
+        windows.append((float(pad), float(least or 0)))
+    sets = load_set()
+    if args.streamed:
+        rows = asyncio.run(run_streamed(cfg, windows, sets))
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"streamed": rows}, indent=1))
+        return 0
     model = WindowedWhisper(
         resolve_model(cfg.asr.model, cfg.models),
         device=cfg.asr.device,
@@ -100,11 +147,6 @@ def main() -> int:
 
     model.encode = timed_encode  # type: ignore[method-assign]
 
-    windows: list[tuple[float, float] | None] = [] if args.no_full else [None]
-    for spec in args.pads.split(","):
-        pad, _, least = spec.partition("/")
-        windows.append((float(pad), float(least or 0)))
-    sets = load_set()
     rows: list[dict[str, Any]] = []
     for name, clips in sets.items():
         for stem, audio, ref in clips:
