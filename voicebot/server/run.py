@@ -14,6 +14,7 @@ from voicebot.provision import bundle_names_for, pull
 from voicebot.server.drain import drain
 from voicebot.server.heap import limit_arenas
 from voicebot.server.state import ServerState
+from voicebot.server.threads import limit_omp_threads
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ def serve(cfg: Config, *, pull_models: bool = True) -> int:
         pull(names, cfg.models, log=lambda msg: log.info("%s", msg))
     # Before the engines start their threads (docs/reliability.md, memory).
     limit_arenas(cfg.server.malloc_arena_max)
+    limit_omp_threads(cfg.server.omp_threads)
     from voicebot.server.app import create_app
 
     state = ServerState(cfg)
