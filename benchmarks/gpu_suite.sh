@@ -6,6 +6,8 @@
 #                                                  installs once all parts are there
 #   benchmarks/gpu_suite.sh run OUT [PART...]      run measurements into OUT/*.json, then OUT/summary.json
 #       PART: llm (LLM main + fcfs phases), llm-nocache (prefix caching off), asr, tts; default: all four
+#             kokoro (issue 9 section 2: Kokoro-82M shape, random weights, batched across sessions on the
+#               GPU vs batch-1 on CUDA streams, gpu_kokoro.py, ~4 min; needs .gpu/kokoro, see that script)
 #             llm-ratio (ours vs bare vLLM at 512/1024 only: the issue's section 3 ratio, ~6 min)
 #             probe-cost (the probe's own CPU and timing error at 128-1024 sessions, trivial server)
 #             pipeline (the whole server of configs/gpu.yaml + the probe at N sessions, pipeline_gpu.py;
@@ -53,7 +55,7 @@ stage() {
     if [ -d ".gpu/$c" ]; then bash ".gpu/$c/device-install.sh" .gpu; fi
   done
   mkdir -p "$HOME/gpu-models"
-  for m in qwen7b whisper-turbo audio fwstub; do
+  for m in qwen7b whisper-turbo audio fwstub kokoro; do
     if [ -d ".gpu/$m" ]; then rm -rf "$HOME/gpu-models/$m"; cp -r ".gpu/$m" "$HOME/gpu-models/"; fi
   done
   mkdir -p "$HOME/tts-stage"
@@ -107,6 +109,10 @@ run() {
         python3 benchmarks/gpu_tts.py --voice "$HOME/tts/voice" --sessions 64 128 256 \
           --workers 8 16 --duration-s 20 --max-wall-s "${TTS_WALL_S:-240}" \
           --json "$out/tts.json" > "$out/tts.log" 2>&1 || rc=$? ;;
+      kokoro)  # Kokoro-82M shape (random weights) batched across sessions on the GPU (gpu_kokoro.py)
+        PYTHONPATH="$PYTHONPATH:$(model_dir kokoro)/site" python3 benchmarks/gpu_kokoro.py --device cuda \
+          --sessions 64 128 256 512 1024 --modes batched streams --stream-sessions 64 128 --duration-s 20 \
+          --max-wall-s "${KOKORO_WALL_S:-290}" --json "$out/kokoro.json" > "$out/kokoro.log" 2>&1 || rc=$? ;;
       llm-ratio)  # section 3 after the history fix: ours vs bare vLLM at equal load, 512 and 1024
         python3 benchmarks/llm_load.py --model-dir "$qwen" --sessions 512 1024 --bare-sessions 512 1024 \
           --bg-requests 0 --phases main --duration-s 20 --warmup-s 3 --drain-s 20 \
