@@ -9,12 +9,12 @@ utterances of different lengths in one forward, on the package's own modules and
    masks the modules already take): exact per utterance. It yields each utterance's
    frame count and its frame-rate features.
 2. :func:`decode`: the prosody (F0, energy) predictor, the decoder and the iSTFTNet
-   vocoder over a group of utterances padded to the longest frame count. Their
-   ``InstanceNorm1d`` layers would take statistics over the padding too; they are
-   switched to statistics over each utterance's own frames (:func:`mask_instance_norms`),
-   and their padded outputs are zeroed. What still differs from batch 1 is the end of
-   each utterance: the last few samples (one receptive field) see the padding's conv
-   biases instead of zeros, and the vocoder's noise source is random in both paths.
+   vocoder over a group of utterances padded to the longest frame count. Their layers would
+   see the padding: each ``InstanceNorm1d`` is switched to statistics over each utterance's
+   own frames and each conv to zeros after an utterance's end, as in batch 1
+   (:func:`mask_padding`). What still differs from batch 1 is the very end of an utterance
+   (the source's interpolation and STFT reach into the padding): 0.06% of the peak before
+   the iSTFT in tests/test_kokoro_model.py. The vocoder's noise source is random in both.
 
 Callers group utterances of similar frame counts (:func:`frame_groups`) so that padding
 costs little. Importing this module needs torch; loading the ``kokoro`` package's
@@ -119,7 +119,7 @@ def build_model(config: dict[str, Any], weights: str | None = None, device: str 
         source = weights
     model = kmodel(repo_id="hexgrad/Kokoro-82M", config=config, model=source).to(device).eval()
     fold_weight_norms(model)
-    mask_instance_norms(model)
+    mask_padding(model)
     return model
 
 
@@ -142,17 +142,34 @@ def random_config() -> dict[str, Any]:
 
 # --- masked instance norm ------------------------------------------------------------
 
-_ctx = threading.local()  # .frac: [B] valid fraction of the padded length, per utterance (or None)
+# Per thread (one per forward slot): .frames: [B] each utterance's frame count (None: no
+# padding), .fmax: the padded count, .masks: the masks made from them, by length.
+_ctx = threading.local()
+
+
+def _mask(x: torch.Tensor) -> torch.Tensor | None:
+    """[B, 1, L] 1.0 over each utterance's own frames at ``x``'s length, or None (no padding)."""
+    frames = getattr(_ctx, "frames", None)
+    if frames is None:
+        return None
+    length = x.shape[-1]
+    cache: dict[tuple[int, torch.dtype], torch.Tensor] = _ctx.masks
+    m = cache.get((length, x.dtype))
+    if m is None:
+        # Every layer's length is a * frames + c (c: 0, or the generator's +1 sample of
+        # reflection padding): an utterance of f frames has a * f + c of them.
+        scale = length // _ctx.fmax
+        valid = frames * scale + (length - scale * _ctx.fmax)  # [B]
+        m = (torch.arange(length, device=x.device)[None, :] < valid[:, None]).to(x.dtype)[:, None, :]
+        cache[(length, x.dtype)] = m
+    return m
 
 
 def _masked_instance_norm(self: nn.InstanceNorm1d, x: torch.Tensor) -> torch.Tensor:
-    frac = getattr(_ctx, "frac", None)
-    if frac is None:
+    m = _mask(x)
+    if m is None:
         return F.instance_norm(x, None, None, self.weight, self.bias, True, 0.0, self.eps)
-    length = x.shape[-1]
-    valid = (frac * length).round().clamp(min=1)  # [B]
-    m = (torch.arange(length, device=x.device)[None, :] < valid[:, None]).to(x.dtype)[:, None, :]
-    n = valid.to(x.dtype)[:, None, None]
+    n = m.sum(-1, keepdim=True)
     mean = (x * m).sum(-1, keepdim=True) / n
     xc = (x - mean) * m
     var = (xc * xc).sum(-1, keepdim=True) / n
@@ -162,11 +179,20 @@ def _masked_instance_norm(self: nn.InstanceNorm1d, x: torch.Tensor) -> torch.Ten
     return y * m
 
 
-def mask_instance_norms(model: nn.Module) -> None:
-    """Make every InstanceNorm1d of ``model`` take each utterance's own frames (see ``_ctx``)."""
+def _masked_conv(self: nn.Conv1d | nn.ConvTranspose1d, x: torch.Tensor) -> torch.Tensor:
+    m = _mask(x)
+    return type(self).forward(self, x if m is None else x * m)  # zeros past the end, as in batch 1
+
+
+def mask_padding(model: nn.Module) -> None:
+    """Make ``model``'s frame-rate layers blind to padding (see ``_ctx``): each InstanceNorm1d
+    takes statistics over each utterance's own frames, and each conv sees zeros after an
+    utterance's end (as batch 1 does) instead of what the layers before made of the padding."""
     for mod in model.modules():
         if isinstance(mod, nn.InstanceNorm1d):
             mod.forward = types.MethodType(_masked_instance_norm, mod)  # type: ignore[method-assign]
+        elif isinstance(mod, (nn.Conv1d, nn.ConvTranspose1d)):
+            mod.forward = types.MethodType(_masked_conv, mod)  # type: ignore[method-assign]
 
 
 # --- the two stages ------------------------------------------------------------------
@@ -258,7 +284,9 @@ def decode(model: Any, items: Sequence[Encoded]) -> list[torch.Tensor]:
     styles = torch.stack([it.style for it in items])
     s = styles[:, 128:]
     ragged = bool((frames != fmax).any())
-    _ctx.frac = (frames.to(model.device, torch.float32) / fmax) if ragged else None
+    _ctx.frames = frames.to(model.device) if ragged else None
+    _ctx.fmax = fmax
+    _ctx.masks = {}
     try:
         pred = model.predictor
         x = _lstm(pred.shared, en.transpose(-1, -2), frames).transpose(-1, -2)
@@ -272,7 +300,8 @@ def decode(model: Any, items: Sequence[Encoded]) -> list[torch.Tensor]:
         n = pred.N_proj(n).squeeze(1)
         audio = model.decoder(asr, f0, n, styles[:, :128])  # [B, 1, samples]
     finally:
-        _ctx.frac = None
+        _ctx.frames = None
+        _ctx.masks = {}
     audio = audio.reshape(len(items), -1)
     return [audio[i, : it.frames * SAMPLES_PER_FRAME] for i, it in enumerate(items)]
 

@@ -1,0 +1,85 @@
+"""The batched Kokoro forward (voicebot/engines/kokoro_model.py) against batch 1.
+
+On the ``kokoro`` package's own modules with random weights of a small shape (the real
+one is 82 M parameters; the code path is the same). The vocoder's noise source is zeroed
+so that two runs can be compared sample by sample.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from voicebot.engines import kokoro_model as km
+
+SMALL = {
+    **km.KOKORO_82M_SHAPE,
+    "hidden_dim": 512,  # the decoder hard-codes 512 (asr_res)
+    "n_layer": 1,
+    "plbert": {"hidden_size": 64, "num_attention_heads": 2, "intermediate_size": 128,
+               "max_position_embeddings": 512, "num_hidden_layers": 2, "dropout": 0.1},
+    "vocab": km.KOKORO_VOCAB,
+}
+
+
+@pytest.fixture(scope="module")
+def model() -> Any:
+    torch.manual_seed(0)
+    return km.build_model(SMALL)
+
+
+@pytest.fixture
+def no_noise(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch, "randn_like", lambda x, **kw: torch.zeros_like(x))
+    monkeypatch.setattr(torch, "rand", lambda *size, **kw: torch.zeros(*size, **kw))
+
+
+def test_real_shape_has_82m_parameters() -> None:
+    torch.manual_seed(0)
+    full = km.build_model(km.random_config())
+    assert 81e6 < sum(p.numel() for p in full.parameters()) < 83e6
+
+
+def test_frame_groups_bound_padding() -> None:
+    frames = [10, 100, 12, 95, 50, 11]
+    groups = km.frame_groups(frames, max_pad=0.25)
+    assert sorted(i for g in groups for i in g) == list(range(6))
+    for g in groups:
+        longest = max(frames[i] for i in g)
+        assert len(g) * longest <= 1.25 * sum(frames[i] for i in g)
+    assert groups[0] == [0, 5, 2]  # shortest first
+    assert all(len(g) == 1 for g in km.frame_groups(frames, max_pad=0.25, max_frames=60)[3:])
+
+
+def test_batched_forward_matches_batch_one(model: Any, no_noise: None) -> None:
+    ids = [[50, 83, 54, 156, 57, 16, 65, 85, 54, 46], [44, 102, 56], [61, 62, 69, 158, 123, 62, 16, 86, 56, 46, 4]]
+    durations = [[3, 2, 4, 3, 3, 2, 4, 3, 2, 3], [2, 3, 4], [3] * 11]
+    styles = torch.randn(3, 256) * 0.15
+    batch = km.encode(model, ids, styles, [1.0] * 3, durations)
+    assert [e.frames for e in batch] == [sum(d) + 2 for d in durations]
+    audio = km.decode(model, batch)
+    for i in range(3):
+        one = km.encode(model, [ids[i]], styles[i : i + 1], [1.0], [durations[i]])[0]
+        assert torch.allclose(one.en, batch[i].en, atol=1e-5) and torch.allclose(one.asr, batch[i].asr, atol=1e-5)
+        ref = km.decode(model, [one])[0].numpy()
+        got = audio[i].numpy()
+        assert got.shape == ref.shape == (one.frames * km.SAMPLES_PER_FRAME,)
+        # Equal but for the edges: the first and last frames' receptive fields reach into
+        # the padding (the source's interpolation, the STFT): there up to 6% of the peak
+        # on these random weights (the last 25 ms, the first 0.3%).
+        peak = np.abs(ref).max() + 1e-9
+        body = slice(km.SAMPLES_PER_FRAME, len(ref) - 2 * km.SAMPLES_PER_FRAME)
+        assert np.abs(got[body] - ref[body]).max() / peak < 1e-4, i
+        assert np.abs(got - ref).max() / peak < 0.1, i
+
+
+def test_predicted_durations_follow_speed(model: Any) -> None:
+    ids = [[50, 83, 54, 156, 57], [44, 102, 56, 61, 62, 69]]
+    styles = torch.randn(2, 256) * 0.15
+    slow = km.encode(model, ids, styles, [1.0, 1.0])
+    fast = km.encode(model, ids, styles, [2.0, 2.0])
+    for s, f in zip(slow, fast, strict=True):
+        assert f.frames < s.frames
