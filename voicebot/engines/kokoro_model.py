@@ -108,17 +108,31 @@ def kokoro_modules() -> types.ModuleType:
 
 
 def build_model(config: dict[str, Any], weights: str | None = None, device: str = "cpu") -> Any:
-    """A ``KModel`` of ``config``'s shape; ``weights``: a ``.pth`` file, None for random weights."""
+    """A ``KModel`` of ``config``'s shape, weight norms folded; ``weights``: a ``.pth`` file
+    (hexgrad's, with weight norms, or one already folded), None for random weights."""
     kmodel = kokoro_modules().KModel
-    if weights is None:  # an empty state dict: nothing loaded, the modules keep their random init
-        buf = io.BytesIO()
-        torch.save({}, buf)
-        buf.seek(0)
-        source: Any = buf
+    empty = io.BytesIO()
+    torch.save({}, empty)
+    empty.seek(0)
+    model = kmodel(repo_id="hexgrad/Kokoro-82M", config=config, model=empty)  # random weights
+    if weights is None:
+        fold_weight_norms(model)
     else:
-        source = weights
-    model = kmodel(repo_id="hexgrad/Kokoro-82M", config=config, model=source).to(device).eval()
-    fold_weight_norms(model)
+        groups = torch.load(weights, map_location="cpu", weights_only=True)
+        folded = not any(k.endswith("weight_g") for sd in groups.values() for k in sd)
+        if folded:
+            fold_weight_norms(model)
+        for name, sd in groups.items():
+            sd = {k.removeprefix("module."): v for k, v in sd.items()}
+            missing, unexpected = getattr(model, name).load_state_dict(sd, strict=False)
+            # Released checkpoints lack the InstanceNorm affine parameters (kokoro added
+            # affine=True for ONNX export; they stay 1 and 0) and ALBERT's unused pooler.
+            missing = [k for k in missing if not k.endswith((".norm.weight", ".norm.bias")) and "pooler" not in k]
+            if missing or unexpected:
+                raise ValueError(f"{weights}: {name}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        if not folded:
+            fold_weight_norms(model)
+    model = model.to(device).eval()
     mask_padding(model)
     return model
 
