@@ -1,0 +1,67 @@
+"""``tts.engine: kokoro`` on real Kokoro-82M weights (int8 dequantised, tests/kokoro_weights.py),
+on the CPU: two sessions' sentences batched in one forward, heard back by Whisper."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import AsyncIterator
+
+import jiwer
+import numpy as np
+import pytest
+from kokoro_weights import VOICE, kokoro_int8_dir
+
+from voicebot.audio import ASR_RATE, dbfs, resample
+from voicebot.config import AsrConfig, Config, TtsConfig
+from voicebot.engines.tts import create_tts
+from voicebot.engines.tts_kokoro import KokoroTts
+
+pytestmark = pytest.mark.engines
+
+TEXTS = [
+    "Yes, bicycles are allowed on this train.",
+    "Folding bicycles travel free at any time, but full size bikes need a free reservation.",
+]
+
+
+def normalise(text: str) -> str:
+    return " ".join(re.sub(r"[^a-z0-9' ]+", " ", text.lower().replace("-", " ")).split())
+
+
+@pytest.fixture(scope="module")
+async def tts() -> AsyncIterator[KokoroTts]:
+    try:
+        model_dir = kokoro_int8_dir()
+    except Exception as exc:  # noqa: BLE001
+        pytest.fail(f"Kokoro weights unavailable ({type(exc).__name__}: {exc})")
+    eng = create_tts(TtsConfig(engine="kokoro", voice=VOICE[0], kokoro_model=str(model_dir), device="cpu",
+                               max_batch=8), None)
+    assert isinstance(eng, KokoroTts)
+    await eng.start()
+    yield eng
+    await eng.aclose()
+
+
+async def test_two_sessions_batched_and_heard_back(tts: KokoroTts) -> None:
+    from voicebot.engines.asr import AsrEngine
+    from voicebot.provision import resolve_model
+
+    async def say(text: str) -> np.ndarray:
+        async with asyncio.timeout(120):
+            return np.concatenate([c async for c in tts.synthesize(text)])
+
+    audios = await asyncio.gather(*(say(t) for t in TEXTS))
+    assert tts._batcher is not None and tts._batcher.stats.max_batch_seen == 2  # one forward for both
+    asr = AsrEngine(AsrConfig(beam_size=1), str(resolve_model("bundle:whisper-tiny.en", Config().models)))
+    await asr.start()
+    try:
+        for text, audio in zip(TEXTS, audios, strict=True):
+            seconds = audio.size / tts.sample_rate
+            assert 0.04 < seconds / len(text) < 0.12, f"{seconds:.2f} s for {len(text)} characters"
+            assert dbfs(audio) > -30.0 and float(np.abs(audio).max()) <= 1.0
+            heard = (await asr.transcribe(resample(audio, tts.sample_rate, ASR_RATE))).text
+            wer = jiwer.wer(normalise(text), normalise(heard))
+            assert wer <= 0.2, f"WER {wer:.0%}: {text!r} heard as {heard!r}"
+    finally:
+        await asr.aclose()
