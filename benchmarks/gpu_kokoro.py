@@ -24,9 +24,10 @@ instance norms). Modes:
 **Random weights of the real shape** (hexgrad/Kokoro-82M config.json, 81.8 M parameters;
 weights cannot be downloaded on the GPU machines). Speed does not depend on the weights'
 values, except through the predicted durations, which random weights get wrong (~25
-frames per phoneme): durations are forced instead, 2-4 frames (50-100 ms) per phoneme,
-mean 3 (about 13 phonemes per second of speech), one phoneme per character of the clause
-(so input and audio lengths are those of real English speech). Phoneme ids are random.
+frames per phoneme): durations are forced instead, 2-3 frames (50-75 ms) per phoneme,
+mean 2.5, and 1.07 phonemes per character of the clause, as the real model does on these
+replies (tests/kokoro_weights.py's int8 weights: 2.53 frames per phoneme, 14.9 characters
+per second), so input and audio lengths are those of real speech. Phoneme ids are random.
 
 Prints a table and writes JSON (``--json``, rewritten after every scenario).
 """
@@ -94,9 +95,11 @@ def summarise(values_s: list[float]) -> dict[str, Any]:
 
 
 def phonemes(text: str, rng: random.Random) -> tuple[list[int], list[int]]:
-    """Stand-in phoneme ids (one per character) and forced durations (frames of 25 ms)."""
-    ids = [rng.randrange(1, N_TOKEN) for _ in text]
-    return ids, [rng.choice((2, 3, 3, 4)) for _ in text]
+    """Stand-in phoneme ids and forced durations (frames of 25 ms) of real English speech:
+    the real model (int8 weights, af_heart, espeak G2P) gives these replies 1.07 phonemes
+    per character and 2.53 frames per phoneme (14.9 characters per second)."""
+    n = max(1, round(len(text) * 1.07))
+    return [rng.randrange(1, N_TOKEN) for _ in range(n)], [rng.choice((2, 2, 3, 3)) for _ in range(n)]
 
 
 class Stats:
@@ -270,7 +273,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = {
         "device": args.device, "cpus": os.cpu_count(), "torch": torch.__version__, "argv": sys.argv,
         "gpu": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else None,
-        "weights": "random (real Kokoro-82M shape), durations forced to 2-4 frames per phoneme",
+        "weights": "random (real Kokoro-82M shape); 1.07 phonemes per character, durations forced to 2-3 frames per phoneme",
         "parameters": params, "build_s": round(load_s, 2), "policy": args.policy, "scenarios": [],
     }
     print(f"[gpu_kokoro] model built in {load_s:.1f} s, {params / 1e6:.1f} M parameters, {args.device}", flush=True)
