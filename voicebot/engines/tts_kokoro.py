@@ -84,12 +84,29 @@ class VoicePacks:
         self._source = source
         self._local = local
         self._packs: dict[str, Any] = {}
+        self._listed: set[str] = set()  # a hub repo's voices/ (list_hub)
 
     def names(self) -> list[str]:
-        found = set(self._packs)
+        found = set(self._packs) | self._listed
         if self._local is not None and (self._local / "voices").is_dir():
             found |= {p.stem for p in (self._local / "voices").iterdir() if p.suffix in (".pt", ".bin")}
         return sorted(found)
+
+    def list_hub(self) -> None:
+        """Learn a hub repo's voice names (blocking), so sessions may ask for any of them."""
+        if self._local is not None:
+            return
+        from huggingface_hub import list_repo_files
+
+        try:
+            files = list_repo_files(self._source)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("cannot list the voices of %s (%s): only loaded ones are offered", self._source, exc)
+            return
+        self._listed = {f[len("voices/"):-3] for f in files if f.startswith("voices/") and f.endswith(".pt")}
+
+    def cached(self, name: str) -> Any | None:
+        return self._packs.get(name)
 
     def load(self, name: str) -> Any:
         """The [510, 256] style table of ``name`` (blocking: call in a thread)."""
@@ -181,7 +198,9 @@ class KokoroTts:
             raise ModelError(f"cannot load Kokoro model {self._cfg.kokoro_model}: {exc}") from exc
         self._runner = self._runner or torch_runner(model)
         self._g2p = self._g2p or EspeakG2P(config["vocab"])
-        self._voices = self._voices or VoicePacks(self._cfg.kokoro_model, local)
+        if self._voices is None:
+            self._voices = VoicePacks(self._cfg.kokoro_model, local)
+            self._voices.list_hub()
         log.info("loaded Kokoro %s on %s in %.1f s", self._cfg.kokoro_model, device, time.perf_counter() - t0)
 
     async def aclose(self) -> None:
@@ -214,7 +233,9 @@ class KokoroTts:
         if not sentences:
             return
         rate = resolve_speed(speed, self._cfg.speed)
-        pack = await asyncio.to_thread(packs.load, voice or self._cfg.voice)
+        name = voice or self._cfg.voice
+        cached = packs.cached(name)  # first use: read (or download) it off the event loop
+        pack: Any = cached if cached is not None else await asyncio.to_thread(packs.load, name)
         loop = asyncio.get_running_loop()
         play_from: float | None = None  # loop time the stream's first audio was handed over
         handed = 0.0  # seconds of audio handed over so far
