@@ -65,3 +65,24 @@ async def test_two_sessions_batched_and_heard_back(tts: KokoroTts) -> None:
             assert wer <= 0.2, f"WER {wer:.0%}: {text!r} heard as {heard!r}"
     finally:
         await asr.aclose()
+
+
+async def test_random_weights_for_gpu_measurements_speak_real_lengths() -> None:
+    from voicebot.engines.kokoro_model import SAMPLES_PER_FRAME
+    from voicebot.engines.tts_kokoro import RANDOM
+
+    eng = create_tts(TtsConfig(engine="kokoro", voice="any_name", kokoro_model=RANDOM, device="cpu"), None)
+    assert isinstance(eng, KokoroTts)
+    await eng.start()
+    try:
+        async with asyncio.timeout(120):
+            chunks = [c async for c in eng.synthesize("Sure. Let me check that for you.")]
+        assert eng.voices() == ["any_name"]
+    finally:
+        await eng.aclose()
+    assert len(chunks) == 2
+    for chunk, text in zip(chunks, ("Sure.", "Let me check that for you."), strict=True):
+        ids = sum(len(p) for p in eng._g2p.ids(text))  # type: ignore[union-attr]
+        frames = sum(2 + (i % 2) for i in range(ids)) + 2  # forced 2-3 per phoneme + the boundary tokens
+        assert chunk.size == frames * SAMPLES_PER_FRAME
+        assert 0.05 < chunk.size / 24_000 / len(text) < 0.1  # ~real speech: 14.9 characters per second

@@ -154,7 +154,7 @@ class TtsConfig(_Section):
     queue_size: int = Field(64, ge=1, le=100_000, description="Clauses waiting for a synthesis thread.")
     speed: float = Field(1.0, ge=0.25, le=4.0, description="Speaking rate multiplier.")
     intra_op_threads: int = Field(0, ge=0, le=256, description="Piper: onnxruntime threads per synthesis (0: onnxruntime's default, one per core). 1-2 on a many-core host lets tts.workers scale without each synthesis taking every core (docs/gpu-results.md).")
-    kokoro_model: str = Field("hexgrad/Kokoro-82M", description="Kokoro: a Hugging Face repo id or a directory with config.json, one .pth and voices/NAME.pt (or kokoro-js NAME.bin).")
+    kokoro_model: str = Field("hexgrad/Kokoro-82M", description="Kokoro: a Hugging Face repo id or a directory with config.json, one .pth and voices/NAME.pt (or kokoro-js NAME.bin); 'random': random weights of the real shape with real-length speech, for GPU measurements only.")
     device: str = Field("auto", description="Kokoro: torch device (auto: cuda if available, else cpu).")
     max_batch: int = Field(64, ge=1, le=1024, description="Kokoro: clauses of all sessions synthesised in one forward at most (tts.workers forwards run at once).")
 

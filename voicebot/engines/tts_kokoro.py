@@ -33,6 +33,10 @@ from voicebot.errors import EngineError, ModelError
 log = logging.getLogger(__name__)
 
 SAMPLE_RATE = 24_000
+# tts.kokoro_model for GPU measurements where no weights can be fetched: random weights of the
+# real shape, any voice name (a random style table), and each phoneme forced to 2-3 frames
+# (random weights would predict ~25): the real model's 2.53 on average (benchmarks/gpu_kokoro.py).
+RANDOM = "random"
 MAX_TOKENS = 510  # the model's 512 positions less the two boundary tokens
 _SPACE = " "
 
@@ -140,6 +144,24 @@ class VoicePacks:
             raise EngineError(f"unknown Kokoro voice {name!r}: {exc}") from None
 
 
+class RandomVoices(VoicePacks):
+    """Any voice name: a fixed random style table (``tts.kokoro_model: random``)."""
+
+    def __init__(self) -> None:
+        super().__init__(RANDOM, None)
+
+    def list_hub(self) -> None:
+        return
+
+    def load(self, name: str) -> Any:
+        if name not in self._packs:
+            import torch
+
+            gen = torch.Generator().manual_seed(len(self._packs))
+            self._packs[name] = torch.randn(510, 256, generator=gen) * 0.15
+        return self._packs[name]
+
+
 def _model_files(source: str) -> tuple[Path, Path | None, Path | None]:
     """(config.json, weights .pth, local directory or None for a hub repo)."""
     p = Path(source).expanduser()
@@ -170,6 +192,7 @@ class KokoroTts:
         self._g2p = g2p
         self._voices = voices
         self._batcher: KokoroBatcher | None = None
+        self._forced_durations = False
 
     async def start(self) -> None:
         if self._runner is None or self._g2p is None or self._voices is None:
@@ -187,8 +210,12 @@ class KokoroTts:
         from voicebot.engines.kokoro_batch import torch_runner
 
         t0 = time.perf_counter()
-        config_path, weights, local = _model_files(self._cfg.kokoro_model)
-        config = json.loads(config_path.read_text(encoding="utf-8"))
+        random_weights = self._cfg.kokoro_model == RANDOM
+        if random_weights:  # GPU measurements: the real shape, no download
+            config, weights, local = km.random_config(), None, None
+        else:
+            config_path, weights, local = _model_files(self._cfg.kokoro_model)
+            config = json.loads(config_path.read_text(encoding="utf-8"))
         device = self._cfg.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -199,8 +226,9 @@ class KokoroTts:
         self._runner = self._runner or torch_runner(model)
         self._g2p = self._g2p or EspeakG2P(config["vocab"])
         if self._voices is None:
-            self._voices = VoicePacks(self._cfg.kokoro_model, local)
+            self._voices = RandomVoices() if random_weights else VoicePacks(self._cfg.kokoro_model, local)
             self._voices.list_hub()
+        self._forced_durations = random_weights
         log.info("loaded Kokoro %s on %s in %.1f s", self._cfg.kokoro_model, device, time.perf_counter() - t0)
 
     async def aclose(self) -> None:
@@ -248,7 +276,9 @@ class KokoroTts:
                 return None
             due = None if play_from is None else play_from + handed  # when playback needs it
             style = pack[min(len(ids), pack.shape[0]) - 1]
-            return asyncio.ensure_future(batcher.synthesize(ids, style, speed=rate, deadline=due))
+            durations = [2 + (i % 2) for i in range(len(ids))] if self._forced_durations else None
+            return asyncio.ensure_future(
+                batcher.synthesize(ids, style, speed=rate, deadline=due, durations=durations))
 
         pending = submit(next(pieces, None))
         try:
