@@ -262,7 +262,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from voicebot.engines import kokoro_model as km
-    from voicebot.engines.kokoro_batch import KokoroBatcher, torch_runner
+    from voicebot.engines.kokoro_batch import MAX_FRAMES, KokoroBatcher, torch_runner
 
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
@@ -283,7 +283,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
     if "streams" in args.modes:
         plans += [("streams", 1, w, args.stream_sessions) for w in args.stream_workers]
     for mode, max_batch, workers, sessions in plans:
-        runner = torch_runner(model, max_pad=args.max_pad, max_frames=args.max_frames)
+        runner = torch_runner(model, max_pad=args.max_pad, max_frames=args.max_frames or MAX_FRAMES)
         eng = KokoroBatcher(runner, max_batch=max_batch, queue_size=args.queue_size, workers=workers)
         eng.start()
         try:
@@ -350,7 +350,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policy", choices=["edf", "fifo"], default="edf",
                    help="edf: later clauses are due when playback reaches them; fifo: all due at once")
     p.add_argument("--max-pad", type=float, default=0.25, help="vocoder groups: padded frames over real, at most 1+this")
-    p.add_argument("--max-frames", type=int, default=64 * 300, help="vocoder groups: padded frames per forward at most")
+    p.add_argument("--max-frames", type=int, default=None,
+                   help="vocoder groups: padded frames per forward at most (default: kokoro_batch.MAX_FRAMES)")
     p.add_argument("--queue-size", type=int, default=100_000)
     p.add_argument("--voices", type=int, default=8, help="distinct style vectors spread over the sessions")
     p.add_argument("--sentences", type=int, default=2, help="sentences after the first clause")

@@ -238,7 +238,12 @@ class KokoroBatcher:
                 clause.future.exception()  # its consumer may be gone
 
 
-def torch_runner(model: Any, *, max_pad: float = 0.25, max_frames: int = 1 << 30) -> Runner:
+# Padded frames per vocoder forward at most: 64 sentences of ~7.5 s. Its activations peak at a
+# few GB (the generator's last stage holds 128 channels x 120 samples per frame per layer).
+MAX_FRAMES = 64 * 300
+
+
+def torch_runner(model: Any, *, max_pad: float = 0.25, max_frames: int = MAX_FRAMES) -> Runner:
     """The :data:`Runner` of a ``KModel`` (``kokoro_model.build_model``): encode the batch,
     decode it in groups of similar length, each worker thread on its own CUDA stream."""
     import torch
