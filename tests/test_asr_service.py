@@ -356,3 +356,37 @@ async def test_partials_failing_while_the_service_is_gone_are_counted_with_one_l
             await s.aclose()
     finally:
         await eng.aclose()
+
+
+async def test_a_partial_from_before_the_end_of_speech_is_stopped_not_awaited_by_the_final() -> None:
+    # Under load a decode takes a while; waiting for a partial that cannot be the final and
+    # then for the one that covers doubled the ASR final's p95 at 64 callers on one GPU.
+    fake = FakeWhisper()
+    stale = asyncio.Event()  # never set: only the partial that started early waits on it
+    fake.hold = stale
+    async with service(fake) as (svc, url), frontend(url) as eng:
+        stream = eng.stream()
+        stream.push(audio(0.5))  # a partial starts on the first 0.5 s ...
+        await asyncio.wait_for(fake.started.wait(), WAIT)
+        fake.hold = None  # ... and is held; later decodes are not
+        stream.push(audio(0.5))  # the caller speaks on and ends at 1.0 s
+        final = await asyncio.wait_for(stream.finalize(covering_s=1.0), WAIT)
+        assert final.text == "alpha bravo"
+        assert final.audio_s == pytest.approx(1.0)
+        await until(lambda: len(fake.aborted) == 1)  # the early partial was stopped at the service
+        assert svc.stats.cancelled == 1
+        assert fake.calls[-1]["priority"] == 0  # the final decoded as a final
+        await stream.aclose()
+
+
+async def test_a_partial_that_covers_the_end_of_speech_is_the_final() -> None:
+    fake = FakeWhisper()
+    async with service(fake) as (svc, url), frontend(url) as eng:
+        stream = eng.stream()
+        stream.push(audio(1.0))  # one partial on the whole second
+        partial = await asyncio.wait_for(anext(stream), WAIT)
+        assert partial.text == "alpha bravo"
+        final = await asyncio.wait_for(stream.finalize(covering_s=1.0), WAIT)
+        assert final.text == "alpha bravo"
+        assert len(fake.calls) == 1 and not fake.aborted  # reused, nothing stopped
+        await stream.aclose()

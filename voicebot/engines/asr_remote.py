@@ -52,10 +52,11 @@ import numpy as np
 import websockets
 from websockets.asyncio.client import ClientConnection, connect
 
+from voicebot.audio import ASR_RATE
 from voicebot.config import AsrConfig, RemoteAsrConfig
 from voicebot.engines.asr import AsrEngine, DecodeAbandoned, unless_abandoned
 from voicebot.engines.asr_queue import DecodeJob, Priority
-from voicebot.engines.asr_stream import AsrStream
+from voicebot.engines.asr_stream import AsrStream, Transcript
 from voicebot.errors import EngineError, ModelError
 
 __all__ = [
@@ -320,6 +321,23 @@ class RemoteAsrStream(AsrStream):
         await super().aclose()
         if running is not None and running.audio is not None:
             self.engine._abandon(running)  # the call ended
+
+    async def finalize(self, covering_s: float | None = None) -> Transcript:
+        # A partial that started before the end of speech cannot be the final. On one
+        # machine's CPU the final would only queue behind it, so the base class waits for
+        # it; here the service can stop it at once, and waiting for it and then for the
+        # partial that covers doubled the ASR final's p95 under load (64 callers on one
+        # GPU, docs/gpu-results.md). Stop it, so the final decodes now at final priority.
+        running = self._partial_job
+        if (
+            covering_s is not None
+            and running is not None
+            and running.audio is not None
+            and running.audio.size / ASR_RATE < covering_s
+        ):
+            self._new_samples = 0  # no partial in its place: what follows is the final's decode
+            self.engine._abandon(running)
+        return await super().finalize(covering_s)
 
 
 class RemoteAsrEngine(AsrEngine):
