@@ -258,6 +258,62 @@ async def warm_up(eng: Any, styles: Any, max_batch: int) -> float:
     return time.perf_counter() - t0
 
 
+def profile_forward(model: Any, n: int, styles: Any, out: Path | None) -> dict[str, Any]:
+    """One batched forward of ``n`` clauses (half first clauses, half sentences), warmed up, then:
+    stage wall times with a device sync after each stage, and a torch.profiler table of the
+    same forward (top ops by self CPU and by self CUDA time) written to ``out``."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from voicebot.engines import kokoro_model as km
+    from voicebot.engines.kokoro_batch import MAX_FRAMES
+
+    cuda = str(model.device).startswith("cuda")
+    rng = random.Random(3)
+    texts = [rng.choice(FIRST) if i % 2 == 0 else rng.choice(REST) for i in range(n)]
+    lens = [phonemes(t, rng) for t in texts]
+    ids, durs = [x[0] for x in lens], [x[1] for x in lens]
+    st = torch.stack([styles[i % len(styles)] for i in range(n)]).to(model.device)
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    def forward(stages: dict[str, float] | None) -> None:
+        t0 = time.perf_counter()
+        enc = km.encode(model, ids, st, [1.0] * n, durs)
+        sync()
+        t1 = time.perf_counter()
+        groups = km.frame_groups([e.frames for e in enc], 0.25, MAX_FRAMES)
+        for g in groups:
+            audio = km.decode(model, [enc[i] for i in g])
+            torch.cat(audio).cpu()
+        sync()
+        if stages is not None:
+            stages.update(encode_ms=round((t1 - t0) * 1000, 1), decode_ms=round((time.perf_counter() - t1) * 1000, 1),
+                          groups=len(groups))
+
+    with torch.inference_mode():
+        forward(None)
+        stages: dict[str, float] = {}
+        forward(stages)
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=acts) as prof:
+            forward(None)
+    avg = prof.key_averages()
+    tables = [avg.table(sort_by="self_cpu_time_total", row_limit=25)]
+    if cuda:
+        tables.append(avg.table(sort_by="self_cuda_time_total", row_limit=25))
+    if out is not None:
+        out.write_text("\n\n".join(tables))
+    top = sorted(avg, key=lambda e: e.self_cpu_time_total, reverse=True)[:12]
+    res = {"clauses": n, **stages, "events": len(prof.events()),
+           "top_self_cpu_ms": {e.key: round(e.self_cpu_time_total / 1000, 1) for e in top}}
+    print(f"[gpu_kokoro] profile of one forward of {n} clauses: {stages}, {res['events']} profiler events", flush=True)
+    print(tables[-1], flush=True)
+    return res
+
+
 async def amain(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
@@ -277,6 +333,12 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
         "parameters": params, "build_s": round(load_s, 2), "policy": args.policy, "scenarios": [],
     }
     print(f"[gpu_kokoro] model built in {load_s:.1f} s, {params / 1e6:.1f} M parameters, {args.device}", flush=True)
+    if args.profile:
+        out = Path(args.json).with_suffix(".profile.txt") if args.json else None
+        report["profile"] = profile_forward(model, args.profile, styles, out)
+        dump(args.json, report)
+    if args.profile_only:
+        return report
     plans: list[tuple[str, int, int, list[int]]] = []
     if "batched" in args.modes:
         plans += [("batched", args.max_batch, w, args.sessions) for w in args.workers]
@@ -361,6 +423,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stall-tolerance-s", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="first profile one forward of N clauses (stage times + torch.profiler table in JSON.profile.txt)")
+    p.add_argument("--profile-only", action="store_true", help="stop after --profile")
     p.add_argument("--max-wall-s", type=float, default=280.0)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
