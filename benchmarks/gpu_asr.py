@@ -33,23 +33,17 @@ import os
 import random
 import sys
 import time
-import types
 import wave
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from bench_util import bare_engines_package  # same folder
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 # voicebot/engines/__init__.py imports every engine (faster-whisper, piper, onnx VAD ...),
 # which a GPU machine running only this benchmark lacks: load the package's modules
 # without it.
-if "voicebot.engines" not in sys.modules:
-    _pkg = types.ModuleType("voicebot.engines")
-    _pkg.__path__ = [str(ROOT / "voicebot" / "engines")]
-    sys.modules["voicebot.engines"] = _pkg
+bare_engines_package()
 
 from llm_load import device_name, pct, run_with_deadline, summarise  # noqa: E402  (same folder)
 

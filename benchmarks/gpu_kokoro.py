@@ -44,54 +44,19 @@ import subprocess
 import sys
 import threading
 import time
-import types
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-if "voicebot.engines" not in sys.modules:  # skip engines/__init__ (imports ASR/LLM/VAD stacks)
-    _pkg = types.ModuleType("voicebot.engines")
-    _pkg.__path__ = [str(ROOT / "voicebot" / "engines")]
-    sys.modules["voicebot.engines"] = _pkg
+from bench_util import bare_engines_package, run_with_deadline  # noqa: E402  (same folder)
+
+bare_engines_package()
+
+from tts_workload import FIRST, REST, Stats, caller, pct, summarise  # noqa: E402  (same folder)
 
 log = logging.getLogger("gpu_kokoro")
 
-# The replies of gpu_tts.py (same texts, so the two benchmarks' loads compare).
-FIRST = [
-    "Sure, let me check that.", "The next train leaves at ten.", "Yes, bicycles are allowed.",
-    "I'm sorry about the delay.", "That ticket costs twelve pounds.", "Platform four, in five minutes.",
-]
-REST = [
-    "It stops at every station on the coast line and arrives a little after eleven in the morning.",
-    "If your train was more than thirty minutes late, you can claim half of the single fare back.",
-    "Folding bicycles travel free at any time, but full-size bikes need a free reservation.",
-    "You can change an advance ticket before departure for a fee of ten pounds plus any difference.",
-    "Staff at the station can help you board if you book assistance two hours ahead.",
-    "Is there anything else I can help you with today?",
-]
 N_TOKEN = 178
-
-
-# The stats helpers of llm_load.py, here because that module imports voicebot.config
-# (pydantic), which a bare GPU machine (no vLLM bundle staged) lacks.
-def pct(values: list[float], p: float) -> float | None:
-    if not values:
-        return None
-    v = sorted(values)
-    k = (len(v) - 1) * p / 100.0
-    lo = int(k)
-    hi = min(lo + 1, len(v) - 1)
-    return v[lo] + (v[hi] - v[lo]) * (k - lo)
-
-
-def summarise(values_s: list[float]) -> dict[str, Any]:
-    ms = [x * 1000.0 for x in values_s]
-    if not ms:
-        return {"n": 0}
-    return {"n": len(ms), "p50": round(pct(ms, 50) or 0, 1), "p95": round(pct(ms, 95) or 0, 1),
-            "p99": round(pct(ms, 99) or 0, 1), "mean": round(sum(ms) / len(ms), 1), "max": round(max(ms), 1)}
 
 
 def phonemes(text: str, rng: random.Random) -> tuple[list[int], list[int]]:
@@ -100,16 +65,6 @@ def phonemes(text: str, rng: random.Random) -> tuple[list[int], list[int]]:
     per character and 2.53 frames per phoneme (14.9 characters per second)."""
     n = max(1, round(len(text) * 1.07))
     return [rng.randrange(1, N_TOKEN) for _ in range(n)], [rng.choice((2, 2, 3, 3)) for _ in range(n)]
-
-
-class Stats:
-    def __init__(self) -> None:
-        self.first_audio: list[float] = []
-        self.stall: list[float] = []
-        self.synth_rtf: list[float] = []
-        self.audio_s = 0.0
-        self.replies = 0
-        self.errors: list[str] = []
 
 
 class GpuSampler:
@@ -152,47 +107,15 @@ class GpuSampler:
 async def session(eng: Any, args: argparse.Namespace, st: Stats, t_start: float, t_end: float,
                   rng: random.Random, style: Any) -> None:
     loop = asyncio.get_running_loop()
-    rate = 24_000
-    await asyncio.sleep(rng.uniform(0, args.listen_s[1]))
-    while time.monotonic() < t_end:
-        clauses = [rng.choice(FIRST)] + rng.sample(REST, args.sentences)
-        t0 = time.monotonic()
-        play_start: float | None = None
-        audio_pos = stall = 0.0
-        first = None
-        try:
-            for clause in clauses:
-                ids, dur = phonemes(clause, rng)
-                # Earliest deadline first: the first clause is due now, a later one when
-                # playback reaches it (fifo: every clause is due when asked for).
-                due = None
-                if args.policy == "edf" and play_start is not None:
-                    due = loop.time() + max(0.0, play_start + audio_pos + stall - time.monotonic())
-                chunk = await eng.synthesize(ids, style, deadline=due, durations=dur)
-                now = time.monotonic()
-                if play_start is None:
-                    play_start, first = now, now - t0
-                else:
-                    due_at = play_start + audio_pos + stall  # when playback reaches this chunk
-                    if now > due_at:
-                        stall += now - due_at
-                audio_pos += chunk.size / rate
-        except Exception as exc:  # noqa: BLE001
-            st.errors.append(f"{type(exc).__name__}: {exc}")
-            await asyncio.sleep(1.0)
-            continue
-        synth_wall = time.monotonic() - t0
-        if t0 - t_start >= args.warmup_s and first is not None:
-            st.first_audio.append(first)
-            st.stall.append(stall)
-            st.synth_rtf.append(synth_wall / audio_pos if audio_pos else 0.0)
-        st.audio_s += audio_pos
-        st.replies += 1
-        end_of_playback = (play_start or t0) + audio_pos + stall
-        wait = max(0.0, end_of_playback - time.monotonic()) + rng.uniform(*args.listen_s)
-        if time.monotonic() + wait >= t_end:
-            return
-        await asyncio.sleep(wait)
+
+    async def speak(clause: str, ahead: float | None) -> AsyncIterator[Any]:
+        ids, dur = phonemes(clause, rng)
+        # Earliest deadline first: the first clause is due now, a later one when
+        # playback reaches it (fifo: every clause is due when asked for).
+        due = loop.time() + ahead if args.policy == "edf" and ahead is not None else None
+        yield await eng.synthesize(ids, style, deadline=due, durations=dur)
+
+    await caller(speak, 24_000, args, st, t_start, t_end, rng)
 
 
 async def scenario(eng: Any, args: argparse.Namespace, n: int, styles: Any) -> dict[str, Any]:
@@ -383,22 +306,6 @@ def table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run_with_deadline(coro: Any, max_wall_s: float) -> Any:
-    """asyncio.run(coro), but the process exits (code 3) after ``max_wall_s`` (a device call must end)."""
-
-    def hard_stop() -> None:
-        print(f"[gpu_kokoro] --max-wall-s {max_wall_s} reached: exiting", file=sys.stderr, flush=True)
-        os._exit(3)
-
-    timer = threading.Timer(max_wall_s, hard_stop)
-    timer.daemon = True
-    timer.start()
-    try:
-        return asyncio.run(coro)
-    finally:
-        timer.cancel()
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -429,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-wall-s", type=float, default=280.0)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    report = run_with_deadline(amain(args), args.max_wall_s)
+    report = run_with_deadline(amain(args), args.max_wall_s, "gpu_kokoro")
     print(table(report))
     return 0
 

@@ -27,86 +27,23 @@ import os
 import random
 import sys
 import time
-import types
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-if "voicebot.engines" not in sys.modules:  # skip engines/__init__ (imports ASR/LLM/VAD stacks)
-    _pkg = types.ModuleType("voicebot.engines")
-    _pkg.__path__ = [str(ROOT / "voicebot" / "engines")]
-    sys.modules["voicebot.engines"] = _pkg
+from bench_util import bare_engines_package  # same folder
 
-from llm_load import pct, run_with_deadline, summarise  # noqa: E402
+bare_engines_package()
+
+from llm_load import run_with_deadline  # noqa: E402
+from tts_workload import Stats, caller, pct, summarise  # noqa: E402
 
 from voicebot.config import TtsConfig  # noqa: E402
 
 log = logging.getLogger("gpu_tts")
 
-FIRST = [
-    "Sure, let me check that.", "The next train leaves at ten.", "Yes, bicycles are allowed.",
-    "I'm sorry about the delay.", "That ticket costs twelve pounds.", "Platform four, in five minutes.",
-]
-REST = [
-    "It stops at every station on the coast line and arrives a little after eleven in the morning.",
-    "If your train was more than thirty minutes late, you can claim half of the single fare back.",
-    "Folding bicycles travel free at any time, but full-size bikes need a free reservation.",
-    "You can change an advance ticket before departure for a fee of ten pounds plus any difference.",
-    "Staff at the station can help you board if you book assistance two hours ahead.",
-    "Is there anything else I can help you with today?",
-]
-
-
-class Stats:
-    def __init__(self) -> None:
-        self.first_audio: list[float] = []
-        self.stall: list[float] = []  # per reply, seconds of playback lost
-        self.synth_rtf: list[float] = []  # per reply: wall from request to last audio / audio length
-        self.audio_s = 0.0
-        self.replies = 0
-        self.errors: list[str] = []
-
-
 async def session(eng: Any, args: argparse.Namespace, st: Stats, t_start: float, t_end: float,
                   rng: random.Random) -> None:
-    rate = eng.sample_rate
-    await asyncio.sleep(rng.uniform(0, args.listen_s[1]))
-    while time.monotonic() < t_end:
-        clauses = [rng.choice(FIRST)] + rng.sample(REST, args.sentences)
-        t0 = time.monotonic()
-        play_start: float | None = None
-        audio_pos = stall = 0.0
-        first = None
-        try:
-            for clause in clauses:
-                async for chunk in eng.synthesize(clause):
-                    now = time.monotonic()
-                    if play_start is None:
-                        play_start, first = now, now - t0
-                    else:
-                        due = play_start + audio_pos + stall  # when playback reaches this chunk
-                        if now > due:
-                            stall += now - due
-                    audio_pos += chunk.size / rate
-        except Exception as exc:  # noqa: BLE001
-            st.errors.append(f"{type(exc).__name__}: {exc}")
-            await asyncio.sleep(1.0)
-            continue
-        synth_wall = time.monotonic() - t0
-        if t0 - t_start >= args.warmup_s and first is not None:
-            st.first_audio.append(first)
-            st.stall.append(stall)
-            st.synth_rtf.append(synth_wall / audio_pos if audio_pos else 0.0)
-        st.audio_s += audio_pos
-        st.replies += 1
-        # Play out what is left, then the caller speaks.
-        end_of_playback = (play_start or t0) + audio_pos + stall
-        wait = max(0.0, end_of_playback - time.monotonic()) + rng.uniform(*args.listen_s)
-        if time.monotonic() + wait >= t_end:
-            return
-        await asyncio.sleep(wait)
+    await caller(lambda clause, ahead: eng.synthesize(clause), eng.sample_rate, args, st, t_start, t_end, rng)
 
 
 async def scenario(eng: Any, args: argparse.Namespace, n: int) -> dict[str, Any]:

@@ -26,19 +26,13 @@ import json
 import re
 import shutil
 import sys
-import types
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from bench_util import bare_engines_package  # same folder
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-if "voicebot.engines" not in sys.modules:  # skip engines/__init__ (imports ASR/LLM/VAD stacks)
-    _pkg = types.ModuleType("voicebot.engines")
-    _pkg.__path__ = [str(ROOT / "voicebot" / "engines")]
-    sys.modules["voicebot.engines"] = _pkg
+bare_engines_package()
 
 
 def torch_key(onnx_name: str) -> str:

@@ -46,7 +46,6 @@ import os
 import random
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +54,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from bench_util import pct, run_with_deadline, summarise  # noqa: E402, F401  (gpu_asr/gpu_tts import them from here too)
 
 from voicebot.config import LlmConfig, load_config  # noqa: E402  (pydantic, pyyaml)
 from voicebot.session.history import Conversation  # noqa: E402  (no dependencies)
@@ -156,30 +157,6 @@ def build_utterances(tok: Any, n: int, target_tokens: int, seed: int) -> list[st
 
 
 # --------------------------------------------------------------------------- stats
-def pct(values: list[float], p: float) -> float | None:
-    if not values:
-        return None
-    v = sorted(values)
-    k = (len(v) - 1) * p / 100.0
-    lo = int(k)
-    hi = min(lo + 1, len(v) - 1)
-    return v[lo] + (v[hi] - v[lo]) * (k - lo)
-
-
-def summarise(values_s: list[float]) -> dict[str, Any]:
-    ms = [x * 1000.0 for x in values_s]
-    if not ms:
-        return {"n": 0}
-    return {
-        "n": len(ms),
-        "p50": round(pct(ms, 50), 1),
-        "p95": round(pct(ms, 95), 1),
-        "p99": round(pct(ms, 99), 1),
-        "mean": round(sum(ms) / len(ms), 1),
-        "max": round(max(ms), 1),
-    }
-
-
 @dataclass
 class Turn:
     session: int
@@ -746,23 +723,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", default=None)
     p.add_argument("--max-wall-s", type=float, default=570.0, help="hard stop for the whole run")
     return p.parse_args(argv)
-
-
-def run_with_deadline(coro: Any, max_wall_s: float, name: str) -> Any:
-    """asyncio.run(coro), but the process exits (code 3) after ``max_wall_s``: a device
-    call must end inside its limit even when vLLM hangs in a thread."""
-
-    def hard_stop() -> None:
-        print(f"[{name}] --max-wall-s {max_wall_s} reached: exiting", file=sys.stderr, flush=True)
-        os._exit(3)
-
-    timer = threading.Timer(max_wall_s, hard_stop)
-    timer.daemon = True
-    timer.start()
-    try:
-        return asyncio.run(coro)
-    finally:
-        timer.cancel()
 
 
 def main(argv: list[str] | None = None) -> int:
