@@ -37,6 +37,7 @@ from voicebot.engines.llm import TextDelta
 from voicebot.engines.llm_remote import RemoteLlmEngine
 
 CPU_BLOCK = 128  # vLLM's KV block on CPU: only whole blocks are cached
+SPACE_A = 264  # " a" in the Qwen3 tokenizer of the random test model
 LONG_REPLY = 800  # tokens: far longer than the barge-in test (between vLLM's 500 and 1000 buckets)
 
 
@@ -201,9 +202,14 @@ async def test_a_barge_in_and_a_hang_up_abort_the_reply_on_the_server(
         # (~300 here, ~3 s): on a loaded machine a reply could end on its own before the
         # test looks at it (a CI run failed so). Long replies (the call's, not its 64-token
         # summaries) must run to LONG_REPLY unless something aborts them.
+        # Most of its tokens are pieces without a space (CJK and the like), so its first
+        # clause, cut at words, could need most of the reply: the audio then started only
+        # after the reply had finished generating, and there was nothing left to abort (a
+        # CI run failed so, after min_tokens). A bias towards " a" gives it words.
         body = real_params(values)
         if body.get("max_tokens") == LONG_REPLY:
             body["min_tokens"] = LONG_REPLY
+            body["logit_bias"] = {**body.get("logit_bias", {}), str(SPACE_A): 6.0}
         return body
 
     monkeypatch.setattr(llm, "_params", long_replies)
