@@ -30,7 +30,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from bench_util import bare_engines_package  # same folder
+
+# Its own folder for bench_util: tests/kokoro_weights.py loads this file by path, where
+# benchmarks/ is not on sys.path as it is for a script.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_util import bare_engines_package  # noqa: E402
 
 bare_engines_package()
 
