@@ -202,10 +202,11 @@ async def test_a_barge_in_and_a_hang_up_abort_the_reply_on_the_server(
         # (~300 here, ~3 s): on a loaded machine a reply could end on its own before the
         # test looks at it (a CI run failed so). Long replies (the call's, not its 64-token
         # summaries) must run to LONG_REPLY unless something aborts them.
-        # Most of its tokens are pieces without a space (CJK and the like), so its first
-        # clause, cut at words, could need most of the reply: the audio then started only
-        # after the reply had finished generating, and there was nothing left to abort (a
-        # CI run failed so, after min_tokens). A bias towards " a" gives it words.
+        # Most of its tokens are pieces without a space (CJK and the like): a bias towards
+        # " a" gives it words, so its clauses (cut at words) reach the TTS early. (A CI run
+        # failed here with no request on either server even so: the session had closed
+        # the call as a slow reader, the released backlog of text deltas having filled
+        # its outbox. It now coalesces them: test_session's long speculative reply test.)
         body = real_params(values)
         if body.get("max_tokens") == LONG_REPLY:
             body["min_tokens"] = LONG_REPLY

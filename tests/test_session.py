@@ -463,6 +463,27 @@ async def test_a_client_that_stops_reading_is_dropped_not_buffered(tokenizer, ca
     assert len(warned) == 1, len(warned)
 
 
+async def test_a_long_speculative_reply_released_at_once_does_not_read_as_a_stalled_client(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    # A speculative reply generates while the turn is still open; its text deltas wait
+    # for the end of turn. Released, that backlog (hundreds of tokens when the model's
+    # pieces hold few spaces, so clauses are long) went into the bounded outbox one
+    # event per token in one loop turn: full, and the call was closed as a client that
+    # stopped reading (a CI run of test_scale_out failed so). A reader that keeps up
+    # must get the whole text, in order, and keep its call.
+    reply = " ".join(f"w{i}" for i in range(400))
+    engines = make_engines(tokenizer, reply=reply, word_delay=0.0005)
+    with_session_cfg(engines, out_queue_frames=64)
+    async with call(engines) as c:
+        await c.speak(600)
+        await c.silence(700)
+        done = await c.wait_for(ev.ResponseDone, timeout=60)
+        assert c.session.closed_reason is None
+        assert done.status == "completed", done
+        deltas = c.of(ev.ResponseTextDelta)
+        assert "".join(d.text for d in deltas) == reply
+        assert len(deltas) < 400, "the released backlog went out in fewer events than tokens"
+
+
 async def test_a_silent_wire_ends_the_session(tokenizer) -> None:  # type: ignore[no-untyped-def]
     engines = make_engines(tokenizer)
     with_session_cfg(engines, idle_timeout_s=1.0)

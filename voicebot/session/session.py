@@ -54,7 +54,7 @@ from voicebot.session.events import (
 from voicebot.session.history import Conversation, Message
 from voicebot.session.outbox import Outbox
 from voicebot.session.playout import Playout
-from voicebot.session.response import Response, ResponseOptions
+from voicebot.session.response import Delta, Response, ResponseOptions
 from voicebot.session.settings import SessionSettings
 from voicebot.session.text_only import TextOnlyTts
 from voicebot.session.turns import Signal, make_turn_detector
@@ -800,9 +800,27 @@ class Session:
     async def _forward_text(self, resp: Response) -> None:
         await resp.released.wait()
         self.emit(ResponseStarted(resp.id, resp.item_id))
-        while (delta := await resp.deltas.get()) is not None:
-            # Text, or a tool call's start / arguments / end (already session events).
-            self.emit(ResponseTextDelta(resp.id, resp.item_id, delta) if isinstance(delta, str) else delta)
+        held: list[Delta | None] = []  # taken from the queue, for the next round
+        while (delta := held.pop() if held else await resp.deltas.get()) is not None:
+            if isinstance(delta, str):
+                # The text waiting here goes out as one event. A speculative reply
+                # released at the end of turn has hundreds of tokens waiting: one event
+                # each, in one loop turn, filled the bounded outbox, and the call was
+                # closed as a client that stopped reading.
+                parts = [delta]
+                while not resp.deltas.empty():
+                    nxt = resp.deltas.get_nowait()
+                    if not isinstance(nxt, str):
+                        held.append(nxt)  # a tool-call event or the end: after this text
+                        break
+                    parts.append(nxt)
+                event: SessionEvent = ResponseTextDelta(resp.id, resp.item_id, "".join(parts))
+            else:
+                event = delta  # a tool call's start / arguments / end (already session events)
+            # Like the reply's audio, its text waits for a slow reader (and coalesces
+            # meanwhile) instead of being taken for a stalled one.
+            await self._out.wait_for_room()
+            self.emit(event)
 
     def _cancel_response(self, *, status: str, emit: bool = True) -> None:
         resp, task = self._response, self._response_task
