@@ -224,6 +224,25 @@ def test_bundle_names_for_config():
     assert bundle_names_for(config) == ["whisper-tiny.en", "qwen3-tiny-random"]
 
 
+def test_a_frontend_pulls_only_what_it_loads():
+    # With the ASR in the shared service and the LLM on a remote tier, `voicebot serve`
+    # loads only the tokenizer (resolve_specs): it pulled the Whisper and LLM weights too
+    # (the LLM's 1 GB package for a tokenizer). `voicebot models pull --config` still
+    # lists what the deployment's services load from the same config.
+    config = Config()
+    config.asr.backend = "remote"
+    config.llm.backend = "remote"
+    config.llm.tokenizer = "bundle:qwen3-tokenizer"
+    assert bundle_names_for(config, frontend=True) == ["qwen3-tokenizer", "piper-en_US-joe-medium"]
+    assert bundle_names_for(config) == [
+        "whisper-tiny.en", "qwen2.5-0.5b-instruct", "qwen3-tokenizer", "piper-en_US-joe-medium"
+    ]
+    config.llm.tokenizer = None  # the tokenizer comes from llm.model then
+    assert bundle_names_for(config, frontend=True) == ["qwen2.5-0.5b-instruct", "piper-en_US-joe-medium"]
+    config.asr.backend = "faster-whisper"
+    assert bundle_names_for(config, frontend=True)[0] == "whisper-tiny.en"
+
+
 def test_real_recipe_is_complete():
     bundle = load_bundle()
     assert {"whisper-tiny.en", "whisper-base", "qwen2.5-0.5b-instruct", "qwen3-tokenizer",

@@ -63,9 +63,20 @@ def _resolve_bundle(name: str, models: ModelsConfig, *, build: bool) -> Path:
     return store.path(name)
 
 
-def bundle_names_for(config: Config) -> list[str]:
-    """The bundle entries a config references, in config order, without duplicates."""
-    refs = [config.asr.model, config.llm.model, config.llm.tokenizer]
+def bundle_names_for(config: Config, *, frontend: bool = False) -> list[str]:
+    """The bundle entries a config references, in config order, without duplicates.
+
+    ``frontend``: only those ``voicebot serve`` loads itself (as resolve_specs does):
+    not the Whisper model of a shared ASR service (``asr.backend: remote``), and of a
+    remote LLM tier only the tokenizer.
+    """
+    refs: list[str | None] = []
+    if not (frontend and config.asr.backend == "remote"):
+        refs.append(config.asr.model)
+    if frontend and config.llm.backend == "remote":
+        refs.append(config.llm.tokenizer or config.llm.model)
+    else:
+        refs += [config.llm.model, config.llm.tokenizer]
     if config.tts.engine == "piper":
         refs.append(config.tts.voice)
     if config.vad.turn_detector == "smart_turn":

@@ -66,7 +66,7 @@ class DrainingServer(uvicorn.Server):
 
 
 def serve(cfg: Config, *, pull_models: bool = True) -> int:
-    names = bundle_names_for(cfg)
+    names = bundle_names_for(cfg, frontend=True)
     if names and pull_models:
         # Before binding the port, so a missing package is one clear CLI error.
         pull(names, cfg.models, log=lambda msg: log.info("%s", msg))
