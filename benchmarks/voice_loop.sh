@@ -8,14 +8,22 @@
 # Audio: every WAV in ../shared/audio (jfk.wav included) unless AUDIO is set.
 # SERVER_ARGS: extra `voicebot serve` options, e.g. SERVER_ARGS="--set vad.min_silence_ms=500".
 # PROTOCOL: native (default), realtime, twilio or webrtc.
+# TRACE=1: serve through benchmarks/trace_serve.py, which writes $OUT/trace.jsonl (what ran
+#   on the cores when; `benchmarks/trace_serve.py --report $OUT/trace.jsonl` splits each TTFT).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CONFIG=${1:-configs/default.yaml}; OUT=${2:-artifacts/v2v}; shift $(( $# > 2 ? 2 : $# ))
 PORT=${PORT:-8090}
 AUDIO=${AUDIO:-$(ls ../shared/audio/*.wav)}
 mkdir -p "$OUT"
+SERVE=(.venv/bin/voicebot)
+if [ -n "${TRACE:-}" ]; then
+  rm -f "$OUT/trace.jsonl"
+  export TRACE_OUT="$OUT/trace.jsonl"
+  SERVE=(.venv/bin/python benchmarks/trace_serve.py)
+fi
 # shellcheck disable=SC2086
-.venv/bin/voicebot serve --config "$CONFIG" --port "$PORT" ${SERVER_ARGS:-} > "$OUT/server.log" 2>&1 &
+"${SERVE[@]}" serve --config "$CONFIG" --port "$PORT" ${SERVER_ARGS:-} > "$OUT/server.log" 2>&1 &
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true' EXIT
 for _ in $(seq 1 180); do

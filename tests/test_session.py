@@ -79,7 +79,7 @@ class FakeAsrStream:
     def buffered_s(self) -> float:
         return self.samples / RATE
 
-    def request_partial(self) -> None:
+    def request_partial(self, covering_s: float | None = None) -> None:
         self.engine.partial_requests += 1
 
     async def finalize(self, covering_s: float | None = None) -> Transcript:

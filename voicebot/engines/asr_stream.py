@@ -107,8 +107,16 @@ class AsrStream:
                 self._samples -= excess
         self._maybe_schedule_partial()
 
-    def request_partial(self) -> None:
-        """Decode now rather than at the next interval (the caller just went quiet)."""
+    def request_partial(self, covering_s: float | None = None) -> None:
+        """Decode now rather than at the next interval (the caller just went quiet).
+
+        With ``covering_s`` (where speech ended, as for :meth:`finalize`): not when a
+        partial that saw that much audio is decoded or decoding already. The final takes
+        that one, and another decode would run beside the reply's LLM prefill for nothing
+        (a breath after a pause, or an interval partial that started at the last word).
+        """
+        if covering_s is not None and self._covers(covering_s):
+            return
         self._new_samples = max(self._new_samples, self._interval)
         self._maybe_schedule_partial()
 
@@ -152,6 +160,17 @@ class AsrStream:
         text, decode_s = await self.engine._run_final(job)
         assert job.audio is not None
         return Transcript(text, job.audio.size / ASR_RATE, decode_s)
+
+    def _covers(self, covering_s: float) -> bool:
+        """A partial of this utterance saw (or, queued, will see) ``covering_s`` of audio."""
+        if self._latest is not None and self._latest[1] >= covering_s:
+            return True
+        job = self._partial_job
+        if job is None:
+            return False
+        if job.audio is None:  # queued: it takes the buffer as it is when it starts
+            return self.buffered_s >= covering_s
+        return job.generation == self._generation and job.audio.size / ASR_RATE >= covering_s
 
     def reset(self) -> None:
         self._generation += 1

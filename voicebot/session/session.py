@@ -465,7 +465,10 @@ class Session:
             self._start_user_turn()
             return True
         if sig is Signal.QUIET:
-            self._asr.request_partial()
+            # Decode now, unless a partial that saw the speech to its end is decoded or
+            # decoding: it becomes the final, and another decode would only run beside
+            # the reply's LLM prefill (tests/test_turns_partials.py).
+            self._asr.request_partial(self._speech_end_asr_s)
         elif sig is Signal.PAUSE:
             self._speculate()
         elif sig is Signal.RESUME:
@@ -483,6 +486,9 @@ class Session:
         self._last_speech_wall = self._clock.monotonic()
         self._asr.reset()
         self._asr.push(np.concatenate(self._ring))
+        # Speech lasted at least to here (the window that started the turn is not counted
+        # below): never a stale end of the previous turn's speech.
+        self._speech_end_asr_s = self._asr.buffered_s
         self.emit(SpeechStarted(audio_ms=int(self.input_ms), item_id=self._item_id))
 
     def _speculate(self) -> None:

@@ -1,0 +1,229 @@
+"""What runs on the 2 cores while a live turn waits: a traced ``voicebot serve``.
+
+    TRACE_OUT=artifacts/x/trace.jsonl .venv/bin/python benchmarks/trace_serve.py serve --config ...
+    SERVER_CMD="benchmarks/trace_serve.py" benchmarks/voice_loop.sh configs/default.yaml OUT ...
+    .venv/bin/python benchmarks/trace_serve.py --report OUT/trace.jsonl
+
+The server is the real one (``voicebot.cli.main``); before it starts, a few of our own
+functions are wrapped to write one JSON line per event, on ``time.monotonic()`` (the
+engine core's clock too, so vLLM's own per-request timestamps line up):
+
+    asr        a Whisper decode: priority (final / partial), audio seconds, start, end
+    llm        an LLM request: lane, prompt / cached tokens, submitted, vLLM's queued /
+               scheduled / first-token marks, our first token, end, aborted or not
+    signal     a turn signal (quiet, pause, resume, end, speech_start)
+    smart_turn the end-of-turn model's inference, start and end
+    tts        one Piper sentence, start and end
+    summary    a background history summary, start and end
+    loop_lag   the event loop was late by more than 20 ms (something held it)
+
+``--report`` prints, for every interactive LLM request, its TTFT split into vLLM's
+queue and prefill time and every piece of work that overlapped it, so a slow TTFT
+can be pinned on what ran at that moment. Nothing here changes what the server does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+_lock = threading.Lock()
+_out: Any = None
+
+
+def _emit(kind: str, **fields: Any) -> None:
+    if _out is None:
+        return
+    line = json.dumps({"kind": kind, **fields}, default=str)
+    with _lock:
+        _out.write(line + "\n")
+        _out.flush()
+
+
+def install(path: str) -> None:
+    """Wrap the functions whose timing matters; events go to ``path`` (JSON lines)."""
+    global _out
+    _out = open(path, "a", buffering=1)  # noqa: SIM115 - open for the process's life
+
+    from voicebot.engines import asr, llm, smart_turn, tts_piper
+    from voicebot.session import session
+
+    decode = asr.AsrEngine._decode
+
+    def traced_decode(self: Any, job: Any) -> Any:
+        t0 = time.monotonic()
+        try:
+            return decode(self, job)
+        finally:
+            _emit("asr", priority=job.priority.name.lower(), audio_s=round(job.audio.size / 16000, 3),
+                  start=t0, end=time.monotonic())
+
+    asr.AsrEngine._decode = traced_decode  # type: ignore[method-assign]
+
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    recs: dict[str, dict[str, Any]] = {}
+    generate = AsyncLLM.generate
+
+    async def spy(self: Any, prompt: Any, params: Any, request_id: str, *args: Any, **kwargs: Any) -> Any:
+        rec = recs.get(request_id, {})
+        async with contextlib.aclosing(generate(self, prompt, params, request_id, *args, **kwargs)) as outs:
+            async for out in outs:
+                m = getattr(out, "metrics", None)
+                if m is not None and "vllm_first_token" not in rec and getattr(m, "first_token_ts", 0):
+                    rec["vllm_queued"] = m.queued_ts
+                    rec["vllm_scheduled"] = m.scheduled_ts
+                    rec["vllm_first_token"] = m.first_token_ts
+                yield out
+
+    AsyncLLM.generate = spy  # type: ignore[method-assign]
+    stream = llm.LlmEngine._stream
+
+    async def traced_stream(self: Any, rid: str, prompt_ids: list[int], lane: Any, st: Any, params: Any) -> Any:
+        rec = recs[rid] = {"rid": rid, "lane": lane.value, "prompt_tokens": len(prompt_ids)}
+        rec["submitted"] = time.monotonic()
+        aborted = True
+        try:
+            async with contextlib.aclosing(stream(self, rid, prompt_ids, lane, st, params)) as inner:
+                async for delta in inner:
+                    if "first_token" not in rec:
+                        rec["first_token"] = time.monotonic()
+                    yield delta
+            aborted = False
+        finally:
+            recs.pop(rid, None)
+            rec.update(end=time.monotonic(), cached_tokens=st.cached_tokens, output_tokens=st.output_tokens,
+                       aborted=aborted)
+            _emit("llm", **rec)
+
+    llm.LlmEngine._stream = traced_stream  # type: ignore[method-assign]
+
+    on_signal = session.Session._on_signal
+
+    def traced_signal(self: Any, sig: Any) -> bool:
+        _emit("signal", name=sig.value, at=time.monotonic(), session=self.id)
+        return on_signal(self, sig)
+
+    session.Session._on_signal = traced_signal  # type: ignore[method-assign]
+
+    timed = smart_turn.SmartTurn._timed
+
+    def traced_timed(self: Any, audio: Any) -> float:
+        t0 = time.monotonic()
+        try:
+            return timed(self, audio)
+        finally:
+            _emit("smart_turn", start=t0, end=time.monotonic(), audio_s=round(audio.size / 16000, 3))
+
+    smart_turn.SmartTurn._timed = traced_timed  # type: ignore[method-assign]
+
+    synth = tts_piper._synth_sentence
+
+    def traced_synth(voice: Any, text: str, syn: Any, rate: int) -> Any:
+        t0 = time.monotonic()
+        try:
+            return synth(voice, text, syn, rate)
+        finally:
+            _emit("tts", start=t0, end=time.monotonic(), chars=len(text))
+
+    tts_piper._synth_sentence = traced_synth
+
+    summary_of = session.Session._summary_of
+
+    async def traced_summary(self: Any, dropped: Any, earlier: Any) -> str:
+        t0 = time.monotonic()
+        try:
+            return await summary_of(self, dropped, earlier)
+        finally:
+            _emit("summary", start=t0, end=time.monotonic(), messages=len(dropped))
+
+    session.Session._summary_of = traced_summary  # type: ignore[method-assign]
+
+    aenter = session.Session.__aenter__
+
+    async def traced_aenter(self: Any) -> Any:
+        out = await aenter(self)
+        if not getattr(session, "_lag_watch", None):
+            session._lag_watch = asyncio.get_running_loop().create_task(_watch_lag())  # type: ignore[attr-defined]
+        return out
+
+    session.Session.__aenter__ = traced_aenter  # type: ignore[method-assign]
+
+
+async def _watch_lag(step: float = 0.01, report_over: float = 0.02) -> None:
+    while True:
+        t0 = time.monotonic()
+        await asyncio.sleep(step)
+        late = time.monotonic() - t0 - step
+        if late > report_over:
+            _emit("loop_lag", start=t0 + step, end=time.monotonic(), late_ms=round(1000 * late, 1))
+
+
+# ------------------------------------------------------------------------- report
+def _overlap(a0: float, a1: float, b0: float, b1: float) -> float:
+    return max(0.0, min(a1, b1) - max(a0, b0))
+
+
+def report(path: Path) -> int:
+    events = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    llm_reqs = sorted((e for e in events if e["kind"] == "llm"), key=lambda e: e["submitted"])
+    work = [e for e in events if e["kind"] in ("asr", "smart_turn", "tts", "summary", "loop_lag")]
+    work += [
+        {**e, "kind": f"llm:{e['lane']}", "start": e["submitted"], "end": e["end"]}
+        for e in events if e["kind"] == "llm"
+    ]
+    signals = sorted((e for e in events if e["kind"] == "signal"), key=lambda e: e["at"])
+    rows = []
+    for r in llm_reqs:
+        if r["lane"] != "interactive" or "first_token" not in r:
+            continue
+        t0, t1 = r["submitted"], r["first_token"]
+        ttft = 1000 * (t1 - t0)
+        split = ""
+        if r.get("vllm_first_token"):
+            queue = 1000 * (r["vllm_scheduled"] - t0)
+            prefill = 1000 * (r["vllm_first_token"] - r["vllm_scheduled"])
+            split = f"to scheduled {queue:6.0f}  prefill {prefill:6.0f}"
+        busy: dict[str, float] = {}
+        for w in work:
+            if w is r or (w.get("rid") == r["rid"]):
+                continue
+            ov = _overlap(t0, t1, w["start"], w["end"])
+            if ov > 0:
+                key = w["kind"] + (f":{w['priority']}" if w["kind"] == "asr" else "")
+                busy[key] = busy.get(key, 0.0) + 1000 * ov
+        recent = [s["name"] for s in signals if t0 - 1.0 <= s["at"] <= t1]
+        rows.append({"rid": r["rid"], "ttft_ms": round(ttft, 1), "cached": r["cached_tokens"],
+                     "prompt": r["prompt_tokens"], "aborted": r["aborted"], "overlap_ms": busy,
+                     "signals_1s_before": recent})
+        over = ", ".join(f"{k} {v:.0f}" for k, v in sorted(busy.items())) or "-"
+        print(f"{r['rid']:>6} ttft {ttft:6.0f} ms  {split}  cached {r['cached_tokens']}/{r['prompt_tokens']}"
+              f"{'  ABORTED' if r['aborted'] else ''}  overlapped: {over}  signals: {' '.join(recent)}")
+    out = path.with_suffix(".report.json")
+    out.write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
+
+
+def main() -> int:
+    if len(sys.argv) > 2 and sys.argv[1] == "--report":
+        p = argparse.ArgumentParser()
+        p.add_argument("--report", type=Path, required=True)
+        return report(p.parse_args().report)
+    target = os.environ.get("TRACE_OUT")
+    if target:
+        install(target)
+    from voicebot.cli import main as cli_main
+
+    return cli_main(sys.argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
