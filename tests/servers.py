@@ -24,6 +24,7 @@ from voicebot.engines import load_engines
 from voicebot.probe.base import Audio, ClientClosed, ConnectOptions, Event
 from voicebot.probe.native import NativeClient
 from voicebot.server.app import create_app
+from voicebot.server.run import uvicorn_config
 from voicebot.server.state import ServerState
 
 MIC_RATE = 16000
@@ -57,16 +58,9 @@ async def running_server(cfg: Config, state: ServerState | None = None) -> Async
         # outlive a failed start.
         await state.engines.aclose()
         raise
+    # The production settings (voicebot serve's), on a free loopback port.
     server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            host="127.0.0.1",
-            port=0,
-            ws="websockets-sansio",
-            ws_max_size=16 << 20,
-            lifespan="on",
-            log_level="warning",
-        )
+        uvicorn_config(cfg, app, host="127.0.0.1", port=0, ws_max_size=16 << 20, lifespan="on", log_level="warning")
     )
     task = asyncio.create_task(server.serve())
     try:

@@ -44,6 +44,7 @@ class ServerConfig(_Section):
     input_burst_ms: int = Field(2000, ge=20, le=600_000, description="Audio a client may send ahead of real time before input_rate applies.")
     web_root: str = Field("web", description="Directory served at '/' (the browser client).")
     max_message_bytes: int = Field(1 << 20, ge=1024, le=64 << 20, description="Largest WebSocket message accepted.")
+    ws_compression: bool = Field(False, description="Accept permessage-deflate on client WebSockets. Off: PCM audio barely compresses (to ~80%), and compressing each outgoing 20 ms frame costs ~47 us of the event loop's core (benchmarks/loop_cost.py, docs/gpu-results.md).")
     transports: list[TransportName] = Field(
         default_factory=lambda: list(TRANSPORTS),
         description="Wire protocols served (native /ws, OpenAI Realtime, Twilio Media Streams, WebRTC).",

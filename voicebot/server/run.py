@@ -6,6 +6,7 @@ import asyncio
 import logging
 import signal
 from types import FrameType
+from typing import Any
 
 import uvicorn
 
@@ -65,6 +66,24 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
 
 
+def uvicorn_config(cfg: Config, app: Any, **overrides: Any) -> uvicorn.Config:
+    """The HTTP/WebSocket server's settings (the tests' servers take them too)."""
+    settings: dict[str, Any] = dict(
+        ws="websockets-sansio",
+        # Up to 4x the limit reaches our handler, which answers with an error event and
+        # goes on; beyond that the connection is closed (1009) before it is buffered.
+        ws_max_size=4 * cfg.server.max_message_bytes,
+        ws_per_message_deflate=cfg.server.ws_compression,
+        ws_ping_interval=20.0,
+        ws_ping_timeout=20.0,
+        log_level="info",
+        access_log=False,
+        # The drain already let the sessions go; this bounds what is left (a stuck request).
+        timeout_graceful_shutdown=5,
+    )
+    return uvicorn.Config(app, **(settings | overrides))
+
+
 def serve(cfg: Config, *, pull_models: bool = True) -> int:
     names = bundle_names_for(cfg, frontend=True)
     if names and pull_models:
@@ -78,21 +97,7 @@ def serve(cfg: Config, *, pull_models: bool = True) -> int:
     state = ServerState(cfg)
     app = create_app(cfg, state=state)
     log.info("listening on http://%s:%d (WebSocket /ws)", cfg.server.host, cfg.server.port)
-    config = uvicorn.Config(
-        app,
-        host=cfg.server.host,
-        port=cfg.server.port,
-        ws="websockets-sansio",
-        # Up to 4x the limit reaches our handler, which answers with an error event and
-        # goes on; beyond that the connection is closed (1009) before it is buffered.
-        ws_max_size=4 * cfg.server.max_message_bytes,
-        ws_ping_interval=20.0,
-        ws_ping_timeout=20.0,
-        log_level="info",
-        access_log=False,
-        # The drain already let the sessions go; this bounds what is left (a stuck request).
-        timeout_graceful_shutdown=5,
-    )
+    config = uvicorn_config(cfg, app, host=cfg.server.host, port=cfg.server.port)
     server = DrainingServer(config, state)
     server.run()
     return 0 if server.started else 1  # not started: the port was taken, or start-up failed

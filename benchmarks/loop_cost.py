@@ -1,0 +1,197 @@
+"""What one caller costs the frontend's event loop, per second of call (issue 9).
+
+On the GPU machine a frontend's loop thread was the first CPU limit: 0.62 cores at 32
+callers, 0.77 at 48 (docs/gpu-results.md), i.e. ~20 ms of one core per caller-second.
+At 500 callers on 16 cores that alone would take 10 of them. Most of it is per audio
+frame, not per turn: 50 frames a second come in (WebSocket, PCM decode, resampling,
+Silero VAD, turn logic) whatever the caller says. This script measures that part on
+any machine, with the real server:
+
+    python benchmarks/loop_cost.py --config configs/default.yaml --sessions 8 16 32 \
+        --seconds 20 --out artifacts/loop_cost.json [--py-spy]
+
+It starts ``voicebot serve`` (the real CLI path), opens N native ``/ws`` calls that
+stream 20 ms frames of silence in real time (a phone line is never quiet on the wire),
+and reads the server's main thread (the event loop) CPU time from /proc over a window
+after all calls are up. Silence keeps the engines idle, so what is measured is the
+loop's own per-frame work. ``--py-spy`` also records where the loop spends it (py-spy
+must be on PATH: ``pip install py-spy``) and prints the top functions by own time.
+
+Output: per level, loop cores, cores per caller, ms of loop per caller-second and per
+inbound frame, the whole process's cores; JSON with the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from voicebot.probe.base import ClientClosed, ConnectOptions  # noqa: E402
+from voicebot.probe.native import NativeClient  # noqa: E402
+
+FRAME_MS = 20
+RATE = 16000
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def thread_cpu_s(pid: int, tid: int) -> float:
+    fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK  # utime, stime
+
+
+def process_cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+async def caller(url: str, stop: asyncio.Event, frames: collections.Counter[str]) -> None:
+    client = NativeClient(ConnectOptions(url, RATE, 16000))
+    await client.connect()
+    silence = bytes(2 * RATE * FRAME_MS // 1000)
+
+    async def drain() -> None:
+        try:
+            while True:
+                await client.receive()
+        except ClientClosed:
+            pass
+
+    reader = asyncio.create_task(drain())
+    start = time.monotonic()
+    i = 0
+    try:
+        while not stop.is_set():
+            await client.send_audio(silence)
+            frames["sent"] += 1
+            i += 1
+            await asyncio.sleep(max(0.0, start + i * FRAME_MS / 1000 - time.monotonic()))
+    finally:
+        reader.cancel()
+        await client.close()
+
+
+async def level(url: str, pid: int, n: int, seconds: float, spy: Path | None) -> dict[str, Any]:
+    stop = asyncio.Event()
+    frames: collections.Counter[str] = collections.Counter()
+    tasks = [asyncio.create_task(caller(url, stop, frames)) for _ in range(n)]
+    await asyncio.sleep(3.0)  # every call up and streaming
+    for t in tasks:
+        if t.done():
+            t.result()  # a refused call is an error here, not a lower figure
+    spy_proc = None
+    if spy is not None:
+        spy_proc = await asyncio.create_subprocess_exec(
+            "py-spy", "record", "-p", str(pid), "-d", str(int(seconds)), "-r", "100",
+            "--format", "raw", "-o", str(spy), "--nonblocking",
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+    loop0, proc0, f0, t0 = thread_cpu_s(pid, pid), process_cpu_s(pid), frames["sent"], time.monotonic()
+    await asyncio.sleep(seconds)
+    loop1, proc1, f1, t1 = thread_cpu_s(pid, pid), process_cpu_s(pid), frames["sent"], time.monotonic()
+    stop.set()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    if spy_proc is not None:
+        await asyncio.wait_for(spy_proc.wait(), 60)
+    wall = t1 - t0
+    loop_cores = (loop1 - loop0) / wall
+    frames_per_s = (f1 - f0) / wall
+    row = {
+        "sessions": n,
+        "seconds": round(wall, 1),
+        "loop_cores": round(loop_cores, 3),
+        "process_cores": round((proc1 - proc0) / wall, 3),
+        "loop_ms_per_caller_s": round(1000 * loop_cores / n, 2),
+        "loop_us_per_frame_in": round(1e6 * loop_cores / frames_per_s, 1) if frames_per_s else None,
+        "frames_in_per_s": round(frames_per_s, 1),
+    }
+    return row
+
+
+def top_functions(raw: Path, n: int = 15) -> list[tuple[str, float]]:
+    """Own time per function (the leaf of each sampled stack) of the main thread."""
+    own: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or "MainThread" not in stack.split(";", 1)[0]:
+            continue
+        own[stack.rsplit(";", 1)[-1]] += int(count)
+        total += int(count)
+    return [(name, round(100 * c / total, 1)) for name, c in own.most_common(n)] if total else []
+
+
+def start_server(config: str, port: int, extra: list[str], log: Path) -> subprocess.Popen[bytes]:
+    args = [sys.executable, "-m", "voicebot", "serve", "--config", config, "--port", str(port)]
+    for kv in extra:
+        args += ["--set", kv]
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited with {proc.returncode}: see {log}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as r:
+                if r.status == 200:
+                    return proc
+        except OSError:
+            pass
+        time.sleep(1.0)
+    raise SystemExit(f"the server did not become ready: see {log}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="configs/default.yaml")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override for the server")
+    ap.add_argument("--sessions", type=int, nargs="+", default=[8, 16, 32])
+    ap.add_argument("--seconds", type=float, default=20.0)
+    ap.add_argument("--py-spy", action="store_true", help="record the loop with py-spy (on PATH)")
+    ap.add_argument("--out", type=Path, default=Path("artifacts/loop_cost.json"))
+    args = ap.parse_args()
+    if args.py_spy and shutil.which("py-spy") is None:
+        raise SystemExit("--py-spy: py-spy is not on PATH (pip install py-spy)")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    port = _free_port()
+    server = start_server(args.config, port, ["server.max_sessions=1000", *args.set], args.out.with_suffix(".server.log"))
+    rows = []
+    try:
+        for n in args.sessions:
+            spy = args.out.with_name(f"{args.out.stem}_spy_{n}.txt") if args.py_spy else None
+            row = asyncio.run(level(f"ws://127.0.0.1:{port}/ws", server.pid, n, args.seconds, spy))
+            if spy is not None and spy.exists():
+                row["py_spy"], row["top_self"] = str(spy), top_functions(spy)
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "top_self"}), flush=True)
+            for name, pct in row.get("top_self", []):
+                print(f"    {pct:5.1f}%  {name}")
+            time.sleep(2.0)  # the calls' teardown
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=60)
+    args.out.write_text(json.dumps({"config": args.config, "set": args.set, "levels": rows}, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
