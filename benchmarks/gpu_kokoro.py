@@ -237,6 +237,69 @@ def profile_forward(model: Any, n: int, styles: Any, out: Path | None) -> dict[s
     return res
 
 
+def count_forward(model: Any, sizes: list[int], styles: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """For each batch size: what one batched forward (``torch_runner``: encode, then decode per
+    vocoder group, audio to the host) dispatches (``voicebot/engines/op_count.py``: device
+    kernels, view ops, host ops, host-device syncs and where), then its wall time (median of
+    ``--count-repeats``, without the counter, after the counted one; 0: no timing). ``--count-tiny``: clauses of 4 phonemes of 2
+    frames, so that the time is the fixed per-forward cost rather than compute."""
+    import torch
+
+    from voicebot.engines import kokoro_model as km
+    from voicebot.engines.kokoro_batch import MAX_FRAMES, Clause, torch_runner
+    from voicebot.engines.op_count import OpCounter
+
+    class Done:  # a clause's future, for a runner called directly
+        def cancelled(self) -> bool:
+            return False
+
+    cuda = str(model.device).startswith("cuda")
+    runner = torch_runner(model, max_pad=args.max_pad, max_frames=args.max_frames or MAX_FRAMES)
+    rows = []
+    for n in sizes:
+        rng = random.Random(3)
+        batch = []
+        for i in range(n):
+            if args.count_tiny:
+                ids, dur = [rng.randrange(1, N_TOKEN) for _ in range(4)], [2] * 4
+            else:
+                ids, dur = phonemes(rng.choice(FIRST) if i % 2 == 0 else rng.choice(REST), rng)
+            batch.append(Clause(ids=ids, style=styles[i % len(styles)], speed=1.0, deadline=0.0,
+                                future=Done(), durations=dur))  # type: ignore[arg-type]
+        groups = len(km.frame_groups([sum(c.durations or ()) + 2 for c in batch], args.max_pad,
+                                     args.max_frames or MAX_FRAMES))
+        samples: list[int] = []
+
+        def forward(batch: list[Any] = batch, samples: list[int] = samples) -> None:
+            runner(batch, lambda cs, audio: samples.extend(a.shape[0] for a in audio))
+
+        row: dict[str, Any] = {"clauses": n, "groups": groups}
+        if not cuda or not args.count_no_ops:
+            with OpCounter(model) as oc:
+                forward()
+            row.update(oc.counts.summary())
+        elif args.count_repeats:
+            forward()  # warm-up
+        row["audio_s"] = round(sum(samples) / 24_000, 2)
+        times = []
+        for _ in range(args.count_repeats):
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            forward()
+            if cuda:
+                torch.cuda.synchronize()
+            times.append((time.perf_counter() - t0) * 1000)
+        row["forward_ms_median"] = round(sorted(times)[len(times) // 2], 1) if times else None
+        row["forward_ms"] = [round(t, 1) for t in times]
+        rows.append(row)
+        print(f"[gpu_kokoro] count {n} clauses ({groups} groups, {row['audio_s']} s audio): "
+              f"{row.get('device_kernels')} device kernels, {row.get('device_views')} views, "
+              f"{row.get('host_ops')} host ops, {row.get('syncs')} syncs {row.get('syncs_by_kind')}, "
+              f"forward {row['forward_ms_median']} ms", flush=True)
+    return rows
+
+
 async def amain(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
@@ -260,7 +323,11 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
         out = Path(args.json).with_suffix(".profile.txt") if args.json else None
         report["profile"] = profile_forward(model, args.profile, styles, out)
         dump(args.json, report)
-    if args.profile_only:
+    if args.count:
+        report["op_counts"] = count_forward(model, args.count, styles, args)
+        report["op_counts_workload"] = "tiny (4 phonemes x 2 frames)" if args.count_tiny else "replies"
+        dump(args.json, report)
+    if args.profile_only or args.count:
         return report
     plans: list[tuple[str, int, int, list[int]]] = []
     if "batched" in args.modes:
@@ -306,6 +373,16 @@ def table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def count_table(rows: list[dict[str, Any]]) -> str:
+    head = f"{'clauses':>8}{'groups':>7}{'kernels':>9}{'views':>7}{'host ops':>9}{'syncs':>6}  {'forward ms':>10}  syncs by kind"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['clauses']:>8}{r['groups']:>7}{r.get('device_kernels', '-')!s:>9}{r.get('device_views', '-')!s:>7}"
+                     f"{r.get('host_ops', '-')!s:>9}{r.get('syncs', '-')!s:>6}  {r['forward_ms_median']!s:>10}  "
+                     f"{r.get('syncs_by_kind', '')}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -333,11 +410,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="first profile one forward of N clauses (stage times + torch.profiler table in JSON.profile.txt)")
     p.add_argument("--profile-only", action="store_true", help="stop after --profile")
+    p.add_argument("--count", type=int, nargs="+", default=[], metavar="N",
+                   help="only count one forward's ops and host-device syncs at these batch sizes, and time it")
+    p.add_argument("--count-repeats", type=int, default=3, help="--count: timed forwards per batch size (median)")
+    p.add_argument("--count-tiny", action="store_true", help="--count: 4-phoneme clauses (the fixed cost)")
+    p.add_argument("--count-no-ops", action="store_true", help="--count on a GPU: times only, no counting")
     p.add_argument("--max-wall-s", type=float, default=280.0)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     report = run_with_deadline(amain(args), args.max_wall_s, "gpu_kokoro")
-    print(table(report))
+    if report.get("op_counts"):
+        print(count_table(report["op_counts"]))
+    else:
+        print(table(report))
     return 0
 
 

@@ -83,3 +83,49 @@ def test_predicted_durations_follow_speed(model: Any) -> None:
     fast = km.encode(model, ids, styles, [2.0, 2.0])
     for s, f in zip(slow, fast, strict=True):
         assert f.frames < s.frames
+
+
+def test_batch_one_matches_the_package_forward(model: Any, no_noise: None) -> None:
+    """encode/decode (their own text and duration encoders, LSTMs without packing, the
+    fast paths) against the ``kokoro`` package's ``KModel.forward_with_tokens``."""
+    ids = [50, 83, 54, 156, 57, 16, 65]
+    style = torch.randn(1, 256) * 0.15
+    ref, dur = model.forward_with_tokens(torch.tensor([[0, *ids, 0]]), style, 1.0)
+    enc = km.encode(model, [ids], style, [1.0])
+    assert enc[0].frames == int(dur.sum())
+    got = km.decode(model, enc)[0]
+    assert got.shape == ref.shape
+    assert (got - ref).abs().max() / ref.abs().max() < 1e-4
+
+
+def _counted_forward(model: Any, n: int) -> Any:
+    """What one forward of the engine's runner dispatches for ``n`` clauses of different
+    lengths in one vocoder group (forced durations, as the benchmark's)."""
+    from voicebot.engines.kokoro_batch import Clause, torch_runner
+    from voicebot.engines.op_count import OpCounter
+
+    class Done:
+        def cancelled(self) -> bool:
+            return False
+
+    # Lengths out of order (the vocoder group takes its rows by index) and all different.
+    batch = [Clause(ids=[50 + i, 83, 54, 57][: 4 - i % 3], style=torch.randn(256) * 0.15, speed=1.0, deadline=0.0,
+                    future=Done(), durations=[3 - i % 2] * (4 - i % 3))  # type: ignore[arg-type]
+             for i in range(n)]
+    got: list[Any] = []
+    with OpCounter(model) as oc:
+        torch_runner(model, max_pad=100.0)(batch, lambda clauses, audio: got.extend(audio))
+    assert len(got) == n
+    return oc.counts
+
+
+def test_forward_dispatch_does_not_grow_with_batch_size(model: Any) -> None:
+    """On a GPU each device op is a kernel launch and each sync stalls the host: a forward
+    must launch the same kernels for 2 clauses as for 8 (no per-clause pads, no packing per
+    distinct length) and sync once per vocoder group (its audio to the host), not on
+    every LSTM, STFT window or frame count."""
+    two, eight = _counted_forward(model, 2), _counted_forward(model, 8)
+    assert eight.kernels == two.kernels, (two.summary(), eight.summary())
+    assert eight.host_ops == two.host_ops, (two.summary(), eight.summary())
+    assert [s.split()[0] for s in eight.syncs] == ["d2h"], eight.syncs
+    assert [s.split()[0] for s in two.syncs] == ["d2h"], two.syncs

@@ -27,6 +27,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import io
+import math
 import sys
 import threading
 import types
@@ -34,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -134,6 +136,7 @@ def build_model(config: dict[str, Any], weights: str | None = None, device: str 
             fold_weight_norms(model)
     model = model.to(device).eval()
     mask_padding(model)
+    fast_paths(model)
     return model
 
 
@@ -156,46 +159,54 @@ def random_config() -> dict[str, Any]:
 
 # --- masked instance norm ------------------------------------------------------------
 
-# Per thread (one per forward slot): .frames: [B] each utterance's frame count (None: no
-# padding), .fmax: the padded count, .masks: the masks made from them, by length.
+# Per thread (one per forward slot): .frames: [B] each utterance's frame count on the
+# device (None: no padding), .fmax: the padded count, .masks: the masks made from them.
 _ctx = threading.local()
 
 
-def _mask(x: torch.Tensor) -> torch.Tensor | None:
-    """[B, 1, L] 1.0 over each utterance's own frames at ``x``'s length, or None (no padding)."""
+def _mask(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """For ``x`` [B, C, L]: ``m`` [B, 1, L], 1.0 over each utterance's own frames at ``x``'s
+    length, and ``w`` [B, L, 1], ``m`` over its count (a mean is ``x @ w``); None: no padding."""
     frames = getattr(_ctx, "frames", None)
     if frames is None:
         return None
     length = x.shape[-1]
-    cache: dict[tuple[int, torch.dtype], torch.Tensor] = _ctx.masks
-    m = cache.get((length, x.dtype))
-    if m is None:
+    cache: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = _ctx.masks
+    mw = cache.get((length, x.dtype))
+    if mw is None:
         # Every layer's length is a * frames + c (c: 0, or the generator's +1 sample of
         # reflection padding): an utterance of f frames has a * f + c of them.
         scale = length // _ctx.fmax
         valid = frames * scale + (length - scale * _ctx.fmax)  # [B]
-        m = (torch.arange(length, device=x.device)[None, :] < valid[:, None]).to(x.dtype)[:, None, :]
-        cache[(length, x.dtype)] = m
-    return m
+        m = (torch.arange(length, device=x.device)[None, :] < valid[:, None]).to(x.dtype)
+        w = (m / valid[:, None].to(x.dtype))[:, :, None]
+        mw = cache[(length, x.dtype)] = (m[:, None, :], w)
+    return mw
 
 
 def _masked_instance_norm(self: nn.InstanceNorm1d, x: torch.Tensor) -> torch.Tensor:
-    m = _mask(x)
-    if m is None:
-        return F.instance_norm(x, None, None, self.weight, self.bias, True, 0.0, self.eps)
-    n = m.sum(-1, keepdim=True)
-    mean = (x * m).sum(-1, keepdim=True) / n
-    xc = (x - mean) * m
-    var = (xc * xc).sum(-1, keepdim=True) / n
-    y = xc * torch.rsqrt(var + self.eps)
+    mw = _mask(x)
+    if mw is None:
+        # One group per channel is an instance norm, in one kernel (instance_norm runs a
+        # batch norm over a reshaped input, repeating the affine parameters per call).
+        return F.group_norm(x, x.shape[1], self.weight, self.bias, self.eps)
+    _, w = mw
+    # Statistics over each utterance's own frames (means as one batched matmul each), taken
+    # about the first frame: a near-constant channel (an unvoiced source) then centres to
+    # ~0 exactly instead of to the rounding of a 4,000-term sum, which the 1 / sqrt(eps)
+    # of a zero variance would blow up. The padding is left as it comes (not zeroed): every
+    # conv masks its input, so it reaches no utterance's frames.
+    d = x - x[:, :, :1]
+    xc = d - torch.bmm(d, w)
+    y = xc * torch.rsqrt(torch.bmm(xc * xc, w) + self.eps)
     if self.weight is not None:
-        y = y * self.weight[None, :, None] + self.bias[None, :, None]
-    return y * m
+        y = torch.addcmul(self.bias[:, None], y, self.weight[:, None])
+    return y
 
 
 def _masked_conv(self: nn.Conv1d | nn.ConvTranspose1d, x: torch.Tensor) -> torch.Tensor:
-    m = _mask(x)
-    return type(self).forward(self, x if m is None else x * m)  # zeros past the end, as in batch 1
+    mw = _mask(x)
+    return type(self).forward(self, x if mw is None else x * mw[0])  # zeros past the end, as in batch 1
 
 
 def mask_padding(model: nn.Module) -> None:
@@ -209,27 +220,165 @@ def mask_padding(model: nn.Module) -> None:
             mod.forward = types.MethodType(_masked_conv, mod)  # type: ignore[method-assign]
 
 
+_RSQRT2 = 1 / math.sqrt(2)  # AdainResBlk1d's torch.rsqrt(torch.tensor(2)), without two host ops per call
+
+
+def _adain_resblk_forward(self: Any, x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    return (self._residual(x, s) + self._shortcut(x)) * _RSQRT2
+
+
+def _snake_resblock_forward(self: Any, x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """AdaINResBlock1.forward with each Snake's 1 / alpha made once (``_inv``): 4 kernels, not 6."""
+    for c1, c2, n1, n2, a1, a2, i1, i2 in zip(self.convs1, self.convs2, self.adain1, self.adain2,
+                                              self.alpha1, self.alpha2, *self._inv, strict=True):
+        xt = n1(x, s)
+        xt = torch.addcmul(xt, i1, torch.sin(a1 * xt).square())
+        xt = c1(xt)
+        xt = n2(xt, s)
+        xt = torch.addcmul(xt, i2, torch.sin(a2 * xt).square())
+        xt = c2(xt)
+        x = xt + x
+    return x
+
+
+def _sine_gen_forward(self: Any, f0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """SineGen.forward with its harmonic numbers made once on the device (``_harmonics``):
+    the package builds them on the CPU and copies them over on every call, a blocking copy
+    that makes the host wait for the device in the middle of the vocoder."""
+    sine_waves = self._f02sine(f0 * self._harmonics) * self.sine_amp
+    uv = self._f02uv(f0)
+    noise_amp = uv * self.noise_std + (1 - uv) * self.sine_amp / 3
+    noise = noise_amp * torch.randn_like(sine_waves)
+    return sine_waves * uv + noise, uv, noise
+
+
+def fast_paths(model: nn.Module) -> None:
+    """Remove host work and host-device syncs that the package's modules do on every forward
+    (same outputs): the STFT window and SineGen's harmonic numbers are made once on the
+    model's device, Snake's 1 / alpha once, AdainResBlk1d's 1 / sqrt(2) is a constant, and
+    each bidirectional LSTM gets its two directions as unidirectional LSTMs (``_bilstm``:
+    padded batches without packing). Call after the model is on its device."""
+    dev = next(model.parameters()).device
+    for mod in model.modules():
+        name = type(mod).__name__
+        if name == "AdainResBlk1d":
+            mod.forward = types.MethodType(_adain_resblk_forward, mod)  # type: ignore[method-assign]
+        elif name == "AdaINResBlock1":
+            mod._inv = ([1 / a.detach() for a in mod.alpha1], [1 / a.detach() for a in mod.alpha2])
+            mod.forward = types.MethodType(_snake_resblock_forward, mod)  # type: ignore[method-assign]
+        elif name == "SineGen":
+            harmonics = torch.arange(1, mod.dim + 1, dtype=torch.float32, device=dev)[None, None, :]
+            mod.register_buffer("_harmonics", harmonics, persistent=False)
+            mod.forward = types.MethodType(_sine_gen_forward, mod)  # type: ignore[method-assign]
+        elif name == "TorchSTFT":
+            window = mod.window  # a plain attribute: copied to the device on every call
+            del mod.window
+            mod.register_buffer("window", window.to(dev), persistent=False)
+        elif isinstance(mod, nn.LSTM) and mod.bidirectional and mod.num_layers == 1 and mod.batch_first:
+            dirs = []
+            for suffix in ("", "_reverse"):
+                one = nn.LSTM(mod.input_size, mod.hidden_size, 1, bias=mod.bias, batch_first=True).to(dev)
+                with torch.no_grad():
+                    for p in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
+                        if hasattr(one, f"{p}_l0"):
+                            getattr(one, f"{p}_l0").copy_(getattr(mod, f"{p}_l0{suffix}"))
+                one.flatten_parameters()
+                dirs.append(one.eval())
+            mod.__dict__["_directions"] = tuple(dirs)  # not a submodule: stays out of state_dict
+    bert = getattr(model, "bert", None)
+    if bert is not None and getattr(bert, "pooler", None) is not None:
+        bert.pooler = None  # ALBERT's pooled output: unused
+
+
 # --- the two stages ------------------------------------------------------------------
 
 
-@dataclass
-class Encoded:
-    """One utterance after :func:`encode`: frame-rate features, on the model's device."""
+@dataclass(eq=False)
+class EncodedBatch:
+    """:func:`encode`'s output for a whole batch, on the model's device, padded to ``fmax``."""
 
-    en: torch.Tensor  # [hidden + style, frames]: prosody predictor input
-    asr: torch.Tensor  # [hidden, frames]: aligned text encoding
-    style: torch.Tensor  # [256]: the voice's reference style vector
+    en: torch.Tensor  # [B, hidden + style, fmax]: prosody predictor input
+    asr: torch.Tensor  # [B, hidden, fmax]: aligned text encoding
+    styles: torch.Tensor  # [B, 256]
+    frames_dev: torch.Tensor  # [B] frame counts (long)
+    frames: list[int]  # the same on the host
+
+
+@dataclass(eq=False)
+class Encoded:
+    """One utterance after :func:`encode`: a row of its batch (frame-rate features)."""
+
+    batch: EncodedBatch
+    row: int
     frames: int
 
+    @property
+    def en(self) -> torch.Tensor:  # [hidden + style, frames]
+        return self.batch.en[self.row, :, : self.frames]
 
-def _lstm(lstm: nn.LSTM, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """``lstm`` over batch-first ``x`` whose rows are ``lengths`` long (CPU tensor); padded out."""
-    lstm.flatten_parameters()
-    if bool((lengths == x.shape[1]).all()):
+    @property
+    def asr(self) -> torch.Tensor:  # [hidden, frames]
+        return self.batch.asr[self.row, :, : self.frames]
+
+    @property
+    def style(self) -> torch.Tensor:  # [256]: the voice's reference style vector
+        return self.batch.styles[self.row]
+
+
+@dataclass
+class _Padding:
+    """A padded batch's rows of different lengths, on the device, for :func:`_bilstm`."""
+
+    valid: torch.Tensor  # [B, T, 1] 1.0 over each row's own steps
+    rev: torch.Tensor  # [B, T] index that reverses each row within its length (padding stays)
+
+
+def _padding(lengths: torch.Tensor, t: int) -> _Padding:
+    j = torch.arange(t, device=lengths.device)[None, :]
+    n = lengths[:, None]
+    inside = j < n
+    return _Padding(valid=inside[:, :, None].float(), rev=torch.where(inside, n - 1 - j, j))
+
+
+def _bilstm(lstm: nn.LSTM, x: torch.Tensor, pad: _Padding | None) -> torch.Tensor:
+    """A bidirectional ``lstm`` over batch-first ``x`` whose rows have their own lengths,
+    zeros past each row's end: what packing gives, without packing (which sorts, copies an
+    index to the device, and copies once per distinct length). The forward direction runs
+    over the padded rows (the padding comes after a row's steps); the backward one over each
+    row reversed within its length, reversed back."""
+    if pad is None:
         return lstm(x)[0]
-    packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
-    out, _ = lstm(packed)
-    return nn.utils.rnn.pad_packed_sequence(out, batch_first=True, total_length=x.shape[1])[0]
+    fwd, bwd = lstm.__dict__["_directions"]
+    hf = fwd(x)[0]
+    rx = pad.rev[:, :, None]
+    hb = bwd(x.gather(1, rx.expand(-1, -1, x.shape[2])))[0]
+    hb = hb.gather(1, rx.expand(-1, -1, hb.shape[2]))
+    return torch.cat([hf, hb], dim=-1) * pad.valid
+
+
+def _text_encoder(te: Any, ids: torch.Tensor, mask: torch.Tensor, pad: _Padding | None) -> torch.Tensor:
+    """kokoro's ``TextEncoder.forward`` with the LSTM through :func:`_bilstm`: [B, hidden, T]."""
+    m = mask.unsqueeze(1)
+    x = te.embedding(ids).transpose(1, 2).masked_fill(m, 0.0)
+    for c in te.cnn:
+        x = c(x).masked_fill(m, 0.0)
+    return _bilstm(te.lstm, x.transpose(1, 2), pad).transpose(-1, -2)
+
+
+def _duration_encoder(de: Any, x: torch.Tensor, style: torch.Tensor, mask: torch.Tensor,
+                      pad: _Padding | None) -> torch.Tensor:
+    """kokoro's ``DurationEncoder.forward`` with its LSTMs through :func:`_bilstm`: [B, T, hidden + style]."""
+    b, _, t = x.shape
+    s = style[:, :, None].expand(b, style.shape[1], t)
+    m = mask.unsqueeze(1)
+    x = torch.cat([x, s], dim=1).masked_fill(m, 0.0)  # [B, C, T]
+    for block in de.lstms:
+        if isinstance(block, nn.LSTM):
+            x = _bilstm(block, x.transpose(-1, -2), pad).transpose(-1, -2)
+        else:
+            x = block(x.transpose(-1, -2), style).transpose(-1, -2)
+            x = torch.cat([x, s], dim=1).masked_fill(m, 0.0)
+    return x.transpose(-1, -2)
 
 
 @torch.no_grad()
@@ -242,68 +391,95 @@ def encode(
 ) -> list[Encoded]:
     """Stage 1 for a batch: ``ids`` phoneme ids per utterance (without the boundary 0s),
     ``styles`` [B, 256] on the model's device. ``durations``: frames per phoneme forced
-    instead of predicted (random weights predict nonsense lengths); same lengths as ``ids``."""
+    instead of predicted (random weights predict nonsense lengths); same lengths as ``ids``.
+
+    Host work and syncs are kept to a constant: the ids, lengths and forced durations go to
+    the device in one non-blocking copy; the only sync is reading the predicted frame counts
+    (none with forced durations), after the text encoder has been launched."""
     dev = model.device
     b = len(ids)
-    lengths = torch.tensor([len(i) + 2 for i in ids], dtype=torch.long)
-    t = int(lengths.max())
-    input_ids = torch.zeros((b, t), dtype=torch.long)
+    lens = [len(i) + 2 for i in ids]
+    t = max(lens)
+    rows = np.zeros((2 * b if durations is not None else b, t + 1), dtype=np.int64)
     for row, seq in enumerate(ids):
-        input_ids[row, 1 : 1 + len(seq)] = torch.tensor(list(seq), dtype=torch.long)
-    input_ids = input_ids.to(dev)
-    text_mask = (torch.arange(t)[None, :] + 1 > lengths[:, None]).to(dev)  # True: padding
-    bert = model.bert(input_ids, attention_mask=(~text_mask).int())
-    d_en = model.bert_encoder(bert).transpose(-1, -2)
-    s = styles[:, 128:]
-    d = model.predictor.text_encoder(d_en, s, lengths, text_mask)  # [B, T, hidden + style]
-    if durations is None:
-        x = _lstm(model.predictor.lstm, d, lengths)
-        dur = torch.sigmoid(model.predictor.duration_proj(x)).sum(dim=-1)
-        dur = dur / torch.tensor(list(speeds), device=dev)[:, None]
-        pred = torch.round(dur).clamp(min=1).long().masked_fill(text_mask, 0)
-    else:
-        pred = torch.zeros((b, t), dtype=torch.long)
+        rows[row, 1 : 1 + len(seq)] = seq
+    rows[:b, t] = lens
+    if durations is not None:
         for row, seq in enumerate(durations):
-            pred[row, 1 : 1 + len(seq)] = torch.tensor(list(seq), dtype=torch.long)
-            pred[row, 0] = pred[row, len(seq) + 1] = 1
-        pred = pred.to(dev)
-    cum = pred.cumsum(dim=1)
-    frames = cum[:, -1].cpu()
-    fmax = int(frames.max())
+            rows[b + row, 1 : 1 + len(seq)] = seq
+            rows[b + row, 0] = rows[b + row, len(seq) + 1] = 1
+    buf = torch.from_numpy(rows).to(dev, non_blocking=True)
+    input_ids, lengths = buf[:b, :t], buf[:b, t]
+    mask = torch.arange(t, device=dev)[None, :] >= lengths[:, None]  # True: padding
+    ragged = len(set(lens)) > 1
+    pad = _padding(lengths, t) if ragged else None
+    attn = None
+    if ragged:  # a prepared 4D mask: transformers would check a 2D one with .all() (a sync)
+        neg = torch.finfo(styles.dtype).min
+        attn = torch.zeros((b, 1, 1, t), device=dev, dtype=styles.dtype).masked_fill(mask[:, None, None, :], neg)
+        attn = attn.expand(b, 1, t, t)
+    bert = model.bert(input_ids, attention_mask=attn)
+    d_en = model.bert_encoder(bert).transpose(-1, -2)
+    d = _duration_encoder(model.predictor.text_encoder, d_en, styles[:, 128:], mask, pad)  # [B, T, hidden + style]
+    t_en = _text_encoder(model.text_encoder, input_ids, mask, pad)
+    if durations is None:
+        x = _bilstm(model.predictor.lstm, d, pad)
+        dur = torch.sigmoid(model.predictor.duration_proj(x)).sum(dim=-1)
+        dur = dur / torch.tensor(list(speeds), dtype=dur.dtype).to(dev, non_blocking=True)[:, None]
+        pred = torch.round(dur).clamp(min=1).long().masked_fill(mask, 0)
+        cum = pred.cumsum(dim=1)
+        frames_dev = cum[:, -1]
+        frames = frames_dev.tolist()  # the frame counts set every shape after this: one sync
+    else:
+        cum = buf[b:, :t].cumsum(dim=1)
+        frames_dev = cum[:, -1]
+        frames = [sum(seq) + 2 for seq in durations]
+    fmax = max(frames)
     f = torch.arange(fmax, device=dev)
     tok = torch.searchsorted(cum, f.expand(b, fmax).contiguous(), right=True).clamp(max=t - 1)
-    valid = (f[None, :] < frames.to(dev)[:, None]).to(d.dtype)
+    valid = (f[None, :] < frames_dev[:, None]).to(d.dtype)
     aln = torch.zeros((b, t, fmax), device=dev, dtype=d.dtype)
     aln.scatter_(1, tok[:, None, :], valid[:, None, :])
-    en = d.transpose(-1, -2) @ aln
-    t_en = model.text_encoder(input_ids, lengths, text_mask)
-    asr = t_en @ aln
-    return [
-        Encoded(en=en[i, :, : int(frames[i])], asr=asr[i, :, : int(frames[i])], style=styles[i], frames=int(frames[i]))
-        for i in range(b)
-    ]
+    batch = EncodedBatch(en=d.transpose(-1, -2) @ aln, asr=t_en @ aln, styles=styles, frames_dev=frames_dev,
+                         frames=frames)
+    return [Encoded(batch, i, frames[i]) for i in range(b)]
 
 
 def _pad(rows: Sequence[torch.Tensor], length: int) -> torch.Tensor:
     return torch.stack([F.pad(r, (0, length - r.shape[-1])) for r in rows])
 
 
+def _gather(items: Sequence[Encoded], fmax: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """en, asr, styles and frame counts of ``items``, padded to ``fmax``, on the device: rows
+    of their batch's tensors (one index copy, not a pad per item) when they share one."""
+    batch = items[0].batch
+    dev = batch.en.device
+    if any(it.batch is not batch for it in items):
+        frames = torch.tensor([it.frames for it in items]).to(dev, non_blocking=True)
+        return (_pad([it.en for it in items], fmax), _pad([it.asr for it in items], fmax),
+                torch.stack([it.style for it in items]), frames)
+    rows = [it.row for it in items]
+    if rows == list(range(len(batch.frames))):
+        return batch.en[..., :fmax], batch.asr[..., :fmax], batch.styles, batch.frames_dev
+    idx = torch.tensor(rows).to(dev, non_blocking=True)
+    return (batch.en.index_select(0, idx)[..., :fmax], batch.asr.index_select(0, idx)[..., :fmax],
+            batch.styles.index_select(0, idx), batch.frames_dev.index_select(0, idx))
+
+
 @torch.no_grad()
 def decode(model: Any, items: Sequence[Encoded]) -> list[torch.Tensor]:
     """Stage 2 for a group: each utterance's audio (float32, on the model's device)."""
-    frames = torch.tensor([it.frames for it in items], dtype=torch.long)
-    fmax = int(frames.max())
-    en = _pad([it.en for it in items], fmax)
-    asr = _pad([it.asr for it in items], fmax)
-    styles = torch.stack([it.style for it in items])
+    frames = [it.frames for it in items]
+    fmax = max(frames)
+    en, asr, styles, frames_dev = _gather(items, fmax)
     s = styles[:, 128:]
-    ragged = bool((frames != fmax).any())
-    _ctx.frames = frames.to(model.device) if ragged else None
+    ragged = len(set(frames)) > 1
+    _ctx.frames = frames_dev if ragged else None
     _ctx.fmax = fmax
     _ctx.masks = {}
     try:
         pred = model.predictor
-        x = _lstm(pred.shared, en.transpose(-1, -2), frames).transpose(-1, -2)
+        x = _bilstm(pred.shared, en.transpose(-1, -2), _padding(frames_dev, fmax) if ragged else None).transpose(-1, -2)
         f0 = x
         for block in pred.F0:
             f0 = block(f0, s)
@@ -317,7 +493,7 @@ def decode(model: Any, items: Sequence[Encoded]) -> list[torch.Tensor]:
         _ctx.frames = None
         _ctx.masks = {}
     audio = audio.reshape(len(items), -1)
-    return [audio[i, : it.frames * SAMPLES_PER_FRAME] for i, it in enumerate(items)]
+    return [audio[i, : f * SAMPLES_PER_FRAME] for i, f in enumerate(frames)]
 
 
 def frame_groups(frames: Sequence[int], max_pad: float = 0.25, max_frames: int = 1 << 30) -> list[list[int]]:
