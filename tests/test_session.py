@@ -484,6 +484,54 @@ async def test_a_long_speculative_reply_released_at_once_does_not_read_as_a_stal
         assert len(deltas) < 400, "the released backlog went out in fewer events than tokens"
 
 
+async def test_no_text_of_a_reply_follows_its_response_done(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    # The client is slow: the reply's audio fills the outbox and its text waits for room.
+    # A barge-in then ends the reply (ResponseDone) and frees the room its audio held:
+    # the text forwarder, cancelled only later, sent what it held after the ResponseDone.
+    reply = " ".join(f"w{i}" for i in range(80))
+    engines = make_engines(tokenizer, reply=reply, word_delay=0.05)
+    with_session_cfg(engines, out_queue_frames=30)
+    clock = clock_of(engines)
+    session = Session(engines, SessionSettings.from_config(engines.cfg), clock=clock)
+    async with session:
+        for level, ms in ((0.1, 600), (0.0, 600)):
+            for _ in range(ms // 20):
+                session.push_audio(np.full(FRAME, level, dtype=np.float32), RATE)
+                await elapse(clock, 0.02)
+        await elapse(clock, 1.5)  # nobody reads
+        resp = session._response
+        assert resp is not None and session._out.full() and not resp.deltas.empty(), "text is waiting for room"
+        for _ in range(12):  # the caller speaks over it
+            session.push_audio(np.full(FRAME, 0.1, dtype=np.float32), RATE)
+        for _ in range(20):
+            await asyncio.sleep(0)
+        seen = drain(session)
+        done = next(i for i, e in enumerate(seen) if isinstance(e, ev.ResponseDone))
+        late = [e for e in seen[done + 1 :] if isinstance(e, ev.ResponseTextDelta) and e.response_id == resp.id]
+        assert session.closed_reason is None
+        assert not late, late
+
+
+async def test_speech_over_a_reply_it_does_not_interrupt_leaves_the_reply_whole(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    # interrupt_response off: the pause in the caller's speech started a speculative
+    # reply in the playing reply's place; that one then never ended (no ResponseDone)
+    # and never reached the history.
+    engines = make_engines(tokenizer, reply=" ".join(f"w{i}" for i in range(60)), word_delay=0.02)
+    async with call(engines, interrupt_response=False) as c:
+        await c.speak(600)
+        await c.silence(700)
+        first = await c.wait_for(ev.ResponseAudioStarted, timeout=10)
+        await c.speak(600)  # over the reply
+        await c.silence(800)
+        await until(c.clock, lambda: c.of(ev.ResponseDone), timeout=10)  # 6 s of reply audio in all
+        done = [d for d in c.of(ev.ResponseDone) if d.response_id == first.response_id]
+        assert [d.status for d in done] == ["completed"], done
+        assistant = [m.content for m in c.session.conversation.messages if m.role == "assistant"]
+        assert engines.llm.reply in assistant
+        finals = c.of(ev.TranscriptFinal)
+        assert len(finals) == 2, "the second turn is transcribed all the same"
+
+
 async def test_a_silent_wire_ends_the_session(tokenizer) -> None:  # type: ignore[no-untyped-def]
     engines = make_engines(tokenizer)
     with_session_cfg(engines, idle_timeout_s=1.0)

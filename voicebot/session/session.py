@@ -494,6 +494,11 @@ class Session:
     def _speculate(self) -> None:
         if self._item_id is None or not self.settings.create_response:
             return
+        if self._response is not None and self._response.released.is_set():
+            # Speech over a reply that it did not interrupt (interrupt_response off):
+            # that reply plays on. A speculation would take its place unfinished (no
+            # ResponseDone, nothing in the history); the turn is transcribed as usual.
+            return
         turn = self._new_turn(self._item_id, self._spawn_final(self._speech_end_asr_s))
         turn.response = self._start_response(gated=True, turn=turn)
         self._pending = turn
@@ -826,6 +831,8 @@ class Session:
             # Like the reply's audio, its text waits for a slow reader (and coalesces
             # meanwhile) instead of being taken for a stalled one.
             await self._out.wait_for_room()
+            if self._response is not resp:
+                return  # cut while we waited: its ResponseDone is out, nothing may follow it
             self.emit(event)
 
     def _cancel_response(self, *, status: str, emit: bool = True) -> None:
