@@ -240,7 +240,8 @@ def profile_forward(model: Any, n: int, styles: Any, out: Path | None) -> dict[s
 def count_forward(model: Any, sizes: list[int], styles: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
     """For each batch size: what one batched forward (``torch_runner``: encode, then decode per
     vocoder group, audio to the host) dispatches (``voicebot/engines/op_count.py``: device
-    kernels, view ops, host ops, host-device syncs and where), then its wall time (median of
+    kernels, view ops, host ops, host-device syncs and where; on a CPU run only: the counter
+    models the device there), then its wall time (median of
     ``--count-repeats``, without the counter, after the counted one; 0: no timing). ``--count-tiny``: clauses of 4 phonemes of 2
     frames, so that the time is the fixed per-forward cost rather than compute."""
     import torch
@@ -254,7 +255,8 @@ def count_forward(model: Any, sizes: list[int], styles: Any, args: argparse.Name
             return False
 
     cuda = str(model.device).startswith("cuda")
-    runner = torch_runner(model, max_pad=args.max_pad, max_frames=args.max_frames or MAX_FRAMES)
+    runner = torch_runner(model, max_pad=args.max_pad, max_frames=args.max_frames or MAX_FRAMES,
+                          overlap=args.overlap)
     rows = []
     for n in sizes:
         rng = random.Random(3)
@@ -274,7 +276,7 @@ def count_forward(model: Any, sizes: list[int], styles: Any, args: argparse.Name
             runner(batch, lambda cs, audio: samples.extend(a.shape[0] for a in audio))
 
         row: dict[str, Any] = {"clauses": n, "groups": groups}
-        if not cuda or not args.count_no_ops:
+        if not cuda:  # the counter models a device on a CPU run (op_count.MARK): CPU only
             with OpCounter(model) as oc:
                 forward()
             row.update(oc.counts.summary())
@@ -335,7 +337,8 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
     if "streams" in args.modes:
         plans += [("streams", 1, w, args.stream_sessions) for w in args.stream_workers]
     for mode, max_batch, workers, sessions in plans:
-        runner = torch_runner(model, max_pad=args.max_pad, max_frames=args.max_frames or MAX_FRAMES)
+        runner = torch_runner(model, max_pad=args.max_pad, max_frames=args.max_frames or MAX_FRAMES,
+                          overlap=args.overlap)
         eng = KokoroBatcher(runner, max_batch=max_batch, queue_size=args.queue_size, workers=workers)
         eng.start()
         try:
@@ -398,6 +401,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-pad", type=float, default=0.25, help="vocoder groups: padded frames over real, at most 1+this")
     p.add_argument("--max-frames", type=int, default=None,
                    help="vocoder groups: padded frames per forward at most (default: kokoro_batch.MAX_FRAMES)")
+    p.add_argument("--overlap", action="store_true",
+                   help="CUDA: launch every vocoder group before taking any group's audio (torch_runner overlap)")
     p.add_argument("--queue-size", type=int, default=100_000)
     p.add_argument("--voices", type=int, default=8, help="distinct style vectors spread over the sessions")
     p.add_argument("--sentences", type=int, default=2, help="sentences after the first clause")
@@ -414,7 +419,6 @@ def main(argv: list[str] | None = None) -> int:
                    help="only count one forward's ops and host-device syncs at these batch sizes, and time it")
     p.add_argument("--count-repeats", type=int, default=3, help="--count: timed forwards per batch size (median)")
     p.add_argument("--count-tiny", action="store_true", help="--count: 4-phoneme clauses (the fixed cost)")
-    p.add_argument("--count-no-ops", action="store_true", help="--count on a GPU: times only, no counting")
     p.add_argument("--max-wall-s", type=float, default=280.0)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -243,9 +243,16 @@ class KokoroBatcher:
 MAX_FRAMES = 64 * 300
 
 
-def torch_runner(model: Any, *, max_pad: float = 0.25, max_frames: int = MAX_FRAMES) -> Runner:
+def torch_runner(model: Any, *, max_pad: float = 0.25, max_frames: int = MAX_FRAMES, overlap: bool = False) -> Runner:
     """The :data:`Runner` of a ``KModel`` (``kokoro_model.build_model``): encode the batch,
-    decode it in groups of similar length, each worker thread on its own CUDA stream."""
+    decode it in groups of similar length, each worker thread on its own CUDA stream.
+
+    Each group's audio goes to the host with a blocking copy: the one host-device sync of a
+    group (``kokoro_model.encode`` has none with forced durations, one with predicted ones).
+    ``overlap`` (CUDA only): copy each group's audio into pinned memory without blocking and
+    launch the next group at once; deliver each group when its copy's event completes,
+    after the last group is launched. The GPU then never waits for the host between groups,
+    but the first group's audio waits for the other groups' launches."""
     import torch
 
     from voicebot.engines import kokoro_model as km
@@ -265,13 +272,25 @@ def torch_runner(model: Any, *, max_pad: float = 0.25, max_frames: int = MAX_FRA
                 model, [c.ids for c in batch], styles, [c.speed for c in batch],
                 None if any(d is None for d in forced) else forced,  # type: ignore[arg-type]
             )
+            pending = []
             for group in km.frame_groups([e.frames for e in encoded], max_pad, max_frames):
                 live = [i for i in group if not batch[i].future.cancelled()]
                 if not live:
                     continue
                 audio = km.decode(model, [encoded[i] for i in live])
                 sizes = [a.shape[0] for a in audio]
+                if overlap and cuda:
+                    flat = torch.cat(audio).float()
+                    host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+                    host.copy_(flat, non_blocking=True)
+                    done = torch.cuda.Event()
+                    done.record(stream)
+                    pending.append((live, sizes, host, done))
+                    continue
                 flat = torch.cat(audio).float().cpu().numpy()
                 deliver([batch[i] for i in live], np.split(flat, np.cumsum(sizes)[:-1]))
+            for live, sizes, host, done in pending:
+                done.synchronize()
+                deliver([batch[i] for i in live], np.split(host.numpy(), np.cumsum(sizes)[:-1]))
 
     return run
