@@ -207,9 +207,47 @@ def report(path: Path) -> int:
         over = ", ".join(f"{k} {v:.0f}" for k, v in sorted(busy.items())) or "-"
         print(f"{r['rid']:>6} ttft {ttft:6.0f} ms  {split}  cached {r['cached_tokens']}/{r['prompt_tokens']}"
               f"{'  ABORTED' if r['aborted'] else ''}  overlapped: {over}  signals: {' '.join(recent)}")
+    smart = smart_turn_cost(events)
+    for k, v in smart.items():
+        print(f"smart turn: {k}: {v}")
     out = path.with_suffix(".report.json")
     out.write_text(json.dumps(rows, indent=1) + "\n")
+    path.with_suffix(".smart_turn.json").write_text(json.dumps(smart, indent=1) + "\n")
     return 0
+
+
+def _med(xs: list[float]) -> dict[str, float | int]:
+    xs = sorted(xs)
+    if not xs:
+        return {"n": 0}
+    return {"n": len(xs), "p50": round(xs[len(xs) // 2], 1), "max": round(xs[-1], 1)}
+
+
+def smart_turn_cost(events: list[dict]) -> dict[str, dict[str, float | int]]:
+    """What Smart Turn's inference costs the work beside it: Whisper decodes (not beside
+    an LLM request) and interactive LLM prefills (vLLM's scheduled to first token, per
+    new prompt token), each split by whether a Smart Turn inference overlapped it."""
+    st = [e for e in events if e["kind"] == "smart_turn"]
+    llm = [e for e in events if e["kind"] == "llm"]
+    out: dict[str, list[float]] = {k: [] for k in (
+        "decode_ms_beside_smart_turn", "decode_ms_alone", "prefill_ms_per_new_token_beside_smart_turn",
+        "prefill_ms_per_new_token_alone", "prefill_ms_beside_smart_turn", "prefill_ms_alone", "smart_turn_ms")}
+    out["smart_turn_ms"] = [1000 * (e["end"] - e["start"]) for e in st]
+    for d in (e for e in events if e["kind"] == "asr"):
+        if any(_overlap(d["start"], d["end"], r["submitted"], r["end"]) > 0 for r in llm):
+            continue
+        beside = any(_overlap(d["start"], d["end"], s["start"], s["end"]) > 0 for s in st)
+        out["decode_ms_beside_smart_turn" if beside else "decode_ms_alone"].append(1000 * (d["end"] - d["start"]))
+    for r in llm:
+        if r["lane"] != "interactive" or not r.get("vllm_first_token") or not r.get("vllm_scheduled"):
+            continue
+        a, b = r["vllm_scheduled"], r["vllm_first_token"]
+        beside = any(_overlap(a, b, s["start"], s["end"]) > 0 for s in st)
+        new = max(1, r["prompt_tokens"] - r["cached_tokens"])
+        key = "beside_smart_turn" if beside else "alone"
+        out[f"prefill_ms_{key}"].append(1000 * (b - a))
+        out[f"prefill_ms_per_new_token_{key}"].append(1000 * (b - a) / new)
+    return {k: _med(v) for k, v in out.items()}
 
 
 def main() -> int:
