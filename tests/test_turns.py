@@ -71,6 +71,22 @@ def test_hysteresis_keeps_soft_syllables_in_speech() -> None:
     assert kinds == [Signal.SPEECH_START]
 
 
+def test_once_silence_began_only_the_full_threshold_is_speech_again() -> None:
+    # As Silero's own iterator: a breath after the last word (0.4, between the in-speech
+    # hysteresis and the threshold) neither resumes the turn after its pause (RESUME
+    # dropped the prepared reply) nor moves the end of speech; the session's ASR mark,
+    # on the full threshold, never counted it (review of 5bf316a).
+    det = SilenceTurnDetector(cfg(min_silence_ms=640))
+    signals = run(det, [0.9] * 4 + [0.05] * 5 + [0.4] * 3 + [0.05] * 20)
+    kinds = [s for _, s in signals]
+    assert kinds == [Signal.SPEECH_START, Signal.QUIET, Signal.PAUSE, Signal.END], kinds
+    assert det.speech_end_ms == 4 * W
+    # Real speech after the pause still resumes it.
+    det = SilenceTurnDetector(cfg(min_silence_ms=640))
+    kinds = [s for _, s in run(det, [0.9] * 4 + [0.05] * 5 + [0.9] * 3)]
+    assert kinds == [Signal.SPEECH_START, Signal.QUIET, Signal.PAUSE, Signal.RESUME], kinds
+
+
 def test_force_end_closes_an_open_turn() -> None:
     det = SilenceTurnDetector(cfg())
     run(det, [0.9] * 5)

@@ -166,11 +166,11 @@ async def test_a_breath_after_the_pause_leaves_the_prefill_alone(tokenizer) -> N
         async with call(engines) as c:
             await push(c, 1500, SPEECH)
             await push(c, 200, 0.0)  # QUIET (a decode at once), then PAUSE: the reply is prepared
-            await push(c, 64, BREATH)  # RESUME: the speculation is dropped; the speech end stays
+            await push(c, 64, BREATH)  # under the threshold after silence: no RESUME, the speech end stays
             await push(c, 900, 0.0)  # QUIET, PAUSE, END
             await until(c.clock, lambda: c.of(ev.ResponseDone), timeout=10)
             assert c.of(ev.ResponseDone)[0].status == "completed"
-            assert len(llm.started) == 1, "one LLM request: the first speculation ended before its final"
+            assert len(llm.started) == 1, "one LLM request: the speculation stands"
             # The final is the partial asked at the first QUIET: it saw the speech to its end.
             quiet = asr.decodes[1]
             assert c.of(ev.TranscriptFinal)[0].text == " ".join(WORDS[: int(quiet.audio_s * 4)])

@@ -107,9 +107,13 @@ class SilenceTurnDetector:
     def update(self, prob: float, window_ms: float, bot_speaking: bool = False) -> list[Signal]:
         self.clock_ms += window_ms
         out: list[Signal] = []
-        # Hysteresis: once in speech, a slightly lower probability still counts as speech
-        # (as Silero's own iterator does), so a soft syllable does not open a pause.
-        threshold = self.cfg.threshold if not self.in_speech else max(self.cfg.threshold - 0.15, 0.01)
+        # Hysteresis, as Silero's own iterator does it: in speech, a slightly lower
+        # probability still counts as speech, so a soft syllable does not open a pause;
+        # once silence has begun, only the full threshold ends it. A breath after the
+        # last word (0.3-0.5) then neither drops the prepared reply (RESUME) nor counts as
+        # speech the final must hear, which the session's ASR mark never did.
+        soft = self.in_speech and self._silence_run == 0.0
+        threshold = max(self.cfg.threshold - 0.15, 0.01) if soft else self.cfg.threshold
         if prob >= threshold:
             self._speech_run += window_ms
             self._silence_run = 0.0
