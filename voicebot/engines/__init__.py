@@ -85,23 +85,21 @@ class Engines:
 async def resolve_specs(cfg: Config) -> EngineSpecs:
     """Resolve every model reference (building offline bundles if needed)."""
     from voicebot.provision import resolve_model
+    from voicebot.provision.resolve import frontend_refs
 
     if cfg.models.offline:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
     m = cfg.models
-    if cfg.asr.backend == "remote":  # the model lives in the ASR service (voicebot asr-serve)
-        asr_path = cfg.asr.remote.url
-    else:
-        asr_path = await asyncio.to_thread(resolve_model, cfg.asr.model, m)
-    if cfg.llm.backend == "remote":
-        # The weights live on the tier's servers: a frontend loads only the tokenizer.
-        llm_path = await asyncio.to_thread(resolve_model, cfg.llm.tokenizer or cfg.llm.model, m)
-        tok_path = None
-    else:
-        llm_path = await asyncio.to_thread(resolve_model, cfg.llm.model, m)
-        tok_path = await asyncio.to_thread(resolve_model, cfg.llm.tokenizer, m) if cfg.llm.tokenizer else None
-    voice_path = await asyncio.to_thread(resolve_model, cfg.tts.voice, m) if cfg.tts.engine == "piper" else None
-    return EngineSpecs(cfg, asr_path, llm_path, tok_path, voice_path)
+    refs = frontend_refs(cfg)  # what `voicebot serve` pulled before it started
+
+    async def resolve(ref: str | None) -> str | None:
+        return None if ref is None else await asyncio.to_thread(resolve_model, ref, m)
+
+    # A shared ASR service (voicebot asr-serve) holds the Whisper model: its URL stands in.
+    asr_path = cfg.asr.remote.url if refs.asr is None else await asyncio.to_thread(resolve_model, refs.asr, m)
+    # With a remote LLM tier the weights live on its servers: refs.llm is the tokenizer.
+    llm_path = await asyncio.to_thread(resolve_model, refs.llm, m)
+    return EngineSpecs(cfg, asr_path, llm_path, await resolve(refs.tokenizer), await resolve(refs.voice))
 
 
 def _import_transformers_once(cfg: Config) -> None:

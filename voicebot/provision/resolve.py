@@ -8,6 +8,7 @@ online, a hub id they pass to their own loader).
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 from voicebot.config import Config, ModelsConfig
@@ -63,22 +64,39 @@ def _resolve_bundle(name: str, models: ModelsConfig, *, build: bool) -> Path:
     return store.path(name)
 
 
+@dataclass(frozen=True)
+class FrontendRefs:
+    """The model references ``voicebot serve`` loads itself (resolve_specs resolves them)."""
+
+    asr: str | None  # None: the model lives in the shared ASR service (asr.backend remote)
+    llm: str  # with a remote LLM tier only its tokenizer is loaded: llm.tokenizer or llm.model
+    tokenizer: str | None  # in-process LLM only, when it differs from the model
+    voice: str | None  # Piper's voice; other engines take no model reference
+
+
+def frontend_refs(config: Config) -> FrontendRefs:
+    remote_llm = config.llm.backend == "remote"
+    return FrontendRefs(
+        asr=None if config.asr.backend == "remote" else config.asr.model,
+        llm=(config.llm.tokenizer or config.llm.model) if remote_llm else config.llm.model,
+        tokenizer=None if remote_llm else config.llm.tokenizer,
+        voice=config.tts.voice if config.tts.engine == "piper" else None,
+    )
+
+
 def bundle_names_for(config: Config, *, frontend: bool = False) -> list[str]:
     """The bundle entries a config references, in config order, without duplicates.
 
-    ``frontend``: only those ``voicebot serve`` loads itself (as resolve_specs does):
-    not the Whisper model of a shared ASR service (``asr.backend: remote``), and of a
-    remote LLM tier only the tokenizer.
+    ``frontend``: only those ``voicebot serve`` loads itself (:func:`frontend_refs`): not
+    the Whisper model of a shared ASR service, and of a remote LLM tier only the tokenizer.
     """
-    refs: list[str | None] = []
-    if not (frontend and config.asr.backend == "remote"):
-        refs.append(config.asr.model)
-    if frontend and config.llm.backend == "remote":
-        refs.append(config.llm.tokenizer or config.llm.model)
+    if frontend:
+        r = frontend_refs(config)
+        refs = [r.asr, r.llm, r.tokenizer, r.voice]
     else:
-        refs += [config.llm.model, config.llm.tokenizer]
-    if config.tts.engine == "piper":
-        refs.append(config.tts.voice)
+        refs = [config.asr.model, config.llm.model, config.llm.tokenizer]
+        if config.tts.engine == "piper":
+            refs.append(config.tts.voice)
     if config.vad.turn_detector == "smart_turn":
         refs.append(config.vad.smart_turn_model)
     names = [r.removeprefix(BUNDLE_PREFIX) for r in refs if r and r.startswith(BUNDLE_PREFIX)]
