@@ -10,7 +10,7 @@ any machine, with the real server:
     python benchmarks/loop_cost.py --config configs/default.yaml --sessions 8 16 32 \
         --seconds 20 --out artifacts/loop_cost.json [--py-spy]
 
-It starts ``voicebot serve`` (the real CLI path), opens N native ``/ws`` calls that
+It starts ``voicebot serve`` (the real CLI path, through benchmarks/serverproc.py), opens N native ``/ws`` calls that
 stream 20 ms frames of silence in real time (a phone line is never quiet on the wire),
 and reads the server's main thread (the event loop) CPU time from /proc over a window
 after all calls are up. Silence keeps the engines idle, so what is measured is the
@@ -29,17 +29,16 @@ import collections
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from serverproc import ServerProcess  # noqa: E402  (benchmarks/, beside this file)
 
 from voicebot.probe.base import ClientClosed, ConnectOptions  # noqa: E402
 from voicebot.probe.native import NativeClient  # noqa: E402
@@ -47,12 +46,6 @@ from voicebot.probe.native import NativeClient  # noqa: E402
 FRAME_MS = 20
 RATE = 16000
 TICK = os.sysconf("SC_CLK_TCK")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def thread_cpu_s(pid: int, tid: int) -> float:
@@ -153,25 +146,6 @@ def top_functions(raw: Path, n: int = 12) -> dict[str, list[tuple[str, float]]]:
     return {"own": share(own), "ours_inclusive": share(ours)}
 
 
-def start_server(config: str, port: int, extra: list[str], log: Path) -> subprocess.Popen[bytes]:
-    args = [sys.executable, "-m", "voicebot", "serve", "--config", config, "--port", str(port)]
-    for kv in extra:
-        args += ["--set", kv]
-    proc = subprocess.Popen(args, cwd=ROOT, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited with {proc.returncode}: see {log}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as r:
-                if r.status == 200:
-                    return proc
-        except OSError:
-            pass
-        time.sleep(1.0)
-    raise SystemExit(f"the server did not become ready: see {log}")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="configs/default.yaml")
@@ -184,13 +158,14 @@ def main() -> None:
     if args.py_spy and shutil.which("py-spy") is None:
         raise SystemExit("--py-spy: py-spy is not on PATH (pip install py-spy)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
-    server = start_server(args.config, port, ["server.max_sessions=1000", *args.set], args.out.with_suffix(".server.log"))
+    server = ServerProcess(args.config, ("server.max_sessions=1000", *args.set), log_path=args.out.with_suffix(".server.log"))
+    server.start(timeout_s=600)
+    assert server.proc is not None
     rows = []
     try:
         for n in args.sessions:
             spy = args.out.with_name(f"{args.out.stem}_spy_{n}.txt") if args.py_spy else None
-            row = asyncio.run(level(f"ws://127.0.0.1:{port}/ws", server.pid, n, args.seconds, spy))
+            row = asyncio.run(level(server.ws + "/ws", server.proc.pid, n, args.seconds, spy))
             if spy is not None and spy.exists():
                 row["py_spy"], row["top_self"] = str(spy), top_functions(spy)
             rows.append(row)
@@ -201,8 +176,7 @@ def main() -> None:
                     print(f"    {pct:5.1f}%  {name}")
             time.sleep(2.0)  # the calls' teardown
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=60)
+        server.stop()
     args.out.write_text(json.dumps({"config": args.config, "set": args.set, "levels": rows}, indent=1))
     print(f"wrote {args.out}")
 

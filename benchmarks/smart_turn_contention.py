@@ -21,23 +21,17 @@ import os
 import statistics
 import threading
 import time
-import wave
 from pathlib import Path
 
 import numpy as np
 
+from voicebot.audio import ASR_RATE, read_wav
 from voicebot.config import ModelsConfig
 from voicebot.engines.smart_turn import SmartTurn
 from voicebot.engines.whisper_window import WindowedWhisper
 from voicebot.provision import resolve_model
 
 AUDIO = Path(os.environ.get("VOICEBOT_AUDIO", "/work/shared/audio"))
-
-
-def load(path: Path) -> np.ndarray:
-    with wave.open(str(path)) as w:
-        assert w.getframerate() == 16000 and w.getnchannels() == 1 and w.getsampwidth() == 2, path
-        return np.frombuffer(w.readframes(w.getnframes()), dtype=np.int16).astype(np.float32) / 32768
 
 
 def decode(model: WindowedWhisper, audio: np.ndarray) -> float:
@@ -70,7 +64,7 @@ def main() -> None:
     whisper = WindowedWhisper(str(resolve_model("bundle:whisper-tiny.en", models)), device="cpu", compute_type="int8",
                               cpu_threads=2, num_workers=1)
     st_path = resolve_model("bundle:smart-turn-v3.2", models)
-    clips = [load(p) for p in sorted(AUDIO.glob("*.wav"))]
+    clips = [read_wav(p, ASR_RATE)[0] for p in sorted(AUDIO.glob("*.wav"))]
     decode(whisper, clips[0])  # warm-up
     result: list[dict[str, object]] = []  # one entry per variant, in the order run (a variant may repeat)
     for nice in args.nice.split(","):

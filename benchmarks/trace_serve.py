@@ -32,6 +32,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,17 +57,10 @@ def install(path: str) -> None:
     from voicebot.engines import asr, llm, smart_turn, tts_piper
     from voicebot.session import session
 
-    decode = asr.AsrEngine._decode
-
-    def traced_decode(self: Any, job: Any) -> Any:
-        t0 = time.monotonic()
-        try:
-            return decode(self, job)
-        finally:
-            _emit("asr", priority=job.priority.name.lower(), audio_s=round(job.audio.size / 16000, 3),
-                  start=t0, end=time.monotonic())
-
-    asr.AsrEngine._decode = traced_decode  # type: ignore[method-assign]
+    asr.AsrEngine._decode = _span(  # type: ignore[method-assign]
+        "asr", asr.AsrEngine._decode,
+        lambda self, job: {"priority": job.priority.name.lower(), "audio_s": round(job.audio.size / 16000, 3)},
+    )
 
     from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -114,27 +108,10 @@ def install(path: str) -> None:
 
     session.Session._on_signal = traced_signal  # type: ignore[method-assign]
 
-    timed = smart_turn.SmartTurn._timed
-
-    def traced_timed(self: Any, audio: Any) -> float:
-        t0 = time.monotonic()
-        try:
-            return timed(self, audio)
-        finally:
-            _emit("smart_turn", start=t0, end=time.monotonic(), audio_s=round(audio.size / 16000, 3))
-
-    smart_turn.SmartTurn._timed = traced_timed  # type: ignore[method-assign]
-
-    synth = tts_piper._synth_sentence
-
-    def traced_synth(voice: Any, text: str, syn: Any, rate: int) -> Any:
-        t0 = time.monotonic()
-        try:
-            return synth(voice, text, syn, rate)
-        finally:
-            _emit("tts", start=t0, end=time.monotonic(), chars=len(text))
-
-    tts_piper._synth_sentence = traced_synth
+    smart_turn.SmartTurn._timed = _span(  # type: ignore[method-assign]
+        "smart_turn", smart_turn.SmartTurn._timed, lambda self, audio: {"audio_s": round(audio.size / 16000, 3)}
+    )
+    tts_piper._synth_sentence = _span("tts", tts_piper._synth_sentence, lambda voice, text, *_: {"chars": len(text)})
 
     summary_of = session.Session._summary_of
 
@@ -156,6 +133,20 @@ def install(path: str) -> None:
         return out
 
     session.Session.__aenter__ = traced_aenter  # type: ignore[method-assign]
+
+
+def _span(kind: str, fn: Callable[..., Any], fields: Callable[..., dict[str, Any]]) -> Callable[..., Any]:
+    """``fn`` (a function or method run on a worker thread), emitting one ``kind`` event per
+    call with its start, end and ``fields(*args)``."""
+
+    def traced(*args: Any) -> Any:
+        t0 = time.monotonic()
+        try:
+            return fn(*args)
+        finally:
+            _emit(kind, start=t0, end=time.monotonic(), **fields(*args))
+
+    return traced
 
 
 async def _watch_lag(step: float = 0.01, report_over: float = 0.02) -> None:
