@@ -500,7 +500,7 @@ async def test_no_text_of_a_reply_follows_its_response_done(tokenizer) -> None: 
                 await elapse(clock, 0.02)
         await elapse(clock, 1.5)  # nobody reads
         resp = session._response
-        assert resp is not None and session._out.full() and not resp.deltas.empty(), "text is waiting for room"
+        assert resp is not None and not session._out.data_room() and not resp.deltas.empty(), "text is waiting for room"
         for _ in range(12):  # the caller speaks over it
             session.push_audio(np.full(FRAME, 0.1, dtype=np.float32), RATE)
         for _ in range(20):
@@ -510,6 +510,34 @@ async def test_no_text_of_a_reply_follows_its_response_done(tokenizer) -> None: 
         late = [e for e in seen[done + 1 :] if isinstance(e, ev.ResponseTextDelta) and e.response_id == resp.id]
         assert session.closed_reason is None
         assert not late, late
+
+
+async def test_a_reader_slow_for_a_moment_keeps_its_call_when_a_control_event_comes(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    # The reply's audio waits for room in the outbox; it filled every place, so the next
+    # control event (here a DTMF digit; a transcript or an error alike) found the queue
+    # full and the call was closed as a stalled client, though the client only paused.
+    engines = make_engines(tokenizer, reply=" ".join(f"w{i}" for i in range(80)), word_delay=0.01)
+    with_session_cfg(engines, out_queue_frames=32)
+    clock = clock_of(engines)
+    session = Session(engines, SessionSettings.from_config(engines.cfg), clock=clock)
+    async with session:
+        for level, ms in ((0.1, 600), (0.0, 600)):
+            for _ in range(ms // 20):
+                session.push_audio(np.full(FRAME, level, dtype=np.float32), RATE)
+                await elapse(clock, 0.02)
+        await elapse(clock, 1.5)  # nobody reads: the reply's audio waits for room
+        assert session._response is not None and not session._out.data_room()
+        for digit in "123":
+            session.emit(ev.Dtmf(digit))
+        assert session.closed_reason is None
+        seen = drain(session)  # the client reads again
+        assert [e.digit for e in seen if isinstance(e, ev.Dtmf)] == ["1", "2", "3"]
+        await until(clock, lambda: any(isinstance(e, ev.ResponseDone) for e in drain(session)), timeout=30)
+        assert session.closed_reason is None
+        # A client that stopped reading still fills the reserved places and is closed.
+        for _ in range(session._out.maxsize + 1):
+            session.emit(ev.Dtmf("9"))
+        assert session.closed_reason == "slow_consumer"
 
 
 async def test_speech_over_a_reply_it_does_not_interrupt_leaves_the_reply_whole(tokenizer) -> None:  # type: ignore[no-untyped-def]

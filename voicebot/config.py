@@ -194,7 +194,7 @@ class SessionConfig(_Section):
     max_clause_words: int = Field(24, ge=2, le=200, description="Longest later clause (words) before a cut at any word boundary.")
     max_turn_s: float = Field(25.0, ge=1.0, le=600.0, description="Longest user turn before it is ended by force (keep below asr.max_utterance_s).")
     idle_timeout_s: float = Field(600.0, ge=1.0, le=86_400.0, description="A session with no audio for this long is closed.")
-    out_queue_frames: int = Field(256, ge=8, le=100_000, description="Outbound events buffered per session before it is treated as stalled.")
+    out_queue_frames: int = Field(256, ge=8, le=100_000, description="Outbound events buffered per session before it is treated as stalled; the last eighth is kept for control events (reply audio and text wait below it).")
     max_input_backlog_s: float = Field(60.0, ge=1.0, le=3600.0, description="Audio pushed faster than it is processed, per session, before more is refused ('input_backlog_full'); large pushes are processed in slices.")
     max_text_chars: int = Field(4000, ge=1, le=1_000_000, description="Longest text item a client may add to the conversation ('text_too_long').")
     language: str | None = Field("en", description="Language of the conversation.")

@@ -4,6 +4,13 @@ Like ``asyncio.Queue`` (put_nowait raises ``QueueFull``, ``get`` waits), plus
 :meth:`discard`: on barge-in the reply audio still waiting to be sent is taken out, so
 the caller does not hear it and the barge-in event is not stuck behind it. Control
 events stay, in their order.
+
+The last ``reserve`` places are for control events only. A reply's audio and text wait
+for room (:meth:`wait_for_room`) below that mark, so a client that reads slowly for a
+moment (a network stall while a reply streams) fills the queue with reply data up to
+the mark and no further: a transcript, a barge-in or an error emitted meanwhile still
+fits, where it used to find the queue full and close the call as a stalled client. A
+client that stopped reading fills the reserve too, and is closed then.
 """
 
 from __future__ import annotations
@@ -17,10 +24,14 @@ T = TypeVar("T")
 
 
 class Outbox(Generic[T]):
-    def __init__(self, maxsize: int) -> None:
+    def __init__(self, maxsize: int, reserve: int | None = None) -> None:
         if maxsize < 1:
             raise ValueError("maxsize must be >= 1")
         self.maxsize = maxsize
+        # An eighth for control events by default: 32 of the default 256.
+        self.reserve = max(1, maxsize // 8) if reserve is None else reserve
+        if not 0 <= self.reserve < maxsize:
+            raise ValueError("reserve must be >= 0 and < maxsize")
         self._items: deque[T] = deque()
         self._data = asyncio.Event()  # not empty
         self._room = asyncio.Event()  # not full
@@ -35,17 +46,22 @@ class Outbox(Generic[T]):
     def full(self) -> bool:
         return len(self._items) >= self.maxsize
 
+    def data_room(self) -> bool:
+        """Room for reply data: below the places reserved for control events."""
+        return len(self._items) < self.maxsize - self.reserve
+
     def put_nowait(self, item: T) -> None:
         if self.full():
             raise asyncio.QueueFull
         self._items.append(item)
         self._data.set()
-        if self.full():
+        if not self.data_room():
             self._room.clear()
 
     async def wait_for_room(self) -> None:
-        """Return once there is room (the caller re-checks its own state, then puts)."""
-        while self.full():
+        """Return once there is room for reply data (the caller re-checks its own
+        state, then puts)."""
+        while not self.data_room():
             self._room.clear()
             await self._room.wait()
 

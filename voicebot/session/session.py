@@ -980,7 +980,7 @@ class Session:
             while resp.playout.taken + frame <= due or (
                 resp.playout.queued_samples and resp.playout.taken < due and resp.generated
             ):
-                if self._out.full():
+                if not self._out.data_room():
                     await self._out.wait_for_room()
                     if self._response is not resp:
                         return  # cancelled while the client was slow to read
