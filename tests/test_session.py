@@ -484,21 +484,28 @@ async def test_a_long_speculative_reply_released_at_once_does_not_read_as_a_stal
         assert len(deltas) < 400, "the released backlog went out in fewer events than tokens"
 
 
+def slow_reader_session(tokenizer, *, word_delay: float, out_queue_frames: int) -> Session:  # type: ignore[no-untyped-def]
+    engines = make_engines(tokenizer, reply=" ".join(f"w{i}" for i in range(80)), word_delay=word_delay)
+    with_session_cfg(engines, out_queue_frames=out_queue_frames)
+    return Session(engines, SessionSettings.from_config(engines.cfg), clock=clock_of(engines))
+
+
+async def reply_to_a_reader_that_stopped(session: Session) -> None:
+    """A turn, then 1.5 s in which nobody reads: the reply's audio waits for room."""
+    for level, ms in ((0.1, 600), (0.0, 600)):
+        for _ in range(ms // 20):
+            session.push_audio(np.full(FRAME, level, dtype=np.float32), RATE)
+            await elapse(session._clock, 0.02)
+    await elapse(session._clock, 1.5)
+
+
 async def test_no_text_of_a_reply_follows_its_response_done(tokenizer) -> None:  # type: ignore[no-untyped-def]
     # The client is slow: the reply's audio fills the outbox and its text waits for room.
     # A barge-in then ends the reply (ResponseDone) and frees the room its audio held:
     # the text forwarder, cancelled only later, sent what it held after the ResponseDone.
-    reply = " ".join(f"w{i}" for i in range(80))
-    engines = make_engines(tokenizer, reply=reply, word_delay=0.05)
-    with_session_cfg(engines, out_queue_frames=30)
-    clock = clock_of(engines)
-    session = Session(engines, SessionSettings.from_config(engines.cfg), clock=clock)
+    session = slow_reader_session(tokenizer, word_delay=0.05, out_queue_frames=30)
     async with session:
-        for level, ms in ((0.1, 600), (0.0, 600)):
-            for _ in range(ms // 20):
-                session.push_audio(np.full(FRAME, level, dtype=np.float32), RATE)
-                await elapse(clock, 0.02)
-        await elapse(clock, 1.5)  # nobody reads
+        await reply_to_a_reader_that_stopped(session)
         resp = session._response
         assert resp is not None and not session._out.data_room() and not resp.deltas.empty(), "text is waiting for room"
         for _ in range(12):  # the caller speaks over it
@@ -516,16 +523,10 @@ async def test_a_reader_slow_for_a_moment_keeps_its_call_when_a_control_event_co
     # The reply's audio waits for room in the outbox; it filled every place, so the next
     # control event (here a DTMF digit; a transcript or an error alike) found the queue
     # full and the call was closed as a stalled client, though the client only paused.
-    engines = make_engines(tokenizer, reply=" ".join(f"w{i}" for i in range(80)), word_delay=0.01)
-    with_session_cfg(engines, out_queue_frames=32)
-    clock = clock_of(engines)
-    session = Session(engines, SessionSettings.from_config(engines.cfg), clock=clock)
+    session = slow_reader_session(tokenizer, word_delay=0.01, out_queue_frames=32)
+    clock = session._clock
     async with session:
-        for level, ms in ((0.1, 600), (0.0, 600)):
-            for _ in range(ms // 20):
-                session.push_audio(np.full(FRAME, level, dtype=np.float32), RATE)
-                await elapse(clock, 0.02)
-        await elapse(clock, 1.5)  # nobody reads: the reply's audio waits for room
+        await reply_to_a_reader_that_stopped(session)
         assert session._response is not None and not session._out.data_room()
         for digit in "123":
             session.emit(ev.Dtmf(digit))
