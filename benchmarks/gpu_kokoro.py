@@ -52,7 +52,7 @@ from bench_util import bare_engines_package, run_with_deadline  # noqa: E402  (s
 
 bare_engines_package()
 
-from tts_workload import FIRST, REST, Stats, caller, pct, summarise  # noqa: E402  (same folder)
+from tts_workload import FIRST, FIRST_AUDIO, REST, Stats, caller, pct, scenario_table, summarise  # noqa: E402  (same folder)
 
 log = logging.getLogger("gpu_kokoro")
 
@@ -364,16 +364,12 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def table(report: dict[str, Any]) -> str:
-    head = (f"{'mode':>8}{'batch':>6}{'wkrs':>5}{'sessions':>9}{'replies':>8}{'first audio p50/p95/p99 ms':>29}"
-            f"{'stalled':>9}{'audio s/s':>10}{'batch mean':>11}{'busy':>6}{'gpu %':>6}{'cpu':>6}")
-    lines = [head, "-" * len(head)]
-    for r in report["scenarios"]:
-        f = r["first_audio_ms"]
-        first = f"{f.get('p50')}/{f.get('p95')}/{f.get('p99')}"
-        lines.append(f"{r['mode']:>8}{r['max_batch']:>6}{r['workers']:>5}{r['sessions']:>9}{r['replies_measured']:>8}"
-                     f"{first:>29}{r['stalled_fraction']!s:>9}{r['audio_s_per_wall_s']:>10}{r['batch_mean']!s:>11}"
-                     f"{r['forward_busy']:>6}{r.get('gpu_util_mean', '-')!s:>6}{r['process_cpu']:>6}")
-    return "\n".join(lines)
+    return scenario_table(report["scenarios"], [
+        ("mode", 8, "mode"), ("batch", 6, "max_batch"), ("wkrs", 5, "workers"), ("sessions", 9, "sessions"),
+        ("replies", 8, "replies_measured"), FIRST_AUDIO, ("stalled", 9, "stalled_fraction"),
+        ("audio s/s", 10, "audio_s_per_wall_s"), ("batch mean", 11, "batch_mean"), ("busy", 6, "forward_busy"),
+        ("gpu %", 6, lambda r: r.get("gpu_util_mean", "-")), ("cpu", 6, "process_cpu"),
+    ])
 
 
 def count_table(rows: list[dict[str, Any]]) -> str:

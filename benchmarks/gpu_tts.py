@@ -35,7 +35,7 @@ from bench_util import bare_engines_package  # same folder
 bare_engines_package()
 
 from llm_load import run_with_deadline  # noqa: E402
-from tts_workload import Stats, caller, pct, summarise  # noqa: E402
+from tts_workload import FIRST_AUDIO, Stats, caller, pct, scenario_table, summarise  # noqa: E402
 
 from voicebot.config import TtsConfig  # noqa: E402
 
@@ -127,16 +127,12 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def table(report: dict[str, Any]) -> str:
-    head = (f"{'workers':>8}{'intra':>6}{'sessions':>9}{'replies':>8}{'first audio p50/p95/p99 ms':>29}"
-            f"{'stalled':>9}{'stall p95 ms':>13}{'audio s/s':>10}{'cpu':>6}")
-    lines = [head, "-" * len(head)]
-    for r in report["scenarios"]:
-        f = r["first_audio_ms"]
-        first = f"{f.get('p50')}/{f.get('p95')}/{f.get('p99')}"
-        lines.append(f"{r['workers']:>8}{r['intra_op']:>6}{r['sessions']:>9}{r['replies_measured']:>8}{first:>29}"
-                     f"{r['stalled_fraction']!s:>9}{r['stall_ms'].get('p95')!s:>13}{r['audio_s_per_wall_s']:>10}"
-                     f"{r['process_cpu']:>6}")
-    return "\n".join(lines)
+    return scenario_table(report["scenarios"], [
+        ("workers", 8, "workers"), ("intra", 6, "intra_op"), ("sessions", 9, "sessions"),
+        ("replies", 8, "replies_measured"), FIRST_AUDIO, ("stalled", 9, "stalled_fraction"),
+        ("stall p95 ms", 13, lambda r: r["stall_ms"].get("p95")), ("audio s/s", 10, "audio_s_per_wall_s"),
+        ("cpu", 6, "process_cpu"),
+    ])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -87,3 +87,20 @@ async def caller(speak: Speak, rate: int, args: argparse.Namespace, st: Stats, t
         if time.monotonic() + wait >= t_end:
             return
         await asyncio.sleep(wait)
+
+
+# A table column: (heading, width, the scenario's key or a function of the scenario).
+Column = tuple[str, int, "str | Callable[[dict[str, Any]], object]"]
+FIRST_AUDIO: Column = (
+    "first audio p50/p95/p99 ms", 29, lambda r: "/".join(str(r["first_audio_ms"].get(k)) for k in ("p50", "p95", "p99"))
+)
+
+
+def scenario_table(scenarios: list[dict[str, Any]], columns: list[Column]) -> str:
+    """One row per scenario, right-aligned under the headings."""
+    head = "".join(f"{name:>{width}}" for name, width, _ in columns)
+    lines = [head, "-" * len(head)]
+    for r in scenarios:
+        cells = (value(r) if callable(value) else r[value] for _, _, value in columns)
+        lines.append("".join(f"{cell!s:>{width}}" for cell, (_, width, _) in zip(cells, columns, strict=True)))
+    return "\n".join(lines)
