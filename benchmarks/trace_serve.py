@@ -36,6 +36,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench_util import summarise  # same folder
+
 _lock = threading.Lock()
 _out: Any = None
 
@@ -207,14 +209,7 @@ def report(path: Path) -> int:
     return 0
 
 
-def _med(xs: list[float]) -> dict[str, float | int]:
-    xs = sorted(xs)
-    if not xs:
-        return {"n": 0}
-    return {"n": len(xs), "p50": round(xs[len(xs) // 2], 1), "max": round(xs[-1], 1)}
-
-
-def smart_turn_cost(events: list[dict]) -> dict[str, dict[str, float | int]]:
+def smart_turn_cost(events: list[dict]) -> dict[str, dict[str, Any]]:
     """What Smart Turn's inference costs the work beside it: Whisper decodes (not beside
     an LLM request) and interactive LLM prefills (vLLM's scheduled to first token, per
     new prompt token), each split by whether a Smart Turn inference overlapped it."""
@@ -238,7 +233,7 @@ def smart_turn_cost(events: list[dict]) -> dict[str, dict[str, float | int]]:
         key = "beside_smart_turn" if beside else "alone"
         out[f"prefill_ms_{key}"].append(1000 * (b - a))
         out[f"prefill_ms_per_new_token_{key}"].append(1000 * (b - a) / new)
-    return {k: _med(v) for k, v in out.items()}
+    return {k: summarise([x / 1000 for x in v]) for k, v in out.items()}
 
 
 def main() -> int:
