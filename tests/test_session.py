@@ -172,6 +172,19 @@ class FakeLlm:
     most_summarising: int = 0
     summaries_cancelled: int = 0
 
+    # Prefills of the conversation (llm.warm_prefix): their prompts, and how they ended.
+    warm_delay: float = 0.0
+    warmed: list[list[int]] = field(default_factory=list)
+    warms_cancelled: int = 0
+
+    async def warm(self, prompt_ids: list[int]) -> None:
+        try:
+            await self.clock.sleep(self.warm_delay)
+        except asyncio.CancelledError:
+            self.warms_cancelled += 1
+            raise
+        self.warmed.append(list(prompt_ids))
+
     async def complete(self, prompt_ids: list[int], **kw: object) -> str:
         self.summarising += 1
         self.most_summarising = max(self.most_summarising, self.summarising)
@@ -312,6 +325,53 @@ async def call(engines: Engines, **settings: object) -> AsyncIterator[Caller]:
             yield caller
         finally:
             await caller.close()
+
+
+LONG_INSTRUCTIONS = "You are the booking line of a small hotel. " + " ".join(
+    f"Rule {i}: be brief and polite about room {i}." for i in range(20)
+)
+
+
+async def test_the_conversation_is_prefilled_when_the_call_starts_and_after_each_reply(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    # A long system prompt (a Realtime client's instructions) was prefilled with the
+    # first turn, seconds on a CPU; a reply's last blocks were cached only as far as
+    # the model computed them. Both are prefilled while nobody waits on the LLM.
+    engines = make_engines(tokenizer, reply="Sure, the room is free.")
+    llm = engines.llm
+    async with call(engines, system_prompt=LONG_INSTRUCTIONS) as c:
+        await until(c.clock, lambda: llm.warmed)  # type: ignore[attr-defined]
+        start = c.session.conversation.history_ids()
+        assert llm.warmed == [start] and len(start) > 16  # type: ignore[attr-defined]
+        await c.speak(600)
+        await c.silence(700)
+        await c.wait_for(ev.ResponseDone, timeout=10)
+        await until(c.clock, lambda: len(llm.warmed) == 2)  # type: ignore[attr-defined]
+        after = llm.warmed[1]  # type: ignore[attr-defined]
+        assert after == c.session.conversation.history_ids() and after[: len(start)] == start
+        assert len(llm.started) == 1, "one reply; the prefills are not replies"
+        await c.silence(500)
+        assert len(llm.warmed) == 2, "nothing new: no second prefill of the same history"  # type: ignore[attr-defined]
+
+
+async def test_a_prefill_still_running_when_a_reply_starts_is_dropped(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    engines = make_engines(tokenizer, warm_delay=30.0)
+    llm = engines.llm
+    async with call(engines, system_prompt=LONG_INSTRUCTIONS) as c:
+        await c.speak(600)
+        await c.silence(700)
+        await c.wait_for(ev.ResponseAudioStarted, timeout=10)
+        assert llm.warms_cancelled == 1 and not llm.warmed  # type: ignore[attr-defined]
+
+
+async def test_no_prefill_when_warm_prefix_is_off(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    engines = make_engines(tokenizer)
+    engines.cfg = engines.cfg.model_copy(update={"llm": engines.cfg.llm.model_copy(update={"warm_prefix": False})})
+    async with call(engines, system_prompt=LONG_INSTRUCTIONS) as c:
+        await c.speak(600)
+        await c.silence(700)
+        await c.wait_for(ev.ResponseDone, timeout=10)
+        await c.silence(500)
+        assert not engines.llm.warmed  # type: ignore[attr-defined]
 
 
 async def test_a_turn_is_answered_speculatively(tokenizer) -> None:  # type: ignore[no-untyped-def]

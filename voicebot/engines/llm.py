@@ -434,6 +434,13 @@ class LlmEngine:
                 # break by the consumer (GeneratorExit) on every vLLM version.
                 await self._engine.abort(rid)
 
+    async def warm(self, prompt_ids: list[int]) -> None:
+        """Prefill ``prompt_ids`` at background priority and drop the one token made:
+        the prefix cache then holds their whole blocks for the next prompt that starts
+        with them. Cancelling it aborts the request, as for any other."""
+        async for _ in self.generate(prompt_ids, lane=Lane.BACKGROUND, max_tokens=1, temperature=0.0):
+            pass
+
     async def complete(self, prompt_ids: list[int], **kwargs: Any) -> str:
         """Collect a whole reply (background summaries, tests)."""
         parts = [d.text async for d in self.generate(prompt_ids, **kwargs)]

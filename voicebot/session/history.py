@@ -249,6 +249,11 @@ class Conversation:
     def delete(self, item_id: str) -> bool:
         return self.replace(item_id, "")
 
+    def history_ids(self) -> list[int]:
+        """The conversation so far (system message and every message): the start of
+        the next prompt, whatever the caller says."""
+        return list(self._ids)
+
     def prompt_ids(
         self,
         user_text: str | None = None,

@@ -77,6 +77,15 @@ class SessionLog(logging.LoggerAdapter):
         return f"[{self.extra['session']}] {msg}", kwargs  # type: ignore[index]
 
 
+def _common_prefix(a: list[int], b: list[int]) -> list[int]:
+    n = 0
+    for x, y in zip(a, b, strict=False):  # the shorter one ends it
+        if x != y:
+            break
+        n += 1
+    return a[:n]
+
+
 def _first_leaf(exc: BaseException) -> BaseException:
     while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
         exc = exc.exceptions[0]
@@ -172,6 +181,8 @@ class Session:
         self._heard: dict[str, Playout] = {}
         self._unsummarised: list[Message] = []  # dropped from the history, not yet summarised
         self._summariser: asyncio.Task[None] | None = None
+        self._warmer: asyncio.Task[None] | None = None  # prefilling the history (llm.warm_prefix)
+        self._warmed: list[int] = []  # the history last prefilled, whole cache blocks
         self.input_ms = 0.0
         self._last_input = self._clock.monotonic()
         self.closed_reason: str | None = None
@@ -207,6 +218,7 @@ class Session:
                 self._spawn(self._pace(), "pacer")
                 self._spawn(self._forward_partials(), "partials")
                 self._spawn(self._watch_idle(), "idle")
+                self._warm_prefix()
                 self._ready.set()
                 await self._closing.wait()
                 for task in list(self._tasks):
@@ -635,6 +647,7 @@ class Session:
         """A client's ``session.tools`` / ``tool_choice`` (None: unchanged)."""
         self.tools.set(tools, choice)
         self.conversation.set_tools(self.tools.chat_tools())
+        self._warm_prefix()
 
     def add_tool_result(self, call_id: str, output: str, item_id: str | None = None) -> str:
         """A client's result of a function call (Realtime ``function_call_output``)."""
@@ -687,6 +700,7 @@ class Session:
         self.conversation.set_system_prompt(new.system_prompt)
         self._turns.cfg = new.vad
         self.conversation.reply_tokens = new.max_tokens
+        self._warm_prefix()
 
     @property
     def replying(self) -> bool:
@@ -729,6 +743,11 @@ class Session:
             tool_round=tool_round,
         )
         resp.prompt_tools, resp.tool_choice = plan.prompt_tools, plan.choice
+        if self._warmer is not None:
+            # The reply's own prompt starts with that prefix: a warm-up still queued would
+            # only compete with it (one already in a vLLM step finishes that step).
+            self._warmer.cancel()
+            self._warmer = None
         self._response = resp
         self._response_turn = turn
         self._response_task = self._spawn(self._drive(resp, turn), "response")
@@ -900,6 +919,10 @@ class Session:
         if self._response is resp:
             self._response = None
             self._response_task = None
+        # The reply's request left its prompt and all but its last token in the cache:
+        # prefill the history only where it has a whole block more than that.
+        self._warmed = _common_prefix(self.conversation.history_ids(), resp.prompt_ids + resp.token_ids[:-1])
+        self._warm_prefix()
 
     def _trim_history(self) -> None:
         dropped = self.conversation.trim()
@@ -909,6 +932,38 @@ class Session:
                 del self._unsummarised[: len(self._unsummarised) - _MAX_UNSUMMARISED]
             if self._summariser is None or self._summariser.done():
                 self._summariser = self._spawn(self._summarise(), "summary")
+
+    def _warm_prefix(self) -> None:
+        """Prefill the conversation so far at background priority while nobody waits on
+        the LLM (llm.warm_prefix): the call has just started or got new instructions or
+        tools, or a reply has ended. The next turn's prompt then finds those blocks in
+        the prefix cache and prefills only what is new: the caller's words. Without it a
+        long system prompt (a Realtime client's instructions and tools) is prefilled
+        with the first turn, seconds on a CPU; and the blocks after a reply are cached
+        only as far as the model computed them."""
+        llm_cfg = self.cfg.llm
+        if not llm_cfg.warm_prefix or llm_cfg.background_concurrency == 0 or self._tg is None:
+            return
+        if self._closing.is_set() or self._response is not None:
+            return  # a live reply's prompt has this prefix anyway
+        ids = self.conversation.history_ids()
+        block = llm_cfg.block_size or 16  # vLLM caches whole blocks only
+        whole = len(ids) // block * block
+        if whole == 0 or ids[:whole] == self._warmed[:whole]:
+            return  # nothing new that the cache could hold
+        if self._warmer is not None:
+            self._warmer.cancel()  # superseded: this prefix starts the same or differently
+        self._warmer = self._spawn(self._warm(ids, whole), "warm")
+
+    async def _warm(self, ids: list[int], whole: int) -> None:
+        # Background work is invisible to the caller: a failure is logged, never an
+        # error event. Cancellation (a reply started, the call ended) propagates.
+        try:
+            await self.engines.llm.warm(ids)
+        except Exception as exc:
+            self.log.warning("prefilling the conversation (%d tokens) failed: %s", len(ids), exc)
+            return
+        self._warmed = ids[:whole]
 
     async def _summarise(self) -> None:
         """Fold dropped turns into the one-line summary, at background priority.
@@ -928,6 +983,7 @@ class Session:
                     self.log.warning("summary of %d dropped messages failed, dropped: %s", len(dropped), exc)
                     continue
                 self.conversation.set_summary(summary)
+                self._warm_prefix()  # a new system message: nothing of the old prefix is cached
         finally:
             self._summariser = None
 
