@@ -1,6 +1,7 @@
 """Whisper's encoder window on short utterances: time split and word error rate.
 
     .venv/bin/python benchmarks/asr_window.py --json artifacts/asr_window.json [--pads 0.5,1,2]
+        [--model bundle:whisper-base] [--streamed]
 
 faster-whisper pads every window's features to 30 s (3000 frames), so tiny.en's encoder
 costs the same for a 1 s question as for 30 s of speech. CTranslate2 accepts fewer frames
@@ -11,8 +12,10 @@ For each clip (every WAV with a ``.txt`` reference in ../shared/audio, and the P
 questions of benchmarks/echo_rate.py in artifacts/echo/clips when they exist) and each
 window (full 30 s, then utterance + pad), one decode as the session's final does it
 (greedy, no timestamps, no previous text, from audio only) is timed: feature extraction +
-encoder, and the rest (the decoder). Prints medians and the WER of each window on each set
-and writes JSON.
+encoder, and the rest (the decoder). Prints p50 / p95 over the clips, the WER of each
+window on each set and the clips decoded into a loop, and writes JSON. ``--model`` (a
+directory or ``bundle:NAME``) replaces ``asr.model``; the config's ``asr.language`` is
+passed either way, so a multilingual model runs no language detection.
 """
 
 from __future__ import annotations
@@ -51,6 +54,23 @@ def edit_distance(ref: list[str], hyp: list[str]) -> int:
     return row[-1]
 
 
+def looped(ref: list[str], hyp: list[str]) -> bool:
+    """A hypothesis that repeats itself until the token limit: more than twice the
+    reference and 4 words longer (a short question decoded as "Yes. Yes. Yes. ...")."""
+    return len(hyp) > 2 * len(ref) + 4
+
+
+def with_model(cfg: Any, model: str | None) -> Any:
+    """``cfg`` with ``asr.model`` replaced by ``model`` (a directory or bundle:NAME), if given."""
+    if not model:
+        return cfg
+    return cfg.model_copy(update={"asr": cfg.asr.model_copy(update={"model": model})})
+
+
+def p95(values: list[float]) -> float:
+    return float(np.percentile(values, 95))
+
+
 def label(window: tuple[float, float] | None) -> str:
     if window is None:
         return "30 s"
@@ -73,7 +93,8 @@ def load_set() -> dict[str, list[tuple[str, np.ndarray, str]]]:
     return sets
 
 
-async def streamed_text(engine: Any, audio: np.ndarray, interval_s: float) -> str:
+async def streamed_final(engine: Any, audio: np.ndarray, interval_s: float) -> tuple[str, float]:
+    """The final's text and decode seconds, partials asked every ``interval_s`` of audio."""
     per_partial, fed = round(interval_s * ASR_RATE), 0
     async with engine.stream() as stream:
         for start in range(0, audio.size, 320):
@@ -82,7 +103,8 @@ async def streamed_text(engine: Any, audio: np.ndarray, interval_s: float) -> st
             if fed >= per_partial:
                 fed = 0
                 await asyncio.wait_for(anext(stream), 60)
-        return str((await asyncio.wait_for(stream.finalize(), 60)).text)
+        final = await asyncio.wait_for(stream.finalize(), 60)
+        return str(final.text), float(final.decode_s)
 
 
 async def run_streamed(cfg: Any, windows: list[tuple[float, float] | None], sets: dict[str, Any]) -> list[dict[str, Any]]:
@@ -95,22 +117,72 @@ async def run_streamed(cfg: Any, windows: list[tuple[float, float] | None], sets
         async with AsrEngine(asr, resolve_model(asr.model, cfg.models), agreement_n=asr.agreement_n) as engine:
             for name, clips in sets.items():
                 for stem, audio, ref in clips:
-                    text = await streamed_text(engine, audio, asr.partial_interval_ms / 1000)
-                    ref_words = words(ref)
+                    text, decode_s = await streamed_final(engine, audio, asr.partial_interval_ms / 1000)
+                    ref_words, hyp = words(ref), words(text)
                     rows.append({"set": name, "clip": stem, "window": label(window), "text": text.strip(),
-                                 "errors": edit_distance(ref_words, words(text)), "ref_words": len(ref_words)})
-    print("\nstreamed finals: set       window          n   WER")
-    for name in sets:
+                                 "final_ms": round(1000 * decode_s, 1), "errors": edit_distance(ref_words, hyp),
+                                 "ref_words": len(ref_words), "looped": looped(ref_words, hyp)})
+    print(f"\nstreamed finals, {cfg.asr.model}\nset       window              n  final p50 / p95   WER        loops")
+    for name in [*sets, "all"]:
         for window in windows:
-            sel = [r for r in rows if r["set"] == name and r["window"] == label(window)]
+            sel = [r for r in rows if name in ("all", r["set"]) and r["window"] == label(window)]
+            if not sel:
+                continue
             errors, n = sum(r["errors"] for r in sel), sum(r["ref_words"] for r in sel)
-            print(f"{'':17}{name:9} {label(window):14} {len(sel):3}  {100 * errors / n:5.1f}% ({errors}/{n})")
+            finals = [r["final_ms"] for r in sel]
+            print(f"{name:9} {label(window):18} {len(sel):3} {statistics.median(finals):8.0f} / {p95(finals):4.0f}"
+                  f"  {100 * errors / n:5.1f}% ({errors}/{n}) {sum(r['looped'] for r in sel)}")
     return rows
+
+
+class TimedModel:
+    """A :class:`WindowedWhisper` whose encoder calls are timed."""
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg
+        self.model = WindowedWhisper(
+            resolve_model(cfg.asr.model, cfg.models),
+            device=cfg.asr.device,
+            compute_type=cfg.asr.compute_type,
+            cpu_threads=cfg.asr.cpu_threads,
+        )
+        self.encode_s: list[float] = []
+        encode = self.model.encode
+
+        def timed_encode(features: Any) -> Any:
+            t0 = time.perf_counter()
+            out = encode(features)
+            self.encode_s.append(time.perf_counter() - t0)
+            return out
+
+        self.model.encode = timed_encode  # type: ignore[method-assign]
+
+    def decode(self, audio: np.ndarray, window: tuple[float, float] | None) -> tuple[str, float, float]:
+        """One final-style decode: the text, total ms and encoder ms."""
+        self.encode_s.clear()
+        t0 = time.perf_counter()
+        text = self.model.transcribe_text(
+            audio,
+            pad_s=None if window is None else window[0],
+            min_s=0.0 if window is None else window[1],
+            language=self.cfg.asr.language,
+            beam_size=self.cfg.asr.beam_size,
+            best_of=1,
+            temperature=0.0,
+            condition_on_previous_text=False,
+            without_timestamps=True,
+            vad_filter=False,
+            suppress_blank=True,
+        )
+        return text, 1000 * (time.perf_counter() - t0), 1000 * sum(self.encode_s)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/default.yaml")
+    parser.add_argument("--model", action="append", help="Whisper model instead of asr.model: a CTranslate2 directory "
+                        "or bundle:NAME; repeat it to compare models clip by clip in one run (interleaved, so "
+                        "load from outside falls on all of them)")
     parser.add_argument("--pads", default="0.5,1,2", help="seconds of padding after the utterance, comma-separated; PAD/MIN: "
                         "also at least MIN seconds in all")
     parser.add_argument("--no-full", action="store_true", help="leave out the full 30 s window")
@@ -119,80 +191,67 @@ def main() -> int:
     parser.add_argument("--json", type=Path, default=Path("artifacts/asr_window.json"))
     args = parser.parse_args()
 
-    cfg = load_config(args.config)
+    base_cfg = load_config(args.config)
+    cfgs = [with_model(base_cfg, model) for model in args.model or [None]]
+    for cfg in cfgs:
+        print(f"model {cfg.asr.model}, language {cfg.asr.language}, {cfg.asr.compute_type}, "
+              f"{cfg.asr.cpu_threads} threads", flush=True)
     windows: list[tuple[float, float] | None] = [] if args.no_full else [None]
-    for spec in args.pads.split(","):
+    for spec in filter(None, args.pads.split(",")):
         pad, _, least = spec.partition("/")
         windows.append((float(pad), float(least or 0)))
     sets = load_set()
     if args.streamed:
-        rows = asyncio.run(run_streamed(cfg, windows, sets))
+        streamed = [{"model": cfg.asr.model, **row} for cfg in cfgs for row in asyncio.run(run_streamed(cfg, windows, sets))]
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"streamed": rows}, indent=1))
+        args.json.write_text(json.dumps({"streamed": streamed}, indent=1))
         return 0
-    model = WindowedWhisper(
-        resolve_model(cfg.asr.model, cfg.models),
-        device=cfg.asr.device,
-        compute_type=cfg.asr.compute_type,
-        cpu_threads=cfg.asr.cpu_threads,
-    )
-    encode_s: list[float] = []
-    original_encode = model.encode
-
-    def timed_encode(features: Any) -> Any:
-        t0 = time.perf_counter()
-        out = original_encode(features)
-        encode_s.append(time.perf_counter() - t0)
-        return out
-
-    model.encode = timed_encode  # type: ignore[method-assign]
+    models = [TimedModel(cfg) for cfg in cfgs]
 
     rows: list[dict[str, Any]] = []
     for name, clips in sets.items():
         for stem, audio, ref in clips:
-            for pad in windows:
-                totals, encodes, text = [], [], ""
-                for _ in range(args.rounds):
-                    encode_s.clear()
-                    t0 = time.perf_counter()
-                    text = model.transcribe_text(
-                        audio,
-                        pad_s=None if pad is None else pad[0],
-                        min_s=0.0 if pad is None else pad[1],
-                        language=cfg.asr.language,
-                        beam_size=cfg.asr.beam_size,
-                        best_of=1,
-                        temperature=0.0,
-                        condition_on_previous_text=False,
-                        without_timestamps=True,
-                        vad_filter=False,
-                        suppress_blank=True,
-                    )
-                    totals.append(1000 * (time.perf_counter() - t0))
-                    encodes.append(1000 * sum(encode_s))
-                ref_words = words(ref)
-                rows.append({
-                    "set": name, "clip": stem, "audio_s": round(audio.size / ASR_RATE, 2),
-                    "window": label(pad), "total_ms": round(min(totals), 1), "encode_ms": round(min(encodes), 1),
-                    "errors": edit_distance(ref_words, words(text)), "ref_words": len(ref_words), "text": text.strip(),
-                })
-                print(f"{name:8} {stem[:28]:28} {label(pad):14} total {min(totals):6.0f} ms  encode {min(encodes):6.0f} ms"
-                      f"  err {rows[-1]['errors']}/{len(ref_words)}  {text.strip()[:60]}", flush=True)
+            for timed in models:
+                for pad in windows:
+                    totals, encodes, text = [], [], ""
+                    for _ in range(args.rounds):
+                        text, total_ms, encode_ms = timed.decode(audio, pad)
+                        totals.append(total_ms)
+                        encodes.append(encode_ms)
+                    ref_words, hyp = words(ref), words(text)
+                    rows.append({
+                        "model": timed.cfg.asr.model, "set": name, "clip": stem, "audio_s": round(audio.size / ASR_RATE, 2),
+                        "window": label(pad), "total_ms": round(min(totals), 1), "encode_ms": round(min(encodes), 1),
+                        "errors": edit_distance(ref_words, hyp), "ref_words": len(ref_words), "text": text.strip(),
+                        "looped": looped(ref_words, hyp),
+                    })
+                    print(f"{name:8} {stem[:24]:24} {timed.cfg.asr.model.removeprefix('bundle:')[:14]:14} {label(pad):18}"
+                          f" total {min(totals):6.0f} ms  encode {min(encodes):6.0f} ms"
+                          f"  err {rows[-1]['errors']}/{len(ref_words)}  {text.strip()[:50]}", flush=True)
 
     summary: list[dict[str, Any]] = []
-    print("\nset       window          n   total p50  encode p50  decoder p50   WER")
-    for name in sets:
-        for pad in windows:
-            sel = [r for r in rows if r["set"] == name and r["window"] == label(pad)]
-            if not sel:
-                continue
-            total = statistics.median(r["total_ms"] for r in sel)
-            enc = statistics.median(r["encode_ms"] for r in sel)
-            dec = statistics.median(r["total_ms"] - r["encode_ms"] for r in sel)
-            wer = sum(r["errors"] for r in sel) / sum(r["ref_words"] for r in sel)
-            summary.append({"set": name, "window": label(pad), "n": len(sel), "total_p50_ms": total,
-                            "encode_p50_ms": enc, "decoder_p50_ms": dec, "wer": round(wer, 4)})
-            print(f"{name:9} {label(pad):14} {len(sel):3} {total:10.0f} {enc:11.0f} {dec:12.0f}  {100 * wer:5.1f}%")
+    for cfg in cfgs:
+        print(f"\n{cfg.asr.model}\nset       window              n  total p50 / p95  encode p50 / p95  "
+              "decoder p50 / p95   WER        loops")
+        for name in [*sets, "all"]:
+            for pad in windows:
+                sel = [r for r in rows if r["model"] == cfg.asr.model and name in ("all", r["set"])
+                       and r["window"] == label(pad)]
+                if not sel:
+                    continue
+                total = [r["total_ms"] for r in sel]
+                enc = [r["encode_ms"] for r in sel]
+                dec = [r["total_ms"] - r["encode_ms"] for r in sel]
+                errors, n = sum(r["errors"] for r in sel), sum(r["ref_words"] for r in sel)
+                loops = sum(r["looped"] for r in sel)
+                summary.append({"model": cfg.asr.model, "set": name, "window": label(pad), "n": len(sel),
+                                "total_p50_ms": statistics.median(total), "total_p95_ms": p95(total),
+                                "encode_p50_ms": statistics.median(enc), "encode_p95_ms": p95(enc),
+                                "decoder_p50_ms": statistics.median(dec), "decoder_p95_ms": p95(dec),
+                                "errors": errors, "ref_words": n, "wer": round(errors / n, 4), "looped": loops})
+                print(f"{name:9} {label(pad):18} {len(sel):3} {statistics.median(total):8.0f} / {p95(total):4.0f}"
+                      f" {statistics.median(enc):9.0f} / {p95(enc):4.0f} {statistics.median(dec):10.0f} / {p95(dec):4.0f}"
+                      f"  {100 * errors / n:5.1f}% ({errors}/{n}) {loops}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"summary": summary, "rows": rows}, indent=1))
     return 0

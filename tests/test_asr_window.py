@@ -6,15 +6,19 @@ and reads the encoder's output length, which is half the frames it was given.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 from speech import Clip
 
 from voicebot.audio import ASR_RATE
-from voicebot.config import AsrConfig
+from voicebot.config import AsrConfig, load_config
 from voicebot.engines.asr import AsrEngine
 from voicebot.engines.whisper_window import FULL_FRAMES, window_frames
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_no_pad_means_the_full_30_s_window() -> None:
@@ -64,3 +68,32 @@ async def test_the_encoder_runs_on_the_configured_window(
     assert lengths == [positions]
     words = result.text.lower().replace("10", "ten").strip(" .").split()
     assert words == clip.text.split(), result.text
+
+
+# ------------------------------------------------------------------ benchmarks/asr_window.py
+def _asr_window_script() -> Any:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import asr_window
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return asr_window
+
+
+def test_the_benchmark_counts_a_question_repeated_to_the_token_limit_as_a_loop() -> None:
+    bench = _asr_window_script()
+    ref = bench.words("What's your name?")
+    assert bench.looped(ref, bench.words("What's your name? " * 20))
+    assert bench.looped(bench.words("Yes."), bench.words("Yes. " * 12))
+    assert not bench.looped(ref, bench.words("What is your name?"))
+    assert not bench.looped(bench.words("Yes."), bench.words("Yes, yes."))
+
+
+def test_the_benchmark_model_option_replaces_asr_model_and_keeps_the_language() -> None:
+    bench = _asr_window_script()
+    cfg = load_config(ROOT / "configs" / "default.yaml")
+    base = bench.with_model(cfg, "bundle:whisper-base")
+    assert base.asr.model == "bundle:whisper-base"
+    assert base.asr.language == cfg.asr.language == "en"  # a multilingual model detects no language
+    assert base.asr.encoder_pad_s == cfg.asr.encoder_pad_s
+    assert bench.with_model(cfg, None).asr.model == cfg.asr.model
