@@ -146,6 +146,9 @@ async def server(tier: Tier, models_config: ModelsConfig) -> AsyncIterator[Runni
             # The tests read the servers' request counters and the cache hits of each turn;
             # prefills of the history between turns (tests/test_session.py) would add both.
             "llm.warm_prefix=false",
+            # Room for the barge-in test's LONG_REPLY: with the 1024-token default every
+            # append would trim the whole history and start a summary on the servers.
+            "session.history_tokens=4096",
             "server.max_sessions=4",
             "server.transports=[native]",
         ],

@@ -173,6 +173,7 @@ class FakeLlm:
     summaries_cancelled: int = 0
 
     # Prefills of the conversation (llm.warm_prefix): their prompts, and how they ended.
+    block_size: int = 16
     warm_delay: float = 0.0
     warmed: list[list[int]] = field(default_factory=list)
     warms_cancelled: int = 0

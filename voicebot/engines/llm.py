@@ -62,6 +62,10 @@ class GenerationStats:
     first_token_at: float | None = None
     finished_at: float | None = None
     finish_reason: str | None = None
+    # A prefill of the history (LlmEngine.warm): left out of the engine's totals (the
+    # replies' cache hit ratio), and a remote one is tried once and never counts
+    # towards the tier's failures.
+    best_effort: bool = False
 
     @property
     def ttft_s(self) -> float | None:
@@ -426,19 +430,30 @@ class LlmEngine:
         finally:
             self._running.pop(rid, None)
             st.finished_at = time.monotonic()
-            self.requests_total += 1
-            self.prompt_tokens_total += st.prompt_tokens
-            self.cached_tokens_total += st.cached_tokens
+            if not st.best_effort:
+                self.requests_total += 1
+                self.prompt_tokens_total += st.prompt_tokens
+                self.cached_tokens_total += st.cached_tokens
             if not finished and self._engine is not None:
                 # vLLM aborts on cancellation itself; this also covers an early
                 # break by the consumer (GeneratorExit) on every vLLM version.
                 await self._engine.abort(rid)
 
+    @property
+    def block_size(self) -> int:
+        """The KV cache block: the prefix cache holds whole blocks only (vLLM-CPU's
+        default is 128, a GPU's 16)."""
+        if self._engine is not None and hasattr(self._engine, "vllm_config"):
+            return int(self._engine.vllm_config.cache_config.block_size)
+        return self.cfg.block_size or 16
+
     async def warm(self, prompt_ids: list[int]) -> None:
         """Prefill ``prompt_ids`` at background priority and drop the one token made:
         the prefix cache then holds their whole blocks for the next prompt that starts
-        with them. Cancelling it aborts the request, as for any other."""
-        async for _ in self.generate(prompt_ids, lane=Lane.BACKGROUND, max_tokens=1, temperature=0.0):
+        with them. Best effort (see ``GenerationStats.best_effort``); cancelling it
+        aborts the request, as for any other."""
+        st = GenerationStats("", Lane.BACKGROUND, best_effort=True)
+        async for _ in self.generate(prompt_ids, lane=Lane.BACKGROUND, max_tokens=1, temperature=0.0, stats=st):
             pass
 
     async def complete(self, prompt_ids: list[int], **kwargs: Any) -> str:

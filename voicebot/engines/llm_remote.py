@@ -203,17 +203,21 @@ class RemoteLlmEngine(LlmEngine):
         st.submitted_at = time.monotonic()
         self._running[rid] = st
         r = self.remote
+        retries = 0 if st.best_effort else r.retries
         try:
-            for attempt in range(r.retries + 1):
+            for attempt in range(retries + 1):
                 try:
                     async with contextlib.aclosing(self._try(body, headers, st)) as stream:
                         async for delta in stream:
                             yield delta
-                    self._failures = 0
+                    if not st.best_effort:
+                        self._failures = 0
                     return
                 except _Retryable as exc:
+                    if st.best_effort:
+                        raise RemoteLlmError(f"remote LLM tier {r.url}: {exc}") from None
                     self._last_error = str(exc)
-                    if attempt == r.retries:
+                    if attempt == retries:
                         self._failures += 1
                         raise RemoteLlmError(
                             f"remote LLM tier {r.url}: no reply after {attempt + 1} tries: {exc}"
@@ -226,9 +230,10 @@ class RemoteLlmEngine(LlmEngine):
         finally:
             self._running.pop(rid, None)
             st.finished_at = time.monotonic()
-            self.requests_total += 1
-            self.prompt_tokens_total += st.prompt_tokens
-            self.cached_tokens_total += st.cached_tokens
+            if not st.best_effort:
+                self.requests_total += 1
+                self.prompt_tokens_total += st.prompt_tokens
+                self.cached_tokens_total += st.cached_tokens
 
     async def _try(self, body: dict[str, Any], headers: dict[str, str], st: GenerationStats) -> AsyncGenerator[TextDelta, None]:
         """One request. Raises _Retryable for a failure before the first token; closing

@@ -183,6 +183,7 @@ class Session:
         self._summariser: asyncio.Task[None] | None = None
         self._warmer: asyncio.Task[None] | None = None  # prefilling the history (llm.warm_prefix)
         self._warmed: list[int] = []  # the history last prefilled, whole cache blocks
+        self._warming: list[int] = []  # what the prefill in flight covers
         self.input_ms = 0.0
         self._last_input = self._clock.monotonic()
         self.closed_reason: str | None = None
@@ -795,6 +796,7 @@ class Session:
                 if self._response is resp:
                     self._response = None
                     self._response_task = None
+                    self._warm_prefix()  # it may have dropped a prefill that nothing redid
                 return
             if self._response is resp:
                 self._finish(resp, "failed")
@@ -878,6 +880,7 @@ class Session:
                 self.log.info("barge-in: %d ms of reply audio dropped", 1000 * dropped // resp.playout.sample_rate)
         self._response = None
         self._response_task = None
+        self._warm_prefix()  # a reply dropped unheard may have dropped a prefill as well
 
     def _finish(self, resp: Response, status: str) -> None:
         rate = resp.playout.sample_rate
@@ -919,9 +922,10 @@ class Session:
         if self._response is resp:
             self._response = None
             self._response_task = None
-        # The reply's request left its prompt and all but its last token in the cache:
-        # prefill the history only where it has a whole block more than that.
-        self._warmed = _common_prefix(self.conversation.history_ids(), resp.prompt_ids + resp.token_ids[:-1])
+        if resp.stats.first_token_at is not None:
+            # The reply's request left its prompt and all but its last token in the cache:
+            # prefill the history only where it has a whole block more than that.
+            self._warmed = _common_prefix(self.conversation.history_ids(), resp.prompt_ids + resp.token_ids[:-1])
         self._warm_prefix()
 
     def _trim_history(self) -> None:
@@ -946,13 +950,19 @@ class Session:
             return
         if self._closing.is_set() or self._response is not None:
             return  # a live reply's prompt has this prefix anyway
+        summariser = self._summariser
+        if summariser is not None and not summariser.done() and summariser is not asyncio.current_task():
+            return  # its summary rewrites the system message; it prefills after that
         ids = self.conversation.history_ids()
-        block = llm_cfg.block_size or 16  # vLLM caches whole blocks only
+        block = self.engines.llm.block_size  # the prefix cache holds whole blocks only
         whole = len(ids) // block * block
         if whole == 0 or ids[:whole] == self._warmed[:whole]:
             return  # nothing new that the cache could hold
-        if self._warmer is not None:
-            self._warmer.cancel()  # superseded: this prefix starts the same or differently
+        if self._warmer is not None and not self._warmer.done():
+            if ids[:whole] == self._warming:
+                return  # being prefilled (a session.update that changed nothing)
+            self._warmer.cancel()  # superseded
+        self._warming = ids[:whole]
         self._warmer = self._spawn(self._warm(ids, whole), "warm")
 
     async def _warm(self, ids: list[int], whole: int) -> None:
@@ -983,7 +993,7 @@ class Session:
                     self.log.warning("summary of %d dropped messages failed, dropped: %s", len(dropped), exc)
                     continue
                 self.conversation.set_summary(summary)
-                self._warm_prefix()  # a new system message: nothing of the old prefix is cached
+            self._warm_prefix()  # a new system message: nothing of the old prefix is cached
         finally:
             self._summariser = None
 

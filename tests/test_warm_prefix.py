@@ -1,0 +1,264 @@
+"""llm.warm_prefix: when the session prefills the conversation, and when it must not.
+
+Fakes of our own interfaces only (test_session's FakeLlm; LlmEngine with its transport
+``_stream`` replaced, so the background lane's real cap and queue are in play). Each
+test failed on the first version of the feature (40c13d5) for the reason in its name,
+but the last, which pins the rule that a completed reply's own request is counted as
+cached (tests/test_session.py has the basic cases; tests/test_llm.py the real engine).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, Callable
+from typing import Any
+
+import pytest
+from test_session import (
+    LONG_INSTRUCTIONS,
+    call,
+    make_engines,
+    until,
+    with_session_cfg,
+)
+from transformers import AutoTokenizer
+
+from voicebot.config import LlmConfig
+from voicebot.engines.llm import GenerationStats, Lane, LlmEngine, TextDelta
+from voicebot.session import events as ev
+from voicebot.session.clock import REAL_CLOCK
+
+
+@pytest.fixture(scope="module")
+def tokenizer(bundle_dir: Callable[[str], str]):  # type: ignore[no-untyped-def]
+    return AutoTokenizer.from_pretrained(bundle_dir("qwen3-tokenizer"))
+
+
+def exchange(session: Any, start: int, turns: int) -> None:
+    for i in range(start, start + turns):
+        session.add_text("user", f"Question number {i} about the weather in some faraway town?")
+        session.add_text("assistant", f"Answer number {i}: it will be sunny and warm there.")
+
+
+async def reply_that_trims(c: Any) -> None:
+    """Client-side turns: a history just under its budget, then a reply that pushes it
+    over: the reply's _finish trims (a summary starts) and then prefills."""
+    conv = c.session.conversation
+    exchange(c.session, 0, 3)
+    c.session.add_text("user", "And what about tomorrow?")
+    conv.budget_tokens = conv.token_count + conv.reply_tokens + 4  # the reply's words go over it
+    c.session.create_response()
+    await c.wait_for(ev.ResponseDone, timeout=10)
+
+
+# ------------------------------------------------------------------ 1. summaries
+async def test_no_prefill_of_a_history_that_a_running_summary_replaces(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    # A reply that trims the history starts a summary, then prefills the trimmed history
+    # at once. The summary lands seconds later and rewrites the system message: that
+    # prefill (the whole kept history, ~60 % of session.history_tokens) is wasted, and on
+    # the real engine it holds the one background slot ahead of the summary.
+    engines = make_engines(tokenizer, clock=REAL_CLOCK, word_delay=0.0)
+    engines.llm.summary_delay = 0.3  # type: ignore[attr-defined]
+    async with call(engines, turn_detection=False, max_tokens=20) as c:
+        await reply_that_trims(c)
+        warmed_before = len(engines.llm.warmed)  # type: ignore[attr-defined]
+        await until(c.clock, lambda: c.session.conversation.summary is not None)
+        await until(c.clock, lambda: engines.llm.warmed[-1] == c.session.conversation.history_ids())  # type: ignore[attr-defined]
+        stale = [w for w in engines.llm.warmed if "Earlier in this call" not in tokenizer.decode(w)]  # type: ignore[attr-defined]
+        assert not stale[1:], (
+            f"{len(stale) - 1} prefill(s) of a history without the summary that was being written "
+            f"(warms: {len(engines.llm.warmed)}, {warmed_before} by the reply's end)"  # type: ignore[attr-defined]
+        )
+
+
+class LaneLlm(LlmEngine):
+    """The real LlmEngine (lanes, background cap and queue, warm, complete) over a fake
+    transport: every request takes ``delay`` seconds and says a few words."""
+
+    def __init__(self, cfg: LlmConfig, tok: Any, delay: float = 0.2) -> None:
+        super().__init__(cfg, "unused")
+        self._tokenizer = tok
+        self._engine = object()  # type: ignore[assignment]  # "started"
+        self.delay = delay
+        self.requests: list[tuple[Lane, int]] = []  # (lane, max_tokens)
+
+    def _params(self, values: dict[str, Any]) -> dict[str, Any]:
+        return values
+
+    async def _stream(self, rid: str, prompt_ids: list[int], lane: Lane, st: GenerationStats,
+                      params: Any) -> AsyncGenerator[TextDelta, None]:
+        self.requests.append((lane, params["max_tokens"]))
+        for word in ["Summary", " of", " it."][: params["max_tokens"]]:
+            await asyncio.sleep(self.delay / 3)
+            yield TextDelta(word, 1)
+
+
+async def test_a_prefill_does_not_take_the_background_place_a_summary_needs(tokenizer, caplog) -> None:  # type: ignore[no-untyped-def]
+    # llm.background_queue bounds background requests waiting for a slot; prefills now
+    # share it (and the background_concurrency slots) with summaries. After a reply that
+    # trims, the prefill is spawned after the summary but takes the slot first (the
+    # summary tokenises its prompt in a thread), so with no room to wait the summary is
+    # refused (BackgroundQueueFull) and the dropped turns are lost. With the default
+    # queue of 64 the same happens once 64 prefills of other calls wait.
+    engines = make_engines(tokenizer, clock=REAL_CLOCK, word_delay=0.0)
+    cfg = engines.cfg.llm.model_copy(update={"background_concurrency": 1, "background_queue": 0})
+    engines.cfg = engines.cfg.model_copy(update={"llm": cfg})
+    engines.llm = LaneLlm(cfg, tokenizer)
+    with_session_cfg(engines, history_tokens=4096)
+    async with call(engines, turn_detection=False, max_tokens=20) as c:
+        await until(c.clock, lambda: engines.llm.background_running == 0)  # the call's first prefill
+        await reply_that_trims(c)
+        await until(c.clock, lambda: engines.llm.background_running == 0 and not c.session._unsummarised
+                    and c.session._summariser is None, timeout=5)
+        assert "summary of" not in caplog.text, caplog.text[-600:]
+        assert c.session.conversation.summary is not None, "the dropped turns were summarised"
+
+
+# ----------------------------------------------------------- 2. bookkeeping
+async def test_a_session_update_that_changes_nothing_keeps_the_running_prefill(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    # Realtime clients send session.update again and again (voice, turn_detection ...);
+    # each calls update_settings -> _warm_prefix. _warmed is set only when a prefill
+    # ends, so one still running for the same history is cancelled and started again
+    # (back of the background queue, its vLLM request aborted).
+    engines = make_engines(tokenizer, warm_delay=2.0)
+    llm = engines.llm
+    async with call(engines, system_prompt=LONG_INSTRUCTIONS) as c:
+        await c.pause(0.5)  # the call's prefill is running
+        c.session.update_settings(speed=1.0)
+        c.session.update_settings(system_prompt=LONG_INSTRUCTIONS)  # the same instructions again
+        await until(c.clock, lambda: llm.warmed, timeout=10)  # type: ignore[attr-defined]
+        assert llm.warms_cancelled == 0, f"{llm.warms_cancelled} prefill(s) of the same history restarted"  # type: ignore[attr-defined]
+
+
+async def test_a_prefill_dropped_for_a_turn_that_was_noise_is_started_again(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    # The call's prefill of long instructions is cancelled when the first speculative
+    # reply starts. A speculative reply sends nothing to the LLM before the final
+    # transcript; when that is empty (a cough the VAD took for speech), the reply is
+    # dropped without _finish and nothing prefills the history again: the first real
+    # turn pays for the whole system prompt, the case the feature is for.
+    engines = make_engines(tokenizer, warm_delay=1.0)
+    engines.asr.text = ""  # type: ignore[attr-defined]
+    llm = engines.llm
+    async with call(engines, system_prompt=LONG_INSTRUCTIONS) as c:
+        await c.speak(300)
+        await c.silence(700)
+        await c.wait_for(ev.TranscriptFinal)
+        assert llm.warms_cancelled == 1, "the speculative reply dropped the prefill"  # type: ignore[attr-defined]
+        await c.silence(3000)
+        assert not llm.started, "no reply: nothing reached the LLM for the history"  # type: ignore[attr-defined]
+        assert llm.warmed == [c.session.conversation.history_ids()], (  # type: ignore[attr-defined]
+            "the history was never prefilled after the noise"
+        )
+
+
+async def test_a_reply_cancelled_before_its_first_token_leaves_its_prompt_to_prefill(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    # _finish counts the reply's prompt as cached (_warmed = common prefix with
+    # prompt_ids + token_ids[:-1]) even when the reply never got its first token (still
+    # queued or in prefill when a barge-in / response.cancel / a failure ended it). The
+    # history, whose user turn nothing has computed, is then never prefilled.
+    engines = make_engines(tokenizer, word_delay=5.0)  # the first token after 5 s
+    llm = engines.llm
+    async with call(engines, turn_detection=False) as c:
+        c.session.add_text("user", "Could you book me a table for two at eight tonight, by the window?")
+        c.session.create_response()
+        await c.pause(0.5)
+        resp = c.session._response
+        assert resp is not None and resp.stats.first_token_at is None and resp.prompt_ids
+        assert c.session.cancel_response()
+        await c.wait_for(ev.ResponseDone)
+        await c.pause(1.0)
+        history = c.session.conversation.history_ids()
+        assert llm.warmed and llm.warmed[-1] == history, (  # type: ignore[attr-defined]
+            f"no prefill of the {len(history)}-token history after a reply that computed nothing"
+        )
+
+
+# ------------------------------------------------------------ 3. block size
+async def test_no_prefill_when_no_whole_block_of_the_engine_could_be_cached(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    # llm.block_size None means vLLM's platform default: 128 on CPU (configs/test.yaml
+    # sets none), 16 on GPU. _warm_prefix assumes 16, so every call with the default
+    # 29-token system prompt sends a prefill at its start that caches nothing on CPU,
+    # and ~2/16 of completed replies (a 2-token tail: <|im_end|>, newline) send one that
+    # caches nothing either. The engine knows its block (vLLM's cache_config.block_size);
+    # here the fake says it, as the proposed LlmEngine attribute would.
+    engines = make_engines(tokenizer)
+    assert engines.cfg.llm.block_size is None
+    engines.llm.block_size = 128  # type: ignore[attr-defined]  # proposed: the engine's real KV block
+    async with call(engines) as c:
+        assert 16 <= len(c.session.conversation.history_ids()) < 128
+        await c.pause(1.0)
+        assert not engines.llm.warmed, "a prefill that no whole 128-token block of the cache can hold"  # type: ignore[attr-defined]
+
+
+# ------------------------------------------- 4. coverage (passes on HEAD)
+async def test_a_completed_reply_is_prefilled_only_for_whole_blocks_its_request_did_not_compute(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    # test_session's prefill tests reply through FakeLlm, whose deltas carry no token
+    # ids: resp.token_ids is empty, so _finish's common prefix is the prompt alone and a
+    # prefill follows every reply. `_warmed = []` in _finish passes all three of them.
+    # Here the reply streams its token ids as vLLM does (<|im_end|> last, no text): the
+    # history then ends 2 tokens past what the request computed, inside one 16-token
+    # block (the system prompt is padded to make it so): no prefill after the reply.
+    # Passes on HEAD; fails with `self._warmed = []` in Session._finish.
+    reply = "Sure, the room is free tonight."
+    ids = [*tokenizer.encode(reply, add_special_tokens=False), tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    user = "Is there a room for two tonight?"
+
+    def lengths(system: str) -> tuple[int, int]:
+        from voicebot.session.history import Conversation
+
+        conv = Conversation(tokenizer, system, 4000, 160)
+        conv.append("user", user)
+        computed = len(conv.prompt_ids()) + len(ids) - 1  # the prompt, the reply but its last token
+        conv.append("assistant", reply, token_ids=ids)
+        return computed, conv.token_count
+
+    system = next(s for k in range(16) if (s := "Be brief." + " Please." * k)
+                  and (lambda c, h: c // 16 == h // 16 and h % 16 >= 2)(*lengths(s)))
+
+    async def with_ids(prompt_ids: list[int], *, stats: GenerationStats | None = None, **_: object):  # type: ignore[no-untyped-def]
+        for i, t in enumerate(ids):
+            await asyncio.sleep(0)
+            if stats is not None and i == 0:
+                stats.first_token_at = 1.0
+            yield TextDelta("" if i == len(ids) - 1 else tokenizer.decode([t]), 1, (t,))
+
+    engines = make_engines(tokenizer, clock=REAL_CLOCK)
+    engines.llm.generate = with_ids  # type: ignore[method-assign]
+    async with call(engines, system_prompt=system, turn_detection=False) as c:
+        await until(c.clock, lambda: engines.llm.warmed or len(c.session.conversation.history_ids()) < 16)
+        c.session.add_text("user", user)
+        start = len(engines.llm.warmed)  # type: ignore[attr-defined]
+        c.session.create_response()
+        done = await c.wait_for(ev.ResponseDone)
+        assert done.status == "completed"
+        assert c.session.conversation.messages[-1].content == reply
+        assert c.session.conversation.token_count == lengths(system)[1], "the history the lengths were chosen for"
+        await asyncio.sleep(0.2)
+        assert len(engines.llm.warmed) == start, "the reply's request computed all but 2 tokens of one block"  # type: ignore[attr-defined]
+
+
+# ----------------------------------------------------------- 5. the remote tier
+async def test_a_remote_prefill_is_tried_once_and_is_no_failure_of_the_tier() -> None:
+    # A reply's request is retried before its first token and a final failure counts
+    # towards the tier's dead_reason; a prefill is best effort: one try, never counted
+    # (a busy tier held the call's one background slot for every retry, and a failed
+    # prefill moved the tier towards "dead").
+    from voicebot.engines.llm_remote import RemoteLlmEngine, RemoteLlmError, _Retryable
+
+    cfg = LlmConfig(backend="remote", remote={"url": "http://tier.invalid", "retries": 2, "retry_backoff_s": 0.001})
+    llm = RemoteLlmEngine(cfg, "unused")
+    llm._engine = object()  # type: ignore[assignment]  # "started"
+    tries: list[int] = []
+
+    async def refused(body: dict[str, Any], headers: dict[str, str], st: GenerationStats) -> AsyncGenerator[TextDelta, None]:
+        tries.append(body["max_tokens"])
+        raise _Retryable("HTTP 503: busy")
+        yield TextDelta("", 0)  # a generator, as _try is
+
+    llm._try = refused  # type: ignore[method-assign]
+    with pytest.raises(RemoteLlmError):
+        await llm.warm([1, 2, 3])
+    assert tries == [1] and llm._failures == 0 and llm.requests_total == 0
+    with pytest.raises(RemoteLlmError):
+        await llm.complete([1, 2, 3], max_tokens=8)
+    assert tries == [1, 8, 8, 8] and llm._failures == 1 and llm.requests_total == 1
