@@ -30,7 +30,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="run the server")
+    serve = sub.add_parser(
+        "serve",
+        help="run the server",
+        epilog="environment (names set by the config): VOICEBOT_API_KEYS, comma-separated keys clients "
+        "send as 'Authorization: Bearer KEY' (server.api_keys_env; needed to listen beyond loopback); "
+        "TWILIO_AUTH_TOKEN, to check Twilio's request signatures (telephony.auth_token_env); "
+        "VOICEBOT_LLM_API_KEY, the remote LLM tier's key (llm.remote.api_key_env)",
+    )
     _add_config_args(serve, "configs/default.yaml")
     serve.add_argument("--host", help="listen address (overrides server.host)")
     serve.add_argument("--port", type=int, help="listen port (overrides server.port)")
@@ -84,6 +91,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.port is not None:
         overrides.append(f"server.port={args.port}")
     cfg = load_config(args.config, overrides)
+    edge.load_api_keys(cfg.server)  # an unreadable key file: a CLI error now, not after the model pull
     warning = edge.check_exposure(cfg)  # ConfigError (exit 2) when exposed without a key
     if warning:
         logging.getLogger("voicebot").warning("%s", warning)

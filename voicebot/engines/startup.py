@@ -156,6 +156,11 @@ async def _undo(
             log.error("%s still starting %.0f s after the abort; leaving it", name, abort_wait_s)
             task.cancel()
             continue
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            # Read here: an aborted start fails by design (its engine core was killed),
+            # and an unread task exception is logged by asyncio at ERROR with a traceback
+            # saying the model could not load, when the user only pressed Ctrl-C.
+            log.debug("%s start ended by the abort: %s", name, exc)
         # Close failed starts too: a start that failed half-way (threads up, model not
         # loaded) still holds what it opened. Every aclose is safe on an unstarted engine.
         try:

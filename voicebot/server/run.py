@@ -5,13 +5,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 from types import FrameType
 from typing import Any
 
 import uvicorn
 
 from voicebot.config import Config
-from voicebot.provision import bundle_names_for, pull
+from voicebot.errors import ConfigError
+from voicebot.provision import bundle_names_for, pull, resolve_model
 from voicebot.server.drain import drain
 from voicebot.server.heap import limit_arenas
 from voicebot.server.state import ServerState
@@ -84,11 +86,38 @@ def uvicorn_config(cfg: Config, app: Any, **overrides: Any) -> uvicorn.Config:
     return uvicorn.Config(app, **(settings | overrides))
 
 
+def _check_port_free(host: str, port: int) -> None:
+    """A port already taken is one clear CLI error before the models are pulled or
+    loaded (uvicorn's own bind comes after both, and exits 3 with a log line)."""
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise ConfigError(f"server.host {host!r}: {exc}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot listen on {host}:{port}: {exc.strerror} (another voicebot or another "
+                "program has it: stop it, or choose --port)"
+            ) from None
+
+
 def serve(cfg: Config, *, pull_models: bool = True) -> int:
+    _check_port_free(cfg.server.host, cfg.server.port)
     names = bundle_names_for(cfg, frontend=True)
     if names and pull_models:
         # Before binding the port, so a missing package is one clear CLI error.
         pull(names, cfg.models, log=lambda msg: log.info("%s", msg))
+    else:
+        # --no-pull: a model not built is a CLI error here. The engines resolve their
+        # models with the pull on, so they would have built it after the port was bound.
+        for name in names:
+            resolve_model(f"bundle:{name}", cfg.models, pull=False)
     # Before the engines start their threads (docs/reliability.md, memory).
     limit_arenas(cfg.server.malloc_arena_max)
     limit_omp_threads(cfg.server.omp_threads)

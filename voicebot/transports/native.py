@@ -23,6 +23,7 @@ from starlette.routing import BaseRoute, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from voicebot.audio import Resampler, float_to_pcm16
+from voicebot.config import VadConfig
 from voicebot.errors import BadAudio, BadMessage, VoicebotError
 from voicebot.server import edge
 from voicebot.server.state import ServerState
@@ -50,6 +51,12 @@ class StartMessage(BaseModel):
     vad: dict[str, Any] | None = None
     turn_detection: bool | None = None
     max_tokens: int | None = Field(None, ge=1, le=4096)
+
+
+# What a native session.update may change (docs/protocol.md): session.start's settings
+# but the rates, plus whether turns get replies and whether speech interrupts them.
+UPDATABLE = ("system_prompt", "voice", "speed", "language", "vad", "turn_detection", "max_tokens",
+             "create_response", "interrupt_response")
 
 
 def _rate(value: int, what: str) -> int:
@@ -100,11 +107,19 @@ def apply_command(session: Session, data: dict[str, Any]) -> dict[str, Any] | No
         return {"type": "text.added", "item_id": item}
     if kind == "session.update":
         fields = {k: v for k, v in data.items() if k not in ("type", "event_id")}
-        if "vad" in fields:
-            if not isinstance(fields["vad"], dict):  # model_copy(update=5) raised AttributeError
-                raise BadMessage("invalid session.update: 'vad' must be an object of VAD settings")
-            fields["vad"] = session.settings.vad.model_copy(update=fields["vad"])
+        # Checked here: update_settings copies the settings with these fields, and a
+        # copy drops names it does not know, so a typo ("max_token") or a rate, fixed at
+        # session.start, was acknowledged and changed nothing.
+        if unknown := sorted(set(fields) - set(UPDATABLE)):
+            fixed = [k for k in unknown if k in ("sample_rate", "output_sample_rate")]
+            why = "is fixed at session.start" if fixed == unknown else "is not a session setting"
+            raise BadMessage(f"invalid session.update: {edge.clip(', '.join(unknown))} {why}; "
+                             f"it can change {', '.join(UPDATABLE)}")
+        if "vad" in fields and not isinstance(fields["vad"], dict):  # model_copy(update=5) raised AttributeError
+            raise BadMessage("invalid session.update: 'vad' must be an object of VAD settings")
         try:
+            if "vad" in fields:  # merged, and checked like the rest (a misspelt VAD key too)
+                fields["vad"] = VadConfig.model_validate({**session.settings.vad.model_dump(), **fields["vad"]})
             session.update_settings(**fields)
         except ValidationError as exc:
             err = exc.errors()[0]
