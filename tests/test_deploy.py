@@ -424,6 +424,40 @@ def check_grace_covers_drain(recipe: Recipe) -> list[str]:
     return problems
 
 
+# What a frontend sets for itself; every other key of configs/default.yaml (its tuned
+# turn-taking, streaming ASR and replies) must be the same in the frontend's config, which
+# is a file of its own: a key it leaves out takes the built-in default instead.
+FRONTEND_OWN = ("server.", "asr.workers", "llm.max_num_seqs", "llm.block_size", "llm.cpu_threads_bind",
+                "llm.dtype", "llm.max_model_len", "llm.kv_cache_space_gib", "llm.enforce_eager", "tts.workers")
+
+
+def check_frontend_tuned_like_default(recipe: Recipe) -> list[str]:
+    problems = []
+    default_yaml = recipe.root / "configs" / "default.yaml"
+    default = load_config(default_yaml)
+
+    def leaves(tree: dict[str, Any], prefix: str = "") -> list[str]:
+        out = []
+        for key, value in tree.items():
+            out += leaves(value, f"{prefix}{key}.") if isinstance(value, dict) else [f"{prefix}{key}"]
+        return out
+
+    def get(cfg: Any, path: str) -> Any:
+        for part in path.split("."):
+            cfg = getattr(cfg, part)
+        return cfg
+
+    tuned = [p for p in leaves(yaml.safe_load(default_yaml.read_text())) if not p.startswith(FRONTEND_OWN)]
+    for c in recipe.of("frontend"):
+        cfg, _ = served_config(recipe, c)
+        if cfg is None:
+            continue  # configs_load reports why
+        for path in tuned:
+            if get(cfg, path) != get(default, path):
+                problems.append(f"{c.where}: {path} is {get(cfg, path)!r}; configs/default.yaml has {get(default, path)!r}")
+    return problems
+
+
 CHECKS: dict[str, Callable[[Recipe], list[str]]] = {
     "configs_load": check_configs_load,
     "manifests_parse": check_manifests_parse,
@@ -432,6 +466,7 @@ CHECKS: dict[str, Callable[[Recipe], list[str]]] = {
     "vllm_server_args": check_vllm_server_args,
     "router": check_router,
     "grace_covers_drain": check_grace_covers_drain,
+    "frontend_tuned_like_default": check_frontend_tuned_like_default,
 }
 
 
@@ -479,6 +514,7 @@ BREAKAGES: list[tuple[str, str, Callable[[Path], None]]] = [
                                                  "replicas: 3\n  podManagementPolicy")),
     ("router", "llm url", _sub("deploy/frontend.yaml", "url: http://vllm-router:8000", "url: http://router:8000")),
     ("grace_covers_drain", "longer drain", _sub("deploy/frontend.yaml", "drain_timeout_s: 30", "drain_timeout_s: 40")),
+    ("frontend_tuned_like_default", "silence turns", _sub("deploy/frontend.yaml", "turn_detector: smart_turn\n", "")),
 ]
 
 
