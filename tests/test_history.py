@@ -48,6 +48,20 @@ def test_trim_drops_oldest_turns_and_keeps_the_budget(tokenizer) -> None:  # typ
     assert len(conv.messages) < 40
 
 
+def test_a_reply_as_long_as_the_budget_leaves_the_call_its_memory(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    # The history kept room for a whole reply: with max_tokens at or above the budget
+    # (Realtime allows 4096; the default budget is 1536) every append trimmed every
+    # message, the user's question just committed included.
+    conv = Conversation(tokenizer, "Be brief.", budget_tokens=400, reply_tokens=4096)
+    for i in range(3):
+        conv.append("user", f"Question {i}: what is the weather like today?")
+        conv.trim()
+        conv.append("assistant", f"Answer {i}: sunny.")
+        conv.trim()
+    assert [m.content for m in conv.messages][-2:] == ["Question 2: what is the weather like today?", "Answer 2: sunny."]
+    assert conv.token_count <= conv.budget_tokens // 2
+
+
 def test_replace_and_delete_items(tokenizer) -> None:  # type: ignore[no-untyped-def]
     conv = Conversation(tokenizer, "Be brief.", budget_tokens=10_000, reply_tokens=32)
     conv.append("user", "Tell me a story.", item_id="u1")

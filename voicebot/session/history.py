@@ -289,14 +289,21 @@ class Conversation:
             self.tools = list(tools)
             self._system_changed()
 
+    @property
+    def _reserved(self) -> int:
+        """Room kept for the next reply, at most half the budget: a reply as long as the
+        budget (a client's max_tokens of 4096 against 1536) trimmed the whole history at
+        every turn, and the call had no memory."""
+        return min(self.reply_tokens, self.budget_tokens // 2)
+
     def over_budget(self) -> bool:
-        return self.token_count + self.reply_tokens > self.budget_tokens
+        return self.token_count + self._reserved > self.budget_tokens
 
     def trim(self) -> list[Message]:
         """Drop the oldest turns until under ``trim_to`` of the budget; return them."""
         if not self.over_budget():
             return []
-        target = max(int(self.budget_tokens * self.trim_to) - self.reply_tokens, 0)
+        target = max(int(self.budget_tokens * self.trim_to) - self._reserved, 0)
         count = len(self._ids)
         n = 0
         while n < len(self.messages) and count > target:
