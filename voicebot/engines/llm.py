@@ -428,16 +428,20 @@ class LlmEngine:
                     if comp.text or comp.token_ids:
                         yield TextDelta(comp.text, len(comp.token_ids), tuple(comp.token_ids))
         finally:
-            self._running.pop(rid, None)
-            st.finished_at = time.monotonic()
-            if not st.best_effort:
-                self.requests_total += 1
-                self.prompt_tokens_total += st.prompt_tokens
-                self.cached_tokens_total += st.cached_tokens
+            self._done(rid, st)
             if not finished and self._engine is not None:
                 # vLLM aborts on cancellation itself; this also covers an early
                 # break by the consumer (GeneratorExit) on every vLLM version.
                 await self._engine.abort(rid)
+
+    def _done(self, rid: str, st: GenerationStats) -> None:
+        """A request ended (both backends): off the running list, into the totals."""
+        self._running.pop(rid, None)
+        st.finished_at = time.monotonic()
+        if not st.best_effort:  # a prefill (warm) is not a reply: the totals feed the hit ratio
+            self.requests_total += 1
+            self.prompt_tokens_total += st.prompt_tokens
+            self.cached_tokens_total += st.cached_tokens
 
     @property
     def block_size(self) -> int:

@@ -228,12 +228,7 @@ class RemoteLlmEngine(LlmEngine):
                                 rid, session, exc, delay)
                     await asyncio.sleep(delay)
         finally:
-            self._running.pop(rid, None)
-            st.finished_at = time.monotonic()
-            if not st.best_effort:
-                self.requests_total += 1
-                self.prompt_tokens_total += st.prompt_tokens
-                self.cached_tokens_total += st.cached_tokens
+            self._done(rid, st)
 
     async def _try(self, body: dict[str, Any], headers: dict[str, str], st: GenerationStats) -> AsyncGenerator[TextDelta, None]:
         """One request. Raises _Retryable for a failure before the first token; closing
