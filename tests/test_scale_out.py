@@ -167,6 +167,31 @@ async def wait_until(pred: Callable[[], Any], timeout: float, what: str) -> None
         raise AssertionError(f"{what} (waited {timeout:g} s)") from None
 
 
+def force_long_replies(llm: RemoteLlmEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Replies asked with ``max_tokens=LONG_REPLY`` run to it unless something aborts them.
+
+    The random test model draws an end-of-sequence token after a few hundred tokens
+    (~300 here, ~3 s): on a loaded machine a reply could end on its own before a test
+    looks at it (CI runs failed so: the barge-in test with 800 forced tokens, the kill
+    test with a 200-token reply that had finished when its first token was read). A
+    call's 64-token summaries are left as they are.
+    Most of its tokens are pieces without a space (CJK and the like): a bias towards " a"
+    gives it words, so its clauses (cut at words) reach the TTS early. (A CI run failed
+    with no request on either server even so: the session had closed the call as a slow
+    reader, the released backlog of text deltas having filled its outbox. It now
+    coalesces them: test_session's long speculative reply test.)"""
+    real_params = llm._params
+
+    def long_replies(values: dict[str, Any]) -> dict[str, Any]:
+        body = real_params(values)
+        if body.get("max_tokens") == LONG_REPLY:
+            body["min_tokens"] = LONG_REPLY
+            body["logit_bias"] = {**body.get("logit_bias", {}), str(SPACE_A): 6.0}
+        return body
+
+    monkeypatch.setattr(llm, "_params", long_replies)
+
+
 # -------------------------------------------------------------------- e2e tests
 async def test_calls_get_spoken_replies_each_pinned_to_its_server_and_hit_its_prefix_cache(
     server: RunningServer, tier: Tier, speech_clips: list[Clip]
@@ -208,26 +233,7 @@ async def test_a_barge_in_and_a_hang_up_abort_the_reply_on_the_server(
 ) -> None:
     llm = server.state.engines.llm
     assert isinstance(llm, RemoteLlmEngine)
-    real_params = llm._params
-
-    def long_replies(values: dict[str, Any]) -> dict[str, Any]:
-        # The random test model draws an end-of-sequence token after a few hundred tokens
-        # (~300 here, ~3 s): on a loaded machine a reply could end on its own before the
-        # test looks at it (CI runs failed so, the second with 800 forced tokens). Long
-        # replies (the call's, not its 64-token
-        # summaries) must run to LONG_REPLY unless something aborts them.
-        # Most of its tokens are pieces without a space (CJK and the like): a bias towards
-        # " a" gives it words, so its clauses (cut at words) reach the TTS early. (A CI run
-        # failed here with no request on either server even so: the session had closed
-        # the call as a slow reader, the released backlog of text deltas having filled
-        # its outbox. It now coalesces them: test_session's long speculative reply test.)
-        body = real_params(values)
-        if body.get("max_tokens") == LONG_REPLY:
-            body["min_tokens"] = LONG_REPLY
-            body["logit_bias"] = {**body.get("logit_bias", {}), str(SPACE_A): 6.0}
-        return body
-
-    monkeypatch.setattr(llm, "_params", long_replies)
+    force_long_replies(llm, monkeypatch)
     # Each reply may run to LONG_REPLY tokens, far longer than the test: the first is cut
     # by a barge-in while it streams, the second by the hang-up. A cut that did not reach
     # the server would leave its request generating there until it finished, and vLLM would
@@ -287,7 +293,13 @@ async def test_a_server_killed_mid_reply_fails_that_reply_and_the_call_goes_on_t
     llm = server.state.engines.llm
     assert isinstance(llm, RemoteLlmEngine)
     killed: list[int] = []
+    busy: list[int] = []
     real_try = llm._try
+
+    async def one_busy() -> bool:
+        metrics = await tier.server_metrics()
+        busy[:] = [i for i, m in enumerate(metrics) if unfinished_requests(m) >= 1]
+        return len(busy) == 1
 
     async def kill_after_first_token(*args: Any) -> AsyncGenerator[TextDelta, None]:
         # The server holding this request dies right after its first token reached us:
@@ -295,15 +307,17 @@ async def test_a_server_killed_mid_reply_fails_that_reply_and_the_call_goes_on_t
         async with contextlib.aclosing(real_try(*args)) as stream:
             async for delta in stream:
                 if not killed:
-                    metrics = await tier.server_metrics()
-                    busy = [i for i, m in enumerate(metrics) if unfinished_requests(m) >= 1]
-                    assert len(busy) == 1, busy
+                    # The vLLM gauges are updated by the engine's step loop: look for 2 s.
+                    await wait_until(one_busy, 2.0, "the reply is generating on one server")
                     killed.append(busy[0])
                     os.killpg(tier.servers[busy[0]].popen.pid, signal.SIGKILL)
                 yield delta
 
     monkeypatch.setattr(llm, "_try", kill_after_first_token)
-    call = await NativeCall.open(server, system_prompt=own_prompt("delta"), max_tokens=200)
+    # A reply that cannot end before the kill: a 200-token one had finished on a loaded CI
+    # machine by the time its first token was read (no server busy).
+    force_long_replies(llm, monkeypatch)
+    call = await NativeCall.open(server, system_prompt=own_prompt("delta"), max_tokens=LONG_REPLY)
     try:
         done = await call.turn(speech_clips[5].audio, timeout=60)
         assert killed, "a server was killed mid-reply"
