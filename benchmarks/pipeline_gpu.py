@@ -94,14 +94,7 @@ def install_patches(opts: dict[str, Any]) -> None:
     if opts.get("whisper"):
         import voicebot.engines.asr_vllm as asr_vllm
 
-        w = opts["whisper"]
-        settings = asr_vllm.WhisperVllmSettings(**w["settings"])
-        original_create = asr_vllm.create_asr
-
-        def create_asr(cfg: Any, model_path: str, *, settings_: Any = None, **kw: Any) -> Any:
-            return original_create(cfg, model_path, settings=settings)
-
-        asr_vllm.create_asr = create_asr  # type: ignore[assignment]
+        w = opts["whisper"]  # the engine's sizing comes from asr.vllm (--set items, whisper_sets)
         per_s, cap = float(w["tokens_per_s"]), int(w["max_tokens"])
 
         def token_budget(self: Any, job: Any, prompt_len: int) -> tuple[int, int]:
@@ -274,29 +267,30 @@ def patch_options(args: argparse.Namespace) -> dict[str, Any]:
     opts: dict[str, Any] = {"script_replies": bool(getattr(args, "script_replies", False)),
                             "remote_llm": bool(getattr(args, "remote_llm", False))}
     if args.gpu_dummy:
-        opts["whisper"] = {
-            "settings": {
-                "load_format": "dummy",
-                "gpu_memory_utilization": args.whisper_memory,
-                "max_num_batched_tokens": args.whisper_batched_tokens,
-                "feature_workers": args.whisper_feature_workers,
-                **({"concurrency": args.asr_slots, "max_num_seqs": args.asr_slots} if args.asr_slots else {}),
-            },
-            "tokens_per_s": args.asr_tokens_per_s,
-            "max_tokens": args.asr_max_tokens,
-        }
+        opts["whisper"] = {"tokens_per_s": args.asr_tokens_per_s, "max_tokens": args.asr_max_tokens}
     return opts
+
+
+def whisper_sets(args: argparse.Namespace) -> list[str]:
+    """Whisper on vLLM under --gpu-dummy: random weights, and the sizing flags given (else the
+    config's asr.vllm, as `voicebot serve` / `asr-serve` would run it)."""
+    if not args.gpu_dummy:
+        return []
+    sets = ["asr.backend=vllm", f"asr.model={Path(args.whisper_dir).resolve()}", "asr.vllm.load_format=dummy"]
+    for flag, key in ((args.whisper_memory, "gpu_memory_utilization"),
+                      (args.whisper_batched_tokens, "max_num_batched_tokens"),
+                      (args.whisper_feature_workers, "feature_workers")):
+        if flag is not None:
+            sets.append(f"asr.vllm.{key}={flag}")
+    if args.asr_slots:
+        sets += [f"asr.vllm.concurrency={args.asr_slots}", f"asr.vllm.max_num_seqs={args.asr_slots}"]
+    return sets
 
 
 def server_overrides(args: argparse.Namespace, llm_url: str | None = None, asr_url: str | None = None) -> list[str]:
     sets = [f"server.max_sessions={max(args.sessions) + 8}", "server.transports=[native]"]
     if args.gpu_dummy:
-        sets += [
-            "asr.backend=vllm",
-            f"asr.model={Path(args.whisper_dir).resolve()}",
-            f"llm.model={Path(args.llm_dir).resolve()}",
-            "models.offline=true",
-        ]
+        sets += [*whisper_sets(args), f"llm.model={Path(args.llm_dir).resolve()}", "models.offline=true"]
         if not args.remote_llm:
             sets += ["llm.load_format=dummy", f"llm.gpu_memory_utilization={args.llm_memory}"]
     if args.remote_llm:
@@ -483,7 +477,7 @@ class AsrServer:
                "--host", "127.0.0.1", "--port", str(self.port)]
         sets = []
         if args.gpu_dummy:
-            sets += ["asr.backend=vllm", f"asr.model={Path(args.whisper_dir).resolve()}", "models.offline=true"]
+            sets += [*whisper_sets(args), "models.offline=true"]
         for item in sets + list(args.set):
             cmd += ["--set", item]
         return cmd
@@ -1050,9 +1044,10 @@ def add_model_args(r: argparse.ArgumentParser) -> None:
 
 def add_whisper_args(r: argparse.ArgumentParser) -> None:
     r.add_argument("--whisper-dir", default=".gpu/whisper-turbo")
-    r.add_argument("--whisper-memory", type=float, default=0.15)
-    r.add_argument("--whisper-batched-tokens", type=int, default=48_000)
-    r.add_argument("--whisper-feature-workers", type=int, default=8)
+    # Unset: the config's asr.vllm (configs/gpu*.yaml: 0.15, 48,000, 8)
+    r.add_argument("--whisper-memory", type=float, help="asr.vllm.gpu_memory_utilization")
+    r.add_argument("--whisper-batched-tokens", type=int, help="asr.vllm.max_num_batched_tokens")
+    r.add_argument("--whisper-feature-workers", type=int, help="asr.vllm.feature_workers")
     r.add_argument("--asr-tokens-per-s", type=float, default=3.0)
     r.add_argument("--asr-max-tokens", type=int, default=24)
     r.add_argument("--asr-slots", type=int, default=0,

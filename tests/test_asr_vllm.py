@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from fake_whisper import WAIT, WORDS, FakeWhisper, audio
@@ -25,6 +26,8 @@ from voicebot.engines.asr_vllm import (
     create_asr,
 )
 from voicebot.errors import EngineError
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 
 def engine(fake: FakeWhisper, concurrency: int = 4, **cfg: object) -> VllmAsrEngine:
@@ -168,3 +171,39 @@ def test_importing_the_backend_does_not_import_vllm() -> None:
     code = "import sys, voicebot.engines.asr_vllm; print('vllm' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+# ------------------------------------------------------------- asr.vllm: the engine's sizing
+def test_asr_vllm_settings_reach_the_engine() -> None:
+    # They were dataclass defaults only: `voicebot asr-serve` ran Whisper at 10% of the GPU and
+    # 8 encoder windows per step whatever a profile said (the benchmarks patched them in).
+    cfg = load_config(None, ["asr.backend=vllm", "asr.vllm.gpu_memory_utilization=0.2",
+                             "asr.vllm.max_num_batched_tokens=48000", "asr.vllm.concurrency=64",
+                             "asr.vllm.feature_workers=8", "asr.vllm.load_format=dummy"])
+    eng = create_asr(cfg.asr, "m")
+    assert isinstance(eng, VllmAsrEngine)
+    s = eng.settings
+    assert (s.gpu_memory_utilization, s.max_num_batched_tokens, s.concurrency, s.feature_workers, s.load_format) == (
+        0.2, 48000, 64, 8, "dummy")
+
+
+def test_asr_vllm_defaults_are_the_engines_and_bad_values_are_refused() -> None:
+    from voicebot.config import WhisperVllmConfig
+
+    assert WhisperVllmSettings(**WhisperVllmConfig().model_dump()) == WhisperVllmSettings()
+    for bad in ("asr.vllm.max_num_batched_tokens=1000",  # less than one 30 s window (1500)
+                "asr.vllm.gpu_memory_utilization=0", "asr.vllm.load_format=fast", "asr.vllm.concurency=4"):
+        with pytest.raises(Exception, match="vllm"):
+            load_config(None, [bad])
+
+
+def test_gpu_profiles_size_whisper_as_measured_and_fit_beside_the_llm() -> None:
+    # configs/gpu-asr-service.yaml: the service's engine as docs/gpu-results.md measured it.
+    svc = load_config(CONFIGS / "gpu-asr-service.yaml").asr
+    s = create_asr(svc.model_copy(update={"backend": svc.remote.engine}), "m").settings  # as asr-serve does
+    assert (s.gpu_memory_utilization, s.max_num_batched_tokens, s.feature_workers) == (0.15, 48000, 8)
+    # configs/gpu.yaml: Whisper and the LLM are two vLLM engines on one GPU; each takes its share
+    # of the whole memory, and CUDA contexts need the rest.
+    one = load_config(CONFIGS / "gpu.yaml")
+    assert one.asr.backend == "vllm"
+    assert one.llm.gpu_memory_utilization + one.asr.vllm.gpu_memory_utilization <= 0.9

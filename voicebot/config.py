@@ -80,6 +80,21 @@ class RemoteAsrConfig(_Section):
     startup_timeout_s: float = Field(300.0, ge=0.0, le=3600.0, description="How long a frontend's start-up waits for the service (vLLM Whisper compiles for minutes on a GPU).")
 
 
+class WhisperVllmConfig(_Section):
+    """Whisper on vLLM (``asr.backend: vllm``, or ``asr.remote.engine: vllm`` in ``voicebot
+    asr-serve``): how its engine is sized on the GPU. Defaults: beside a 7B LLM on one 80 GB GPU."""
+
+    gpu_memory_utilization: float = Field(0.10, gt=0.0, le=0.95, description="Share of GPU memory for Whisper's weights and KV; each decode holds 1500 encoder positions of cross-attention KV (~31 MB for large-v3-turbo), so this bounds the decodes that fit at once.")
+    concurrency: int = Field(256, ge=1, le=4096, description="Decodes in flight in vLLM at once (the service's decode slots); more wait in the engine's finals-first queue.")
+    max_num_seqs: int = Field(256, ge=1, le=4096, description="vLLM max_num_seqs: requests one engine step may hold.")
+    max_num_batched_tokens: int = Field(12_000, ge=1500, le=1_000_000, description="vLLM max_num_batched_tokens, also the encoder budget per step: 1500 tokens per 30 s window (12000: 8 windows). Larger: more encoder throughput, longer steps for the decodes beside them.")
+    feature_workers: int = Field(4, ge=1, le=64, description="Threads that turn audio into log-mel features (vLLM's renderer pool), off the event loop.")
+    dtype: str = Field("bfloat16", description="vLLM dtype of the Whisper weights.")
+    enforce_eager: bool = Field(False, description="No CUDA graphs (faster start, slower decode).")
+    load_format: Literal["auto", "dummy"] = Field("auto", description="'dummy': random weights of the model's shape, for GPU measurements without the weights.")
+    max_tokens_per_s: float = Field(8.0, gt=0.0, le=100.0, description="Longest transcript per second of audio, in tokens (a guard against a decoder that never stops).")
+
+
 class AsrConfig(_Section):
     model: str = Field("bundle:whisper-tiny.en", description="CTranslate2 Whisper model: directory, hub id or bundle:NAME.")
     device: Literal["cpu", "cuda", "auto"] = Field("cpu", description="Where CTranslate2 runs.")
@@ -97,6 +112,7 @@ class AsrConfig(_Section):
     queue_size: int = Field(64, ge=1, le=100_000, description="Pending decode jobs before new partials are dropped.")
     backend: Literal["faster-whisper", "vllm", "remote"] = Field("faster-whisper", description="Decoder: faster-whisper (CTranslate2; CPU, or CUDA 12), Whisper on vLLM (GPU on torch's CUDA, batched across sessions; model: a Hugging Face Whisper directory), or remote: a shared `voicebot asr-serve` service (asr.remote) that batches every frontend's streams on one engine.")
     remote: RemoteAsrConfig = Field(default_factory=RemoteAsrConfig, description="The shared ASR service (backend remote; also what `voicebot asr-serve` hosts).")
+    vllm: WhisperVllmConfig = Field(default_factory=WhisperVllmConfig, description="Whisper on vLLM (backend vllm, or the service's remote.engine vllm): GPU memory, decode slots, encoder budget.")
 
 
 class RemoteLlmConfig(_Section):

@@ -54,7 +54,8 @@ WHISPER_MAX_TARGET_TOKENS = 448
 
 @dataclass(frozen=True)
 class WhisperVllmSettings:
-    """How the Whisper engine is sized on the GPU (defaults: beside a 7B LLM on one 80 GB GPU)."""
+    """How the Whisper engine is sized on the GPU: ``asr.vllm`` (config.WhisperVllmConfig, whose
+    defaults these mirror), or built directly by a benchmark."""
 
     # Jobs in flight in vLLM at once; more wait in the engine's finals-first queue.
     concurrency: int = 256
@@ -301,6 +302,7 @@ def create_asr(cfg: AsrConfig, model_path: str, *, settings: WhisperVllmSettings
     """The ASR engine ``cfg.backend`` names (faster-whisper on CPU/CUDA 12, Whisper on vLLM,
     or the shared ASR service)."""
     if cfg.backend == "vllm":
+        settings = settings or WhisperVllmSettings(**cfg.vllm.model_dump())
         return VllmAsrEngine(cfg, model_path, agreement_n=cfg.agreement_n, settings=settings)
     if cfg.backend == "remote":  # the shared ASR service (voicebot asr-serve)
         from voicebot.engines.asr_remote import RemoteAsrEngine
