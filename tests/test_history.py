@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import pytest
+from test_session import LONG_INSTRUCTIONS, call, make_engines, until
 from transformers import AutoTokenizer
 
+from voicebot.session import events as ev
 from voicebot.session.history import Conversation
 
 
@@ -297,3 +300,56 @@ def test_trim_never_keeps_an_orphan_tool_result(tokenizer) -> None:  # type: ign
         conv.append("assistant", f"Reply {i}.")
         conv.trim()
     assert conv.messages[0].role == "user"
+
+
+# Found in review (stop 20): the trim dropped the message just added when the system
+# message alone was over its target.
+def question(i: int) -> str:
+    return f"Question number {i}: could you tell me what the weather will be like in town tomorrow?"
+
+
+def answer(i: int) -> str:
+    return f"Answer {i}: it will be sunny and warm with a light breeze from the west."
+
+
+def test_trim_never_drops_the_message_just_added(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    # a423f78 keeps at most half the budget for the next reply, but the trim target is
+    # still budget * 0.6 - that: 921 - 768 = 153 tokens at the default budget (1536) with
+    # a Realtime max_output_tokens of 4096 (any max_tokens >= 768). A system message
+    # longer than the target (LONG_INSTRUCTIONS: 295 tokens; a Realtime client's
+    # instructions and tools are often more) is never under it, so the trim loop drops
+    # every message, the user's question just appended included.
+    conv = Conversation(tokenizer, LONG_INSTRUCTIONS, budget_tokens=1536, reply_tokens=4096)
+    for i in range(30):
+        conv.append("user", question(i), item_id=f"u{i}")
+        conv.trim()
+        kept = [m.item_id for m in conv.messages]
+        assert f"u{i}" in kept, (
+            f"turn {i}: the trim dropped the question just asked (history now {kept}, "
+            f"{conv.token_count} tokens of {conv.budget_tokens})"
+        )
+        conv.append("assistant", answer(i), item_id=f"a{i}")
+        conv.trim()
+
+
+async def test_a_reply_to_a_text_question_is_asked_that_question(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    # The same trim in a session: a client's text turn (Realtime conversation.item.create
+    # then response.create; a function_call_output goes the same way) is appended, the
+    # trim drops it, and the reply's prompt holds only the system message (and summary):
+    # the model answers a question it was never asked.
+    engines = make_engines(tokenizer, reply="Sure.")
+    prompts: list[list[int]] = []
+    generate = engines.llm.generate
+
+    def recording(prompt_ids: list[int], **kw: Any) -> AsyncIterator[Any]:
+        prompts.append(list(prompt_ids))
+        return generate(prompt_ids, **kw)  # type: ignore[no-any-return]
+
+    engines.llm.generate = recording  # type: ignore[method-assign]
+    async with call(engines, turn_detection=False, system_prompt=LONG_INSTRUCTIONS, max_tokens=4096) as c:
+        for i in range(30):
+            c.session.add_text("user", question(i))
+            c.session.create_response()
+            await until(c.clock, lambda n=i + 1: len(c.of(ev.ResponseDone)) >= n, timeout=10)
+            asked = tokenizer.decode(prompts[-1])
+            assert question(i) in asked, f"turn {i}: the reply's prompt lacks its question:\n...{asked[-300:]}"

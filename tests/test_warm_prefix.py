@@ -262,3 +262,26 @@ async def test_a_remote_prefill_is_tried_once_and_is_no_failure_of_the_tier() ->
     with pytest.raises(RemoteLlmError):
         await llm.complete([1, 2, 3], max_tokens=8)
     assert tries == [1, 8, 8, 8] and llm._failures == 1 and llm.requests_total == 1
+
+
+async def test_no_prefill_when_the_engine_keeps_no_prefix_cache(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    # llm.warm_prefix (default on) exists so that "the next turn's prompt finds it in the
+    # prefix cache" (config.py). With llm.enable_prefix_caching off there is no such
+    # cache: _warm_prefix checks warm_prefix and background_concurrency only, so every
+    # call start, session.update of instructions/tools and reply end still prefills the
+    # whole history at background priority (2.5 s of the 2 cores for a 448-token system
+    # message, docs/benchmarks.md), all of it thrown away.
+    engines = make_engines(tokenizer, reply="Sure, the room is free.")
+    llm_cfg = engines.cfg.llm.model_copy(update={"enable_prefix_caching": False})
+    engines.cfg = engines.cfg.model_copy(update={"llm": llm_cfg})
+    assert engines.cfg.llm.warm_prefix and engines.cfg.llm.background_concurrency > 0
+    async with call(engines, system_prompt=LONG_INSTRUCTIONS) as c:
+        await c.speak(600)
+        await c.silence(700)
+        await c.wait_for(ev.ResponseDone, timeout=10)
+        await c.silence(500)
+        warmed = engines.llm.warmed  # type: ignore[attr-defined]
+        assert not warmed, (
+            f"{len(warmed)} prefill(s) ({', '.join(str(len(w)) for w in warmed)} tokens) "
+            "with no prefix cache to keep them"
+        )

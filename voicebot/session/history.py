@@ -304,13 +304,18 @@ class Conversation:
         if not self.over_budget():
             return []
         target = max(int(self.budget_tokens * self.trim_to) - self._reserved, 0)
+        # The latest turn stays whatever the target: a long system message (a Realtime
+        # client's instructions and tools) can be over it alone, and the loop then dropped
+        # the question or tool result just added, so the reply was asked nothing.
+        users = [i for i, m in enumerate(self.messages) if m.role == "user"]
+        keep_from = users[-1] if users else len(self.messages) - 1
         count = len(self._ids)
         n = 0
-        while n < len(self.messages) and count > target:
+        while n < keep_from and count > target:
             count -= len(self._parts[n])
             n += 1
             # Never start the kept history with an assistant turn or an orphan tool result.
-            while n < len(self.messages) and self.messages[n].role in ("assistant", "tool"):
+            while n < keep_from and self.messages[n].role in ("assistant", "tool"):
                 count -= len(self._parts[n])
                 n += 1
         dropped = self.messages[:n]

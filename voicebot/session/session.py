@@ -28,7 +28,7 @@ import numpy as np
 
 from voicebot.affinity import bind_session
 from voicebot.audio import ASR_RATE, Resampler, pcm16_to_float
-from voicebot.config import Config
+from voicebot.config import Config, VadConfig
 from voicebot.engines import Engines
 from voicebot.engines.asr import AsrStream, Transcript
 from voicebot.engines.llm import Lane
@@ -144,10 +144,9 @@ class Session:
         self._backlog_s = 0.0
         self._drain_task: asyncio.Task[None] | None = None
         self._turn_streams: set[AsrStream] = set()  # committed turns' streams, still decoding
-        ring_ms = self.settings.vad.prefix_padding_ms + self.settings.vad.barge_in_min_ms + 100
         self._ring: deque[np.ndarray] = deque()
         self._ring_samples = 0
-        self._ring_max = int(ring_ms * ASR_RATE / 1000)
+        self._ring_max = self._ring_size(self.settings.vad)
         self.conversation = Conversation(
             engines.llm.tokenizer,
             self.settings.system_prompt,
@@ -700,8 +699,17 @@ class Session:
         self.settings = new
         self.conversation.set_system_prompt(new.system_prompt)
         self._turns.cfg = new.vad
+        # The pre-speech audio follows the new padding from now on (it was sized once,
+        # at the start: an update was acknowledged and the ASR kept the old padding).
+        self._ring_max = self._ring_size(new.vad)
         self.conversation.reply_tokens = new.max_tokens
         self._warm_prefix()
+
+    @staticmethod
+    def _ring_size(vad: VadConfig) -> int:
+        """Samples of audio kept from before speech starts: the padding the ASR gets, and
+        the speech a barge-in needs before it counts, with a margin."""
+        return int((vad.prefix_padding_ms + vad.barge_in_min_ms + 100) * ASR_RATE / 1000)
 
     @property
     def replying(self) -> bool:
@@ -948,6 +956,8 @@ class Session:
         llm_cfg = self.cfg.llm
         if not llm_cfg.warm_prefix or llm_cfg.background_concurrency == 0 or self._tg is None:
             return
+        if llm_cfg.backend == "inprocess" and not llm_cfg.enable_prefix_caching:
+            return  # no cache to keep it: the prefill would be thrown away (a remote tier's is its own)
         if self._closing.is_set() or self._response is not None:
             return  # a live reply's prompt has this prefix anyway
         summariser = self._summariser
