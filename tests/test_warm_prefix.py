@@ -114,6 +114,28 @@ async def test_a_prefill_does_not_take_the_background_place_a_summary_needs(toke
         assert c.session.conversation.summary is not None, "the dropped turns were summarised"
 
 
+async def test_a_summary_started_while_a_prefill_runs_gets_the_background_place(tokenizer, caplog) -> None:  # type: ignore[no-untyped-def]
+    # A client's text that trims the history (add_text: no reply starts, so nothing
+    # cancels a prefill) starts a summary while the call's prefill still holds the one
+    # background slot: with no room to wait the summary was refused and the dropped turns
+    # lost (with room, it waited seconds for a prefill of a history it is about to rewrite).
+    engines = make_engines(tokenizer, clock=REAL_CLOCK, word_delay=0.0)
+    cfg = engines.cfg.llm.model_copy(update={"background_concurrency": 1, "background_queue": 0})
+    engines.cfg = engines.cfg.model_copy(update={"llm": cfg})
+    engines.llm = LaneLlm(cfg, tokenizer, delay=3.0)
+    with_session_cfg(engines, history_tokens=4096)
+    async with call(engines, turn_detection=False, max_tokens=20, system_prompt=LONG_INSTRUCTIONS) as c:
+        await until(c.clock, lambda: engines.llm.background_running == 1)  # the call's first prefill
+        exchange(c.session, 0, 2)
+        conv = c.session.conversation
+        conv.budget_tokens = conv.token_count + conv._reserved + 4
+        c.session.add_text("user", "And what about the weather there the day after tomorrow?")
+        assert c.session._unsummarised, "the text trimmed the history"
+        await until(c.clock, lambda: c.session._summariser is None or c.session._summariser.done(), timeout=5)
+        assert "summary of" not in caplog.text, caplog.text[-600:]
+        assert conv.summary is not None, "the dropped turns were summarised"
+
+
 # ----------------------------------------------------------- 2. bookkeeping
 async def test_a_session_update_that_changes_nothing_keeps_the_running_prefill(tokenizer) -> None:  # type: ignore[no-untyped-def]
     # Realtime clients send session.update again and again (voice, turn_detection ...);

@@ -943,6 +943,11 @@ class Session:
             if len(self._unsummarised) > _MAX_UNSUMMARISED:  # the summariser is far behind
                 del self._unsummarised[: len(self._unsummarised) - _MAX_UNSUMMARISED]
             if self._summariser is None or self._summariser.done():
+                if self._warmer is not None and not self._warmer.done():
+                    # Its history is about to be rewritten, and it holds a background
+                    # place the summary needs (a client's text trims with no reply to
+                    # cancel it). The summary prefills again when it lands.
+                    self._warmer.cancel()
                 self._summariser = self._spawn(self._summarise(), "summary")
 
     def _warm_prefix(self) -> None:
