@@ -52,7 +52,7 @@ from bench_util import bare_engines_package, run_with_deadline  # noqa: E402  (s
 
 bare_engines_package()
 
-from tts_workload import FIRST, FIRST_AUDIO, REST, Stats, caller, pct, scenario_table, summarise  # noqa: E402  (same folder)
+from tts_workload import FIRST, FIRST_AUDIO, REST, Stats, caller, pct, scenario_table  # noqa: E402  (same folder)
 
 log = logging.getLogger("gpu_kokoro")
 
@@ -134,32 +134,18 @@ async def scenario(eng: Any, args: argparse.Namespace, n: int, styles: Any) -> d
         await asyncio.gather(*tasks, return_exceptions=True)
     cpu1 = os.times()
     wall = time.monotonic() - t_start
-    stalled = [s for s in st.stall if s > args.stall_tolerance_s]
     sizes = eng.stats.sizes[b0[3]:]
     batches = eng.stats.batches - b0[0]
-    return {
-        "sessions": n,
-        "wall_s": round(wall, 1),
-        "replies": st.replies,
-        "replies_measured": len(st.first_audio),
-        "first_audio_ms": summarise(st.first_audio),
-        "stall_ms": summarise(st.stall),
-        "replies_stalled": len(stalled),
-        "stalled_fraction": round(len(stalled) / len(st.stall), 4) if st.stall else None,
-        "synth_wall_over_audio_p50_p95": [round(pct(st.synth_rtf, 50) or 0, 3), round(pct(st.synth_rtf, 95) or 0, 3)],
-        "audio_s_per_wall_s": round(st.audio_s / wall, 2),
-        "process_cpu": round((cpu1.user - cpu0.user + cpu1.system - cpu0.system) / wall, 2),
-        "batches": batches,
-        "batch_mean": round((eng.stats.clauses - b0[1]) / batches, 1) if batches else None,
-        "batch_p95": round(pct([float(s) for s in sizes], 95) or 0, 1),
-        "batch_max": max(sizes, default=0),
+    return st.report(
+        n, wall, cpu1.user - cpu0.user + cpu1.system - cpu0.system, args.stall_tolerance_s, len(late),
+        batches=batches,
+        batch_mean=round((eng.stats.clauses - b0[1]) / batches, 1) if batches else None,
+        batch_p95=round(pct([float(s) for s in sizes], 95) or 0, 1),
+        batch_max=max(sizes, default=0),
         # Forward wall time summed over workers, over the scenario's wall: 1.0 = one worker always busy.
-        "forward_busy": round((eng.stats.busy_s - b0[2]) / wall, 3),
+        forward_busy=round((eng.stats.busy_s - b0[2]) / wall, 3),
         **gpu.summary(),
-        "errors": st.errors[:10],
-        "n_errors": len(st.errors),
-        "sessions_cut": len(late),
-    }
+    )
 
 
 def dump(path: str | None, report: dict[str, Any]) -> None:

@@ -35,7 +35,7 @@ from bench_util import bare_engines_package  # same folder
 bare_engines_package()
 
 from llm_load import run_with_deadline  # noqa: E402
-from tts_workload import FIRST_AUDIO, Stats, caller, pct, scenario_table, summarise  # noqa: E402
+from tts_workload import FIRST_AUDIO, Stats, caller, scenario_table  # noqa: E402
 
 from voicebot.config import TtsConfig  # noqa: E402
 
@@ -60,24 +60,7 @@ async def scenario(eng: Any, args: argparse.Namespace, n: int) -> dict[str, Any]
     await asyncio.gather(*tasks, return_exceptions=True)
     cpu1 = os.times()
     wall = time.monotonic() - t_start
-    stalled = [s for s in st.stall if s > args.stall_tolerance_s]
-    return {
-        "sessions": n,
-        "wall_s": round(wall, 1),
-        "replies": st.replies,
-        "replies_measured": len(st.first_audio),
-        "first_audio_ms": summarise(st.first_audio),
-        "stall_ms": summarise(st.stall),
-        "replies_stalled": len(stalled),
-        "stalled_fraction": round(len(stalled) / len(st.stall), 4) if st.stall else None,
-        # Reply synthesis wall time over its audio length (< 1: faster than real time).
-        "synth_wall_over_audio_p50_p95": [round(pct(st.synth_rtf, 50) or 0, 3), round(pct(st.synth_rtf, 95) or 0, 3)],
-        "audio_s_per_wall_s": round(st.audio_s / wall, 2),
-        "process_cpu": round((cpu1.user - cpu0.user + cpu1.system - cpu0.system) / wall, 2),
-        "errors": st.errors[:10],
-        "n_errors": len(st.errors),
-        "sessions_cut": len(late),
-    }
+    return st.report(n, wall, cpu1.user - cpu0.user + cpu1.system - cpu0.system, args.stall_tolerance_s, len(late))
 
 
 def patch_intra_op(threads: int) -> None:

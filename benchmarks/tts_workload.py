@@ -18,7 +18,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from bench_util import pct, summarise  # noqa: F401  (re-exported for the two benchmarks)
+from bench_util import pct, summarise
 
 FIRST = [
     "Sure, let me check that.", "The next train leaves at ten.", "Yes, bicycles are allowed.",
@@ -46,6 +46,30 @@ class Stats:
         self.audio_s = 0.0
         self.replies = 0
         self.errors: list[str] = []
+
+    def report(self, sessions: int, wall: float, cpu_s: float, stall_tolerance_s: float, cut: int,
+               **extra: Any) -> dict[str, Any]:
+        """A scenario's JSON row: the callers' side, then ``extra`` (the engine's own figures)."""
+        stalled = [s for s in self.stall if s > stall_tolerance_s]
+        return {
+            "sessions": sessions,
+            "wall_s": round(wall, 1),
+            "replies": self.replies,
+            "replies_measured": len(self.first_audio),
+            "first_audio_ms": summarise(self.first_audio),
+            "stall_ms": summarise(self.stall),
+            "replies_stalled": len(stalled),
+            "stalled_fraction": round(len(stalled) / len(self.stall), 4) if self.stall else None,
+            # Reply synthesis wall time over its audio length (< 1: faster than real time).
+            "synth_wall_over_audio_p50_p95": [round(pct(self.synth_rtf, 50) or 0, 3),
+                                              round(pct(self.synth_rtf, 95) or 0, 3)],
+            "audio_s_per_wall_s": round(self.audio_s / wall, 2),
+            "process_cpu": round(cpu_s / wall, 2),
+            **extra,
+            "errors": self.errors[:10],
+            "n_errors": len(self.errors),
+            "sessions_cut": cut,
+        }
 
 
 async def caller(speak: Speak, rate: int, args: argparse.Namespace, st: Stats, t_start: float, t_end: float,
