@@ -535,7 +535,11 @@ class Session:
         self._spawn(self._complete_turn(turn), "turn")
 
     def _new_turn(self, item_id: str, final: asyncio.Task[Transcript]) -> _Turn:
-        return _Turn(item_id, self._turn_seq, final, asr_started=self._clock.monotonic())
+        turn = _Turn(item_id, self._turn_seq, final, asr_started=self._clock.monotonic())
+        # When the transcript is ready, not when the committed turn reads it (after END:
+        # a speculative final may wait there for Smart Turn's cap; tests/test_asr_final_timing.py).
+        final.add_done_callback(lambda _: setattr(turn, "asr_done", self._clock.monotonic()))
+        return turn
 
     def _spawn_final(self, covering_s: float | None = None, stream: AsrStream | None = None) -> asyncio.Task[Transcript]:
         assert self._tg is not None
@@ -564,7 +568,6 @@ class Session:
 
     async def _complete_turn(self, turn: _Turn) -> None:
         transcript = await turn.final
-        turn.asr_done = self._clock.monotonic()
         text = transcript.text.strip()
         self.emit(TranscriptFinal(item_id=turn.item_id, text=text))
         if not text:  # a noise the VAD took for speech
