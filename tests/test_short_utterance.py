@@ -118,8 +118,13 @@ async def call(server: RunningServer, wavs: tuple[Path, Path], protocol: str) ->
 async def test_one_word_second_turn_is_answered_on_every_protocol(
     server: RunningServer, wavs: tuple[Path, Path]
 ) -> None:
-    # One caller per protocol, all at once (the suite's time budget; 2 cores).
-    results = dict(zip(PROTOCOLS, await asyncio.gather(*(call(server, wavs, p) for p in PROTOCOLS)), strict=True))
+    # One caller per protocol: the three WebSocket ones at once (the suite's time budget),
+    # then WebRTC alone. With all four at once on 2 cores, WebRTC's word was lost in about
+    # one run of five (a CI failure): no speech_started at the server, no error; the
+    # Python Opus and RTP paths of both ends starve beside three other real-time callers.
+    sockets = [p for p in PROTOCOLS if p != "webrtc"]
+    results = dict(zip(sockets, await asyncio.gather(*(call(server, wavs, p) for p in sockets)), strict=True))
+    results["webrtc"] = await call(server, wavs, "webrtc")
     problems = []
     for protocol, (turn1, turn2) in results.items():
         if turn1.status != "ok" or not turn1.replies or turn1.replies[0]["status"] != "completed":

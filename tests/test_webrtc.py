@@ -456,3 +456,25 @@ async def test_reply_track_paces_flushes_and_reports() -> None:
     track.push("r2", tone, 24000)  # late audio of a flushed reply is dropped
     assert track.queued_ms == 0
     track.stop()
+
+
+async def test_the_probe_ends_a_webrtc_reply_when_its_audio_stops_not_at_response_done() -> None:
+    # Over WebRTC response.done comes when the reply is generated; its audio plays on until
+    # output_audio_buffer.stopped. The probe ended the turn at response.done and spoke the
+    # next clip over the reply's tail: test_short_utterance's one-word second turn was then
+    # a barge-in candidate, lost when its speech fell under barge_in_min_ms (a CI failure).
+    client = WebRTCClient(ConnectOptions("http://127.0.0.1:1"))
+    say = lambda **e: client._on_message(json.dumps(e))  # noqa: E731
+    say(type="output_audio_buffer.started", response_id="r1")
+    say(type="response.done", response={"id": "r1", "status": "completed"})
+    assert client._items.qsize() == 1  # the audio start only: the done waits for playout
+    say(type="output_audio_buffer.stopped", response_id="r1")
+    kinds = [(await client.receive()).data["type"] for _ in range(2)]  # type: ignore[union-attr]
+    assert kinds == ["response.audio.started", "response.done"]
+    # A reply with no audio (text only) is done at once; one cut by the page is done when cleared.
+    say(type="response.done", response={"id": "r2", "status": "completed"})
+    say(type="output_audio_buffer.started", response_id="r3")
+    say(type="response.done", response={"id": "r3", "status": "cancelled"})
+    say(type="output_audio_buffer.cleared", response_id="r3")
+    kinds = [(await client.receive()).data["type"] for _ in range(4)]  # type: ignore[union-attr]
+    assert kinds == ["response.done", "response.audio.started", "barge_in", "response.done"]

@@ -35,6 +35,7 @@ from voicebot.transports.webrtc_tracks import frame_to_mono, pcm16_frame
 log = logging.getLogger(__name__)
 
 _QUEUE = 2000  # received items; the probe's receiver drains it continuously (~60/s)
+_HOLD_DONE_S = 30.0  # longest wait for a reply's output_audio_buffer.stopped
 _MIC_QUEUE = 10  # 200 ms: the sender is paced in real time, so more means a stall
 
 
@@ -141,6 +142,12 @@ class WebRTCClient:
         self._tasks: set[asyncio.Task[None]] = set()
         self._channel: Any = None
         self.seen: deque[str] = deque(maxlen=1000)  # raw Realtime event types, for debugging
+        # Over WebRTC a reply's response.done comes when it is generated, and its audio
+        # plays on until output_audio_buffer.stopped: the probe's turn ends at
+        # response.done, so the next clip was spoken over the reply's tail (a barge-in
+        # candidate, not the new turn it should be). Its done waits for the stop.
+        self._playing: set[str] = set()
+        self._held: dict[str, Event] = {}
 
     async def connect(self) -> None:
         opts = self.options
@@ -229,8 +236,27 @@ class WebRTCClient:
         if data.get("type") == "session.created":
             self.session_id = (data.get("session") or {}).get("id")
         native = to_native(data)
+        kind, rid = data.get("type"), data.get("response_id")
+        if kind == "output_audio_buffer.started" and rid:
+            self._playing.add(rid)
         if native is not None:
-            self._put(Event(native, t))
+            if native["type"] == "response.done" and native.get("response_id") in self._playing:
+                self._hold(native["response_id"], Event(native, t))
+            else:
+                self._put(Event(native, t))
+        if kind in ("output_audio_buffer.stopped", "output_audio_buffer.cleared") and rid:
+            self._playing.discard(rid)
+            self._release(rid)
+
+    def _hold(self, rid: str, done: Event) -> None:
+        self._held[rid] = done
+        # A stop that never comes must not hang the turn: a reply plays for seconds at most.
+        asyncio.get_running_loop().call_later(_HOLD_DONE_S, self._release, rid)
+
+    def _release(self, rid: str) -> None:
+        done = self._held.pop(rid, None)
+        if done is not None:
+            self._put(done)
 
     def _on_state(self, state: str) -> None:
         if state in ("failed", "closed"):
