@@ -29,6 +29,16 @@
 #             remote-tier (issue 10, one GPU: two vLLM servers sharing it behind vllm-router vs one,
 #               affinity on vs off, gpu_remote_tier.py; needs the vllm-router wheel: .whl/, see below)
 #
+# PIPE_MPS=1 (any part): run every CUDA process this run starts under NVIDIA MPS, so that the contexts of
+#   the LLM server, the ASR service and the frontends' Kokoro run concurrently instead of time-slicing.
+#   Before the first part, `nvidia-cuda-mps-control -d` starts (or is found running) with
+#   CUDA_MPS_PIPE_DIRECTORY=OUT/mps/pipe and CUDA_MPS_LOG_DIRECTORY=OUT/mps/log exported, which every server
+#   started here inherits; OUT/mps/status.log records the daemon's server list and nvidia-smi's process
+#   table after each part (an MPS client shows as type M+C). At exit (a trap: whatever happens) the daemon
+#   is told to quit, unless PIPE_MPS_KEEP=1: the detached llm-server / asr-server outlive this call as MPS
+#   clients, and a later run's llm-stop part (or a run without PIPE_MPS_KEEP) quits it. GPU settings are
+#   left as they are (no nvidia-smi -c: the default compute mode accepts MPS).
+#
 # Model folders are read from .gpu/NAME, else from $HOME/gpu-models/NAME (stage copies them there,
 # so a later transfer need not carry them again).
 #
@@ -75,9 +85,52 @@ model_dir() {  # .gpu/NAME if this transfer carried it, else the staged copy
   if [ -d ".gpu/$1" ]; then echo ".gpu/$1"; else echo "$HOME/gpu-models/$1"; fi
 }
 
+MPS_DIR=""
+mps_status() {  # append the daemon's server list and the GPU's process table to OUT/mps/status.log
+  [ -n "$MPS_DIR" ] || return 0
+  {
+    echo "== $(date -u +%FT%TZ) $1"
+    echo "get_server_list: $(echo get_server_list | timeout 10 nvidia-cuda-mps-control 2>&1 | tr '\n' ' ')"
+    nvidia-smi 2>&1 | sed -n '/Processes:/,$p'
+  } >> "$MPS_DIR/status.log" 2>&1 || true
+}
+
+mps_start() {  # PIPE_MPS=1: the MPS control daemon, pipe and log directories under OUT/mps
+  MPS_DIR="$1/mps"
+  mkdir -p "$MPS_DIR/pipe" "$MPS_DIR/log"
+  export CUDA_MPS_PIPE_DIRECTORY="$MPS_DIR/pipe" CUDA_MPS_LOG_DIRECTORY="$MPS_DIR/log"
+  if ! command -v nvidia-cuda-mps-control >/dev/null; then
+    echo "PIPE_MPS=1: nvidia-cuda-mps-control not found" | tee -a "$MPS_DIR/status.log" >&2
+    return 1
+  fi
+  if echo get_server_list | timeout 10 nvidia-cuda-mps-control >/dev/null 2>&1; then
+    echo "MPS control daemon already running ($MPS_DIR)" | tee -a "$MPS_DIR/status.log"
+  else
+    nvidia-cuda-mps-control -d
+    sleep 1
+    echo "MPS control daemon started ($MPS_DIR)" | tee -a "$MPS_DIR/status.log"
+  fi
+  mps_status "start"
+}
+
+mps_quit() {  # tell the daemon to quit (it stops its servers once their clients are gone)
+  [ -n "$MPS_DIR" ] || return 0
+  mps_status "quit"
+  if echo get_server_list | timeout 10 nvidia-cuda-mps-control >/dev/null 2>&1; then
+    echo quit | timeout 30 nvidia-cuda-mps-control || true
+    echo "MPS control daemon told to quit" >> "$MPS_DIR/status.log"
+  fi
+  tail -n 20 "$MPS_DIR/log/control.log" >> "$MPS_DIR/status.log" 2>/dev/null || true
+}
+
 run() {
   local out=${1:?usage: gpu_suite.sh run OUT [PART...]}
   shift
+  if [ "${PIPE_MPS:-0}" = 1 ]; then
+    mkdir -p "$out"
+    [ "${PIPE_MPS_KEEP:-0}" = 1 ] || trap mps_quit EXIT
+    mps_start "$out"
+  fi
   local parts=("$@")
   [ ${#parts[@]} -gt 0 ] || parts=(llm llm-nocache asr tts)
   mkdir -p "$out"
@@ -173,7 +226,8 @@ run() {
         [ -d "$out/asr-server" ] && python3 benchmarks/pipeline_gpu.py stop --out "$out/asr-server"
         for d in "$out"/pipeline-multi-k*/ "$out"/pipeline-asr-k*/; do
           [ -d "$d" ] && python3 benchmarks/pipeline_gpu.py stop --out "$d"
-        done ;;
+        done
+        mps_quit ;;
       remote-tier)  # issue 10 on one GPU (both servers share it)
         if [ -d .whl ] || [ -d ../../.whl ]; then
           python3 -m pip install -q --no-index --no-deps --no-compile "$( [ -d .whl ] && echo .whl || echo ../../.whl )"/*.whl || rc=$?
@@ -184,6 +238,7 @@ run() {
           --json "$out/remote_tier.json" > "$out/remote_tier.log" 2>&1 || rc=$? ;;
       *) echo "unknown part $part" >&2; return 2 ;;
     esac
+    mps_status "after $part"
     echo "== $part done (rc so far $rc)"
   done
   python3 benchmarks/gpu_report.py "$out" || rc=$?

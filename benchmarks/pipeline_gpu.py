@@ -780,6 +780,8 @@ def run_main(args: argparse.Namespace) -> int:
         "frontends": len(args.url) if args.url else args.frontends if args.remote_llm else 1,
         "llm": "remote: one vLLM OpenAI server" if args.remote_llm else "in-process",
         "asr": "remote: one shared ASR service (voicebot asr-serve)" if args.remote_asr else "in each frontend",
+        # gpu_suite.sh PIPE_MPS=1: the servers started here join that NVIDIA MPS daemon (OUT/mps/status.log)
+        "cuda_mps_pipe_directory": os.environ.get("CUDA_MPS_PIPE_DIRECTORY"),
     }
     summary.setdefault("runs", []).append(run_info)
     llm: LlmServer | None = None
