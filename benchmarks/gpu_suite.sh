@@ -106,7 +106,8 @@ mps_start() {  # PIPE_MPS=1: the MPS control daemon, pipe and log directories un
   if echo get_server_list | timeout 10 nvidia-cuda-mps-control >/dev/null 2>&1; then
     echo "MPS control daemon already running ($MPS_DIR)" | tee -a "$MPS_DIR/status.log"
   else
-    nvidia-cuda-mps-control -d
+    # its own session (setsid), so that it outlives this call like the detached servers, its clients
+    if command -v setsid >/dev/null; then setsid nvidia-cuda-mps-control -d; else nvidia-cuda-mps-control -d; fi
     sleep 1
     echo "MPS control daemon started ($MPS_DIR)" | tee -a "$MPS_DIR/status.log"
   fi
