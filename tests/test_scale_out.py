@@ -167,6 +167,16 @@ async def wait_until(pred: Callable[[], Any], timeout: float, what: str) -> None
         raise AssertionError(f"{what} (waited {timeout:g} s)") from None
 
 
+def prompt_tokens(m: dict[str, float]) -> float:
+    return m.get("vllm:prompt_tokens_total", 0.0)
+
+
+def _gauges(m: dict[str, float]) -> dict[str, float]:
+    keys = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:prompt_tokens_total",
+            "vllm:generation_tokens_total")
+    return {k.removeprefix("vllm:"): m.get(k, 0.0) for k in keys}
+
+
 def force_long_replies(llm: RemoteLlmEngine, monkeypatch: pytest.MonkeyPatch) -> None:
     """Replies asked with ``max_tokens=LONG_REPLY`` run to it unless something aborts them.
 
@@ -296,9 +306,15 @@ async def test_a_server_killed_mid_reply_fails_that_reply_and_the_call_goes_on_t
     busy: list[int] = []
     real_try = llm._try
 
+    seen: list[list[dict[str, float]]] = []
+
     async def one_busy() -> bool:
+        # The server with a request in flight whose prompt counter moved since the call
+        # began: a request of an earlier test still ending on the other one is not it.
         metrics = await tier.server_metrics()
-        busy[:] = [i for i, m in enumerate(metrics) if unfinished_requests(m) >= 1]
+        seen[:] = [metrics]
+        busy[:] = [i for i, (m, b) in enumerate(zip(metrics, at_start, strict=True))
+                   if unfinished_requests(m) >= 1 and prompt_tokens(m) > prompt_tokens(b)]
         return len(busy) == 1
 
     async def kill_after_first_token(*args: Any) -> AsyncGenerator[TextDelta, None]:
@@ -307,8 +323,14 @@ async def test_a_server_killed_mid_reply_fails_that_reply_and_the_call_goes_on_t
         async with contextlib.aclosing(real_try(*args)) as stream:
             async for delta in stream:
                 if not killed:
-                    # The vLLM gauges are updated by the engine's step loop: look for 2 s.
-                    await wait_until(one_busy, 2.0, "the reply is generating on one server")
+                    # The vLLM gauges follow the engine's steps. A 2 s look found no single
+                    # busy server in one CI run (what it saw was not printed; now it is).
+                    # The forced reply runs ~30 s: there is time to look for 10.
+                    try:
+                        await wait_until(one_busy, 10.0, "the reply is generating on one server")
+                    except AssertionError as e:
+                        raise AssertionError(f"{e}: busy {busy}, gauges {[_gauges(m) for m in seen[0]] if seen else 'none read'}, "
+                                             f"at the start {[_gauges(m) for m in at_start]}") from None
                     killed.append(busy[0])
                     os.killpg(tier.servers[busy[0]].popen.pid, signal.SIGKILL)
                 yield delta
@@ -317,6 +339,7 @@ async def test_a_server_killed_mid_reply_fails_that_reply_and_the_call_goes_on_t
     # A reply that cannot end before the kill: a 200-token one had finished on a loaded CI
     # machine by the time its first token was read (no server busy).
     force_long_replies(llm, monkeypatch)
+    at_start = await tier.server_metrics()
     call = await NativeCall.open(server, system_prompt=own_prompt("delta"), max_tokens=LONG_REPLY)
     try:
         done = await call.turn(speech_clips[5].audio, timeout=60)
