@@ -9,6 +9,8 @@ each turn this prints that span split into:
 
     wait     a decode already running at QUIET that had not seen the end of speech
              (an interval partial that started just before it): its remaining time
+             ("stopped": it was abandoned before its decoder, the trace's
+             ``error: DecodeAbandoned``)
     decode   the decode whose result became the final (start -> end)
     gap      the rest (the event loop, the session's bookkeeping)
 
@@ -54,14 +56,16 @@ def turns(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
         quiet = quiets[-1]["at"]
         if sub - quiet > 5.0:
             continue  # not a reply to speech (a tool round, a text turn)
-        done = [d for d in asr if d["end"] <= sub + 0.005]
+        done = [d for d in asr if d["end"] <= sub + 0.005 and "error" not in d]
         if not done:
             continue
         final = done[-1]
         running = [d for d in asr if d["start"] < quiet < d["end"] and d is not final]
         wait = 0.0
+        stopped = False
         if running and final["start"] >= quiet:
             wait = running[-1]["end"] - quiet
+            stopped = running[-1].get("error") == "DecodeAbandoned"
         t0 = max(final["start"], quiet)
         beside: dict[str, float] = {}
         for w in side:
@@ -74,6 +78,7 @@ def turns(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "rid": req["rid"],
             "quiet_to_llm_ms": round(1000 * (sub - quiet), 1),
             "wait_ms": round(1000 * wait, 1),
+            "wait_stopped": stopped,
             "final_decode_ms": round(1000 * (final["end"] - final["start"]), 1),
             "final_started": "before quiet (a covering partial)" if final["start"] < quiet else "after quiet",
             "final_audio_s": final["audio_s"],
@@ -94,12 +99,14 @@ def main() -> int:
     args = p.parse_args()
     events = [json.loads(line) for line in args.trace.read_text().splitlines() if line.strip()]
     rows = turns(events)
+    print("(wait: s = the decode waited for was stopped before its decoder)")
     print(f"{'rid':>5} {'quiet->llm':>10} {'wait':>6} {'decode':>7} {'gap':>5} {'audio s':>7} {'quiet->end':>10}"
           f" {'ttft':>6}  final / beside its decode (ms)")
     for r in rows:
         beside = ", ".join(f"{k} {v:.0f}" for k, v in sorted(r["beside_final_ms"].items())) or "-"
         qe = "-" if r["quiet_to_end_ms"] is None else f"{r['quiet_to_end_ms']:.0f}"
-        print(f"{r['rid']:>5} {r['quiet_to_llm_ms']:>10.0f} {r['wait_ms']:>6.0f} {r['final_decode_ms']:>7.0f}"
+        wait = f"{r['wait_ms']:.0f}" + ("s" if r["wait_stopped"] else "")
+        print(f"{r['rid']:>5} {r['quiet_to_llm_ms']:>10.0f} {wait:>6} {r['final_decode_ms']:>7.0f}"
               f" {r['gap_ms']:>5.0f} {r['final_audio_s']:>7.2f} {qe:>10} {r['ttft_ms'] or 0:>6.0f}"
               f"  {r['final_started']}; {beside}")
     summary = {
@@ -108,6 +115,9 @@ def main() -> int:
         "wait_ms": summarise([r["wait_ms"] / 1000 for r in rows]),
         "final_decode_ms": summarise([r["final_decode_ms"] / 1000 for r in rows]),
         "waited_turns": sum(1 for r in rows if r["wait_ms"] > 0),
+        "waits_stopped": sum(1 for r in rows if r["wait_stopped"]),
+        # every decode of the run stopped before its end (stale partials; speculations included)
+        "decodes_abandoned": sum(1 for e in events if e["kind"] == "asr" and e.get("error") == "DecodeAbandoned"),
         "covered_before_quiet": sum(1 for r in rows if r["final_started"].startswith("before")),
         "smart_turn_beside_final": sum(1 for r in rows if "smart_turn" in r["beside_final_ms"]),
     }

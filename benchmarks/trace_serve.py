@@ -143,10 +143,14 @@ def _span(kind: str, fn: Callable[..., Any], fields: Callable[..., dict[str, Any
 
     def traced(*args: Any) -> Any:
         t0 = time.monotonic()
+        extra: dict[str, Any] = {}
         try:
             return fn(*args)
+        except BaseException as exc:
+            extra["error"] = type(exc).__name__  # DecodeAbandoned: a stale decode stopped early
+            raise
         finally:
-            _emit(kind, start=t0, end=time.monotonic(), **fields(*args))
+            _emit(kind, start=t0, end=time.monotonic(), **fields(*args), **extra)
 
     return traced
 

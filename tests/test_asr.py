@@ -232,7 +232,8 @@ async def test_cancelling_finalize_removes_or_discards_its_job(
         assert engine.queue_depth < depth
         assert words((await blocker).text)[:4] == words(long_clip.text)[:4]
 
-        # Running: the result is thrown away, the caller still gets CancelledError.
+        # Running: the decode stops at its next checkpoint (before the encoder or the
+        # decoder) or, past them, its result is thrown away; the caller gets CancelledError.
         decodes = engine.stats.final_decodes
         running = asyncio.create_task(stream.finalize())
         for _ in range(200):
@@ -244,7 +245,7 @@ async def test_cancelling_finalize_removes_or_discards_its_job(
             await running
         # The engine goes on: the next finalize works and agrees with the one-shot text.
         final = await asyncio.wait_for(stream.finalize(), WAIT)
-        assert engine.stats.final_decodes >= decodes + 2
+        assert engine.stats.final_decodes >= decodes + 1  # + the cancelled one if it got past
         assert normalize(final.text) == normalize(short_clip.text)
 
 

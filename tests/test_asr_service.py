@@ -375,6 +375,7 @@ async def test_a_partial_from_before_the_end_of_speech_is_stopped_not_awaited_by
         assert final.audio_s == pytest.approx(1.0)
         await until(lambda: len(fake.aborted) == 1)  # the early partial was stopped at the service
         assert svc.stats.cancelled == 1
+        assert eng.stats.abandoned_partials == 1
         assert fake.calls[-1]["priority"] == 0  # the final decoded as a final
         await stream.aclose()
 

@@ -125,6 +125,26 @@ async def test_closing_the_engine_aborts_decodes_and_fails_waiting_finals() -> N
     assert len(fake.calls) == 1  # the queued final never reached the runner
 
 
+async def test_a_partial_from_before_the_end_of_speech_is_aborted_not_awaited_by_the_final() -> None:
+    # finalize() waited for a running partial that had not heard the end of speech, then
+    # decoded; the partial is useless to the final: its request is aborted instead.
+    fake = FakeWhisper()
+    fake.hold = asyncio.Event()  # never set: only the partial that started early waits on it
+    async with engine(fake) as eng:
+        stream = eng.stream()
+        stream.push(audio(0.5))  # a partial starts on the first 0.5 s ...
+        await asyncio.wait_for(fake.started.wait(), WAIT)
+        fake.hold = None  # ... and is held; later decodes are not
+        stream.push(audio(0.5))  # the caller speaks on and ends at 1.0 s
+        final = await asyncio.wait_for(stream.finalize(covering_s=1.0), WAIT)
+        assert final.text == "alpha bravo" and final.audio_s == pytest.approx(1.0)
+        assert fake.aborted == [fake.calls[0]["rid"]]
+        assert [c["priority"] for c in fake.calls] == [1, 0]  # the final decoded as a final
+        assert eng.stats.abandoned_partials == 1 and eng.in_flight == 0
+        assert stream._partial_job is None
+        await stream.aclose()
+
+
 async def test_a_failed_decode_fails_only_its_final() -> None:
     fake = FakeWhisper()
 

@@ -13,7 +13,8 @@ the same policy as in-process: a final evicts the newest queued partial when ful
 partial finding it full is answered ``dropped``) in front of the engine's decode slots
 (``asr.workers`` threads for faster-whisper, ``WhisperVllmSettings.concurrency`` requests
 in flight for vLLM). A ``cancel`` or a closed connection takes queued jobs out and cancels
-running ones (vLLM aborts the request; a faster-whisper thread finishes and is ignored).
+running ones (vLLM aborts the request; a faster-whisper thread stops at its next checkpoint,
+before the encoder or the decoder, and the rest is ignored).
 """
 
 from __future__ import annotations
@@ -151,6 +152,7 @@ class AsrService:
             self._queue.remove_owner(conn)
             for job in list(conn.jobs.values()):
                 if job.task is not None:
+                    job.decode.stale = True  # a decode thread stops at its next checkpoint
                     job.task.cancel()  # nobody is left to read the result
             conn.jobs.clear()
             self._space.set()
@@ -166,6 +168,7 @@ class AsrService:
                 return  # finished meanwhile: its result is on the way and will be ignored
             self.stats.cancelled += 1
             if job.task is not None:
+                job.decode.stale = True  # a decode thread stops at its next checkpoint
                 job.task.cancel()
             elif self._queue.remove(job):
                 self._space.set()

@@ -39,6 +39,9 @@ class AsrStats:
     final_decodes: int = 0
     dropped_partials: int = 0
     failed_decodes: int = 0
+    # Partials stopped while running because the final superseded them (or their
+    # utterance or stream ended): the decode's remaining stages were skipped.
+    abandoned_partials: int = 0
 
 
 
@@ -183,17 +186,36 @@ class AsrEngine:
         try:
             return await job.future
         except asyncio.CancelledError:
-            # Still queued: take it out. Running: the worker sees the cancelled future
-            # and throws the result away.
+            # Still queued: take it out. Running: the decode thread stops at its next
+            # checkpoint, and the worker throws away whatever it returns.
             if self._queue.remove(job):
                 self._space.set()
+            else:
+                job.stale = True
             raise
 
     async def _run_decode(self, job: DecodeJob) -> tuple[str, float]:
         """Decode one job: (text, seconds). Backends that decode asynchronously
-        (asr_vllm.py) override this; it may raise :class:`DecodeAbandoned`."""
+        (asr_vllm.py, asr_remote.py) override this; it may raise :class:`DecodeAbandoned`,
+        having done the job's bookkeeping."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self._decode, job)
+        try:
+            return await loop.run_in_executor(self._executor, self._decode, job)
+        except DecodeAbandoned:
+            self._partial_abandoned(job)
+            raise
+
+    def _abandon(self, job: DecodeJob) -> None:
+        """Stop a running partial whose result nobody will use, at the decode's earliest
+        safe point (here: before the encoder or before the decoder; see whisper_window.py).
+        It may still finish: then its result counts as any partial's."""
+        job.stale = True
+
+    def _partial_abandoned(self, job: DecodeJob) -> None:
+        """A running job stopped by :meth:`_abandon`: settle the stream's partial."""
+        if job.priority is Priority.PARTIAL and job.owner is not None:
+            self.stats.abandoned_partials += 1
+            job.owner._partial_done(job, None)
 
     async def _worker(self) -> None:
         while True:
@@ -244,6 +266,11 @@ class AsrEngine:
         """Runs in a decode thread; returns the text after the prefix and the decode time."""
         cfg = self.cfg
         t0 = time.perf_counter()
+
+        def checkpoint() -> None:
+            if job.stale:  # set on the event loop; a bool read needs no lock
+                raise DecodeAbandoned
+
         text = self._model.transcribe_text(
             job.audio,
             pad_s=cfg.encoder_pad_s,
@@ -258,5 +285,6 @@ class AsrEngine:
             vad_filter=False,  # our VAD runs upstream
             suppress_blank=True,
             prefix=job.prefix or None,
+            checkpoint=checkpoint,
         )
         return continuation_after(text, job.prefix), time.perf_counter() - t0

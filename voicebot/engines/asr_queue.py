@@ -52,6 +52,9 @@ class DecodeJob:
     generation: int = 0  # the owner's utterance this job belongs to
     seq: int = 0  # dispatch order, engine-wide
     future: asyncio.Future[tuple[str, float]] | None = None  # finals: (text, decode_s)
+    # Nobody will use the result (a partial the final superseded, a final whose waiter
+    # left): set on the event loop, read by the decode thread at its checkpoints.
+    stale: bool = False
 
     def fail(self, exc: Exception) -> None:
         if self.future is not None:

@@ -52,11 +52,9 @@ import numpy as np
 import websockets
 from websockets.asyncio.client import ClientConnection, connect
 
-from voicebot.audio import ASR_RATE
 from voicebot.config import AsrConfig, RemoteAsrConfig
 from voicebot.engines.asr import AsrEngine, DecodeAbandoned, unless_abandoned
 from voicebot.engines.asr_queue import DecodeJob, Priority
-from voicebot.engines.asr_stream import AsrStream, Transcript
 from voicebot.errors import EngineError, ModelError
 
 __all__ = [
@@ -64,7 +62,6 @@ __all__ = [
     "AsrServiceClient",
     "PartialDropped",
     "RemoteAsrEngine",
-    "RemoteAsrStream",
     "ServiceLost",
     "pack_decode",
     "unpack_decode",
@@ -305,41 +302,6 @@ class AsrServiceClient:
         await asyncio.gather(*self._background, return_exceptions=True)
 
 
-class RemoteAsrStream(AsrStream):
-    """An :class:`AsrStream` whose superseded decodes are also stopped at the service."""
-
-    engine: RemoteAsrEngine
-
-    def reset(self) -> None:
-        running = self._partial_job
-        super().reset()
-        if running is not None and running.audio is not None:
-            self.engine._abandon(running)  # its audio belongs to the old utterance
-
-    async def aclose(self) -> None:
-        running = self._partial_job
-        await super().aclose()
-        if running is not None and running.audio is not None:
-            self.engine._abandon(running)  # the call ended
-
-    async def finalize(self, covering_s: float | None = None) -> Transcript:
-        # A partial that started before the end of speech cannot be the final. On one
-        # machine's CPU the final would only queue behind it, so the base class waits for
-        # it; here the service can stop it at once, and waiting for it and then for the
-        # partial that covers doubled the ASR final's p95 under load (64 callers on one
-        # GPU, docs/gpu-results.md). Stop it, so the final decodes now at final priority.
-        running = self._partial_job
-        if (
-            covering_s is not None
-            and running is not None
-            and running.audio is not None
-            and running.audio.size / ASR_RATE < covering_s
-        ):
-            self._new_samples = 0  # no partial in its place: what follows is the final's decode
-            self.engine._abandon(running)
-        return await super().finalize(covering_s)
-
-
 class RemoteAsrEngine(AsrEngine):
     """:class:`AsrEngine` whose decodes run on the shared ASR service (module docstring)."""
 
@@ -390,10 +352,10 @@ class RemoteAsrEngine(AsrEngine):
         finally:
             await self.client.aclose()
 
-    def stream(self, *, language: str | None = None) -> AsrStream:
-        return RemoteAsrStream(self, language or self.cfg.language)
-
     def _abandon(self, job: DecodeJob) -> None:
+        """Stop a superseded partial at the service (AsrStream calls this on finalize,
+        reset and close): its decode is cancelled there."""
+        super()._abandon(job)
         task = self._running.get(job)
         if task is not None:
             task.cancel()
@@ -439,7 +401,7 @@ class RemoteAsrEngine(AsrEngine):
             task = asyncio.current_task()
             if task is not None and task.cancelling():
                 raise  # the engine is closing
-            job.owner._partial_done(job, None)  # superseded (_abandon): nothing to report
+            self._partial_abandoned(job)  # superseded (_abandon): nothing to report
             raise DecodeAbandoned from None
 
     async def _final(self, job: DecodeJob, decode: asyncio.Future[tuple[str, float]]) -> tuple[str, float]:

@@ -115,8 +115,10 @@ class AsrStream:
         that one, and another decode would run beside the reply's LLM prefill for nothing
         (a breath after a pause, or an interval partial that started at the last word).
         """
-        if covering_s is not None and self._covers(covering_s):
-            return
+        if covering_s is not None:
+            if self._covers(covering_s):
+                return
+            self._stop_stale(covering_s)  # the one that covers follows as soon as it stops
         self._new_samples = max(self._new_samples, self._interval)
         self._maybe_schedule_partial()
 
@@ -131,10 +133,12 @@ class AsrStream:
         """
         if self._closed:
             raise RuntimeError("finalize() on a closed AsrStream")
+        if covering_s is not None and self._stop_stale(covering_s):
+            self._new_samples = 0  # no partial in its place: what follows is the final's decode
         if covering_s is not None and self.engine.cfg.partial_beam_size >= self.engine.cfg.beam_size:
             generation = self._generation
-            # A running partial that started before the end of speech is followed at
-            # once by one that saw it (request_partial); wait for the one that covers.
+            # Wait for a running partial that covers (it is the final), or for the stopped
+            # one to settle (a thread finishes its current stage first).
             while generation == self._generation:
                 latest = self._latest
                 if latest is not None and latest[1] >= covering_s:
@@ -161,6 +165,22 @@ class AsrStream:
         assert job.audio is not None
         return Transcript(text, job.audio.size / ASR_RATE, decode_s)
 
+    def _stop_stale(self, covering_s: float) -> bool:
+        """Stop the running partial if it saw less than ``covering_s`` (True if so).
+
+        A partial that started before the end of speech cannot be the final, and the final
+        (or the partial that covers) decodes all of its audio again: stop it rather than
+        wait for it. With one decode thread the final queued behind all of it (387-504 ms
+        of the ASR final's p95 on 2 cores, docs/benchmarks.md stop 20); at the ASR service,
+        waiting for it and then for the partial that covers doubled the p95 under load
+        (docs/gpu-results.md). A decode thread stops before its decoder at the latest.
+        """
+        running = self._partial_job
+        if running is None or running.audio is None or running.audio.size / ASR_RATE >= covering_s:
+            return False
+        self.engine._abandon(running)
+        return True
+
     def _covers(self, covering_s: float) -> bool:
         """A partial of this utterance saw (or, queued, will see) ``covering_s`` of audio."""
         if self._latest is not None and self._latest[1] >= covering_s:
@@ -178,9 +198,12 @@ class AsrStream:
         self._samples = self._new_samples = 0
         self._agreement.reset()
         self._latest = None
-        if self._partial_job is not None and self.engine._queue.remove(self._partial_job):
+        running = self._partial_job
+        if running is not None and self.engine._queue.remove(running):
             self._partial_job = None
             self._partial_settled.set()
+        elif running is not None and running.audio is not None:
+            self.engine._abandon(running)  # its audio belongs to the old utterance
         while not self._partials.empty():  # previews of the old utterance are stale
             self._partials.get_nowait()
 
@@ -191,6 +214,9 @@ class AsrStream:
         for job in self.engine._queue.remove_owner(self):
             job.fail(EngineError("ASR stream closed"))
         self.engine._space.set()
+        running = self._partial_job
+        if running is not None and running.audio is not None:
+            self.engine._abandon(running)  # the call ended
         self._partial_job = None
         self._partial_settled.set()
         self._emit(None)

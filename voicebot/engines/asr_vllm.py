@@ -37,7 +37,7 @@ import numpy as np
 from voicebot.audio import ASR_RATE
 from voicebot.config import AsrConfig
 from voicebot.engines.agreement import continuation_after
-from voicebot.engines.asr import AsrEngine, unless_abandoned
+from voicebot.engines.asr import AsrEngine, DecodeAbandoned, unless_abandoned
 from voicebot.engines.asr_queue import DecodeJob
 from voicebot.errors import EngineError, ModelError
 
@@ -236,6 +236,7 @@ class VllmAsrEngine(AsrEngine):
         self.runner: WhisperRunner = runner or VllmWhisper(model_path, self.settings)
         self._rids = itertools.count(1)
         self.in_flight = 0  # decodes submitted to the runner and not finished
+        self._superseded: dict[DecodeJob, asyncio.Future[None]] = {}  # running partials: set by _abandon
 
     async def start(self) -> None:
         t0 = time.perf_counter()
@@ -292,10 +293,24 @@ class VllmAsrEngine(AsrEngine):
         return continuation_after(decoded, job.prefix), time.perf_counter() - t0
 
     async def _run_decode(self, job: DecodeJob) -> tuple[str, float]:
-        """Decode; for a final, abort as soon as its waiter is cancelled."""
-        if job.future is None:
-            return await self._decode_async(job)
-        return await unless_abandoned(asyncio.ensure_future(self._decode_async(job)), job.future)
+        """Decode; abort the request as soon as a final's waiter is cancelled or a partial
+        is superseded (:meth:`_abandon`)."""
+        if job.future is not None:
+            return await unless_abandoned(asyncio.ensure_future(self._decode_async(job)), job.future)
+        superseded = self._superseded[job] = asyncio.get_running_loop().create_future()
+        try:
+            return await unless_abandoned(asyncio.ensure_future(self._decode_async(job)), superseded)
+        except DecodeAbandoned:
+            self._partial_abandoned(job)
+            raise
+        finally:
+            del self._superseded[job]
+
+    def _abandon(self, job: DecodeJob) -> None:
+        super()._abandon(job)
+        superseded = self._superseded.get(job)
+        if superseded is not None and not superseded.done():
+            superseded.set_result(None)
 
 
 def create_asr(cfg: AsrConfig, model_path: str, *, settings: WhisperVllmSettings | None = None) -> AsrEngine:

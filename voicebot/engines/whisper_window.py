@@ -8,12 +8,18 @@ table to the length). :class:`WindowedWhisper` cuts the padded features down to 
 utterance plus ``pad_s`` seconds of the same zero padding just before the encoder; the
 decoder then attends over that shorter output. Everything else (prompt, prefix,
 suppression, no-speech check) is faster-whisper's own ``transcribe``.
+
+A decode can be stopped between its stages: ``transcribe_text(checkpoint=...)`` calls the
+checkpoint just before the encoder and again between the encoder and the decoder, and
+whatever it raises ends the decode there. Those are the only places: CTranslate2's
+``Whisper.encode`` and ``Whisper.generate`` are single blocking calls with no callback.
 """
 
 from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -44,18 +50,35 @@ class WindowedWhisper(WhisperModel):  # type: ignore[misc]  # faster-whisper has
         super().__init__(*args, **kwargs)
         self._window = threading.local()  # frames for the decode running in this thread
 
-    def transcribe_text(self, audio: np.ndarray, *, pad_s: float | None, min_s: float = 0.0, **options: Any) -> str:
+    def transcribe_text(
+        self,
+        audio: np.ndarray,
+        *,
+        pad_s: float | None,
+        min_s: float = 0.0,
+        checkpoint: Callable[[], None] | None = None,
+        **options: Any,
+    ) -> str:
         """The whole transcript of ``audio`` (``transcribe``'s options), its encoder run on
-        ``window_frames(audio.size, pad_s, min_s)`` frames."""
+        ``window_frames(audio.size, pad_s, min_s)`` frames. ``checkpoint`` is called before
+        the encoder and before the decoder; an exception from it stops the decode."""
         self._window.frames = window_frames(audio.size, pad_s, min_s)
+        self._window.checkpoint = checkpoint
         try:
             segments, _info = self.transcribe(audio, **options)
             return "".join(s.text for s in segments)  # the segments are decoded lazily, here
         finally:
             self._window.frames = None
+            self._window.checkpoint = None
 
     def encode(self, features: np.ndarray) -> Any:
         frames = getattr(self._window, "frames", None)
+        checkpoint = getattr(self._window, "checkpoint", None)
         if frames is not None and features.shape[-1] > frames:
             features = np.ascontiguousarray(features[..., :frames])
-        return super().encode(features)
+        if checkpoint is not None:
+            checkpoint()
+        out = super().encode(features)
+        if checkpoint is not None:
+            checkpoint()  # faster-whisper's generate_segments runs the decoder next
+        return out
