@@ -42,7 +42,8 @@ class ServerConfig(_Section):
     max_audio_message_ms: int = Field(1000, ge=20, le=60_000, description="Longest audio in one message; longer ones are refused (send real-time chunks).")
     input_rate: float = Field(1.1, ge=1.0, le=100.0, description="Sustained caller audio accepted, as a multiple of real time (a little over 1 absorbs clock drift).")
     input_burst_ms: int = Field(2000, ge=20, le=600_000, description="Audio a client may send ahead of real time before input_rate applies.")
-    web_root: str = Field("web", description="Directory served at '/' (the browser client).")
+    web_root: str = Field("web", description="Directory served at '/' (the browser client); a relative one is "
+                          "looked up in the current directory, then in the project the server runs from.")
     max_message_bytes: int = Field(1 << 20, ge=1024, le=64 << 20, description="Largest WebSocket message accepted.")
     ws_compression: bool = Field(False, description="Accept permessage-deflate on client WebSockets. Off: PCM audio barely compresses (to ~80%), and compressing each outgoing 20 ms frame costs ~47 us of the event loop's core (benchmarks/loop_cost.py, docs/gpu-results.md).")
     transports: list[TransportName] = Field(

@@ -47,6 +47,24 @@ def transport_routes(state: ServerState) -> list[BaseRoute]:
     return routes
 
 
+# The checkout (or editable install) this package runs from: the default web/ lives there.
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+
+def web_root(configured: str) -> Path | None:
+    """The folder to serve at '/': a relative ``server.web_root`` from the current
+    directory, else from the project this package runs from (the default ``web`` when the
+    server is started elsewhere, e.g. by a service manager). None, said once, if neither."""
+    path = Path(configured).expanduser()
+    candidates = [path] if path.is_absolute() else [Path.cwd() / path, PROJECT_ROOT / path]
+    for folder in candidates:
+        if folder.is_dir():
+            return folder
+    log.warning("server.web_root %r is not a folder (looked in %s): the browser page is not served",
+                configured, ", ".join(str(c) for c in candidates))
+    return None
+
+
 def create_app(cfg: Config, *, load: bool = True, state: ServerState | None = None) -> Starlette:
     state = state or ServerState(cfg)
 
@@ -93,8 +111,8 @@ def create_app(cfg: Config, *, load: bool = True, state: ServerState | None = No
         Route("/healthz", healthz),
         *transport_routes(state),
     ]
-    web = Path(cfg.server.web_root)
-    if web.is_dir():
+    web = web_root(cfg.server.web_root)
+    if web is not None:
         routes.append(Mount("/", StaticFiles(directory=web, html=True), name="web"))
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.voicebot = state
