@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from fake_whisper import WAIT, WORDS, FakeWhisper, audio
 
@@ -143,6 +144,45 @@ async def test_a_partial_from_before_the_end_of_speech_is_aborted_not_awaited_by
         assert eng.stats.abandoned_partials == 1 and eng.in_flight == 0
         assert stream._partial_job is None
         await stream.aclose()
+
+
+class SlowAbortWhisper(FakeWhisper):
+    """The real runner awaits vLLM's ``abort`` when its request is cancelled: held here."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.aborting = asyncio.Event()  # a cancelled decode is aborting its request
+        self.abort_done = asyncio.Event()  # never set: the abort takes as long as the test
+
+    async def decode(self, request_id: str, audio: np.ndarray, prompt_ids: list[int], **kw: int) -> str:
+        try:
+            return await super().decode(request_id, audio, prompt_ids, **kw)
+        except asyncio.CancelledError:
+            self.aborting.set()
+            await self.abort_done.wait()
+            raise
+
+
+async def test_closing_the_engine_while_a_superseded_partial_aborts_ends_its_decode_slot() -> None:
+    # The slot's task, cancelled by aclose() while it waited for the superseded partial's
+    # abort, swallowed the cancellation (unless_abandoned) and went on waiting for work:
+    # aclose() never returned.
+    fake = SlowAbortWhisper()
+    fake.hold = asyncio.Event()
+    eng = engine(fake, concurrency=1)
+    await eng.start()
+    stream = eng.stream()
+    stream.push(audio(0.5))  # a partial starts on the first 0.5 s and is held ...
+    await asyncio.wait_for(fake.started.wait(), WAIT)
+    stream.push(audio(0.5))  # ... the caller speaks on to 1.0 s
+    final = asyncio.create_task(stream.finalize(covering_s=1.0))  # the partial is superseded
+    await asyncio.wait_for(fake.aborting.wait(), WAIT)  # its request is being aborted
+    slots = list(eng._workers)
+    await asyncio.wait_for(eng.aclose(), WAIT)
+    assert all(task.done() for task in slots)
+    with pytest.raises(EngineError):
+        await asyncio.wait_for(final, WAIT)
+    await stream.aclose()
 
 
 async def test_a_failed_decode_fails_only_its_final() -> None:

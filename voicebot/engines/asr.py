@@ -66,8 +66,16 @@ async def unless_abandoned(decode: asyncio.Future[_T], waiter: asyncio.Future[An
         raise
     if not decode.done():
         decode.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await decode
+        try:
+            with contextlib.suppress(Exception):
+                await decode  # its cleanup: a vLLM abort, a cancel sent to the ASR service
+        except asyncio.CancelledError:
+            # The decode ended cancelled, as asked -- or we were cancelled while it stopped
+            # (the engine closing): that must propagate, or the decode slot's task goes on
+            # and AsrEngine.aclose() waits for it forever.
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise
         raise DecodeAbandoned
     return decode.result()
 
