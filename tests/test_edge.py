@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -131,11 +130,12 @@ def test_deep_json_is_a_bad_message_not_a_recursion_error() -> None:
             edge.load_json(text)
     ok = '{"a":' * 60 + "1" + "}" * 60
     assert edge.load_json(ok)["a"]["a"]
-    # Many brackets, shallow: allowed, and the exact scan is fast on a 1 MiB message.
+    # Many brackets, shallow: allowed, the exact scan counts it right (its cost on a 1 MiB
+    # message is measured in benchmarks/inline_cost.py, not here).
     wide = json.dumps({"type": "x", "items": [[] for _ in range(300_000)]})
-    started = time.perf_counter()
+    assert edge.json_depth(wide) == 3
     assert len(edge.load_json(wide)["items"]) == 300_000
-    assert time.perf_counter() - started < 1.0
+    assert edge.json_depth('{"a": "[[[{{", "b": ["\\"", "]]]"]}') == 2  # brackets in strings, escaped quotes
     with pytest.raises(BadMessage, match="malformed"):
         edge.load_json("{not json")
     with pytest.raises(BadMessage, match="UTF-8"):

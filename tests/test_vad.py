@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 
@@ -82,16 +80,5 @@ def test_streams_are_independent_and_reset_restores_a_fresh_state(
     np.testing.assert_allclose(sa.process(b), expect_b, atol=1e-4)
 
 
-def test_cheap_enough_to_run_inline(vad: SileroVad, speech_clips: list) -> None:
-    audio = librivox(speech_clips)[0].audio
-    stream = vad.stream()
-    stream.process(audio[:WINDOW])  # warm-up
-    t0 = time.perf_counter()
-    windows = 0
-    for i in range(0, audio.size, WINDOW):  # worst case: one window per call
-        windows += stream.process(audio[i : i + WINDOW]).size
-    per_window_ms = (time.perf_counter() - t0) / windows * 1000
-    print(f"VAD: {per_window_ms:.3f} ms per 32 ms window ({windows} windows)")
-    # Measured ~0.15 ms on an idle core; the bound leaves room for busy test machines
-    # and still means < 10 % of one core per session.
-    assert per_window_ms < 3.0
+# What a window costs the event loop is measured in benchmarks/inline_cost.py (~0.15 ms on an
+# idle core), not asserted here: a test's wall clock on a loaded machine says nothing.
