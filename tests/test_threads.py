@@ -1,8 +1,10 @@
-"""server.omp_threads: OpenMP threads of the server, the ASR service and their engine children."""
+"""server.omp_threads and server.omp_wait_policy: OpenMP threads of the server, the ASR service
+and their engine children."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -10,6 +12,7 @@ import pytest
 
 from voicebot import asr_service
 from voicebot.config import load_config
+from voicebot.errors import ConfigError
 from voicebot.server import threads
 
 CHILD = "import os, torch; print(os.environ.get('OMP_NUM_THREADS'), torch.get_num_threads())"
@@ -20,6 +23,16 @@ def _run(code: str) -> str:
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     return out.stdout.strip().splitlines()[-1]
+
+
+def _spincounts(code: str) -> list[str]:
+    """GOMP_SPINCOUNT of every libgomp the code loads, as each prints it when it starts
+    (OMP_DISPLAY_ENV): 300000 spins by default, 0 under OMP_WAIT_POLICY=PASSIVE."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_"))}
+    env["OMP_DISPLAY_ENV"] = "VERBOSE"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return re.findall(r"GOMP_SPINCOUNT = '(\d+)'", out.stderr)
 
 
 def test_zero_leaves_the_environment_alone(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -51,6 +64,7 @@ def test_the_asr_service_applies_the_config_before_its_engine_starts(monkeypatch
     calls: list[str] = []
     monkeypatch.setattr(asr_service, "limit_omp_threads", lambda n: calls.append(f"omp {n}"))
     monkeypatch.setattr(asr_service, "limit_arenas", lambda n: calls.append(f"arenas {n}"))
+    monkeypatch.setattr(asr_service, "set_omp_wait_policy", lambda p: calls.append(f"wait {p!r}"))
 
     async def fake_serve(cfg: object, host: str, port: int, **kw: object) -> None:
         calls.append("engine")
@@ -58,4 +72,36 @@ def test_the_asr_service_applies_the_config_before_its_engine_starts(monkeypatch
     monkeypatch.setattr(asr_service, "serve_asr", fake_serve)
     cfg = load_config("configs/gpu-asr-service.yaml", ["models.offline=true"])
     asr_service.run_asr_service(cfg, "127.0.0.1", 0, pull=False)
-    assert calls == ["arenas 2", "omp 1", "engine"]
+    assert calls == ["arenas 2", "omp 1", "wait ''", "engine"]
+
+
+def test_passive_reaches_both_openmp_runtimes_of_the_engines() -> None:
+    # CTranslate2 (the ASR) and torch (the LLM) each bring their own libgomp: both must
+    # read the policy, so it is set before either loads.
+    engines = "import torch, ctranslate2"
+    assert _spincounts(engines) == ["300000", "300000"]  # the default: idle workers spin
+    setting = "from voicebot.server.threads import set_omp_wait_policy; set_omp_wait_policy('passive'); "
+    assert _spincounts(setting + engines) == ["0", "0"]
+    # Engine processes (the vLLM engine core) inherit it.
+    child = "import subprocess, sys; subprocess.run([sys.executable, '-c', 'import torch'], check=True)"
+    assert _spincounts(setting + child) == ["0"]
+
+
+def test_a_policy_set_after_an_engine_loaded_is_said(caplog: pytest.LogCaptureFixture) -> None:
+    code = (
+        "import logging, torch; logging.basicConfig(level=logging.INFO); "
+        "from voicebot.server.threads import set_omp_wait_policy; set_omp_wait_policy('passive')"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_"))}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "comes too late for this process (libgomp" in out.stderr
+
+
+def test_empty_leaves_the_environment_alone_and_the_config_takes_any_case(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    threads.set_omp_wait_policy("")
+    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+    assert load_config("configs/default.yaml", ["server.omp_wait_policy=PASSIVE"]).server.omp_wait_policy == "passive"
+    with pytest.raises(ConfigError, match="omp_wait_policy"):
+        load_config("configs/default.yaml", ["server.omp_wait_policy=spin"])

@@ -45,7 +45,7 @@ from voicebot.engines.asr_remote import (
 )
 from voicebot.errors import VoicebotError
 from voicebot.server.heap import limit_arenas
-from voicebot.server.threads import limit_omp_threads
+from voicebot.server.threads import limit_omp_threads, set_omp_wait_policy
 
 __all__ = ["AsrService", "ServiceStats", "listen", "run_asr_service", "serve_asr"]
 
@@ -357,6 +357,7 @@ def run_asr_service(cfg: Config, host: str, port: int, *, pull: bool = True) -> 
     # Process-wide settings, as `voicebot serve` makes them, before the engine starts its threads.
     limit_arenas(cfg.server.malloc_arena_max)
     limit_omp_threads(cfg.server.omp_threads)
+    set_omp_wait_policy(cfg.server.omp_wait_policy)
 
     asyncio.run(serve_asr(cfg, host, port, ready=ready, pull=pull))
     return 0

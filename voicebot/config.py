@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from voicebot.errors import ConfigError
 
@@ -53,7 +53,13 @@ class ServerConfig(_Section):
     drain_timeout_s: float = Field(10.0, ge=0.0, le=600.0, description="On SIGTERM/SIGINT: how long replies in progress may finish before every session is closed and the server exits.")
     malloc_arena_max: int = Field(2, ge=0, le=1024, description="glibc malloc arenas (mallopt M_ARENA_MAX at start-up; 0: glibc's default of 8 per core). Fewer arenas keep the memory freed by worker threads reusable (docs/reliability.md).")
     omp_threads: int = Field(0, ge=0, le=1024, description="OMP_NUM_THREADS for this process and the engine processes it starts (0: leave it). 1 on a GPU host, where torch's spinning OpenMP workers only take cores from the loop and Piper (docs/gpu-results.md).")
+    omp_wait_policy: Literal["", "passive", "active"] = Field("", description="OMP_WAIT_POLICY for this process and the engine processes it starts ('': leave it). passive: idle OpenMP workers sleep at once instead of spinning on a core another engine is waiting for (docs/benchmarks.md, OpenMP wait policy).")
     heap_trim_interval_s: float = Field(30.0, ge=0.0, le=3600.0, description="After a call ends, give the heap's free pages back to the OS (glibc malloc_trim), at most once per this many seconds; 0: never.")
+
+    @field_validator("omp_wait_policy", mode="before")
+    @classmethod
+    def _policy_any_case(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value  # OpenMP's own spelling is upper case
 
     @model_validator(mode="after")
     def _burst_holds_a_message(self) -> ServerConfig:

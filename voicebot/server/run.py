@@ -17,7 +17,7 @@ from voicebot.provision import bundle_names_for, pull, resolve_model
 from voicebot.server.drain import drain
 from voicebot.server.heap import limit_arenas
 from voicebot.server.state import ServerState
-from voicebot.server.threads import limit_omp_threads
+from voicebot.server.threads import limit_omp_threads, set_omp_wait_policy
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +121,7 @@ def serve(cfg: Config, *, pull_models: bool = True) -> int:
     # Before the engines start their threads (docs/reliability.md, memory).
     limit_arenas(cfg.server.malloc_arena_max)
     limit_omp_threads(cfg.server.omp_threads)
+    set_omp_wait_policy(cfg.server.omp_wait_policy)
     from voicebot.server.app import create_app
 
     state = ServerState(cfg)

