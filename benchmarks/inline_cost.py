@@ -58,27 +58,29 @@ def bench_vad(audio: np.ndarray, rounds: int) -> dict:
 
 
 def bench_json(rounds: int) -> dict:
-    """The depth guard's exact scan runs only on a message with more brackets than the
-    limit: the worst legal case is a large, shallow, bracket-heavy one."""
+    """The worst legal-sized messages: large, bracket-heavy, refused by the container cap
+    (``MAX_JSON_CONTAINERS``) from a count; what parsing one would cost without the cap; a
+    bracket-heavy one under the cap, which gets the exact depth scan and the parse."""
     wide = json.dumps({"type": "x", "items": [[] for _ in range(300_000)]})
+    under = json.dumps({"type": "x", "items": [[] for _ in range(edge.MAX_JSON_CONTAINERS - 2)]})
     deep = "[" * 1_000_000
-    scan, parse, refuse = [], [], []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        edge.json_depth(wide)
-        scan.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        edge.load_json(wide)
-        parse.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        with contextlib.suppress(edge.BadMessage):
-            edge.load_json(deep)
-        refuse.append(time.perf_counter() - t0)
-    return {
-        "scan": {"what": "json_depth alone, the same message", **summarise(scan)},
-        "wide": {"what": f"load_json, {len(wide) / 2**20:.2f} MiB, 300k empty arrays", **summarise(parse)},
-        "deep": {"what": "load_json refusing 1M nested '['", **summarise(refuse)},
+    cases = {
+        "wide": (f"load_json refusing {len(wide) / 2**20:.2f} MiB of 300k empty arrays", lambda: edge.load_json(wide)),
+        "wide_uncapped": ("the same parsed (no container cap): depth scan + json.loads",
+                          lambda: edge.load_json(wide, max_containers=10**9)),
+        "scan": ("json_depth alone on it", lambda: edge.json_depth(wide)),
+        "under_cap": (f"load_json parsing {len(under) / 2**10:.0f} KiB of {edge.MAX_JSON_CONTAINERS - 2} empty arrays",
+                      lambda: edge.load_json(under)),
+        "deep": ("load_json refusing 1M nested '['", lambda: edge.load_json(deep)),
     }
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(rounds):
+        for name, (_what, fn) in cases.items():
+            t0 = time.perf_counter()
+            with contextlib.suppress(edge.BadMessage):
+                fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: {"what": what, **summarise(times[name])} for name, (what, _fn) in cases.items()}
 
 
 def main() -> int:
@@ -96,7 +98,7 @@ def main() -> int:
         parser.error(f"{clips[0]} is {rate} Hz; the VAD takes {ASR_RATE}")
     result = {"vad": bench_vad(audio, args.rounds), **bench_json(args.rounds)}
     for name, row in result.items():
-        print(f"{name:5s} p50 {row['p50']:8.3f} ms  p95 {row['p95']:8.3f}  p99 {row['p99']:8.3f}  "
+        print(f"{name:13s} p50 {row['p50']:8.3f} ms  p95 {row['p95']:8.3f}  p99 {row['p99']:8.3f}  "
               f"max {row['max']:8.3f}  (n={row['n']}; {row['what']})")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))

@@ -125,17 +125,29 @@ def test_json_depth(text: str, depth: int) -> None:
 
 
 def test_deep_json_is_a_bad_message_not_a_recursion_error() -> None:
-    for text in ("[" * 100_000 + "]" * 100_000, '{"a":' * 70 + "1" + "}" * 70, "[" * 1_000_000):
+    for text in ('{"a":' * 70 + "1" + "}" * 70, "[" * 5_000 + "]" * 5_000, "[" * 9_000):
         with pytest.raises(BadMessage, match="nested deeper"):
             edge.load_json(text)
     ok = '{"a":' * 60 + "1" + "}" * 60
     assert edge.load_json(ok)["a"]["a"]
-    # Many brackets, shallow: allowed, the exact scan counts it right (its cost on a 1 MiB
-    # message is measured in benchmarks/inline_cost.py, not here).
-    wide = json.dumps({"type": "x", "items": [[] for _ in range(300_000)]})
-    assert edge.json_depth(wide) == 3
-    assert len(edge.load_json(wide)["items"]) == 300_000
+    # Many brackets, shallow: the exact scan counts it right.
+    assert edge.json_depth(json.dumps({"type": "x", "items": [[] for _ in range(300_000)]})) == 3
     assert edge.json_depth('{"a": "[[[{{", "b": ["\\"", "]]]"]}') == 2  # brackets in strings, escaped quotes
+
+
+def test_json_with_too_many_objects_and_arrays_is_refused_before_it_is_parsed() -> None:
+    # Parsing builds a Python object per container on the loop every session shares: 300k
+    # empty arrays in 1 MiB held it ~0.2 s (benchmarks/inline_cost.py). Refused from a count.
+    wide = json.dumps({"type": "x", "items": [[] for _ in range(300_000)]})
+    for text in (wide, "[" * 1_000_000, "[" * 100_000 + "]" * 100_000):
+        with pytest.raises(BadMessage, match="more than 10000 objects and arrays"):
+            edge.load_json(text)
+    # A large real event is far below the cap: a session.update with 128 tools' schemas.
+    tool = {"type": "function", "name": "t", "parameters": {"type": "object", "properties": {
+        f"p{i}": {"type": "array", "items": {"type": "string", "enum": ["a", "b"]}} for i in range(8)}}}
+    update = json.dumps({"type": "session.update", "session": {"tools": [tool] * 128}})
+    assert len(edge.load_json(update)["session"]["tools"]) == 128
+    assert len(edge.load_json(json.dumps([[] for _ in range(9_999)]))) == 9_999
     with pytest.raises(BadMessage, match="malformed"):
         edge.load_json("{not json")
     with pytest.raises(BadMessage, match="UTF-8"):

@@ -52,6 +52,11 @@ log = logging.getLogger(__name__)
 # Deepest JSON accepted. Realtime's deepest real event (session.update with a tool's
 # JSON schema) nests ~12 levels; Python's C parser hits RecursionError near 1000.
 MAX_JSON_DEPTH = 64
+# Most objects and arrays in one message. A real event has tens (a session.update with
+# tools: hundreds); building Python objects is what parsing costs, on the event loop all
+# sessions share: a 1 MiB message of 300k empty arrays held it ~0.2 s, a refusal costs
+# ~1 ms (benchmarks/inline_cost.py).
+MAX_JSON_CONTAINERS = 10_000
 
 
 # ------------------------------------------------------------------ credentials
@@ -187,15 +192,22 @@ def json_depth(text: str) -> int:
     return int(np.cumsum(steps).max(initial=0))
 
 
-def load_json(text: str | bytes, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
-    """``json.loads`` that raises BadMessage for bad, or too deeply nested, JSON."""
+def load_json(
+    text: str | bytes, *, max_depth: int = MAX_JSON_DEPTH, max_containers: int = MAX_JSON_CONTAINERS
+) -> Any:
+    """``json.loads`` that raises BadMessage for bad, too deeply nested, or too big JSON."""
     if isinstance(text, bytes | bytearray):
         try:
             text = bytes(text).decode("utf-8")
         except UnicodeDecodeError:
             raise BadMessage("malformed JSON: not UTF-8") from None
     # Counting brackets runs in C; only a message with many of them gets the exact scan.
-    if text.count("[") + text.count("{") > max_depth and json_depth(text) > max_depth:
+    brackets = text.count("[") + text.count("{")
+    # Brackets inside strings count too: an upper bound, exact enough for a limit this far
+    # above what real events hold. Checked first: it spares such a message the scan too.
+    if brackets > max_containers:
+        raise BadMessage(f"JSON with more than {max_containers} objects and arrays")
+    if brackets > max_depth and json_depth(text) > max_depth:
         raise BadMessage(f"JSON nested deeper than {max_depth} levels")
     try:
         return json.loads(text)
