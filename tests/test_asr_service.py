@@ -326,7 +326,7 @@ async def test_decodes_waiting_on_a_connect_that_fails_fail_with_it_not_one_time
         )
         took = asyncio.get_running_loop().time() - t0
         assert all(isinstance(r, EngineError) and r.code == "asr_unavailable" for r in results), results
-        assert took < 1.5, f"the waiting decodes failed one connect timeout after another ({took:.1f} s)"
+        assert took < 3.0, f"the waiting decodes failed one connect timeout after another ({took:.1f} s)"
     finally:
         await client.aclose()
         server.close()

@@ -32,7 +32,7 @@ from servers import running_server
 
 from voicebot.config import Config, ModelsConfig, load_config
 from voicebot.engines import Engines, load_engines
-from voicebot.engines.startup import start_all
+from voicebot.engines.startup import ABORT_WAIT_S, start_all
 from voicebot.engines.supervisor import RestartPolicy, Supervisor
 from voicebot.engines.tts import WorkerPool
 from voicebot.errors import EngineError, ModelError
@@ -185,7 +185,8 @@ async def test_shutdown_while_loading_returns_promptly_and_leaves_nothing(models
         await until(engine_core, 120, "vLLM's engine-core process to start")
         t0 = time.monotonic()
     took = time.monotonic() - t0
-    assert took < 10.0, f"shutdown during loading took {took:.1f} s"
+    # A hang bound: the build threads that cannot be interrupted get ABORT_WAIT_S.
+    assert took < ABORT_WAIT_S, f"shutdown during loading took {took:.1f} s"
     assert state.engines is None
     await asyncio.sleep(2.0)  # a build thread that went on would have its engine up by now
     assert engine_processes() == [], [p.cmdline() for p in engine_processes()]
@@ -330,7 +331,7 @@ async def test_drain_lets_replies_finish_then_ends_each_session() -> None:
     assert state.draining and not state.sessions
     assert idle.errors == [("server_shutdown", True)]
     assert speaking.errors == [("server_shutdown", True)] and stuck.errors == [("server_shutdown", True)]
-    assert 0.55 < took < 2.0  # the stuck reply was cut at the timeout
+    assert 0.55 < took < 3.5  # the stuck reply was cut at the timeout (0.6 s), not after its grace
     assert state.status() == ("draining", "draining: the server is shutting down")
 
 

@@ -391,8 +391,10 @@ def _check_records(records: list[TurnRecord], sessions: int, turns: int) -> None
         (s, t, "ok") for s in range(sessions) for t in range(turns)
     ], [r.errors for r in records]
     for r in records:
-        # 300 ms of server-side silence counting (one frame of it is the last speech frame's)
-        assert r.voice_to_voice_ms is not None and 250 <= r.voice_to_voice_ms <= 700, r
+        # 300 ms of server-side silence counting (one frame of it is the last speech frame's).
+        # A starved sender catches up with up to _RESYNC_S (0.2 s) of overdue frames in one
+        # burst, which the server counts as silence at once: hence the lower bound's room.
+        assert r.voice_to_voice_ms is not None and 80 <= r.voice_to_voice_ms <= 1000, r
         assert r.timings == {"llm_ttft_ms": 1.0}
         assert r.reply_audio_ms == pytest.approx(100.0)  # the 5 chunks after the end of speech
 

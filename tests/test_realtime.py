@@ -869,6 +869,7 @@ async def test_audio_faster_than_real_time_is_refused(server: Running) -> None:
         async with await raw(server) as ws:
             await next_of(ws, "session.created")
             chunk = base64.b64encode(bytes(2 * 2400)).decode()  # 100 ms at 24 kHz
+            sending = time.monotonic()
             for i in range(40):  # 4 s at once: the 2 s burst passes, then refusals
                 await ws.send(json.dumps({"type": "input_audio_buffer.append", "event_id": f"a{i}", "audio": chunk}))
             err = (await next_of(ws, "error"))["error"]
@@ -877,7 +878,9 @@ async def test_audio_faster_than_real_time_is_refused(server: Running) -> None:
             (session,) = server.state.sessions.values()
             await ws.send(json.dumps({"type": "input_audio_buffer.clear"}))
             await next_of(ws, "input_audio_buffer.cleared")  # the session goes on
-            assert session.input_ms <= 2500, session.input_ms
+            # The burst and what the rate (1.1x real time) refilled while the loop took them.
+            allowed = 2000 + 1100 * (time.monotonic() - sending) + 100
+            assert session.input_ms <= min(allowed, 3500), (session.input_ms, allowed)
     finally:
         cfg.input_burst_ms = old
 

@@ -262,12 +262,16 @@ async def cut_twice(server: RunningServer, tier: Tier, clip: np.ndarray) -> None
         busy: list[int] = []
 
         async def generating() -> bool:
-            # vLLM's gauges follow its engine steps: look again for a moment, not once.
-            busy[:] = [i for i, m in enumerate(await tier.server_metrics()) if unfinished_requests(m) >= 1]
+            # vLLM's gauges follow its engine steps: look again for a while, not once (the
+            # forced reply runs ~30 s). The server with a request in flight whose prompt
+            # counter moved since the call began: a request of an earlier test still ending
+            # on the other one is not it (the kill test below failed CI on both).
+            busy[:] = [i for i, (m, b) in enumerate(zip(await tier.server_metrics(), before, strict=True))
+                       if unfinished_requests(m) >= 1 and prompt_tokens(m) > prompt_tokens(b)]
             return len(busy) == 1
 
         try:
-            await wait_until(generating, 2.0, "the long reply is generating on one server")
+            await wait_until(generating, 10.0, "the long reply is generating on one server")
         except AssertionError as e:
             now = await tier.server_metrics()
             made = [m.get("vllm:generation_tokens_total", 0.0) - b.get("vllm:generation_tokens_total", 0.0)

@@ -29,7 +29,7 @@ from voicebot.probe.turn import TurnRecord
 from voicebot.session.turns import Signal, SilenceTurnDetector
 from voicebot.transports import g711
 
-pytestmark = [pytest.mark.engines, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.engines, pytest.mark.timeout(400)]  # a hang guard; the module's server load counts to its first test
 
 # (clip, start s, end s, the word): the last word of "... in his power to do for them",
 # 0.75 s from the quiet gap after "for" to the end of the recording.

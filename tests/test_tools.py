@@ -294,7 +294,7 @@ async def test_webhooks_answer_or_give_the_model_an_error(webhook_server: tuple[
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     slow = json.loads(await hooks.run(call("slow"), "sess_1"))
-    assert "did not answer within 0.3 s" in slow["error"] and loop.time() - t0 < 2.0  # never a hung call
+    assert "did not answer within 0.3 s" in slow["error"] and loop.time() - t0 < 4.5  # never a hung call (5 s)
     assert "HTTP 500" in json.loads(await hooks.run(call("broken"), "s"))["error"]
     assert "could not be reached" in json.loads(await hooks.run(call("gone"), "s"))["error"]
     assert "no tool named" in json.loads(await hooks.run(call("nope"), "s"))["error"]

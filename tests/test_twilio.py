@@ -374,13 +374,25 @@ async def twilio_call(server: RunningServer, **custom: str) -> AsyncIterator[tup
                     task.cancel()
 
 
-def spy(session: Session) -> list[object]:
+class Seen(list):
+    """The events a session emitted, in order, and when (``at``, time.monotonic())."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.at: list[float] = []
+
+    def when(self, event: object) -> float:
+        return self.at[next(i for i, e in enumerate(self) if e is event)]
+
+
+def spy(session: Session) -> Seen:
     """Every event the session emits (the transport still gets them all)."""
-    seen: list[object] = []
+    seen = Seen()
     emit = session.emit
 
     def recording(event: ev.SessionEvent) -> None:
         seen.append(event)
+        seen.at.append(time.monotonic())
         emit(event)
 
     session.emit = recording  # type: ignore[method-assign]
@@ -405,11 +417,14 @@ def check_paced_mulaw(frames: list[Received]) -> None:
     per5 = float(np.median(t[5:] - t[:-5]))
     assert 0.07 < per5 < 0.14, f"median {per5 * 1000:.0f} ms per 5 frames, want ~100"
     # How far ahead of real time each frame arrived: the lead plus a few frames of
-    # jitter, never the whole reply at once.
-    ahead = 0.02 * np.arange(1, len(t) + 1) - (t - t[0])
+    # jitter, never the whole reply at once. Real time is reckoned from the frames' median
+    # offset to their schedule, not from the first frame alone: a loop stall that delays
+    # only the first arrival would otherwise count every later frame as early.
+    offset = t - 0.02 * np.arange(len(t))
+    ahead = np.median(offset) - offset
     assert ahead.max() < (PACER_LEAD_MS + 120) / 1000, f"burst: {ahead.max():.3f} s ahead of real time"
     span = t[-1] - t[0]
-    assert span > 0.8 * 0.02 * len(t), f"{len(t)} frames in {span:.2f} s"
+    assert span > 0.6 * 0.02 * len(t), f"{len(t)} frames in {span:.2f} s"
 
 
 async def test_full_call_barge_in_dtmf_hangup(server: RunningServer, speech_clips: list[Clip]) -> None:
@@ -429,7 +444,11 @@ async def test_full_call_barge_in_dtmf_hangup(server: RunningServer, speech_clip
         heard = [tp.parse_mark(n) for t, n in call.echoed if n.startswith(first + ":")]
         heard_ms = sorted({p[1] for p in heard if p})
         assert barge.played_ms in heard_ms or barge.played_ms == 0, (barge.played_ms, heard_ms)
-        assert barge.played_ms >= max(heard_ms) - 200  # at most an echo in flight behind
+        # Marks echoed before the barge-in (later ones are the caller playing on until the
+        # clear reached it): the server counted all but an echo in flight.
+        barged_at = events.when(barge)
+        heard_before = [p[1] for t, n in call.echoed if t < barged_at and (p := tp.parse_mark(n)) and n.startswith(first + ":")]
+        assert barge.played_ms >= max(heard_before, default=0) - 200, (barge.played_ms, heard_before)
         done = next(e for e in events if isinstance(e, ev.ResponseDone) and e.response_id == first)
         assert done.status == "interrupted" and done.played_ms == barge.played_ms
         # History keeps what was heard (nothing, if no word was heard whole).

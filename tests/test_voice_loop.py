@@ -90,7 +90,9 @@ async def test_barge_in_stops_playout_and_keeps_only_what_was_heard(
         speaking = asyncio.create_task(call.say(speech_clips[5].audio))  # "go forward ten meters"
         barge = await call.wait_for("barge_in", timeout=10, response_id=rid)
         detect_ms = 1000 * (barge["_t"] - interrupt_at)
-        assert detect_ms < 1500, detect_ms
+        # Expected ~0.75 s (0.5 s of lead-in silence, barge_in_min_ms, the VAD): heard while
+        # the caller was still speaking, whatever the machine's load.
+        assert detect_ms < 1000 * speech_clips[5].duration_s, detect_ms
         done = await call.wait_for("response.done", response_id=rid)
         assert done["status"] == "interrupted"
         # Playout stopped: what arrived after the barge-in event is at most the
@@ -224,6 +226,7 @@ async def test_audio_faster_than_real_time_is_refused(server: RunningServer) -> 
         (session_id,) = set(server.state.sessions) - before
         session = server.state.sessions[session_id]
         silence = bytes(2 * 1600)  # 100 ms at 16 kHz
+        sending = time.monotonic()
         for _ in range(60):  # 6 s at once: the 2 s burst passes, the rest is refused
             await ws.send(silence)
         err = await _next_error(ws)
@@ -234,7 +237,10 @@ async def test_audio_faster_than_real_time_is_refused(server: RunningServer) -> 
                 reply = await ws.recv()
                 if isinstance(reply, str) and json.loads(reply)["type"] == "input.cleared":
                     break
-        assert session.input_ms <= 2500, session.input_ms  # the refused audio was not processed
+        # The refused audio was not processed: the 2 s burst and what the rate (1.1x real
+        # time) refilled while the loop took the messages, a frame or so of rounding.
+        allowed = 2000 + 1100 * (time.monotonic() - sending) + 100
+        assert session.input_ms <= min(allowed, 5000), (session.input_ms, allowed)
 
 
 async def test_per_client_limit(server: RunningServer) -> None:

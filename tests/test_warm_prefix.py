@@ -131,7 +131,7 @@ async def test_a_summary_started_while_a_prefill_runs_gets_the_background_place(
         conv.budget_tokens = conv.token_count + conv._reserved + 4
         c.session.add_text("user", "And what about the weather there the day after tomorrow?")
         assert c.session._unsummarised, "the text trimmed the history"
-        await until(c.clock, lambda: c.session._summariser is None or c.session._summariser.done(), timeout=5)
+        await until(c.clock, lambda: c.session._summariser is None or c.session._summariser.done(), timeout=30)
         assert "summary of" not in caplog.text, caplog.text[-600:]
         assert conv.summary is not None, "the dropped turns were summarised"
 
