@@ -382,6 +382,17 @@ async def test_data_channel_messages_have_the_size_limit(server: RunningServer) 
     await _settled(server)
 
 
+def test_data_channel_messages_are_peeked_within_the_json_limits() -> None:
+    # Every data-channel message is peeked at for WebRTC's own events before the Realtime
+    # translator sees it: an unbounded json.loads there parsed 300k arrays (~0.24 s of the
+    # shared loop) that the edge's limits refuse unparsed.
+    assert webrtc_call._peek_type('{"type": "output_audio_buffer.clear"}') == "output_audio_buffer.clear"
+    wide = json.dumps({"type": "output_audio_buffer.clear", "items": [[] for _ in range(300_000)]})
+    assert webrtc_call._peek_type(wide) is None  # the translator answers it with the error
+    assert webrtc_call._peek_type("[" * 100_000) is None
+    assert webrtc_call._peek_type("{not json") is None
+
+
 @pytest.mark.parametrize("how", ["data_channel", "abandoned", "shutdown"])
 async def test_call_ends_and_cleans_up(
     server: RunningServer, how: str, monkeypatch: pytest.MonkeyPatch

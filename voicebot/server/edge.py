@@ -52,10 +52,10 @@ log = logging.getLogger(__name__)
 # Deepest JSON accepted. Realtime's deepest real event (session.update with a tool's
 # JSON schema) nests ~12 levels; Python's C parser hits RecursionError near 1000.
 MAX_JSON_DEPTH = 64
-# Most objects and arrays in one message. A real event has tens (a session.update with
-# tools: hundreds); building Python objects is what parsing costs, on the event loop all
-# sessions share: a 1 MiB message of 300k empty arrays held it ~0.2 s, a refusal costs
-# ~1 ms (benchmarks/inline_cost.py).
+# Most objects and arrays in one message (outside strings). A real event has tens (a
+# session.update with tools: hundreds to a few thousand); building Python objects is what
+# parsing costs, on the event loop all sessions share: a 1 MiB message of 300k empty arrays
+# held it ~0.24 s, its refusal after the bracket scan ~0.05 s (benchmarks/inline_cost.py).
 MAX_JSON_CONTAINERS = 10_000
 
 
@@ -168,14 +168,20 @@ def check_size(size: int, limit: int, what: str = "message") -> None:
 
 
 def json_depth(text: str) -> int:
-    """Nesting depth of a JSON text, brackets inside strings not counted.
+    """Nesting depth of a JSON text, brackets inside strings not counted."""
+    return json_shape(text)[0]
 
-    Vectorised (numpy) so a 1 MiB message costs milliseconds, not a Python loop per
-    character. Exact for valid JSON; for invalid JSON any answer is fine, the parser
+
+def json_shape(text: str) -> tuple[int, int]:
+    """Nesting depth and number of objects and arrays of a JSON text, brackets inside
+    strings not counted.
+
+    Vectorised (numpy) so a 1 MiB message costs tens of milliseconds, not a Python loop
+    per character. Exact for valid JSON; for invalid JSON any answer is fine, the parser
     rejects it anyway."""
     raw = np.frombuffer(text.encode("utf-8", "surrogatepass"), np.uint8)
     if raw.size == 0:
-        return 0
+        return 0, 0
     backslash = raw == 0x5C
     idx = np.arange(raw.size)
     # Position of the last non-backslash at or before i: a quote is escaped when the run
@@ -189,7 +195,7 @@ def json_depth(text: str) -> int:
     opens = ((raw == 0x5B) | (raw == 0x7B)) & ~inside
     closes = ((raw == 0x5D) | (raw == 0x7D)) & ~inside
     steps = opens.astype(np.int64) - closes.astype(np.int64)
-    return int(np.cumsum(steps).max(initial=0))
+    return int(np.cumsum(steps).max(initial=0)), int(np.count_nonzero(opens))
 
 
 def load_json(
@@ -201,14 +207,14 @@ def load_json(
             text = bytes(text).decode("utf-8")
         except UnicodeDecodeError:
             raise BadMessage("malformed JSON: not UTF-8") from None
-    # Counting brackets runs in C; only a message with many of them gets the exact scan.
-    brackets = text.count("[") + text.count("{")
-    # Brackets inside strings count too: an upper bound, exact enough for a limit this far
-    # above what real events hold. Checked first: it spares such a message the scan too.
-    if brackets > max_containers:
-        raise BadMessage(f"JSON with more than {max_containers} objects and arrays")
-    if brackets > max_depth and json_depth(text) > max_depth:
-        raise BadMessage(f"JSON nested deeper than {max_depth} levels")
+    # Counting brackets runs in C; only a message with many of them gets the exact scan,
+    # which leaves out those inside strings (a tool's JSON result is a string of them).
+    if text.count("[") + text.count("{") > max_depth:
+        depth, containers = json_shape(text)
+        if depth > max_depth:
+            raise BadMessage(f"JSON nested deeper than {max_depth} levels")
+        if containers > max_containers:
+            raise BadMessage(f"JSON with more than {max_containers} objects and arrays")
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:

@@ -338,8 +338,8 @@ class Call:
 def _peek_type(text: str) -> str | None:
     """The type of a client event, for the few that are WebRTC's own business."""
     try:
-        data = json.loads(text)
-    except (ValueError, RecursionError):
-        return None  # the translator reports malformed JSON
+        data = edge.load_json(text)  # bounded: this runs on every data-channel message
+    except BadMessage:
+        return None  # the translator reports it
     kind = data.get("type") if isinstance(data, dict) else None
     return kind if isinstance(kind, str) else None
