@@ -105,3 +105,27 @@ def test_empty_leaves_the_environment_alone_and_the_config_takes_any_case(monkey
     assert load_config("configs/default.yaml", ["server.omp_wait_policy=PASSIVE"]).server.omp_wait_policy == "passive"
     with pytest.raises(ConfigError, match="omp_wait_policy"):
         load_config("configs/default.yaml", ["server.omp_wait_policy=spin"])
+
+
+def test_the_server_applies_the_config_before_a_first_start_builds_a_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A first start's pull converts the LLM bundle with torch in this process: its libgomp
+    # must already see the policy.
+    from voicebot.server import run
+
+    calls: list[str] = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_pull(names: object, models: object, log: object) -> None:
+        calls.append("pull")
+        raise Stop
+
+    monkeypatch.setattr(run, "_check_port_free", lambda host, port: None)
+    monkeypatch.setattr(run, "limit_arenas", lambda n: calls.append(f"arenas {n}"))
+    monkeypatch.setattr(run, "limit_omp_threads", lambda n: calls.append(f"omp {n}"))
+    monkeypatch.setattr(run, "set_omp_wait_policy", lambda p: calls.append(f"wait {p}"))
+    monkeypatch.setattr(run, "pull", fake_pull)
+    with pytest.raises(Stop):
+        run.serve(load_config("configs/default.yaml"))
+    assert calls == ["arenas 2", "omp 0", "wait passive", "pull"]

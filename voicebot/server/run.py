@@ -109,6 +109,11 @@ def _check_port_free(host: str, port: int) -> None:
 
 def serve(cfg: Config, *, pull_models: bool = True) -> int:
     _check_port_free(cfg.server.host, cfg.server.port)
+    # Before anything starts threads or loads an OpenMP runtime: a first start's pull builds
+    # the LLM bundle with torch in this process (docs/reliability.md, memory; threads.py).
+    limit_arenas(cfg.server.malloc_arena_max)
+    limit_omp_threads(cfg.server.omp_threads)
+    set_omp_wait_policy(cfg.server.omp_wait_policy)
     names = bundle_names_for(cfg, frontend=True)
     if names and pull_models:
         # Before binding the port, so a missing package is one clear CLI error.
@@ -118,10 +123,6 @@ def serve(cfg: Config, *, pull_models: bool = True) -> int:
         # models with the pull on, so they would have built it after the port was bound.
         for name in names:
             resolve_model(f"bundle:{name}", cfg.models, pull=False)
-    # Before the engines start their threads (docs/reliability.md, memory).
-    limit_arenas(cfg.server.malloc_arena_max)
-    limit_omp_threads(cfg.server.omp_threads)
-    set_omp_wait_policy(cfg.server.omp_wait_policy)
     from voicebot.server.app import create_app
 
     state = ServerState(cfg)
