@@ -94,7 +94,7 @@ async def test_conversation_in_the_browser(
         )
         vb = await page.evaluate("window.voicebot")
         turn = vb["turns"][0]
-        assert 0 < turn["latency_ms"] < TIMEOUT_MS, turn
+        assert 0 < turn["latency_ms"] < TIMEOUT_MS / 2, turn  # measured from the caller's end of speech
         assert vb["remote"]["max_db"] > -40, vb["remote"]
         assert await page.locator("#median").inner_text() != "–"
         types = {e["type"] for e in vb["events"]}
