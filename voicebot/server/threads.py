@@ -57,8 +57,9 @@ def set_omp_wait_policy(policy: str) -> None:
     loaded = openmp_runtimes_loaded()
     if loaded:
         log.warning(
-            "server.omp_wait_policy=%s comes too late for this process (%s already loaded); "
-            "engine processes started from now on get it",
+            "server.omp_wait_policy=%s comes too late for this process (%s already loaded, "
+            "LD_PRELOAD?); engine processes started from now on get it. Set OMP_WAIT_POLICY "
+            "in the environment to cover this process too",
             policy,
             ", ".join(loaded),
         )
