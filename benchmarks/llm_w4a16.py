@@ -16,10 +16,11 @@ the embeddings, 0.54 GB) stays float32. docs/benchmarks.md ("4-bit weights") has
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.llm_w8a8 import write_copy  # noqa: E402
 
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CLIPS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
@@ -66,7 +67,7 @@ def quantize_rows(w, group_size: int):  # type: ignore[no-untyped-def]
 def quantize(src: Path, out: Path, group_size: int) -> tuple[int, float]:
     import torch
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     state = load_file(str(src / "model.safetensors"))
     done, sq_err, sq_w = 0, 0.0, 0.0
@@ -84,14 +85,7 @@ def quantize(src: Path, out: Path, group_size: int) -> tuple[int, float]:
         state[prefix + "weight_scale"] = scale.contiguous()
         state[prefix + "weight_shape"] = torch.tensor(list(w.shape), dtype=torch.int32)
         done += 1
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = quantization_config(group_size)
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    for f in src.iterdir():  # tokenizer, chat template, generation config
-        if f.is_file() and f.name not in ("model.safetensors", "config.json", "voicebot-manifest.json"):
-            shutil.copy(f, out / f.name)
+    write_copy(src, out, state, quantization_config(group_size))
     return done, (sq_err / sq_w) ** 0.5
 
 

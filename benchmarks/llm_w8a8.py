@@ -39,7 +39,7 @@ def quantization_config(lm_head: bool) -> dict[str, object]:
 
 def quantize(src: Path, out: Path, lm_head: bool) -> int:
     import torch
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     state = load_file(str(src / "model.safetensors"))
     done = 0
@@ -52,15 +52,22 @@ def quantize(src: Path, out: Path, lm_head: bool) -> int:
         state[name] = torch.round(w / scale).clamp(-127, 127).to(torch.int8).contiguous()
         state[name.removesuffix("weight") + "weight_scale"] = scale.contiguous()
         done += 1
+    write_copy(src, out, state, quantization_config(lm_head))
+    return done
+
+
+def write_copy(src: Path, out: Path, state: dict, quantization: dict[str, object]) -> None:
+    """``out``: ``src`` with these weights and this quantization_config in its config.json."""
+    from safetensors.torch import save_file
+
     out.mkdir(parents=True, exist_ok=True)
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = quantization_config(lm_head)
+    config["quantization_config"] = quantization
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for f in src.iterdir():  # tokenizer, chat template, generation config
         if f.is_file() and f.name not in ("model.safetensors", "config.json", "voicebot-manifest.json"):
             shutil.copy(f, out / f.name)
-    return done
 
 
 def main() -> int:
