@@ -13,7 +13,7 @@ import pytest
 from voicebot import asr_service
 from voicebot.config import load_config
 from voicebot.errors import ConfigError
-from voicebot.server import threads
+from voicebot.server import process, threads
 
 CHILD = "import os, torch; print(os.environ.get('OMP_NUM_THREADS'), torch.get_num_threads())"
 
@@ -70,9 +70,9 @@ def test_torch_imported_before_is_resized() -> None:
 
 def test_the_asr_service_applies_the_config_before_its_engine_starts(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[str] = []
-    monkeypatch.setattr(asr_service, "limit_omp_threads", lambda n: calls.append(f"omp {n}"))
-    monkeypatch.setattr(asr_service, "limit_arenas", lambda n: calls.append(f"arenas {n}"))
-    monkeypatch.setattr(asr_service, "set_omp_wait_policy", lambda p: calls.append(f"wait {p!r}"))
+    monkeypatch.setattr(process, "limit_omp_threads", lambda n: calls.append(f"omp {n}"))
+    monkeypatch.setattr(process, "limit_arenas", lambda n: calls.append(f"arenas {n}"))
+    monkeypatch.setattr(process, "set_omp_wait_policy", lambda p: calls.append(f"wait {p!r}"))
 
     async def fake_serve(cfg: object, host: str, port: int, **kw: object) -> None:
         calls.append("engine")
@@ -129,9 +129,9 @@ def test_the_server_applies_the_config_before_a_first_start_builds_a_model(monke
         raise Stop
 
     monkeypatch.setattr(run, "_check_port_free", lambda host, port: None)
-    monkeypatch.setattr(run, "limit_arenas", lambda n: calls.append(f"arenas {n}"))
-    monkeypatch.setattr(run, "limit_omp_threads", lambda n: calls.append(f"omp {n}"))
-    monkeypatch.setattr(run, "set_omp_wait_policy", lambda p: calls.append(f"wait {p}"))
+    monkeypatch.setattr(process, "limit_arenas", lambda n: calls.append(f"arenas {n}"))
+    monkeypatch.setattr(process, "limit_omp_threads", lambda n: calls.append(f"omp {n}"))
+    monkeypatch.setattr(process, "set_omp_wait_policy", lambda p: calls.append(f"wait {p}"))
     monkeypatch.setattr(run, "pull", fake_pull)
     with pytest.raises(Stop):
         run.serve(load_config("configs/default.yaml"))

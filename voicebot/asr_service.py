@@ -44,8 +44,7 @@ from voicebot.engines.asr_remote import (
     unpack_decode,
 )
 from voicebot.errors import VoicebotError
-from voicebot.server.heap import limit_arenas
-from voicebot.server.threads import limit_omp_threads, set_omp_wait_policy
+from voicebot.server.process import apply_process_settings
 
 __all__ = ["AsrService", "ServiceStats", "listen", "run_asr_service", "serve_asr"]
 
@@ -355,9 +354,7 @@ def run_asr_service(cfg: Config, host: str, port: int, *, pull: bool = True) -> 
     if ws_log.level == logging.NOTSET:
         ws_log.setLevel(logging.WARNING)  # "connection open/closed" at INFO, one per stats probe
     # Process-wide settings, as `voicebot serve` makes them, before the engine starts its threads.
-    limit_arenas(cfg.server.malloc_arena_max)
-    limit_omp_threads(cfg.server.omp_threads)
-    set_omp_wait_policy(cfg.server.omp_wait_policy)
+    apply_process_settings(cfg.server)
 
     asyncio.run(serve_asr(cfg, host, port, ready=ready, pull=pull))
     return 0

@@ -15,9 +15,8 @@ from voicebot.config import Config
 from voicebot.errors import ConfigError
 from voicebot.provision import bundle_names_for, pull, resolve_model
 from voicebot.server.drain import drain
-from voicebot.server.heap import limit_arenas
+from voicebot.server.process import apply_process_settings
 from voicebot.server.state import ServerState
-from voicebot.server.threads import limit_omp_threads, set_omp_wait_policy
 
 log = logging.getLogger(__name__)
 
@@ -111,9 +110,7 @@ def serve(cfg: Config, *, pull_models: bool = True) -> int:
     _check_port_free(cfg.server.host, cfg.server.port)
     # Before anything starts threads or loads an OpenMP runtime: a first start's pull builds
     # the LLM bundle with torch in this process (docs/reliability.md, memory; threads.py).
-    limit_arenas(cfg.server.malloc_arena_max)
-    limit_omp_threads(cfg.server.omp_threads)
-    set_omp_wait_policy(cfg.server.omp_wait_policy)
+    apply_process_settings(cfg.server)
     names = bundle_names_for(cfg, frontend=True)
     if names and pull_models:
         # Before binding the port, so a missing package is one clear CLI error.
