@@ -36,13 +36,14 @@ def pct(values: list[float], p: float) -> float | None:
     return v[lo] + (v[hi] - v[lo]) * (k - lo)
 
 
-def summarise(values_s: list[float]) -> dict[str, Any]:
-    """Seconds in, a millisecond summary out."""
+def summarise(values_s: list[float], digits: int = 1) -> dict[str, Any]:
+    """Seconds in, a millisecond summary out, rounded to ``digits`` decimals."""
     ms = [x * 1000.0 for x in values_s]
     if not ms:
         return {"n": 0}
-    return {"n": len(ms), "p50": round(pct(ms, 50) or 0, 1), "p95": round(pct(ms, 95) or 0, 1),
-            "p99": round(pct(ms, 99) or 0, 1), "mean": round(sum(ms) / len(ms), 1), "max": round(max(ms), 1)}
+    return {"n": len(ms), "p50": round(pct(ms, 50) or 0, digits), "p95": round(pct(ms, 95) or 0, digits),
+            "p99": round(pct(ms, 99) or 0, digits), "mean": round(sum(ms) / len(ms), digits),
+            "max": round(max(ms), digits)}
 
 
 def run_with_deadline(coro: Any, max_wall_s: float, name: str) -> Any:

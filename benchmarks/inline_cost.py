@@ -27,18 +27,15 @@ import soundfile as sf
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_util import pct  # noqa: E402
+from benchmarks.bench_util import summarise  # noqa: E402
 from voicebot.audio import ASR_RATE  # noqa: E402
 from voicebot.engines.vad import WINDOW, SileroVad, default_model_path  # noqa: E402
 from voicebot.server import edge  # noqa: E402
 
 SHARED_AUDIO = ROOT.parent / "shared" / "audio"
 
-
-def summarise(values_s: list[float]) -> dict:
-    """Milliseconds to the microsecond (a VAD window costs a fraction of one)."""
-    ms = [x * 1000.0 for x in values_s]
-    return {"n": len(ms), **{f"p{p}": round(pct(ms, p) or 0.0, 3) for p in (50, 95, 99)}, "max": round(max(ms), 3)}
+# Milliseconds to the microsecond: a VAD window costs a fraction of one.
+DIGITS = 3
 
 
 def bench_vad(audio: np.ndarray, rounds: int) -> dict:
@@ -54,7 +51,7 @@ def bench_vad(audio: np.ndarray, rounds: int) -> dict:
             t0 = time.perf_counter()
             stream.process(audio[i : i + WINDOW])
             per_window.append(time.perf_counter() - t0)
-    return {"what": "silero vad, one 32 ms window per call", **summarise(per_window)}
+    return {"what": "silero vad, one 32 ms window per call", **summarise(per_window, DIGITS)}
 
 
 def bench_json(rounds: int) -> dict:
@@ -68,7 +65,7 @@ def bench_json(rounds: int) -> dict:
         "wide": (f"load_json refusing {len(wide) / 2**20:.2f} MiB of 300k empty arrays", lambda: edge.load_json(wide)),
         "wide_uncapped": ("the same parsed (no container cap): depth scan + json.loads",
                           lambda: edge.load_json(wide, max_containers=10**9)),
-        "scan": ("json_depth alone on it", lambda: edge.json_depth(wide)),
+        "scan": ("json_shape (the bracket scan) alone on it", lambda: edge.json_shape(wide)),
         "under_cap": (f"load_json parsing {len(under) / 2**10:.0f} KiB of {edge.MAX_JSON_CONTAINERS - 2} empty arrays",
                       lambda: edge.load_json(under)),
         "deep": ("load_json refusing 1M nested '['", lambda: edge.load_json(deep)),
@@ -80,7 +77,7 @@ def bench_json(rounds: int) -> dict:
             with contextlib.suppress(edge.BadMessage):
                 fn()
             times[name].append(time.perf_counter() - t0)
-    return {name: {"what": what, **summarise(times[name])} for name, (what, _fn) in cases.items()}
+    return {name: {"what": what, **summarise(times[name], DIGITS)} for name, (what, _fn) in cases.items()}
 
 
 def main() -> int:

@@ -120,8 +120,8 @@ def test_check_origin_uses_forwarded_host() -> None:
         ("", 0),
     ],
 )
-def test_json_depth(text: str, depth: int) -> None:
-    assert edge.json_depth(text) == depth
+def test_json_shape_depth(text: str, depth: int) -> None:
+    assert edge.json_shape(text)[0] == depth
 
 
 def test_deep_json_is_a_bad_message_not_a_recursion_error() -> None:
@@ -131,8 +131,8 @@ def test_deep_json_is_a_bad_message_not_a_recursion_error() -> None:
     ok = '{"a":' * 60 + "1" + "}" * 60
     assert edge.load_json(ok)["a"]["a"]
     # Many brackets, shallow: the exact scan counts it right.
-    assert edge.json_depth(json.dumps({"type": "x", "items": [[] for _ in range(300_000)]})) == 3
-    assert edge.json_depth('{"a": "[[[{{", "b": ["\\"", "]]]"]}') == 2  # brackets in strings, escaped quotes
+    assert edge.json_shape(json.dumps({"type": "x", "items": [[] for _ in range(300_000)]}))[0] == 3
+    assert edge.json_shape('{"a": "[[[{{", "b": ["\\"", "]]]"]}')[0] == 2  # brackets in strings, escaped quotes
 
 
 def test_json_with_too_many_objects_and_arrays_is_refused_before_it_is_parsed() -> None:

@@ -167,11 +167,6 @@ def check_size(size: int, limit: int, what: str = "message") -> None:
         raise MessageTooLarge(f"{what} of {size} bytes exceeds server.max_message_bytes ({limit})")
 
 
-def json_depth(text: str) -> int:
-    """Nesting depth of a JSON text, brackets inside strings not counted."""
-    return json_shape(text)[0]
-
-
 def json_shape(text: str) -> tuple[int, int]:
     """Nesting depth and number of objects and arrays of a JSON text, brackets inside
     strings not counted.
