@@ -18,11 +18,15 @@ from voicebot.server import process, threads
 CHILD = "import os, torch; print(os.environ.get('OMP_NUM_THREADS'), torch.get_num_threads())"
 
 
-def _run(code: str) -> str:
-    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+def _python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    return out.stdout.strip().splitlines()[-1]
+    return out
+
+
+def _run(code: str) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    return _python(code, env).stdout.strip().splitlines()[-1]
 
 
 def _fresh_env() -> dict[str, str]:
@@ -36,10 +40,7 @@ def _fresh_env() -> dict[str, str]:
 def _spincounts(code: str) -> list[str]:
     """GOMP_SPINCOUNT of every libgomp the code loads, as each prints it when it starts
     (OMP_DISPLAY_ENV): 300000 spins by default, 0 under OMP_WAIT_POLICY=PASSIVE."""
-    env = _fresh_env()
-    env["OMP_DISPLAY_ENV"] = "VERBOSE"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
+    out = _python(code, _fresh_env() | {"OMP_DISPLAY_ENV": "VERBOSE"})
     return re.findall(r"GOMP_SPINCOUNT = '(\d+)'", out.stderr)
 
 
@@ -100,8 +101,7 @@ def test_a_policy_set_after_an_engine_loaded_is_said(caplog: pytest.LogCaptureFi
         "import logging, torch; logging.basicConfig(level=logging.INFO); "
         "from voicebot.server.threads import set_omp_wait_policy; set_omp_wait_policy('passive')"
     )
-    out = subprocess.run([sys.executable, "-c", code], env=_fresh_env(), capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
+    out = _python(code, _fresh_env())
     assert "comes too late for this process (libgomp" in out.stderr
 
 

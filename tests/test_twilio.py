@@ -446,13 +446,13 @@ async def test_full_call_barge_in_dtmf_hangup(server: RunningServer, speech_clip
         await wait_for(lambda: any(r.data["event"] == "clear" for r in call.log), 20, "clear")
         barge = next(e for e in events if isinstance(e, ev.BargeIn))
         assert barge.response_id == first
-        heard = [tp.parse_mark(n) for t, n in call.echoed if n.startswith(first + ":")]
-        heard_ms = sorted({p[1] for p in heard if p})
+        heard = [(t, p[1]) for t, n in call.echoed if n.startswith(first + ":") and (p := tp.parse_mark(n))]
+        heard_ms = sorted({ms for _t, ms in heard})
         assert barge.played_ms in heard_ms or barge.played_ms == 0, (barge.played_ms, heard_ms)
         # Marks echoed before the barge-in (later ones are the caller playing on until the
         # clear reached it): the server counted all but an echo in flight.
         barged_at = events.when(barge)
-        heard_before = [p[1] for t, n in call.echoed if t < barged_at and (p := tp.parse_mark(n)) and n.startswith(first + ":")]
+        heard_before = [ms for t, ms in heard if t < barged_at]
         assert barge.played_ms >= max(heard_before, default=0) - 200, (barge.played_ms, heard_before)
         done = next(e for e in events if isinstance(e, ev.ResponseDone) and e.response_id == first)
         assert done.status == "interrupted" and done.played_ms == barge.played_ms
