@@ -24,7 +24,6 @@ import contextlib
 import json
 import logging
 import os
-import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,13 +35,9 @@ from websockets.asyncio.server import ServerConnection, serve
 from voicebot.config import Config
 from voicebot.engines.asr import AsrEngine, DecodeAbandoned
 from voicebot.engines.asr_queue import DecodeJob, JobQueue, Priority
-from voicebot.engines.asr_remote import (
-    MAX_FRAME,
-    PING_INTERVAL_S,
-    PING_TIMEOUT_S,
-    PROTOCOL,
-    unpack_decode,
-)
+from voicebot.engines.asr_remote import MAX_FRAME, PROTOCOL, unpack_decode
+from voicebot.engines.service_wire import listen as listen_ws
+from voicebot.engines.service_wire import quiet_server_log, stop_on_signals
 from voicebot.errors import VoicebotError
 from voicebot.server.process import apply_process_settings
 
@@ -281,15 +276,7 @@ class AsrService:
 
 def listen(service: AsrService, host: str, port: int) -> serve:
     """The WebSocket server of ``service`` (use as ``async with``)."""
-    return serve(
-        service.handler,
-        host,
-        port,
-        max_size=MAX_FRAME,
-        compression=None,
-        ping_interval=PING_INTERVAL_S,
-        ping_timeout=PING_TIMEOUT_S,
-    )
+    return listen_ws(service.handler, host, port, max_size=MAX_FRAME)
 
 
 async def serve_asr(
@@ -317,29 +304,23 @@ async def serve_asr(
     service = AsrService(engine, slots=slots, queue_size=acfg.queue_size, backend=backend)
     service.start()
     stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, stop.set)
     try:
-        async with listen(service, host, port) as server:
-            bound = next(iter(server.sockets)).getsockname()
-            url = f"ws://{bound[0]}:{bound[1]}"
-            log.info(
-                "ASR service (%s, %s, %d slots) ready on %s in %.1f s",
-                backend,
-                path,
-                slots,
-                url,
-                time.perf_counter() - t0,
-            )
-            if ready is not None:
-                ready(url)
-            await stop.wait()
+        with stop_on_signals(stop):
+            async with listen(service, host, port) as server:
+                bound = next(iter(server.sockets)).getsockname()
+                url = f"ws://{bound[0]}:{bound[1]}"
+                log.info(
+                    "ASR service (%s, %s, %d slots) ready on %s in %.1f s",
+                    backend,
+                    path,
+                    slots,
+                    url,
+                    time.perf_counter() - t0,
+                )
+                if ready is not None:
+                    ready(url)
+                await stop.wait()
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.remove_signal_handler(sig)
         await service.aclose()
         await engine.aclose()
 
@@ -350,9 +331,7 @@ def run_asr_service(cfg: Config, host: str, port: int, *, pull: bool = True) -> 
     def ready(url: str) -> None:
         print(json.dumps({"asr_service": url}), flush=True)
 
-    ws_log = logging.getLogger("websockets.server")
-    if ws_log.level == logging.NOTSET:
-        ws_log.setLevel(logging.WARNING)  # "connection open/closed" at INFO, one per stats probe
+    quiet_server_log()
     # Process-wide settings, as `voicebot serve` makes them, before the engine starts its threads.
     apply_process_settings(cfg.server)
 

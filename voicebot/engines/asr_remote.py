@@ -44,17 +44,17 @@ import contextlib
 import itertools
 import json
 import logging
-import struct
 import time
 from typing import Any
 
 import numpy as np
 import websockets
-from websockets.asyncio.client import ClientConnection, connect
+from websockets.asyncio.client import ClientConnection
 
 from voicebot.config import AsrConfig, RemoteAsrConfig
 from voicebot.engines.asr import AsrEngine, DecodeAbandoned, unless_abandoned
 from voicebot.engines.asr_queue import DecodeJob, Priority
+from voicebot.engines.service_wire import open_service, pack_frame, samples_of, split_frame
 from voicebot.errors import EngineError, ModelError
 
 __all__ = [
@@ -72,11 +72,6 @@ log = logging.getLogger(__name__)
 PROTOCOL = 1
 # 30 s of float32 audio is 1.92 MB; the header is small.
 MAX_FRAME = 4 * 1024 * 1024
-_HEADER = struct.Struct(">I")
-# Keepalive: a service that stops answering (hung, host gone) is found within ~15 s
-# even with no decode waiting; decode_timeout_s bounds the decodes themselves.
-PING_INTERVAL_S = 5.0
-PING_TIMEOUT_S = 10.0
 
 
 class ServiceLost(Exception):
@@ -88,43 +83,21 @@ class PartialDropped(Exception):
 
 
 def pack_decode(job_id: int, priority: Priority, prefix: str, language: str | None, audio: np.ndarray) -> bytes:
-    header = json.dumps(
-        {"type": "decode", "id": job_id, "priority": int(priority), "prefix": prefix, "language": language}
-    ).encode()
-    return _HEADER.pack(len(header)) + header + np.ascontiguousarray(audio, dtype="<f4").tobytes()
+    header = {"type": "decode", "id": job_id, "priority": int(priority), "prefix": prefix, "language": language}
+    return pack_frame(header, audio)
 
 
 def unpack_decode(frame: bytes) -> tuple[dict[str, Any], np.ndarray]:
     """The header and audio of a decode frame; ValueError when it is malformed."""
-    if len(frame) < _HEADER.size:
-        raise ValueError("decode frame shorter than its header length")
-    (n,) = _HEADER.unpack_from(frame)
-    end = _HEADER.size + n
-    if end > len(frame):
-        raise ValueError("decode frame header runs past the frame")
-    try:
-        header = json.loads(frame[_HEADER.size : end])
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"decode frame header is not JSON: {exc}") from exc
-    if not isinstance(header, dict) or header.get("type") != "decode":
-        raise ValueError("decode frame header is not a decode")
-    job_id, priority = header.get("id"), header.get("priority")
-    if not isinstance(job_id, int) or isinstance(job_id, bool):
-        raise ValueError("decode id must be an integer")
-    if priority not in (int(Priority.FINAL), int(Priority.PARTIAL)):
+    header, body = split_frame(frame, "decode")
+    if header.get("priority") not in (int(Priority.FINAL), int(Priority.PARTIAL)):
         raise ValueError("decode priority must be 0 (final) or 1 (partial)")
     if not isinstance(header.get("prefix", ""), str):
         raise ValueError("decode prefix must be a string")
     language = header.get("language")
     if language is not None and not isinstance(language, str):
         raise ValueError("decode language must be a string or null")
-    body = frame[end:]
-    if len(body) % 4:
-        raise ValueError("decode audio is not whole float32 samples")
-    audio = np.frombuffer(body, dtype="<f4").astype(np.float32)  # a writable native copy
-    if not np.isfinite(audio).all():
-        raise ValueError("decode audio has NaN or infinite samples")
-    return header, audio
+    return header, samples_of(body, "decode")
 
 
 _CONNECT_ERRORS = (OSError, TimeoutError, websockets.InvalidHandshake, websockets.ConnectionClosed, ValueError)
@@ -174,24 +147,9 @@ class AsrServiceClient:
                 raise
 
     async def _open(self) -> None:
-        ws = await connect(
-            self.cfg.url,
-            open_timeout=self.cfg.connect_timeout_s,
-            max_size=MAX_FRAME,
-            compression=None,
-            ping_interval=PING_INTERVAL_S,
-            ping_timeout=PING_TIMEOUT_S,
+        ws, hello = await open_service(
+            self.cfg.url, what="ASR service", protocol=PROTOCOL, open_timeout_s=self.cfg.connect_timeout_s, max_size=MAX_FRAME
         )
-        try:
-            raw = await asyncio.wait_for(ws.recv(), self.cfg.connect_timeout_s)
-            hello = json.loads(raw)
-            if not isinstance(hello, dict) or hello.get("type") != "hello":
-                raise ValueError(f"ASR service {self.cfg.url} did not say hello: {raw!r:.200}")
-            if hello.get("protocol") != PROTOCOL:
-                raise ValueError(f"ASR service speaks protocol {hello.get('protocol')}, we speak {PROTOCOL}")
-        except BaseException:
-            await ws.close()
-            raise
         if self.hello is not None:
             self.reconnects += 1
         self.hello = hello
