@@ -1,4 +1,4 @@
-"""The ``voicebot`` command: serve, probe, models.
+"""The ``voicebot`` command: serve, asr-serve, tts-serve, probe, models.
 
 Heavy imports (vLLM, faster-whisper) happen inside the subcommands, so
 ``voicebot --help`` and ``voicebot models list`` stay fast.
@@ -49,6 +49,13 @@ def build_parser() -> argparse.ArgumentParser:
     asr.add_argument("--port", type=int, default=8092, help="listen port, 0: any free one (default: %(default)s)")
     asr.add_argument("--no-pull", action="store_true", help="fail instead of building a missing bundle model")
     asr.set_defaults(func=_asr_serve)
+
+    tts = sub.add_parser("tts-serve", help="run the shared TTS service (one engine for many frontends)")
+    _add_config_args(tts, "configs/default.yaml")
+    tts.add_argument("--host", default="127.0.0.1", help="listen address (default: %(default)s)")
+    tts.add_argument("--port", type=int, default=8093, help="listen port, 0: any free one (default: %(default)s)")
+    tts.add_argument("--no-pull", action="store_true", help="fail instead of building a missing bundle model")
+    tts.set_defaults(func=_tts_serve)
 
     from voicebot.probe.cli import add_probe_parser
     from voicebot.provision.cli import add_models_parser
@@ -104,6 +111,14 @@ def _asr_serve(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, list(args.overrides))
     return run_asr_service(cfg, args.host, args.port, pull=not args.no_pull)
+
+
+def _tts_serve(args: argparse.Namespace) -> int:
+    from voicebot.config import load_config
+    from voicebot.tts_service import run_tts_service
+
+    cfg = load_config(args.config, list(args.overrides))
+    return run_tts_service(cfg, args.host, args.port, pull=not args.no_pull)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -172,8 +172,24 @@ class LlmConfig(_Section):
     tool_grammar: Literal["always", "forced", "off"] = Field("always", description="vLLM structured outputs for tool calls: 'always' (a call's JSON is valid for its schema, any tool_choice), 'forced' (only tool_choice required/named), 'off' (the model's own JSON).")
 
 
+class RemoteTtsConfig(_Section):
+    """The shared TTS service (``tts.backend: remote``): ``voicebot tts-serve`` hosts ONE engine
+    (the rest of the tts section) for many frontends; each frontend streams its clauses' audio from it."""
+
+    url: str = Field("ws://127.0.0.1:8093", pattern=r"^wss?://[^\s?#]+$", description="WebSocket URL of the TTS service (voicebot tts-serve).")
+    concurrency: int = Field(1024, ge=1, le=4096, description="Clauses in synthesis at once from one frontend; one more raises a capacity error, as a full tts.queue_size does in-process.")
+    window: int = Field(1, ge=1, le=64, description="Sentences of a clause the service may send ahead of what the session has taken (the service holds the rest, and synthesises one further).")
+    connect_timeout_s: float = Field(2.0, gt=0.0, le=60.0, description="Longest wait for a connection to the service.")
+    chunk_timeout_s: float = Field(30.0, gt=0.0, le=600.0, description="Longest wait for a clause's next sentence of audio (queueing included); then it fails, never retried.")
+    retries: int = Field(2, ge=0, le=10, description="Further tries of a clause whose connection was lost before its first audio; never after it.")
+    retry_backoff_s: float = Field(0.2, ge=0.0, le=10.0, description="Wait before the first retry; doubled for each further one.")
+    startup_timeout_s: float = Field(300.0, ge=0.0, le=3600.0, description="How long a frontend's start-up waits for the service.")
+
+
 class TtsConfig(_Section):
-    engine: Literal["piper", "espeak", "kokoro"] = Field("piper", description="Synthesiser behind the TTS interface (kokoro: Kokoro-82M in torch, batched across sessions; for a GPU; voice = a Kokoro voice name such as af_heart).")
+    backend: Literal["local", "remote"] = Field("local", description="local: the engine runs in this process; remote: a shared `voicebot tts-serve` service (tts.remote) hosts it for every frontend (one CUDA context for Kokoro on a GPU).")
+    remote: RemoteTtsConfig = Field(default_factory=RemoteTtsConfig, description="The shared TTS service (backend remote).")
+    engine: Literal["piper", "espeak", "kokoro"] = Field("piper", description="Synthesiser behind the TTS interface, or the one `voicebot tts-serve` hosts with backend remote (kokoro: Kokoro-82M in torch, batched across sessions; for a GPU; voice = a Kokoro voice name such as af_heart).")
     voice: str = Field("bundle:piper-en_US-joe-medium", description="Piper: voice directory/bundle; espeak: voice name.")
     workers: int = Field(1, ge=1, le=64, description="Synthesis threads shared by all sessions.")
     queue_size: int = Field(64, ge=1, le=100_000, description="Clauses waiting for a synthesis thread.")

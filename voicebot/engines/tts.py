@@ -72,7 +72,12 @@ class TtsEngine(Protocol):
 
 
 def create_tts(cfg: TtsConfig, voice_path: str | None) -> TtsEngine:
-    """Build the engine ``cfg.engine`` names; ``voice_path`` is the resolved Piper voice directory."""
+    """Build the engine ``cfg.engine`` names; ``voice_path`` is the resolved Piper voice directory.
+    With ``cfg.backend: remote`` it is the client of the shared service that hosts that engine."""
+    if cfg.backend == "remote":
+        from voicebot.engines.tts_remote import RemoteTts
+
+        return RemoteTts(cfg)
     if cfg.engine == "piper":
         from voicebot.engines.tts_piper import PiperTts
 

@@ -71,7 +71,7 @@ class FrontendRefs:
     asr: str | None  # None: the model lives in the shared ASR service (asr.backend remote)
     llm: str  # with a remote LLM tier only its tokenizer is loaded: llm.tokenizer or llm.model
     tokenizer: str | None  # in-process LLM only, when it differs from the model
-    voice: str | None  # Piper's voice; other engines take no model reference
+    voice: str | None  # Piper's voice; other engines and a shared TTS service (tts.backend remote) take none
 
 
 def frontend_refs(config: Config) -> FrontendRefs:
@@ -80,7 +80,7 @@ def frontend_refs(config: Config) -> FrontendRefs:
         asr=None if config.asr.backend == "remote" else config.asr.model,
         llm=(config.llm.tokenizer or config.llm.model) if remote_llm else config.llm.model,
         tokenizer=None if remote_llm else config.llm.tokenizer,
-        voice=config.tts.voice if config.tts.engine == "piper" else None,
+        voice=config.tts.voice if config.tts.engine == "piper" and config.tts.backend == "local" else None,
     )
 
 

@@ -1,0 +1,380 @@
+"""The frontend half of the shared TTS service (``tts.backend: remote``).
+
+On one GPU, K frontends with a Kokoro engine each are K CUDA contexts time-slicing the GPU
+with the LLM and the ASR service, and each Kokoro's host work shares its frontend's GIL with
+the event loop (docs/gpu-results.md, stop 20). ``voicebot tts-serve`` (:mod:`voicebot.tts_service`)
+hosts ONE engine -- Kokoro batching every frontend's clauses in one forward, or Piper on the
+service's cores -- and this module is what a frontend runs instead of a local one.
+
+:class:`RemoteTts` *is* a :class:`~voicebot.engines.tts.TtsEngine`: ``synthesize(clause)``
+yields float32 chunks at ``sample_rate`` (the service's engine's), one per sentence, each as
+it arrives. Text cleaning and sentence cutting happen in the service's engine, as in-process.
+
+Wire format (protocol 1), over one multiplexed WebSocket per frontend
+(:mod:`voicebot.engines.service_wire` has the conventions):
+
+- service -> frontend, text, once: ``{"type": "hello", "protocol", "engine", "sample_rate", "voices"}``;
+- frontend -> service, text: ``{"type": "synthesize", "id", "text", "voice", "speed", "window"}``;
+  ``{"type": "ack", "id"}`` when the session took one chunk; ``{"type": "cancel", "id"}`` (a
+  barge-in, an early close: the service stops the synthesis); ``{"type": "stats"}``;
+- service -> frontend: binary audio frames (header ``{"type": "audio", "id"}``, then the
+  sentence's float32 samples); text ``{"type": "done", "id"}`` after the last one, or
+  ``{"type": "error", "id", "code", "message"}`` instead.
+
+Flow control: the service sends at most ``window`` chunks of a clause that the frontend has not
+acknowledged, so each clause's buffer here holds at most ``window`` chunks and its end (the
+reader never waits on a session), and the service's engine runs at most one sentence beyond
+that: a long reply is not synthesised far ahead of its playback (a barge-in would waste it).
+
+Failures: a connection lost before a clause's first audio is retried (``tts.remote.retries``)
+on a new connection; once audio came, the clause fails with ``EngineError(code="tts_unavailable")``
+and the session reports it (an error event; the reply ends ``failed``). No next chunk within
+``chunk_timeout_s`` fails with ``tts_timeout``. Health is the local engines' rule: syntheses
+failed in a row (``failure_streak``), which the supervisor turns into ``/healthz`` 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import websockets
+from websockets.asyncio.client import ClientConnection
+
+from voicebot.config import RemoteTtsConfig, TtsConfig
+from voicebot.engines.service_wire import open_service, samples_of, split_frame
+from voicebot.engines.tts import clean_text
+from voicebot.errors import CapacityError, EngineError, ModelError
+
+__all__ = ["MAX_FRAME", "PROTOCOL", "RemoteTts", "ServiceLost", "TtsServiceClient"]
+
+log = logging.getLogger(__name__)
+
+PROTOCOL = 1
+# One sentence of audio: even a 60 s one at 24 kHz float32 is 5.8 MB; a clause's text is small.
+MAX_FRAME = 8 * 1024 * 1024
+
+_CONNECT_ERRORS = (OSError, TimeoutError, websockets.InvalidHandshake, websockets.ConnectionClosed, ValueError)
+
+
+class ServiceLost(Exception):
+    """The connection went away (or could not be made) before the clause's end."""
+
+
+@dataclass(eq=False)
+class _Clause:
+    """What the reader has received for one clause and its consumer has not taken yet."""
+
+    id: int
+    window: int
+    chunks: deque[np.ndarray] = field(default_factory=deque)  # at most `window` (the service's promise)
+    end: BaseException | None = None  # set once: _DONE, an EngineError or a ServiceLost
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)
+    got_audio: bool = False
+
+
+class _Done(Exception):
+    """The clause's end marker (not an error)."""
+
+
+_DONE = _Done()
+
+
+class TtsServiceClient:
+    """One multiplexed WebSocket to the TTS service: many clauses in flight, matched by id."""
+
+    def __init__(self, cfg: RemoteTtsConfig) -> None:
+        self.cfg = cfg
+        self.hello: dict[str, Any] | None = None
+        self._ws: ClientConnection | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._clauses: dict[int, _Clause] = {}
+        self._ids = itertools.count(1)
+        self._connecting = asyncio.Lock()
+        self._background: set[asyncio.Task[Any]] = set()
+        self._closed = False
+        self.reconnects = 0
+        self._attempts = 0
+        self._last_error: BaseException | None = None
+
+    @property
+    def connected(self) -> bool:
+        return self._ws is not None
+
+    @property
+    def open_clauses(self) -> int:
+        return len(self._clauses)
+
+    async def connect(self) -> None:
+        """Open the connection unless open; callers waiting on a failed attempt share its error
+        (as :class:`~voicebot.engines.asr_remote.AsrServiceClient` does)."""
+        seen = self._attempts
+        async with self._connecting:
+            if self._ws is not None:
+                return
+            if self._closed:
+                raise EngineError("TTS service client is closed")
+            if self._attempts != seen and self._last_error is not None:
+                raise self._last_error
+            self._attempts += 1
+            self._last_error = None
+            try:
+                await self._open()
+            except Exception as exc:
+                self._last_error = exc
+                raise
+
+    async def _open(self) -> None:
+        ws, hello = await open_service(
+            self.cfg.url,
+            what="TTS service",
+            protocol=PROTOCOL,
+            open_timeout_s=self.cfg.connect_timeout_s,
+            max_size=MAX_FRAME,
+        )
+        if self.hello is not None and hello.get("sample_rate") != self.hello.get("sample_rate"):
+            await ws.close()
+            raise ValueError(
+                f"TTS service now synthesises at {hello.get('sample_rate')} Hz, not {self.hello.get('sample_rate')}"
+            )
+        if self.hello is not None:
+            self.reconnects += 1
+        self.hello = hello
+        self._ws = ws
+        self._reader = asyncio.create_task(self._read(ws), name="tts-service-reader")
+
+    def _deliver(self, clause: _Clause, item: np.ndarray | BaseException) -> None:
+        if isinstance(item, BaseException):
+            if clause.end is None:
+                clause.end = item
+        else:
+            if len(clause.chunks) >= clause.window:
+                raise ValueError(f"TTS service sent clause {clause.id} more than its window of {clause.window}")
+            clause.chunks.append(item)
+            clause.got_audio = True
+        clause.arrived.set()
+
+    async def _read(self, ws: ClientConnection) -> None:
+        try:
+            async for msg in ws:
+                if isinstance(msg, bytes):
+                    header, body = split_frame(msg, "audio")
+                    clause = self._clauses.get(header["id"])
+                    if clause is not None:  # else cancelled meanwhile
+                        self._deliver(clause, samples_of(body, "audio"))
+                    continue
+                data = json.loads(msg)
+                clause = self._clauses.get(data.get("id"))
+                if clause is None:
+                    continue
+                if data.get("type") == "done":
+                    self._deliver(clause, _DONE)
+                elif data.get("type") == "error":
+                    code = str(data.get("code") or "engine_error")
+                    message = f"TTS service: {data.get('message', code)}"
+                    exc = CapacityError(message) if code == CapacityError.code else EngineError(message, code=code)
+                    self._deliver(clause, exc)
+        except websockets.ConnectionClosed:
+            pass
+        except Exception:
+            log.exception("TTS service connection: bad message; dropping the connection")
+            await ws.close()
+        finally:
+            # No await from here on: no clause can register on this connection meanwhile.
+            if self._ws is ws:
+                self._ws = None
+            lost = ServiceLost(f"connection to {self.cfg.url} lost")
+            clauses, self._clauses = self._clauses, {}
+            for clause in clauses.values():
+                self._deliver(clause, lost)
+
+    async def _start_clause(self, text: str, voice: str | None, speed: float | None) -> tuple[ClientConnection, _Clause]:
+        try:
+            await self.connect()
+        except _CONNECT_ERRORS as exc:
+            raise ServiceLost(f"cannot connect to {self.cfg.url}: {exc}") from exc
+        ws = self._ws
+        if ws is None:
+            raise ServiceLost(f"connection to {self.cfg.url} lost")
+        clause = _Clause(next(self._ids), self.cfg.window)
+        self._clauses[clause.id] = clause
+        request = {"type": "synthesize", "id": clause.id, "text": text, "voice": voice, "speed": speed,
+                   "window": clause.window}
+        try:
+            await ws.send(json.dumps(request))
+        except websockets.ConnectionClosed as exc:
+            self._clauses.pop(clause.id, None)
+            raise ServiceLost(f"connection to {self.cfg.url} lost: {exc}") from exc
+        except BaseException:
+            self._clauses.pop(clause.id, None)
+            raise
+        return ws, clause
+
+    async def _next(self, ws: ClientConnection, clause: _Clause) -> np.ndarray | None:
+        """The clause's next chunk (acknowledged to the service), or None at its end."""
+        while not clause.chunks and clause.end is None:
+            clause.arrived.clear()
+            try:
+                async with asyncio.timeout(self.cfg.chunk_timeout_s):
+                    await clause.arrived.wait()
+            except TimeoutError:
+                raise EngineError(
+                    f"TTS service sent no audio in {self.cfg.chunk_timeout_s:g} s", code="tts_timeout"
+                ) from None
+        if clause.chunks:
+            self._send_soon(ws, {"type": "ack", "id": clause.id})
+            return clause.chunks.popleft()
+        if clause.end is _DONE:
+            return None
+        assert clause.end is not None
+        raise clause.end
+
+    async def stream(self, text: str, voice: str | None, speed: float | None) -> AsyncGenerator[np.ndarray, None]:
+        """One clause's chunks; closing or cancelling it cancels the synthesis at the service."""
+        for attempt in itertools.count():
+            try:
+                ws, clause = await self._start_clause(text, voice, speed)
+            except ServiceLost as exc:
+                await self._retry_or_raise(exc, attempt)
+                continue
+            finished = False
+            try:
+                while (chunk := await self._next(ws, clause)) is not None:
+                    yield chunk
+                finished = True
+                return
+            except ServiceLost as exc:
+                finished = True  # the service dropped the clause with the connection
+                if clause.got_audio:  # never asked for twice once audio came
+                    raise self._unavailable(exc) from exc
+                lost = exc
+            except EngineError:
+                finished = clause.end is not None  # the service's error ended it there; a timeout did not
+                raise
+            finally:
+                self._clauses.pop(clause.id, None)
+                if not finished:
+                    self._send_soon(ws, {"type": "cancel", "id": clause.id})
+            await self._retry_or_raise(lost, attempt)
+
+    def _unavailable(self, exc: BaseException) -> EngineError:
+        return EngineError(f"TTS service {self.cfg.url} unavailable: {exc}", code="tts_unavailable")
+
+    async def _retry_or_raise(self, exc: ServiceLost, attempt: int) -> None:
+        if attempt >= self.cfg.retries or self._closed:
+            raise self._unavailable(exc) from exc
+        log.info("TTS service: %s; retry %d", exc, attempt + 1)
+        await asyncio.sleep(self.cfg.retry_backoff_s * 2**attempt)
+
+    def _send_soon(self, ws: ClientConnection, payload: dict[str, Any]) -> None:
+        """Send a control message without waiting (an ack or a cancel: never worth blocking a
+        session on; a connection gone meanwhile took the clause with it)."""
+        if ws is not self._ws:
+            return
+
+        async def send() -> None:
+            with contextlib.suppress(websockets.ConnectionClosed):
+                await ws.send(json.dumps(payload))
+
+        task = asyncio.create_task(send(), name="tts-service-send")
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def aclose(self) -> None:
+        self._closed = True
+        ws, self._ws = self._ws, None
+        if ws is not None:
+            await ws.close()
+        if self._reader is not None:
+            await asyncio.gather(self._reader, return_exceptions=True)
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+
+
+class RemoteTts:
+    """:class:`~voicebot.engines.tts.TtsEngine` whose syntheses run on the shared TTS service."""
+
+    def __init__(self, cfg: TtsConfig, *, client: TtsServiceClient | None = None) -> None:
+        self._cfg = cfg
+        self.client = client or TtsServiceClient(cfg.remote)
+        # Until start() learns the service's rate: what the engines of this config would say.
+        self.sample_rate = 24_000 if cfg.engine == "kokoro" else 22_050
+        self._failure_streak = 0
+        self._last_error: BaseException | None = None
+        self._waiting = 0  # clauses sent and waiting for their first audio
+        self.completed = 0
+        self.failed = 0
+
+    async def start(self) -> None:
+        rcfg = self._cfg.remote
+        t0 = time.monotonic()
+        while True:
+            try:
+                await self.client.connect()
+                break
+            except _CONNECT_ERRORS as exc:
+                if time.monotonic() - t0 >= rcfg.startup_timeout_s:
+                    raise ModelError(
+                        f"TTS service {rcfg.url} not reachable after {rcfg.startup_timeout_s:g} s: {exc}"
+                    ) from exc
+                await asyncio.sleep(min(1.0, rcfg.startup_timeout_s / 10 or 0.1))
+        hello = self.client.hello or {}
+        self.sample_rate = int(hello.get("sample_rate") or self.sample_rate)
+        log.info("TTS: the shared service at %s (%s, %d Hz) in %.1f s", rcfg.url, hello.get("engine"),
+                 self.sample_rate, time.monotonic() - t0)
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+    @property
+    def queue_depth(self) -> int:
+        return self._waiting
+
+    @property
+    def failure_streak(self) -> int:
+        return self._failure_streak
+
+    @property
+    def last_error(self) -> BaseException | None:
+        return self._last_error
+
+    def voices(self) -> list[str]:
+        names = (self.client.hello or {}).get("voices") or []
+        return [str(n) for n in names]
+
+    async def synthesize(
+        self, text: str, *, voice: str | None = None, speed: float | None = None
+    ) -> AsyncGenerator[np.ndarray, None]:
+        if not clean_text(text):
+            return  # nothing speakable: no round trip (the engine would yield nothing)
+        if self.client.open_clauses >= self._cfg.remote.concurrency:
+            raise CapacityError(f"TTS service: {self.client.open_clauses} clauses in synthesis (tts.remote.concurrency)")
+        self._waiting += 1
+        first = True
+        try:
+            async with contextlib.aclosing(self.client.stream(text, voice, speed)) as chunks:
+                async for chunk in chunks:
+                    if first:
+                        first = False
+                        self._waiting -= 1
+                    yield chunk
+        except EngineError as exc:  # not CapacityError: a full queue is the clause's problem, not the engine's
+            self.failed += 1
+            self._failure_streak += 1
+            self._last_error = exc
+            raise
+        finally:
+            if first:
+                self._waiting -= 1
+        self.completed += 1
+        self._failure_streak = 0

@@ -1,0 +1,291 @@
+"""``voicebot tts-serve``: ONE TTS engine shared by many frontends (``tts.backend: remote``).
+
+On one GPU, K frontends with a Kokoro engine each are K CUDA contexts time-slicing the GPU
+with the LLM server and the ASR service, and each Kokoro's host work (thousands of kernel
+launches per forward) shares its frontend's GIL with the event loop (docs/gpu-results.md,
+stop 20). This process hosts the single engine the config's tts section describes -- Kokoro
+on the GPU, whose batcher puts every frontend's clauses into one forward, or Piper on this
+host's cores -- as ``voicebot asr-serve`` hosts the one Whisper.
+
+It keeps no per-call state: a frontend sends a clause (text, voice, speed) and gets its
+sentences' audio back as they are synthesised (:mod:`voicebot.engines.tts_remote` has the wire
+format). Each clause is one task iterating the engine's ``synthesize``, so the engine's own
+queue, batching and deadlines apply unchanged; the task sends at most ``window`` chunks the
+frontend has not acknowledged, then waits (the engine holds one sentence of look-ahead beyond
+that, as in-process). A ``cancel`` or a closed connection cancels the clause's task, which
+closes the engine's stream: a queued sentence is dropped, a running one aborted or discarded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import websockets
+from websockets.asyncio.server import ServerConnection, serve
+
+from voicebot.config import Config
+from voicebot.engines.service_wire import listen as listen_ws
+from voicebot.engines.service_wire import pack_frame, quiet_server_log, stop_on_signals
+from voicebot.engines.tts import TtsEngine
+from voicebot.engines.tts_remote import MAX_FRAME, PROTOCOL
+from voicebot.errors import VoicebotError
+from voicebot.server.process import apply_process_settings
+
+__all__ = ["ServiceStats", "TtsService", "listen", "run_tts_service", "serve_tts"]
+
+log = logging.getLogger(__name__)
+
+# Clauses one connection may have in synthesis; a frontend bounds itself below
+# (tts.remote.concurrency), so this only stops a runaway client.
+MAX_JOBS_PER_CONNECTION = 4096
+MAX_TEXT_CHARS = 20_000  # a clause is a sentence or a few; an LLM reply is capped far below
+MAX_WINDOW = 64  # tts.remote.window's bound
+
+
+@dataclass
+class ServiceStats:
+    connections: int = 0
+    open_connections: int = 0
+    clauses: int = 0  # synthesised to their end
+    chunks: int = 0  # sentences of audio sent
+    cancelled: int = 0  # by their frontend, or by their connection closing
+    failed: int = 0
+    bad_requests: int = 0
+    busy: int = 0
+
+    def as_json(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+@dataclass(eq=False)
+class _Conn:
+    ws: ServerConnection
+    jobs: dict[int, _Job] = field(default_factory=dict)
+    closed: bool = False
+
+
+@dataclass(eq=False)
+class _Job:
+    id: int
+    window: int
+    unacked: int = 0  # chunks sent and not yet taken by the frontend's session
+    room: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task[None] | None = None
+
+
+class _Request(ValueError):
+    """A synthesize message that cannot be served (an ``invalid_request`` error)."""
+
+
+def parse_synthesize(data: dict[str, Any]) -> tuple[int, str, str | None, float | None, int]:
+    """id, text, voice, speed and window of a synthesize message; _Request when malformed."""
+    job_id, text, voice, speed, window = (data.get(k) for k in ("id", "text", "voice", "speed", "window"))
+    if not isinstance(job_id, int) or isinstance(job_id, bool):
+        raise _Request("synthesize id must be an integer")
+    if not isinstance(text, str) or len(text) > MAX_TEXT_CHARS:
+        raise _Request(f"synthesize text must be a string of at most {MAX_TEXT_CHARS} characters")
+    if voice is not None and not isinstance(voice, str):
+        raise _Request("synthesize voice must be a string or null")
+    if speed is not None and (isinstance(speed, bool) or not isinstance(speed, int | float) or not speed > 0):
+        raise _Request("synthesize speed must be a positive number or null")
+    window = 1 if window is None else window
+    if not isinstance(window, int) or isinstance(window, bool) or not 1 <= window <= MAX_WINDOW:
+        raise _Request(f"synthesize window must be an integer from 1 to {MAX_WINDOW}")
+    return job_id, text, voice, None if speed is None else float(speed), window
+
+
+class TtsService:
+    """The clause tasks and the WebSocket handler around one started engine."""
+
+    def __init__(self, engine: TtsEngine, *, engine_name: str = "") -> None:
+        self.engine = engine
+        self.engine_name = engine_name
+        self.stats = ServiceStats()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._closed = False
+
+    @property
+    def running(self) -> int:
+        """Clauses in synthesis now (queued in the engine, running, or waiting for their acks)."""
+        return len(self._tasks)
+
+    async def aclose(self) -> None:
+        self._closed = True
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # -- one connection ---------------------------------------------------------------
+
+    async def handler(self, ws: ServerConnection) -> None:
+        conn = _Conn(ws)
+        self.stats.connections += 1
+        self.stats.open_connections += 1
+        try:
+            await ws.send(json.dumps({
+                "type": "hello",
+                "protocol": PROTOCOL,
+                "engine": self.engine_name,
+                "sample_rate": self.engine.sample_rate,
+                "voices": self.engine.voices(),
+            }))
+            async for msg in ws:
+                await self._on_message(conn, msg)
+        except websockets.ConnectionClosed:
+            pass
+        finally:
+            self.stats.open_connections -= 1
+            conn.closed = True
+            for job in list(conn.jobs.values()):
+                if job.task is not None and job.task.cancel():
+                    self.stats.cancelled += 1  # nobody is left to hear it
+            conn.jobs.clear()
+
+    async def _on_message(self, conn: _Conn, msg: str | bytes) -> None:
+        data: Any = None
+        if isinstance(msg, str):
+            with contextlib.suppress(json.JSONDecodeError):
+                data = json.loads(msg)
+        kind = data.get("type") if isinstance(data, dict) else None
+        if kind == "ack":
+            job = conn.jobs.get(data.get("id"))
+            if job is not None and job.unacked > 0:
+                job.unacked -= 1
+                job.room.set()
+        elif kind == "synthesize":
+            await self._on_synthesize(conn, data)
+        elif kind == "cancel":
+            job = conn.jobs.pop(data.get("id"), None)
+            if job is not None and job.task is not None and job.task.cancel():
+                self.stats.cancelled += 1  # finished meanwhile otherwise: its end is ignored
+        elif kind == "stats":
+            await self._send(conn, {"type": "stats", **self.snapshot()})
+        else:
+            self.stats.bad_requests += 1
+            await self._error(conn, None, "invalid_event", "unknown message")
+
+    async def _on_synthesize(self, conn: _Conn, data: dict[str, Any]) -> None:
+        try:
+            job_id, text, voice, speed, window = parse_synthesize(data)
+        except _Request as exc:
+            self.stats.bad_requests += 1
+            await self._error(conn, data.get("id") if isinstance(data.get("id"), int) else None,
+                              "invalid_request", str(exc))
+            return
+        if job_id in conn.jobs:
+            self.stats.bad_requests += 1
+            await self._error(conn, job_id, "invalid_request", "duplicate id")
+            return
+        if self._closed or len(conn.jobs) >= MAX_JOBS_PER_CONNECTION:
+            self.stats.busy += 1
+            await self._error(conn, job_id, "busy", "too many clauses in synthesis")
+            return
+        job = conn.jobs[job_id] = _Job(job_id, window)
+        job.task = asyncio.create_task(self._synthesize(conn, job, text, voice, speed), name=f"tts-clause-{job_id}")
+        self._tasks.add(job.task)
+        job.task.add_done_callback(self._tasks.discard)
+
+    async def _synthesize(self, conn: _Conn, job: _Job, text: str, voice: str | None, speed: float | None) -> None:
+        try:
+            async with contextlib.aclosing(self.engine.synthesize(text, voice=voice, speed=speed)) as chunks:
+                async for chunk in chunks:
+                    while job.unacked >= job.window:
+                        job.room.clear()
+                        await job.room.wait()
+                    job.unacked += 1
+                    await conn.ws.send(pack_frame({"type": "audio", "id": job.id}, chunk))
+                    self.stats.chunks += 1
+        except websockets.ConnectionClosed:
+            return  # the handler cancels the connection's other clauses
+        except Exception as exc:
+            self.stats.failed += 1
+            if not isinstance(exc, VoicebotError):
+                log.warning("TTS synthesis failed: %s", exc, exc_info=True)
+            code = exc.code if isinstance(exc, VoicebotError) else "engine_error"
+            if conn.jobs.pop(job.id, None) is job:
+                await self._error(conn, job.id, code, str(exc))
+            return
+        if conn.jobs.pop(job.id, None) is job:
+            self.stats.clauses += 1
+            await self._send(conn, {"type": "done", "id": job.id})
+
+    async def _error(self, conn: _Conn, job_id: int | None, code: str, message: str) -> None:
+        await self._send(conn, {"type": "error", "id": job_id, "code": code, "message": message})
+
+    async def _send(self, conn: _Conn, payload: dict[str, Any]) -> None:
+        if conn.closed:
+            return
+        with contextlib.suppress(websockets.ConnectionClosed):
+            await conn.ws.send(json.dumps(payload))
+
+    def snapshot(self) -> dict[str, Any]:
+        return {**self.stats.as_json(), "running": self.running, "engine_queue_depth": self.engine.queue_depth,
+                "engine_failure_streak": self.engine.failure_streak}
+
+
+# -- the process ------------------------------------------------------------------------
+
+
+def listen(service: TtsService, host: str, port: int) -> serve:
+    """The WebSocket server of ``service`` (use as ``async with``)."""
+    return listen_ws(service.handler, host, port, max_size=MAX_FRAME)
+
+
+async def serve_tts(
+    cfg: Config,
+    host: str,
+    port: int,
+    *,
+    ready: Callable[[str], None] | None = None,
+    stop: asyncio.Event | None = None,
+    pull: bool = True,
+) -> None:
+    """Load the engine, serve until ``stop`` (or SIGINT/SIGTERM), close everything."""
+    from voicebot.engines.tts import create_tts
+    from voicebot.provision import resolve_model
+
+    tcfg = cfg.tts.model_copy(update={"backend": "local"})
+    if cfg.models.offline:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    voice_path = None
+    if tcfg.engine == "piper":
+        voice_path = await asyncio.to_thread(resolve_model, tcfg.voice, cfg.models, pull=pull)
+    t0 = time.perf_counter()
+    engine = create_tts(tcfg, voice_path)
+    await engine.start()
+    service = TtsService(engine, engine_name=tcfg.engine)
+    stop = stop or asyncio.Event()
+    try:
+        with stop_on_signals(stop):
+            async with listen(service, host, port) as server:
+                bound = next(iter(server.sockets)).getsockname()
+                url = f"ws://{bound[0]}:{bound[1]}"
+                log.info("TTS service (%s, %d Hz) ready on %s in %.1f s", tcfg.engine, engine.sample_rate, url,
+                         time.perf_counter() - t0)
+                if ready is not None:
+                    ready(url)
+                await stop.wait()
+    finally:
+        await service.aclose()
+        await engine.aclose()
+
+
+def run_tts_service(cfg: Config, host: str, port: int, *, pull: bool = True) -> int:
+    """``voicebot tts-serve``: prints one JSON line ``{"tts_service": URL}`` once it listens."""
+
+    def ready(url: str) -> None:
+        print(json.dumps({"tts_service": url}), flush=True)
+
+    quiet_server_log()
+    # Process-wide settings, as `voicebot serve` makes them, before the engine starts its threads.
+    apply_process_settings(cfg.server)
+    asyncio.run(serve_tts(cfg, host, port, ready=ready, pull=pull))
+    return 0
