@@ -25,7 +25,12 @@
 #               K frontends with asr.backend remote and llm.backend remote (configs/gpu-asr-service.yaml):
 #               no frontend holds a GPU engine; PIPE_FRONTENDS="1 4", PIPE_ASR_SESSIONS, PIPE_ASR_SLOTS,
 #               PIPE_WHISPER_MEMORY, PIPE_WALL_S, PIPE_ARGS) -> OUT/pipeline-asr-kK/pipeline.json
-#             llm-stop (stop what llm-server / asr-server / --detach left running in OUT)
+#             tts-server (issue 9 after stop 20: the ONE shared TTS service, `voicebot tts-serve` hosting the
+#               config's tts engine with PIPE_TTS_ARGS applied (e.g. "--set tts.engine=kokoro --set
+#               tts.kokoro_model=random": Kokoro on the GPU), started detached into OUT/tts-server once the
+#               ASR service answers (or the LLM server, without one); pipeline-asr then runs its frontends
+#               with tts.backend remote pointing at it: no frontend holds a GPU context)
+#             llm-stop (stop what llm-server / asr-server / tts-server / --detach left running in OUT)
 #             remote-tier (issue 10, one GPU: two vLLM servers sharing it behind vllm-router vs one,
 #               affinity on vs off, gpu_remote_tier.py; needs the vllm-router wheel: .whl/, see below)
 #
@@ -206,15 +211,25 @@ run() {
           --whisper-dir "$whisper" --whisper-memory "${PIPE_WHISPER_MEMORY:-0.15}" \
           ${PIPE_ASR_SLOTS:+--asr-slots "$PIPE_ASR_SLOTS"} \
           --out "$out/asr-server" >> "$out/asr_server_part.log" 2>&1 || rc=$? ;;
-      pipeline-asr)  # one LLM server + ONE ASR service + K frontends; one run per K in PIPE_FRONTENDS
-        local llm_url="" asr_url="" k
+      tts-server)  # the ONE shared TTS service, detached (pipeline-asr finds it in OUT/tts-server)
+        local after=""
+        [ -f "$out/llm-server/llm_server.json" ] && after="$out/llm-server/llm_server.json"
+        [ -f "$out/asr-server/asr_server.json" ] && after="$out/asr-server/asr_server.json"
+        # shellcheck disable=SC2086  # PIPE_TTS_ARGS is a word list
+        python3 benchmarks/pipeline_gpu.py tts-server --config configs/gpu-asr-service.yaml --gpu-dummy \
+          ${after:+--after "$after"} --start-timeout-s 600 ${PIPE_TTS_ARGS:-} \
+          --out "$out/tts-server" >> "$out/tts_server_part.log" 2>&1 || rc=$? ;;
+      pipeline-asr)  # one LLM server + ONE ASR service (+ ONE TTS service) + K frontends; one run per K
+        local llm_url="" asr_url="" tts_url="" k
         [ -f "$out/llm-server/llm_server.json" ] && llm_url="$out/llm-server/llm_server.json"
         [ -f "$out/asr-server/asr_server.json" ] && asr_url="$out/asr-server/asr_server.json"
+        [ -f "$out/tts-server/tts_server.json" ] && tts_url="$out/tts-server/tts_server.json"
         for k in ${PIPE_FRONTENDS:-1 4}; do
           # shellcheck disable=SC2086  # word lists
           python3 benchmarks/pipeline_gpu.py run --config configs/gpu-asr-service.yaml --gpu-dummy \
             --remote-llm --remote-asr --frontends "$k" \
             ${llm_url:+--llm-url "$llm_url"} ${asr_url:+--asr-url "$asr_url"} \
+            ${tts_url:+--remote-tts --tts-url "$tts_url"} \
             --llm-memory "${PIPE_LLM_MEMORY:-0.45}" --whisper-memory "${PIPE_WHISPER_MEMORY:-0.15}" \
             ${PIPE_ASR_SLOTS:+--asr-slots "$PIPE_ASR_SLOTS"} \
             --llm-dir "$qwen" --whisper-dir "$whisper" --voice "$HOME/tts/voice" \
@@ -225,6 +240,7 @@ run() {
       llm-stop)
         python3 benchmarks/pipeline_gpu.py stop --out "$out/llm-server" || rc=$?
         [ -d "$out/asr-server" ] && python3 benchmarks/pipeline_gpu.py stop --out "$out/asr-server"
+        [ -d "$out/tts-server" ] && python3 benchmarks/pipeline_gpu.py stop --out "$out/tts-server"
         for d in "$out"/pipeline-multi-k*/ "$out"/pipeline-asr-k*/; do
           [ -d "$d" ] && python3 benchmarks/pipeline_gpu.py stop --out "$d"
         done

@@ -8,6 +8,7 @@
     python benchmarks/pipeline_gpu.py run --config configs/gpu-asr-service.yaml ... --remote-llm \
         --remote-asr --frontends 4 --out OUT     # + ONE shared ASR service (below)
     python benchmarks/pipeline_gpu.py asr-server --whisper-dir .gpu/whisper-turbo --gpu-dummy --out OUT  # detached
+    python benchmarks/pipeline_gpu.py tts-server --set tts.engine=kokoro ... --out OUT   # detached; run --remote-tts
     python benchmarks/pipeline_gpu.py plot "16 TTS workers=OUT/pipeline.json" --png docs/img/pipeline-gpu.png
 
 ``run`` starts ``voicebot serve`` (this file's ``serve`` mode: the real CLI path with the
@@ -43,6 +44,13 @@ agreement stay in the frontend; decodes go over one WebSocket each), so no front
 a GPU engine. It starts after the LLM server and before the frontends, or is named by
 ``--asr-url`` (``asr-server`` starts one detached). Level rows add the service's cores,
 its decode counts in the level and its peak queue / decodes running.
+
+Shared TTS (``--remote-tts``, issue 9 after stop 20): ONE ``voicebot tts-serve`` hosts the tts
+section's engine (Kokoro on the GPU with ``--set tts.engine=kokoro``: one CUDA context batching
+every frontend's clauses, its launches off the frontends' GILs) and the frontends run
+``tts.backend: remote``. It starts after the ASR service, or is named by ``--tts-url``
+(``tts-server`` starts one detached). Level rows add its cores, clause / chunk counts in the
+level and its peak clauses running and engine queue.
 
 Benchmark patches (``serve`` and ``asr-serve`` modes only, chosen by ``--gpu-dummy``; all stated in the JSON):
 - Whisper on vLLM and the LLM run with ``load_format="dummy"``: random weights of the real
@@ -287,7 +295,14 @@ def whisper_sets(args: argparse.Namespace) -> list[str]:
     return sets
 
 
-def server_overrides(args: argparse.Namespace, llm_url: str | None = None, asr_url: str | None = None) -> list[str]:
+def voice_sets(args: argparse.Namespace) -> list[str]:
+    if not args.voice:
+        return []
+    return ["tts.engine=piper", f"tts.voice={Path(args.voice).expanduser().resolve()}"]
+
+
+def server_overrides(args: argparse.Namespace, llm_url: str | None = None, asr_url: str | None = None,
+                     tts_url: str | None = None) -> list[str]:
     sets = [f"server.max_sessions={max(args.sessions) + 8}", "server.transports=[native]"]
     if args.gpu_dummy:
         sets += [*whisper_sets(args), f"llm.model={Path(args.llm_dir).resolve()}", "models.offline=true"]
@@ -301,8 +316,11 @@ def server_overrides(args: argparse.Namespace, llm_url: str | None = None, asr_u
         # after asr.backend=vllm above: the frontends hold no Whisper, the service does
         sets += ["asr.backend=remote", f"asr.remote.url={asr_url or 'ws://127.0.0.1:1'}",
                  f"asr.remote.concurrency={args.asr_frontend_concurrency}"]
-    if args.voice:
-        sets += ["tts.engine=piper", f"tts.voice={Path(args.voice).expanduser().resolve()}"]
+    sets += voice_sets(args)
+    if getattr(args, "remote_tts", False):
+        # after the voice: the frontends hold no TTS engine, the service does
+        sets += ["tts.backend=remote", f"tts.remote.url={tts_url or 'ws://127.0.0.1:1'}",
+                 f"tts.remote.concurrency={min(max(args.sessions) * 2 + 16, 4096)}"]
     if args.llm_max_tokens:
         sets.append(f"llm.max_tokens={args.llm_max_tokens}")
     return sets + list(args.set)
@@ -312,9 +330,9 @@ class Server:
     """The server child, or nothing when --url names one that is already up."""
 
     def __init__(self, args: argparse.Namespace, out: Path, index: int | None = None,
-                 llm_url: str | None = None, asr_url: str | None = None) -> None:
+                 llm_url: str | None = None, asr_url: str | None = None, tts_url: str | None = None) -> None:
         self.args, self.out = args, out
-        self.asr_url = asr_url
+        self.asr_url, self.tts_url = asr_url, tts_url
         self.proc: subprocess.Popen[bytes] | None = None
         self.port = free_port()
         self.suffix = "" if index is None else f"_{index}"  # frontend k of --frontends
@@ -329,7 +347,7 @@ class Server:
         args = self.args
         cmd = [sys.executable, str(Path(__file__).resolve()), "serve", "--config", args.config,
                "--host", "127.0.0.1", "--port", str(self.port)]
-        for item in server_overrides(args, self.llm_url, self.asr_url):
+        for item in server_overrides(args, self.llm_url, self.asr_url, self.tts_url):
             cmd += ["--set", item]
         env = dict(os.environ, **{PATCH_ENV: json.dumps(patch_options(args))})
         (self.out / f"server{self.suffix}_cmd.json").write_text(
@@ -456,16 +474,19 @@ class LlmServer:
             proc.wait(10)
 
 
-class AsrServer:
-    """The one shared ASR service of ``--remote-asr`` runs: ``voicebot asr-serve`` through this
-    file's ``asr-serve`` mode (Whisper on vLLM with the benchmark patches under --gpu-dummy;
-    the config's asr section otherwise, e.g. faster-whisper in a CPU smoke run)."""
+class ServiceServer:
+    """One shared engine service: ``voicebot asr-serve`` of ``--remote-asr`` runs (Whisper on vLLM
+    with the benchmark patches under --gpu-dummy; the config's asr section otherwise, e.g.
+    faster-whisper in a CPU smoke run) or ``voicebot tts-serve`` of ``--remote-tts`` runs (the
+    config's tts section with --voice and --set applied: Kokoro on the GPU, Piper on the CPU),
+    each through this file's mode of that name."""
 
-    def __init__(self, args: argparse.Namespace, out: Path) -> None:
-        self.args, self.out = args, out
+    def __init__(self, args: argparse.Namespace, out: Path, kind: str) -> None:
+        assert kind in ("asr", "tts")
+        self.args, self.out, self.kind = args, out, kind
         self.proc: subprocess.Popen[bytes] | None = None
         self.port = free_port()
-        self.log_path = out / "asr_server.log"
+        self.log_path = out / f"{kind}_server.log"
 
     @property
     def url(self) -> str:
@@ -473,29 +494,34 @@ class AsrServer:
 
     def command(self) -> list[str]:
         args = self.args
-        cmd = [sys.executable, str(Path(__file__).resolve()), "asr-serve", "--config", args.config,
+        cmd = [sys.executable, str(Path(__file__).resolve()), f"{self.kind}-serve", "--config", args.config,
                "--host", "127.0.0.1", "--port", str(self.port)]
         sets = []
+        if self.kind == "asr" and args.gpu_dummy:
+            sets += whisper_sets(args)
+        if self.kind == "tts":
+            sets += voice_sets(args)
         if args.gpu_dummy:
-            sets += [*whisper_sets(args), "models.offline=true"]
+            sets.append("models.offline=true")
         for item in sets + list(args.set):
             cmd += ["--set", item]
         return cmd
 
     def spawn(self) -> None:
         cmd = self.command()
-        env = dict(os.environ, **{PATCH_ENV: json.dumps(patch_options(self.args))})
+        patches = patch_options(self.args) if self.kind == "asr" else {}  # the TTS service runs unpatched
+        env = dict(os.environ, **{PATCH_ENV: json.dumps(patches)})
         self.out.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env=env, start_new_session=True)
-        (self.out / "asr_server.json").write_text(json.dumps(
-            {"pid": self.proc.pid, "port": self.port, "url": self.url, "cmd": cmd,
-             "patches": patch_options(self.args)}, indent=1) + "\n")
+        (self.out / f"{self.kind}_server.json").write_text(json.dumps(
+            {"pid": self.proc.pid, "port": self.port, "url": self.url, "cmd": cmd, "patches": patches},
+            indent=1) + "\n")
 
     def start(self) -> float:
         self.spawn()
-        return wait_asr_ready(self.url, self.args.start_timeout_s, self.proc, self.log_path)
+        return wait_service_ready(self.url, self.args.start_timeout_s, self.proc, self.log_path)
 
     def stop(self) -> None:
         proc = self.proc
@@ -511,8 +537,9 @@ class AsrServer:
             proc.wait(10)
 
 
-def asr_service_stats(url: str, timeout: float = 5.0) -> dict[str, Any]:
-    """The service's counters (``{"type": "stats"}`` on a connection of its own)."""
+def service_stats(url: str, timeout: float = 5.0) -> dict[str, Any]:
+    """A shared service's counters (``{"type": "stats"}`` on a connection of its own; the ASR
+    and the TTS service both answer it)."""
     from websockets.sync.client import connect
 
     with connect(url, open_timeout=timeout, max_size=None) as ws:
@@ -521,16 +548,16 @@ def asr_service_stats(url: str, timeout: float = 5.0) -> dict[str, Any]:
         return dict(json.loads(ws.recv(timeout)))
 
 
-def wait_asr_ready(url: str, timeout_s: float, proc: subprocess.Popen[bytes] | None = None,
-                   log: Path | None = None) -> float:
-    """Poll the ASR service until it answers its stats; the seconds it took."""
+def wait_service_ready(url: str, timeout_s: float, proc: subprocess.Popen[bytes] | None = None,
+                       log: Path | None = None) -> float:
+    """Poll a shared service until it answers its stats; the seconds it took."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:
         if proc is not None and proc.poll() is not None:
             tail = log.read_text(errors="replace")[-4000:] if log and log.exists() else ""
-            raise RuntimeError(f"{url}: the ASR service exited with {proc.returncode}\n{tail}")
+            raise RuntimeError(f"{url}: the service exited with {proc.returncode}\n{tail}")
         with contextlib.suppress(Exception):
-            asr_service_stats(url, 2.0)
+            service_stats(url, 2.0)
             return time.monotonic() - t0
         time.sleep(1.0)
     raise RuntimeError(f"{url} not up within {timeout_s:.0f} s")
@@ -560,16 +587,52 @@ class PeakSampler(threading.Thread):
                     self.peaks[k] = max(self.peaks.get(k, v), v)
 
 
-class AsrStatsSampler(PeakSampler):
-    """The ASR service's queue depth and decodes running (peaks)."""
+class ServiceStatsSampler(PeakSampler):
+    """A shared service's queue depth and work running (peaks): the ASR service's decodes, the
+    TTS service's clauses and its engine's queue."""
+
+    KEYS = ("queue_depth", "running", "open_connections", "engine_queue_depth")
 
     def __init__(self, url: str) -> None:
         super().__init__()
         self.url = url
 
     def read(self) -> dict[str, object]:
-        stats = asr_service_stats(self.url, 2.0)
-        return {k: stats.get(k) for k in ("queue_depth", "running", "open_connections")}
+        stats = service_stats(self.url, 2.0)
+        return {k: stats.get(k) for k in self.KEYS if k in stats}
+
+
+# A service's counters reported per level (their change over the level).
+IN_LEVEL = {"asr": ("finals", "partials", "dropped_partials", "cancelled", "failed"),
+            "tts": ("clauses", "chunks", "cancelled", "failed", "busy")}
+
+
+class ServiceMeter:
+    """One shared service over one level: its peaks (sampled), its cores, its counters' change."""
+
+    def __init__(self, url: str, pid: int | None, counters: tuple[str, ...]) -> None:
+        self.url, self.pid, self.counters = url, pid, counters
+        self.sampler = ServiceStatsSampler(url)
+        self.stats0: dict[str, Any] = {}
+        self.cpu0 = 0.0
+
+    def begin(self) -> None:
+        with contextlib.suppress(Exception):
+            self.stats0 = service_stats(self.url)
+        self.sampler.start()
+        self.cpu0 = tree_cpu(self.pid)
+
+    def end(self, wall_s: float) -> dict[str, Any]:
+        cores = (tree_cpu(self.pid) - self.cpu0) / wall_s if self.pid else None
+        self.sampler.stop_flag.set()
+        self.sampler.join(3)
+        row: dict[str, Any] = {"peaks": self.sampler.peaks, "sampler_errors": self.sampler.errors,
+                               "cores": round(cores, 3) if cores is not None else None}
+        with contextlib.suppress(Exception):
+            stats1 = service_stats(self.url)
+            row["in_level"] = {k: stats1[k] - self.stats0.get(k, 0) for k in self.counters
+                               if isinstance(stats1.get(k), int)}
+        return row
 
 
 def recorded_url(path: Path, what: str) -> str | None:
@@ -592,7 +655,7 @@ def stop_recorded(out: Path) -> list[int]:
     process groups recorded in OUT), frontends first."""
     stopped = []
     pids = [pid for pid in (read_pid(p) for p in sorted(out.glob("server*.pid"))) if pid]
-    for name in ("asr_server.json", "llm_server.json"):
+    for name in ("tts_server.json", "asr_server.json", "llm_server.json"):
         with contextlib.suppress(OSError, ValueError, KeyError):
             pids.append(int(json.loads((out / name).read_text())["pid"]))
     for pid in pids:
@@ -780,6 +843,7 @@ def run_main(args: argparse.Namespace) -> int:
         "frontends": len(args.url) if args.url else args.frontends if args.remote_llm else 1,
         "llm": "remote: one vLLM OpenAI server" if args.remote_llm else "in-process",
         "asr": "remote: one shared ASR service (voicebot asr-serve)" if args.remote_asr else "in each frontend",
+        "tts": "remote: one shared TTS service (voicebot tts-serve)" if args.remote_tts else "in each frontend",
         # gpu_suite.sh PIPE_MPS=1: the servers started here join that NVIDIA MPS daemon (OUT/mps/status.log)
         "cuda_mps_pipe_directory": os.environ.get("CUDA_MPS_PIPE_DIRECTORY"),
     }
@@ -790,12 +854,14 @@ def run_main(args: argparse.Namespace) -> int:
     recorded = Path(args.llm_url) if args.llm_url and args.llm_url.endswith(".json") else out / "llm_server.json"
     llm_url = None if args.llm_url and args.llm_url.endswith(".json") else args.llm_url
     llm_pid: int | None = None
-    asr: AsrServer | None = None
-    # --asr-url: a URL, or the asr_server.json an ``asr-server`` wrote (default: OUT's)
-    asr_recorded = (Path(args.asr_url) if args.asr_url and args.asr_url.endswith(".json")
-                    else out / "asr_server.json")
-    asr_url = None if args.asr_url and args.asr_url.endswith(".json") else args.asr_url
-    asr_pid: int | None = None
+    # The shared services of --remote-asr / --remote-tts. --asr-url / --tts-url: a URL, or the
+    # KIND_server.json an ``asr-server`` / ``tts-server`` wrote (default: OUT's).
+    wanted = {"asr": args.remote_asr, "tts": args.remote_tts}
+    given = {"asr": args.asr_url, "tts": args.tts_url}
+    services: dict[str, ServiceServer] = {}  # started here (stopped at the end)
+    svc_recorded = {k: Path(u) if u and u.endswith(".json") else out / f"{k}_server.json" for k, u in given.items()}
+    svc_url: dict[str, str | None] = {k: None if u and u.endswith(".json") else u for k, u in given.items()}
+    svc_pid: dict[str, int | None] = {"asr": None, "tts": None}
     rc = 0
     try:
         if args.url:  # frontends already up (an earlier --detach)
@@ -813,23 +879,27 @@ def run_main(args: argparse.Namespace) -> int:
                 print(f"LLM server ready in {run_info['llm_server_start_s']} s at {llm_url}", flush=True)
             elif llm_url:
                 run_info["llm_server_wait_s"] = round(wait_http_ok(llm_url + "/health", args.start_timeout_s), 1)
-            if args.remote_asr and not asr_url:  # started by ``asr-server``
-                asr_url = recorded_url(asr_recorded, "ASR service")
-            if args.remote_asr and not asr_url:
-                asr = AsrServer(args, out)
-                print("starting the shared ASR service ...", flush=True)
-                try:
-                    run_info["asr_server_start_s"] = round(asr.start(), 1)
-                except Exception:
-                    print(asr.log_path.read_text(errors="replace")[-4000:], file=sys.stderr)
-                    raise
-                asr_url = asr.url
-                print(f"ASR service ready in {run_info['asr_server_start_s']} s at {asr_url}", flush=True)
-            elif asr_url:
-                run_info["asr_server_wait_s"] = round(wait_asr_ready(asr_url, args.start_timeout_s), 1)
-            multi = args.remote_llm or args.remote_asr
+            for kind in ("asr", "tts"):  # the ASR service first: its vLLM sizes itself from free memory
+                if wanted[kind] and not svc_url[kind]:  # started by ``asr-server`` / ``tts-server``
+                    svc_url[kind] = recorded_url(svc_recorded[kind], f"{kind.upper()} service")
+                if wanted[kind] and not svc_url[kind]:
+                    service = services[kind] = ServiceServer(args, out, kind)
+                    print(f"starting the shared {kind.upper()} service ...", flush=True)
+                    try:
+                        run_info[f"{kind}_server_start_s"] = round(service.start(), 1)
+                    except Exception:
+                        print(service.log_path.read_text(errors="replace")[-4000:], file=sys.stderr)
+                        raise
+                    svc_url[kind] = service.url
+                    print(f"{kind.upper()} service ready in {run_info[f'{kind}_server_start_s']} s at {service.url}",
+                          flush=True)
+                elif svc_url[kind]:
+                    run_info[f"{kind}_server_wait_s"] = round(
+                        wait_service_ready(str(svc_url[kind]), args.start_timeout_s), 1)
+            asr_url, tts_url = svc_url["asr"], svc_url["tts"]
+            multi = args.remote_llm or args.remote_asr or args.remote_tts
             count = args.frontends if multi else 1
-            frontends = [Server(args, out, k if multi else None, llm_url, asr_url) for k in range(count)]
+            frontends = [Server(args, out, k if multi else None, llm_url, asr_url, tts_url) for k in range(count)]
             run_info["server_start_s"] = []
             for k, server in enumerate(frontends):  # one after the other: each sizes vLLM from free memory
                 print(f"starting frontend {k} ({args.config}) ...", flush=True)
@@ -839,7 +909,7 @@ def run_main(args: argparse.Namespace) -> int:
                     print(server.log_path.read_text(errors="replace")[-4000:], file=sys.stderr)
                     raise
                 print(f"frontend {k} ready in {run_info['server_start_s'][-1]} s at port {server.port}", flush=True)
-            run_info["overrides"] = server_overrides(args, llm_url, asr_url)  # with the servers' real URLs
+            run_info["overrides"] = server_overrides(args, llm_url, asr_url, tts_url)  # with the servers' real URLs
             urls = [f"ws://127.0.0.1:{s.port}/ws" for s in frontends]
             https = [s.http for s in frontends]
             pids = [s.proc.pid if s.proc else None for s in frontends]
@@ -849,12 +919,13 @@ def run_main(args: argparse.Namespace) -> int:
                 llm_pid = int(info["pid"])
                 llm_url = llm_url or info["url"]
             run_info["llm_url"] = llm_url
-        if args.remote_asr:
-            with contextlib.suppress(OSError, ValueError, KeyError):
-                info = json.loads(asr_recorded.read_text())
-                asr_pid = int(info["pid"])
-                asr_url = asr_url or info["url"]
-            run_info["asr_url"] = asr_url
+        for kind in ("asr", "tts"):
+            if wanted[kind]:
+                with contextlib.suppress(OSError, ValueError, KeyError):
+                    info = json.loads(svc_recorded[kind].read_text())
+                    svc_pid[kind] = int(info["pid"])
+                    svc_url[kind] = svc_url[kind] or info["url"]
+                run_info[f"{kind}_url"] = svc_url[kind]
         run_info["healthz_at_start"] = [http_json(h + "/healthz")[1] for h in https]
         clips = tuple(load_clip(a, 16000) for a in args.audio)
         base = ProbeConfig(url=urls[0], urls=tuple(urls), clips=clips, turns=args.turns, gap_s=args.gap_s,
@@ -877,28 +948,14 @@ def run_main(args: argparse.Namespace) -> int:
                 sampler.start()
             loop0 = [http_json(h + LOOP_PATH)[1] for h in https]
             eng0 = [engine_cpu(pid) for pid in pids]
-            asr_sampler = AsrStatsSampler(asr_url) if asr_url else None
-            asr_stats0: dict[str, Any] = {}
-            if asr_url and asr_sampler is not None:
-                with contextlib.suppress(Exception):
-                    asr_stats0 = asr_service_stats(asr_url)
-                asr_sampler.start()
-            llm0, asr_cpu0, t0 = tree_cpu(llm_pid), tree_cpu(asr_pid), time.monotonic()
+            meters = {k: ServiceMeter(str(u), svc_pid[k], IN_LEVEL[k]) for k, u in svc_url.items() if u}
+            for meter in meters.values():
+                meter.begin()
+            llm0, t0 = tree_cpu(llm_pid), time.monotonic()
             result = asyncio.run(run_level_measured(cfg, n))
             last_wall = time.monotonic() - t0
             llm_cores = (tree_cpu(llm_pid) - llm0) / last_wall if llm_pid else None
-            asr_cores = (tree_cpu(asr_pid) - asr_cpu0) / last_wall if asr_pid else None
-            asr_row: dict[str, Any] | None = None
-            if asr_url and asr_sampler is not None:
-                asr_sampler.stop_flag.set()
-                asr_sampler.join(3)
-                asr_row = {"peaks": asr_sampler.peaks, "sampler_errors": asr_sampler.errors,
-                           "cores": round(asr_cores, 3) if asr_cores is not None else None}
-                with contextlib.suppress(Exception):
-                    asr_stats1 = asr_service_stats(asr_url)
-                    asr_row["in_level"] = {k: asr_stats1[k] - asr_stats0.get(k, 0)
-                                           for k in ("finals", "partials", "dropped_partials", "cancelled", "failed")
-                                           if isinstance(asr_stats1.get(k), int)}
+            svc_rows = {k: meter.end(last_wall) for k, meter in meters.items()}
             loop1 = [http_json(h + LOOP_PATH)[1] for h in https]
             eng1 = [engine_cpu(pid) for pid in pids]
             for sampler in samplers:
@@ -916,8 +973,8 @@ def run_main(args: argparse.Namespace) -> int:
                                                                                        strict=True)])
             if llm_cores is not None:
                 row["llm_server_cores"] = round(llm_cores, 3)
-            if asr_row is not None:
-                row["asr_service"] = asr_row
+            for kind, svc_row in svc_rows.items():
+                row[f"{kind}_service"] = svc_row
             row["fails"] = level_fails(row, args)
             summary["levels"] = [lv for lv in summary["levels"]
                                  if (lv["sessions"], lv.get("frontends", 1)) != (n, len(urls))] + [row]
@@ -936,6 +993,8 @@ def run_main(args: argparse.Namespace) -> int:
                   f"llm server {row.get('llm_server_cores')} cores  "
                   f"asr service {(row.get('asr_service') or {}).get('cores')} cores "
                   f"peaks {(row.get('asr_service') or {}).get('peaks')}  "
+                  f"tts service {(row.get('tts_service') or {}).get('cores')} cores "
+                  f"peaks {(row.get('tts_service') or {}).get('peaks')}  "
                   f"{last_wall:.0f} s {'FAIL: ' + '; '.join(row['fails']) if row['fails'] else ''}", flush=True)
             if row["fails"] and not args.keep_going:
                 break
@@ -952,24 +1011,28 @@ def run_main(args: argparse.Namespace) -> int:
                 server.stop()
             if llm is not None:
                 llm.stop()
-            if asr is not None:
-                asr.stop()
+            for service in services.values():
+                service.stop()
         print(f"largest passing N: {summary['sessions_per_gpu']}; {summary_path}", flush=True)
     return rc
 
 
-def asr_server_main(args: argparse.Namespace) -> int:
-    """Start the shared ASR service detached (its pid and URL in OUT/asr_server.json)."""
-    if args.after:  # another vLLM engine's start must be over first (GPU memory is sized from what is free)
+def service_server_main(args: argparse.Namespace, kind: str) -> int:
+    """Start a shared service detached (its pid and URL in OUT/KIND_server.json)."""
+    if args.after:  # another engine's start must be over first (vLLM sizes GPU memory from what is free)
         url = json.loads(Path(args.after).read_text())["url"] if args.after.endswith(".json") else args.after
-        print(f"waiting for {url}/health before starting ...", flush=True)
-        wait_http_ok(url + "/health", args.start_timeout_s)
-    server = AsrServer(args, Path(args.out))
+        print(f"waiting for {url} before starting ...", flush=True)
+        if url.startswith("ws"):
+            wait_service_ready(url, args.start_timeout_s)
+        else:
+            wait_http_ok(url + "/health", args.start_timeout_s)
+    server = ServiceServer(args, Path(args.out), kind)
     server.spawn()
-    print(f"ASR service starting: pid {server.proc.pid if server.proc else None} at {server.url}", flush=True)
+    print(f"{kind.upper()} service starting: pid {server.proc.pid if server.proc else None} at {server.url}",
+          flush=True)
     if args.wait:
-        print(f"ASR service ready in {wait_asr_ready(server.url, args.start_timeout_s, server.proc, server.log_path):.1f} s",
-              flush=True)
+        took = wait_service_ready(server.url, args.start_timeout_s, server.proc, server.log_path)
+        print(f"{kind.upper()} service ready in {took:.1f} s", flush=True)
     return 0
 
 
@@ -1088,12 +1151,21 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--asr-url", help="an ASR service already up (default: OUT/asr_server.json's, else start one)")
     r.add_argument("--asr-frontend-concurrency", type=int, default=256,
                    help="decodes in flight from one frontend to the service (asr.remote.concurrency)")
+    r.add_argument("--remote-tts", action="store_true",
+                   help="ONE shared TTS service (voicebot tts-serve) for all frontends (tts.backend remote)")
+    r.add_argument("--tts-url", help="a TTS service already up (default: OUT/tts_server.json's, else start one)")
     r.add_argument("--script-replies", action=argparse.BooleanOptionalAction, default=True)
     asr = sub.add_parser("asr-server", help="start the shared ASR service of --remote-asr runs, detached")
     add_model_args(asr)
     add_whisper_args(asr)
     asr.add_argument("--wait", action="store_true", help="return once it answers")
     asr.add_argument("--after", help="start only once this LLM server (URL or llm_server.json) answers /health")
+    tts = sub.add_parser("tts-server", help="start the shared TTS service of --remote-tts runs, detached")
+    add_model_args(tts)
+    tts.add_argument("--voice", help="Piper voice directory (sets tts.engine=piper; else the config's / --set's tts)")
+    tts.add_argument("--wait", action="store_true", help="return once it answers")
+    tts.add_argument("--after", help="start only once this server answers (an LLM URL or llm_server.json: "
+                                     "/health; a ws:// URL or asr_server.json: the service's stats)")
     ls = sub.add_parser("llm-server", help="start the LLM server of --remote-llm runs, detached")
     add_model_args(ls)
     ls.add_argument("--wait", action="store_true", help="return once it answers /health")
@@ -1111,6 +1183,11 @@ def main() -> int:
         return serve_main(sys.argv[2:])
     if len(sys.argv) > 1 and sys.argv[1] == "asr-serve":
         return asr_serve_main(sys.argv[2:])
+    if len(sys.argv) > 1 and sys.argv[1] == "tts-serve":
+        # no benchmark patches: Kokoro's random weights (tts.kokoro_model: random) are config
+        from voicebot.cli import main as cli_main
+
+        return cli_main(["tts-serve", *sys.argv[2:]])
     args = build_parser().parse_args()
     if args.command == "run" and args.frontends > 1 and not args.remote_llm:
         build_parser().error("--frontends > 1 needs --remote-llm (one LLM for all frontends)")
@@ -1118,8 +1195,8 @@ def main() -> int:
         return run_main(args)
     if args.command == "llm-server":
         return llm_server_main(args)
-    if args.command == "asr-server":
-        return asr_server_main(args)
+    if args.command in ("asr-server", "tts-server"):
+        return service_server_main(args, args.command.removesuffix("-server"))
     if args.command == "stop":
         print(f"stopped process groups {stop_recorded(Path(args.out))}", flush=True)
         return 0
