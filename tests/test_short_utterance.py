@@ -67,26 +67,46 @@ def wavs(speech_clips: list[Clip], tmp_path_factory: pytest.TempPathFactory) -> 
     return first.path, word
 
 
-def test_the_word_starts_a_turn_after_any_silence_at_any_window_phase(speech_clips: list[Clip]) -> None:
+def word_starts_a_turn(vad: SileroVad, word: np.ndarray, silence_samples: int) -> bool:
     """The session's own path for phone audio (8 kHz chunks -> soxr -> Silero VAD ->
-    turn detector), after the silence of a caller listening to a reply, at each of the
-    16 alignments of the word to the VAD's 32 ms windows. Silero's state drifted in
-    long silence: the word started no turn at 14 of these 48 (vad.py now resets it)."""
+    turn detector) after ``silence_samples`` of silence (8 kHz)."""
+    silence = np.zeros(silence_samples, dtype=np.float32)
+    audio = np.concatenate([silence, word, np.zeros(g711.RATE // 2, dtype=np.float32)])
+    resampler, stream, turns = Resampler(g711.RATE, ASR_RATE), vad.stream(), SilenceTurnDetector(VadConfig())
+    for i in range(0, audio.size, 160):  # Twilio's 20 ms frames
+        for p in stream.process(resampler.process(audio[i : i + 160])):
+            if Signal.SPEECH_START in turns.update(float(p), 32.0):
+                return True
+    return False
+
+
+def test_the_word_starts_a_turn_after_any_silence_at_any_window_phase(speech_clips: list[Clip]) -> None:
+    """After the silence of a caller listening to a reply, at each of the 16 alignments
+    of the word to the VAD's 32 ms windows. Silero's state drifted in long silence: the
+    word started no turn at 14 of these 48 (vad.py now resets it)."""
     word = telephone_word(speech_clips)
     vad = SileroVad()
-    lost = []
-    for silence_s in (1.0, 5.0, 19.0):
-        for phase in range(0, WINDOW // 2, 16):  # in 8 kHz samples: 32 steps of 1 ms
-            lead = np.zeros(int(silence_s * g711.RATE) + phase, dtype=np.float32)
-            audio = np.concatenate([lead, word, np.zeros(g711.RATE // 2, dtype=np.float32)])
-            resampler, stream, turns = Resampler(g711.RATE, ASR_RATE), vad.stream(), SilenceTurnDetector(VadConfig())
-            started = False
-            for i in range(0, audio.size, 160):  # Twilio's 20 ms frames
-                for p in stream.process(resampler.process(audio[i : i + 160])):
-                    started |= Signal.SPEECH_START in turns.update(float(p), 32.0)
-            if not started:
-                lost.append((silence_s, phase))
+    lost = [
+        (silence_s, phase)
+        for silence_s in (1.0, 5.0, 19.0)
+        for phase in range(0, WINDOW // 2, 16)  # in 8 kHz samples: 16 steps of 2 ms
+        if not word_starts_a_turn(vad, word, int(silence_s * g711.RATE) + phase)
+    ]
     assert not lost, f"no turn for the word after (silence s, phase) = {lost}"
+
+
+def test_the_word_starts_a_turn_wherever_the_quiet_reset_falls(speech_clips: list[Clip]) -> None:
+    """The state reset after ~1 s of quiet (vad.py) can fall anywhere before the word:
+    every silence from 1 to 2 s in 2 ms steps covers each of its 31 window positions at
+    16 phases. A reset that landed in the word's quiet lead-in, 1-5 windows before the
+    speech, left the model cold: the word scored above 0.5 for fewer than
+    ``min_speech_ms`` and was lost after 5 of these 500 silences (the call test below
+    failed now and then that way). The state now restarts warmed on the last quiet
+    windows."""
+    word = telephone_word(speech_clips)
+    vad = SileroVad()
+    lost = [ms for ms in range(1000, 2000, 2) if not word_starts_a_turn(vad, word, ms * g711.RATE // 1000)]
+    assert not lost, f"no turn for the word after these silences (ms): {lost}"
 
 
 def test_the_recording_is_one_short_loud_word(speech_clips: list[Clip]) -> None:
@@ -120,8 +140,9 @@ async def test_one_word_second_turn_is_answered_on_every_protocol(
 ) -> None:
     # One caller per protocol: the three WebSocket ones at once (the suite's time budget),
     # then WebRTC alone. With all four at once on 2 cores, WebRTC's word was lost in about
-    # one run of five (a CI failure): no speech_started at the server, no error; the
-    # Python Opus and RTP paths of both ends starve beside three other real-time callers.
+    # one run of five (a CI failure): no speech_started at the server, no error. That was
+    # put down to the Python Opus and RTP paths starving; the VAD's cold restart found
+    # later (test above) loses a word in just that way, at any load.
     sockets = [p for p in PROTOCOLS if p != "webrtc"]
     results = dict(zip(sockets, await asyncio.gather(*(call(server, wavs, p) for p in sockets)), strict=True))
     results["webrtc"] = await call(server, wavs, "webrtc")

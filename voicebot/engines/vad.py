@@ -18,6 +18,11 @@ telephone "them" after 5-19 s of silence stayed below 0.5, or above it for fewer
 and the word was never heard. The state is therefore reset after ``QUIET_RESET_WINDOWS``
 windows of quiet (about a second), as if a fresh stream began; speech never triggers
 it, and a reset in the middle of silence changes nothing that follows but the drift.
+A state of zeros is cold, though: the first windows after it score speech low, so a
+reset that fell in the few quiet windows just before a word lost the word again (5 of
+500 silence lengths, tests/test_short_utterance.py). The fresh state is therefore
+warmed on the last ``WARM_WINDOWS`` quiet windows, as a stream that had just heard
+them would be.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ CONTEXT = 64  # samples of the previous window the model sees
 _STATE_SHAPE = (1, 1, 128)
 QUIET_PROB = 0.15  # below this a window is quiet
 QUIET_RESET_WINDOWS = 31  # ~1 s of quiet: start the recurrent state afresh
+WARM_WINDOWS = 8  # replayed into the fresh state (none lost at 8 or 16; 5 of 500 at 0)
 
 
 def default_model_path() -> Path:
@@ -85,6 +91,7 @@ class VadStream:
         self._reset_state()
         self._context = np.zeros(CONTEXT, dtype=np.float32)
         self._rest = np.zeros(0, dtype=np.float32)
+        self._recent = np.zeros((0, CONTEXT + WINDOW), dtype=np.float32)  # the last model inputs
 
     def _reset_state(self) -> None:
         self._h = np.zeros(_STATE_SHAPE, dtype=np.float32)
@@ -108,7 +115,7 @@ class VadStream:
         return self._run(batch)
 
     def _run(self, batch: np.ndarray) -> np.ndarray:
-        """Run windows in order, resetting the state where a quiet stretch reaches
+        """Run windows in order, restarting the state where a quiet stretch reaches
         QUIET_RESET_WINDOWS (the windows after it run again from the fresh state, so
         the result does not depend on how the audio was chunked)."""
         h, c = self._h, self._c
@@ -117,9 +124,19 @@ class VadStream:
         for i, p in enumerate(probs):
             quiet = quiet + 1 if p < QUIET_PROB else 0
             if quiet >= QUIET_RESET_WINDOWS:
-                self._reset_state()
+                self._restart(batch[: i + 1])
                 if i + 1 < len(probs):
                     probs = np.concatenate([probs[: i + 1], self._run(batch[i + 1 :])])
                 return probs
         self._quiet = quiet
+        self._keep(batch)
         return probs
+
+    def _keep(self, rows: np.ndarray) -> None:
+        self._recent = np.concatenate([self._recent, rows])[-WARM_WINDOWS:]
+
+    def _restart(self, rows: np.ndarray) -> None:
+        """A fresh state that has heard the last quiet windows (``rows`` end the stretch)."""
+        self._keep(rows)
+        self._reset_state()
+        _, self._h, self._c = self._model._run(self._recent, self._h, self._c)
