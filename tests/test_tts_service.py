@@ -281,3 +281,49 @@ async def test_a_service_gone_for_good_turns_the_frontends_tts_health_failed() -
                 assert tts.failure_streak == n
             reason = supervisor.probe("tts")
             assert reason is not None and "3 TTS synthesis calls failed in a row" in reason
+
+
+async def test_a_clause_cancelled_while_its_request_drains_is_cancelled_on_the_service() -> None:
+    # The synthesize frame is written, then the send waits for the socket to drain and the
+    # session is cancelled there (a barge-in): the service must still hear a cancel.
+    hold = asyncio.Event()
+    fake = ScriptedTts(hold=hold)
+    async with service(fake) as (svc, url), frontend(url) as tts:
+        ws = tts.client._ws
+        assert ws is not None
+        real_send = ws.send
+        draining = asyncio.Event()
+
+        async def send(message: str) -> None:
+            await real_send(message)
+            if json.loads(message)["type"] == "synthesize":
+                draining.set()
+                await asyncio.Event().wait()  # the drain that never ends before the cancel
+
+        ws.send = send  # type: ignore[method-assign]
+
+        async def speak() -> None:
+            async for _ in tts.synthesize("a. b. c."):
+                pass
+
+        task = asyncio.create_task(speak())
+        await asyncio.wait_for(draining.wait(), WAIT)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await until(lambda: fake.closed == 1 and svc.running == 0)
+        assert svc.stats.cancelled == 1 and tts.failure_streak == 0
+
+
+async def test_a_clause_whose_frontend_never_acks_is_dropped_by_the_service(monkeypatch: pytest.MonkeyPatch) -> None:
+    import voicebot.tts_service as tts_service
+
+    monkeypatch.setattr(tts_service, "ACK_TIMEOUT_S", 0.05)
+    fake = ScriptedTts()
+    async with service(fake) as (svc, url), websockets.connect(url) as ws:
+        await asyncio.wait_for(ws.recv(), WAIT)  # hello
+        await ws.send(json.dumps({"type": "synthesize", "id": 1, "text": "a. b. c."}))
+        assert isinstance(await asyncio.wait_for(ws.recv(), WAIT), bytes)  # window 1, never acked
+        reply = json.loads(await asyncio.wait_for(ws.recv(), WAIT))
+        assert reply["type"] == "error" and reply["id"] == 1 and reply["code"] == "tts_timeout", reply
+        await until(lambda: svc.running == 0 and fake.closed == 1)

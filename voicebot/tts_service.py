@@ -36,7 +36,7 @@ from voicebot.engines.service_wire import listen as listen_ws
 from voicebot.engines.service_wire import pack_frame, quiet_server_log, stop_on_signals
 from voicebot.engines.tts import TtsEngine
 from voicebot.engines.tts_remote import MAX_FRAME, PROTOCOL
-from voicebot.errors import VoicebotError
+from voicebot.errors import EngineError, VoicebotError
 from voicebot.server.process import apply_process_settings
 
 __all__ = ["ServiceStats", "TtsService", "listen", "run_tts_service", "serve_tts"]
@@ -48,6 +48,9 @@ log = logging.getLogger(__name__)
 MAX_JOBS_PER_CONNECTION = 4096
 MAX_TEXT_CHARS = 20_000  # a clause is a sentence or a few; an LLM reply is capped far below
 MAX_WINDOW = 64  # tts.remote.window's bound
+# A clause whose frontend takes none of its sent chunks for this long is dropped: a session
+# takes its next chunk within one sentence's playback, so only a lost cancel gets here.
+ACK_TIMEOUT_S = 300.0
 
 
 @dataclass
@@ -199,7 +202,13 @@ class TtsService:
                 async for chunk in chunks:
                     while job.unacked >= job.window:
                         job.room.clear()
-                        await job.room.wait()
+                        try:
+                            async with asyncio.timeout(ACK_TIMEOUT_S):
+                                await job.room.wait()
+                        except TimeoutError:
+                            raise EngineError(
+                                f"the frontend took no audio of this clause in {ACK_TIMEOUT_S:g} s", code="tts_timeout"
+                            ) from None
                     job.unacked += 1
                     await conn.ws.send(pack_frame({"type": "audio", "id": job.id}, chunk))
                     self.stats.chunks += 1

@@ -215,7 +215,10 @@ class TtsServiceClient:
             self._clauses.pop(clause.id, None)
             raise ServiceLost(f"connection to {self.cfg.url} lost: {exc}") from exc
         except BaseException:
+            # Cancelled (a barge-in) while the send waited to drain: the frame may be on the
+            # wire already, so the service would synthesise it and wait for acks nobody sends.
             self._clauses.pop(clause.id, None)
+            self._send_soon(ws, {"type": "cancel", "id": clause.id})
             raise
         return ws, clause
 
