@@ -234,6 +234,9 @@ async def test_malformed_requests_get_error_events_and_the_connection_goes_on() 
             ({"type": "synthesize", "id": 3, "text": "a.", "window": 0}, "invalid_request"),
             ({"type": "synthesize", "id": "x", "text": "a."}, "invalid_request"),
             ({"type": "nonsense"}, "invalid_event"),
+            ({"type": "ack", "id": [1]}, "invalid_request"),  # unhashable ids: the handler used to die (1011)
+            ({"type": "cancel", "id": {"a": 1}}, "invalid_request"),
+            ({"type": "ack", "id": True}, "invalid_request"),
         ]
         for message, code in bad:
             await ws.send(json.dumps(message))
@@ -245,7 +248,7 @@ async def test_malformed_requests_get_error_events_and_the_connection_goes_on() 
         frame = await asyncio.wait_for(ws.recv(), WAIT)
         assert isinstance(frame, bytes)
         assert json.loads(await asyncio.wait_for(ws.recv(), WAIT)) == {"type": "done", "id": 9}
-        assert svc.stats.bad_requests == 6
+        assert svc.stats.bad_requests == 9
 
 
 def test_bad_remote_tts_config_is_refused() -> None:

@@ -26,7 +26,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 import websockets
 from websockets.asyncio.server import ServerConnection, serve
@@ -88,10 +88,14 @@ class _Request(ValueError):
     """A synthesize message that cannot be served (an ``invalid_request`` error)."""
 
 
+def _is_id(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def parse_synthesize(data: dict[str, Any]) -> tuple[int, str, str | None, float | None, int]:
     """id, text, voice, speed and window of a synthesize message; _Request when malformed."""
     job_id, text, voice, speed, window = (data.get(k) for k in ("id", "text", "voice", "speed", "window"))
-    if not isinstance(job_id, int) or isinstance(job_id, bool):
+    if not _is_id(job_id):
         raise _Request("synthesize id must be an integer")
     if not isinstance(text, str) or len(text) > MAX_TEXT_CHARS:
         raise _Request(f"synthesize text must be a string of at most {MAX_TEXT_CHARS} characters")
@@ -158,7 +162,10 @@ class TtsService:
             with contextlib.suppress(json.JSONDecodeError):
                 data = json.loads(msg)
         kind = data.get("type") if isinstance(data, dict) else None
-        if kind == "ack":
+        if kind in ("ack", "cancel") and not _is_id(data.get("id")):
+            self.stats.bad_requests += 1  # a list or dict id would not even hash
+            await self._error(conn, None, "invalid_request", f"{kind} id must be an integer")
+        elif kind == "ack":
             job = conn.jobs.get(data.get("id"))
             if job is not None and job.unacked > 0:
                 job.unacked -= 1
@@ -180,8 +187,7 @@ class TtsService:
             job_id, text, voice, speed, window = parse_synthesize(data)
         except _Request as exc:
             self.stats.bad_requests += 1
-            await self._error(conn, data.get("id") if isinstance(data.get("id"), int) else None,
-                              "invalid_request", str(exc))
+            await self._error(conn, data.get("id") if _is_id(data.get("id")) else None, "invalid_request", str(exc))
             return
         if job_id in conn.jobs:
             self.stats.bad_requests += 1
