@@ -216,7 +216,7 @@ async def test_a_connection_lost_before_the_result_is_retried_on_a_new_one() -> 
             nonlocal drops
             if drops:  # say hello, take the first decode, then drop the connection
                 drops -= 1
-                await ws.send(json.dumps({"type": "hello", "protocol": 1, "backend": "flaky", "model": "m", "slots": 1}))
+                await ws.send(json.dumps({"type": "hello", "service": "asr", "protocol": 1, "backend": "flaky", "model": "m", "slots": 1}))
                 await ws.recv()
                 await ws.close()
                 return
@@ -391,3 +391,20 @@ async def test_a_partial_that_covers_the_end_of_speech_is_the_final() -> None:
         assert final.text == "alpha bravo"
         assert len(fake.calls) == 1 and not fake.aborted  # reused, nothing stopped
         await stream.aclose()
+
+
+async def test_a_frontend_pointed_at_the_tts_service_refuses_to_start_at_once() -> None:
+    from types import SimpleNamespace
+
+    from voicebot.tts_service import TtsService
+    from voicebot.tts_service import listen as listen_tts
+
+    svc = TtsService(SimpleNamespace(sample_rate=16_000, voices=list), engine_name="none")  # type: ignore[arg-type]
+    async with listen_tts(svc, "127.0.0.1", 0) as server:
+        host, port = next(iter(server.sockets)).getsockname()[:2]
+        eng = frontend(f"ws://{host}:{port}", startup_timeout_s=60)
+        try:
+            with pytest.raises(ModelError, match="'tts' service, not 'asr'"):
+                await asyncio.wait_for(eng.start(), WAIT)  # not after startup_timeout_s
+        finally:
+            await eng.aclose()

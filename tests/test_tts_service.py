@@ -330,3 +330,42 @@ async def test_a_clause_whose_frontend_never_acks_is_dropped_by_the_service(monk
         reply = json.loads(await asyncio.wait_for(ws.recv(), WAIT))
         assert reply["type"] == "error" and reply["id"] == 1 and reply["code"] == "tts_timeout", reply
         await until(lambda: svc.running == 0 and fake.closed == 1)
+
+
+async def test_a_frontend_pointed_at_the_asr_service_refuses_to_start_at_once() -> None:
+    from fake_whisper import FakeWhisper
+
+    from voicebot.asr_service import AsrService
+    from voicebot.asr_service import listen as listen_asr
+    from voicebot.config import AsrConfig
+    from voicebot.engines.asr_vllm import VllmAsrEngine, WhisperVllmSettings
+
+    asr = VllmAsrEngine(AsrConfig(backend="vllm"), "fake-whisper", settings=WhisperVllmSettings(concurrency=1),
+                        runner=FakeWhisper())
+    await asr.start()
+    svc = AsrService(asr, slots=1, queue_size=4, backend="vllm")
+    svc.start()
+    try:
+        async with listen_asr(svc, "127.0.0.1", 0) as server:
+            host, port = next(iter(server.sockets)).getsockname()[:2]
+            url = f"ws://{host}:{port}"
+            # Before: it started (22050 Hz assumed) and every clause then waited for tts_timeout.
+            cfg = TtsConfig(backend="remote", remote=RemoteTtsConfig(url=url, startup_timeout_s=60))
+            with pytest.raises(ModelError, match="'asr' service, not 'tts'"):
+                await asyncio.wait_for(RemoteTts(cfg).start(), WAIT)  # not after startup_timeout_s
+    finally:
+        await svc.aclose()
+        await asr.aclose()
+
+
+@pytest.mark.parametrize("rate", [None, 0, "22050", True])
+async def test_a_tts_service_hello_without_a_sample_rate_is_refused(rate: object) -> None:
+    async def hello(ws: websockets.ServerConnection) -> None:
+        await ws.send(json.dumps({"type": "hello", "service": "tts", "protocol": 1, "sample_rate": rate}))
+        await ws.wait_closed()
+
+    async with websockets.serve(hello, "127.0.0.1", 0) as server:
+        host, port = next(iter(server.sockets)).getsockname()[:2]
+        cfg = TtsConfig(backend="remote", remote=RemoteTtsConfig(url=f"ws://{host}:{port}", startup_timeout_s=60))
+        with pytest.raises(ModelError, match="sample rate"):
+            await asyncio.wait_for(RemoteTts(cfg).start(), WAIT)

@@ -126,6 +126,7 @@ class AsrService:
                 json.dumps(
                     {
                         "type": "hello",
+                        "service": "asr",
                         "protocol": PROTOCOL,
                         "backend": self.backend,
                         "model": self.engine.model_path,

@@ -139,6 +139,7 @@ class TtsService:
         try:
             await ws.send(json.dumps({
                 "type": "hello",
+                "service": "tts",
                 "protocol": PROTOCOL,
                 "engine": self.engine_name,
                 "sample_rate": self.engine.sample_rate,

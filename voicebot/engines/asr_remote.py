@@ -25,7 +25,7 @@ Wire format (protocol 1):
   requantisation, the same transcript as in-process);
 - frontend -> service, text: ``{"type": "cancel", "id"}`` (a final nobody waits for, a
   partial superseded by ``reset()``, a stream closed at the end of the call);
-- service -> frontend, text: ``{"type": "hello", "protocol", "backend", "model", "slots"}``
+- service -> frontend, text: ``{"type": "hello", "service": "asr", "protocol", "backend", "model", "slots"}``
   once, then ``{"type": "result", "id", "text", "decode_s"}`` or
   ``{"type": "error", "id", "code", "message"}`` (``code: "dropped"``: no room for a
   partial; it is retried on the stream's next audio, as a local engine's would be).
@@ -54,7 +54,13 @@ from websockets.asyncio.client import ClientConnection
 from voicebot.config import AsrConfig, RemoteAsrConfig
 from voicebot.engines.asr import AsrEngine, DecodeAbandoned, unless_abandoned
 from voicebot.engines.asr_queue import DecodeJob, Priority
-from voicebot.engines.service_wire import open_service, pack_frame, samples_of, split_frame
+from voicebot.engines.service_wire import (
+    ServiceMismatch,
+    open_service,
+    pack_frame,
+    samples_of,
+    split_frame,
+)
 from voicebot.errors import EngineError, ModelError
 
 __all__ = [
@@ -148,7 +154,7 @@ class AsrServiceClient:
 
     async def _open(self) -> None:
         ws, hello = await open_service(
-            self.cfg.url, what="ASR service", protocol=PROTOCOL, open_timeout_s=self.cfg.connect_timeout_s, max_size=MAX_FRAME
+            self.cfg.url, what="ASR service", service="asr", protocol=PROTOCOL, open_timeout_s=self.cfg.connect_timeout_s, max_size=MAX_FRAME
         )
         if self.hello is not None:
             self.reconnects += 1
@@ -284,6 +290,8 @@ class RemoteAsrEngine(AsrEngine):
             try:
                 await self.client.connect()
                 break
+            except ServiceMismatch as exc:
+                raise ModelError(f"ASR service {rcfg.url}: {exc}") from exc
             except _CONNECT_ERRORS as exc:
                 if time.monotonic() - t0 >= rcfg.startup_timeout_s:
                     raise ModelError(

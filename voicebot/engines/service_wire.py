@@ -3,8 +3,8 @@
 ``voicebot asr-serve`` (:mod:`voicebot.asr_service`, client :mod:`voicebot.engines.asr_remote`)
 and ``voicebot tts-serve`` (:mod:`voicebot.tts_service`, client :mod:`voicebot.engines.tts_remote`)
 each speak their own protocol over one multiplexed WebSocket per frontend, with the same
-conventions: the service says ``{"type": "hello", "protocol": N, ...}`` first and a client
-speaking another protocol number hangs up; control messages are JSON text; audio travels as
+conventions: the service says ``{"type": "hello", "service": "asr" | "tts", "protocol": N, ...}``
+first and a client finding another service or protocol number hangs up (:class:`ServiceMismatch`); control messages are JSON text; audio travels as
 binary frames of a 4-byte big-endian header length, a JSON header, then little-endian
 float32 samples; pings find a dead peer even while nothing else is sent.
 """
@@ -27,6 +27,7 @@ from websockets.asyncio.server import ServerConnection, serve
 __all__ = [
     "PING_INTERVAL_S",
     "PING_TIMEOUT_S",
+    "ServiceMismatch",
     "listen",
     "open_service",
     "pack_frame",
@@ -41,6 +42,11 @@ __all__ = [
 PING_INTERVAL_S = 5.0
 PING_TIMEOUT_S = 10.0
 _HEADER = struct.Struct(">I")
+
+
+class ServiceMismatch(ValueError):
+    """The URL answers as another service (an ASR service for the TTS client, or the
+    reverse) or with another protocol: a configuration error, which retrying does not mend."""
 
 
 def pack_frame(header: dict[str, Any], samples: np.ndarray) -> bytes:
@@ -81,10 +87,11 @@ def samples_of(body: bytes, kind: str) -> np.ndarray:
 
 
 async def open_service(
-    url: str, *, what: str, protocol: int, open_timeout_s: float, max_size: int
+    url: str, *, what: str, service: str, protocol: int, open_timeout_s: float, max_size: int
 ) -> tuple[ClientConnection, dict[str, Any]]:
     """Connect to a service and read its hello; ValueError (connection closed) when it is
-    not one or speaks another protocol."""
+    not one, :class:`ServiceMismatch` when it is not the ``service`` asked for or speaks
+    another protocol."""
     ws = await connect(
         url,
         open_timeout=open_timeout_s,
@@ -98,8 +105,13 @@ async def open_service(
         hello = json.loads(raw)
         if not isinstance(hello, dict) or hello.get("type") != "hello":
             raise ValueError(f"{what} {url} did not say hello: {raw!r:.200}")
+        if hello.get("service") != service:
+            raise ServiceMismatch(
+                f"{url} is not a {what}: it says it is the {hello.get('service')!r} service, not {service!r}"
+                " (is the URL the other service's?)"
+            )
         if hello.get("protocol") != protocol:
-            raise ValueError(f"{what} speaks protocol {hello.get('protocol')}, we speak {protocol}")
+            raise ServiceMismatch(f"{what} speaks protocol {hello.get('protocol')}, we speak {protocol}")
     except BaseException:
         await ws.close()
         raise

@@ -13,7 +13,8 @@ it arrives. Text cleaning and sentence cutting happen in the service's engine, a
 Wire format (protocol 1), over one multiplexed WebSocket per frontend
 (:mod:`voicebot.engines.service_wire` has the conventions):
 
-- service -> frontend, text, once: ``{"type": "hello", "protocol", "engine", "sample_rate", "voices"}``;
+- service -> frontend, text, once: ``{"type": "hello", "service": "tts", "protocol", "engine", "sample_rate",
+  "voices"}``;
 - frontend -> service, text: ``{"type": "synthesize", "id", "text", "voice", "speed", "window"}``;
   ``{"type": "ack", "id"}`` when the session took one chunk; ``{"type": "cancel", "id"}`` (a
   barge-in, an early close: the service stops the synthesis); ``{"type": "stats"}``;
@@ -51,7 +52,7 @@ import websockets
 from websockets.asyncio.client import ClientConnection
 
 from voicebot.config import RemoteTtsConfig, TtsConfig
-from voicebot.engines.service_wire import open_service, samples_of, split_frame
+from voicebot.engines.service_wire import ServiceMismatch, open_service, samples_of, split_frame
 from voicebot.engines.tts import clean_text
 from voicebot.errors import CapacityError, EngineError, ModelError
 
@@ -137,10 +138,15 @@ class TtsServiceClient:
         ws, hello = await open_service(
             self.cfg.url,
             what="TTS service",
+            service="tts",
             protocol=PROTOCOL,
             open_timeout_s=self.cfg.connect_timeout_s,
             max_size=MAX_FRAME,
         )
+        rate = hello.get("sample_rate")
+        if not isinstance(rate, int) or isinstance(rate, bool) or rate <= 0:
+            await ws.close()
+            raise ServiceMismatch(f"TTS service {self.cfg.url} gave no sample rate (a positive integer): {rate!r}")
         if self.hello is not None and hello.get("sample_rate") != self.hello.get("sample_rate"):
             await ws.close()
             raise ValueError(
@@ -325,6 +331,8 @@ class RemoteTts:
             try:
                 await self.client.connect()
                 break
+            except ServiceMismatch as exc:
+                raise ModelError(f"TTS service {rcfg.url}: {exc}") from exc
             except _CONNECT_ERRORS as exc:
                 if time.monotonic() - t0 >= rcfg.startup_timeout_s:
                     raise ModelError(
@@ -332,7 +340,7 @@ class RemoteTts:
                     ) from exc
                 await asyncio.sleep(min(1.0, rcfg.startup_timeout_s / 10 or 0.1))
         hello = self.client.hello or {}
-        self.sample_rate = int(hello.get("sample_rate") or self.sample_rate)
+        self.sample_rate = int(hello["sample_rate"])  # checked by the client
         log.info("TTS: the shared service at %s (%s, %d Hz) in %.1f s", rcfg.url, hello.get("engine"),
                  self.sample_rate, time.monotonic() - t0)
 
