@@ -369,3 +369,21 @@ async def test_a_tts_service_hello_without_a_sample_rate_is_refused(rate: object
         cfg = TtsConfig(backend="remote", remote=RemoteTtsConfig(url=f"ws://{host}:{port}", startup_timeout_s=60))
         with pytest.raises(ModelError, match="sample rate"):
             await asyncio.wait_for(RemoteTts(cfg).start(), WAIT)
+
+
+async def test_a_busy_service_is_a_capacity_error_that_does_not_count_toward_health(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import voicebot.tts_service as tts_service
+
+    monkeypatch.setattr(tts_service, "MAX_JOBS_PER_CONNECTION", 1)
+    hold = asyncio.Event()
+    fake = ScriptedTts(hold=hold)
+    async with service(fake) as (svc, url), frontend(url) as tts:
+        async with contextlib.aclosing(tts.synthesize("a. b.")) as first:
+            await asyncio.wait_for(anext(first), WAIT)
+            for _ in range(3):
+                with pytest.raises(CapacityError, match="too many clauses"):
+                    await asyncio.wait_for(anext(tts.synthesize("c. d.")), WAIT)
+            assert svc.stats.busy == 3
+        assert tts.failure_streak == 0 and tts.failed == 0 and tts.last_error is None

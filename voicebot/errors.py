@@ -29,6 +29,13 @@ Wire codes a client can act on (the class sets the default; raisers may refine i
                                                size limits: the message is dropped (HTTP 413)
     server_shutdown (close 1001), engine_failed (close 1011), idle_timeout
                                                why a session was ended by the server
+    asr_unavailable, asr_timeout, tts_unavailable, tts_timeout
+                                               EngineError of a shared ASR / TTS service (asr-serve,
+                                               tts-serve): unreachable, or no answer in time
+
+Between an engine service and its frontends only (never sent to a caller): ``busy`` (the
+service is full: the frontend raises CapacityError, as a full engine queue does in-process),
+``invalid_request`` (a malformed request), ``dropped`` (an ASR partial with no room).
 """
 
 from __future__ import annotations

@@ -187,7 +187,10 @@ class TtsServiceClient:
                 elif data.get("type") == "error":
                     code = str(data.get("code") or "engine_error")
                     message = f"TTS service: {data.get('message', code)}"
-                    exc = CapacityError(message) if code == CapacityError.code else EngineError(message, code=code)
+                    # The service's "busy" is a full queue, as CapacityError is in-process: the
+                    # clause's problem, not the engine's (no failure_streak, no health).
+                    full = code in ("busy", CapacityError.code)
+                    exc = CapacityError(message) if full else EngineError(message, code=code)
                     self._deliver(clause, exc)
         except websockets.ConnectionClosed:
             pass
