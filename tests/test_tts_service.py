@@ -131,8 +131,12 @@ async def test_the_service_runs_one_window_ahead_of_what_the_session_took() -> N
             assert float(first[0]) == 1.0
             # Taken: 1. Sent and not taken: 2. Pulled from the engine and held: 3.
             await until(lambda: fake.produced == 3)
-            for _ in range(20):
-                await asyncio.sleep(0.01)
+            # Nothing runs between the engine's yield and the clause's wait for room, so the
+            # clause is blocked now: window chunks unacked, and only an ack wakes it.
+            (conn,) = svc._conns
+            (job,) = conn.jobs.values()
+            assert job.unacked == job.window == 1 and not job.room.is_set()
+            assert job.task is not None and not job.task.done()
             assert fake.produced == 3, "the service ran ahead of the session's acks"
             assert float((await asyncio.wait_for(anext(stream), WAIT))[0]) == 2.0
             await until(lambda: fake.produced == 4)

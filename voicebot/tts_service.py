@@ -117,6 +117,7 @@ class TtsService:
         self.engine_name = engine_name
         self.stats = ServiceStats()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._conns: set[_Conn] = set()  # open connections (bounded by the listener's)
         self._closed = False
 
     @property
@@ -134,6 +135,7 @@ class TtsService:
 
     async def handler(self, ws: ServerConnection) -> None:
         conn = _Conn(ws)
+        self._conns.add(conn)
         self.stats.connections += 1
         self.stats.open_connections += 1
         try:
@@ -151,6 +153,7 @@ class TtsService:
             pass
         finally:
             self.stats.open_connections -= 1
+            self._conns.discard(conn)
             conn.closed = True
             for job in list(conn.jobs.values()):
                 if job.task is not None and job.task.cancel():
