@@ -2,8 +2,8 @@
 (the default config's voice), and a real frontend (``tts.backend: remote``, whisper tiny.en,
 the test LLM) that a native caller talks to. A call gets its reply spoken through the
 service; a clause closed after its first sentence stops being synthesised there; the
-service is killed mid-clause and then before a reply, and each time an error comes
-instead of a hang; a bad service config is refused.
+service (a process of that test's own) is killed mid-clause and then before a reply, and
+each time an error comes instead of a hang; a bad service config is refused.
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ def piper_voice(bundle_dir: Any) -> str:
     return str(bundle_dir(VOICE.removeprefix("bundle:")))
 
 
-@pytest.fixture(scope="module")
-def tts_service(models_config: ModelsConfig, piper_voice: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
+@contextlib.contextmanager
+def started_service(models_config: ModelsConfig) -> Iterator[tuple[subprocess.Popen[str], str]]:
     """``voicebot tts-serve`` (Piper) in its own process group; yields it and its URL."""
     proc = subprocess.Popen(
         serve_cmd(models_config),
@@ -72,9 +72,24 @@ def tts_service(models_config: ModelsConfig, piper_voice: str) -> Iterator[tuple
 
 
 @pytest.fixture(scope="module")
+def tts_service(models_config: ModelsConfig, piper_voice: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """The service the tests share (none of them stops it)."""
+    with started_service(models_config) as service:
+        yield service
+
+
+@pytest.fixture
+def doomed_service(models_config: ModelsConfig, piper_voice: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """A service of its own for the test that kills it (the shared one stays up for the others)."""
+    with started_service(models_config) as service:
+        yield service
+
+
+@pytest.fixture
 async def frontend(
-    models_config: ModelsConfig, tts_service: tuple[subprocess.Popen[str], str]
+    models_config: ModelsConfig, doomed_service: tuple[subprocess.Popen[str], str]
 ) -> AsyncIterator[RunningServer]:
+    """A server speaking through ``doomed_service``."""
     cfg = load_config(
         "configs/test.yaml",
         [
@@ -82,7 +97,7 @@ async def frontend(
             "tts.engine=piper",
             f"tts.voice={VOICE}",
             "tts.backend=remote",
-            f"tts.remote.url={tts_service[1]}",
+            f"tts.remote.url={doomed_service[1]}",
             "tts.remote.retries=1",
             "tts.remote.retry_backoff_s=0.1",
             "tts.remote.startup_timeout_s=5",
@@ -114,6 +129,48 @@ def client(url: str) -> RemoteTts:
     return RemoteTts(cfg)
 
 
+async def test_a_call_spoken_through_the_service_then_the_service_dies(
+    frontend: RunningServer, doomed_service: tuple[subprocess.Popen[str], str], speech_clips: list[Clip]
+) -> None:
+    proc, url = doomed_service
+    clip = min(speech_clips, key=lambda c: c.audio.size)  # the turn's length is real time
+    call = await NativeCall.open(frontend)
+    try:
+        # 1. A reply synthesised by the service's Piper and spoken to the caller.
+        done = await call.turn(clip.audio, timeout=90)
+        assert done["status"] == "completed", done
+        assert call.reply_audio(done["response_id"]).size > OUT_RATE // 4, "the reply was spoken"
+        assert not call.errors()
+        stats = await service_stats(url)
+        assert stats["clauses"] >= 1 and stats["chunks"] >= 1
+
+        # 2. The service is killed while a clause streams: the clause fails, it does not hang.
+        tts = client(url)
+        await tts.start()
+        try:
+            async with contextlib.aclosing(tts.synthesize(LONG)) as stream:
+                await asyncio.wait_for(anext(stream), 60)
+                os.killpg(proc.pid, signal.SIGKILL)
+                await asyncio.to_thread(proc.wait, 10)  # not on the loop: the frontend runs on it
+                with pytest.raises(EngineError) as info:  # after at most the one chunk already here
+                    for _ in range(12):
+                        await asyncio.wait_for(anext(stream), 30)
+            assert info.value.code == "tts_unavailable"
+        finally:
+            await tts.aclose()
+
+        # 3. The next reply of the call: an error event and a failed reply, and the call goes on.
+        mark = len(call.events)
+        await call.say(clip.audio)
+        error = await call.wait_for("error", timeout=90, after=mark)
+        assert error["code"] == "tts_unavailable", error
+        failed = await call.wait_for("response.done", timeout=30, after=mark)
+        assert failed["status"] == "failed", failed
+    finally:
+        await asyncio.wait_for(call.close(), 10)
+
+
+# Runs after the test that kills its own service: the shared one is still up.
 async def test_closing_a_clause_after_its_first_sentence_stops_its_synthesis_on_the_service(
     tts_service: tuple[subprocess.Popen[str], str],
 ) -> None:
@@ -133,47 +190,6 @@ async def test_closing_a_clause_after_its_first_sentence_stops_its_synthesis_on_
         assert after["chunks"] - before["chunks"] <= 2
     finally:
         await tts.aclose()
-
-
-async def test_a_call_spoken_through_the_service_then_the_service_dies(
-    frontend: RunningServer, tts_service: tuple[subprocess.Popen[str], str], speech_clips: list[Clip]
-) -> None:
-    proc, url = tts_service
-    clip = min(speech_clips, key=lambda c: c.audio.size)  # the turn's length is real time
-    call = await NativeCall.open(frontend)
-    try:
-        # 1. A reply synthesised by the service's Piper and spoken to the caller.
-        done = await call.turn(clip.audio, timeout=90)
-        assert done["status"] == "completed", done
-        assert call.reply_audio(done["response_id"]).size > OUT_RATE // 4, "the reply was spoken"
-        assert not call.errors()
-        stats = await service_stats(url)
-        assert stats["clauses"] >= 1 and stats["chunks"] >= 1
-
-        # 2. The service is killed while a clause streams: the clause fails, it does not hang.
-        tts = client(url)
-        await tts.start()
-        try:
-            async with contextlib.aclosing(tts.synthesize(LONG)) as stream:
-                await asyncio.wait_for(anext(stream), 60)
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
-                with pytest.raises(EngineError) as info:  # after at most the one chunk already here
-                    for _ in range(12):
-                        await asyncio.wait_for(anext(stream), 30)
-            assert info.value.code == "tts_unavailable"
-        finally:
-            await tts.aclose()
-
-        # 3. The next reply of the call: an error event and a failed reply, and the call goes on.
-        mark = len(call.events)
-        await call.say(clip.audio)
-        error = await call.wait_for("error", timeout=90, after=mark)
-        assert error["code"] == "tts_unavailable", error
-        failed = await call.wait_for("response.done", timeout=30, after=mark)
-        assert failed["status"] == "failed", failed
-    finally:
-        await asyncio.wait_for(call.close(), 10)
 
 
 def test_tts_serve_refuses_a_bad_config(models_config: ModelsConfig) -> None:
