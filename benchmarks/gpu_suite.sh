@@ -25,8 +25,8 @@
 #               K frontends with asr.backend remote and llm.backend remote (configs/gpu-asr-service.yaml):
 #               no frontend holds a GPU engine; PIPE_FRONTENDS="1 4", PIPE_ASR_SESSIONS, PIPE_ASR_SLOTS,
 #               PIPE_WHISPER_MEMORY, PIPE_WALL_S, PIPE_ARGS) -> OUT/pipeline-asr-kK/pipeline.json
-#             tts-server (issue 9 after stop 20: the ONE shared TTS service, `voicebot tts-serve` hosting the
-#               config's tts engine with PIPE_TTS_ARGS applied (e.g. "--set tts.engine=kokoro --set
+#             tts-server (issue 9 after stop 20: the ONE shared TTS service, `voicebot tts-serve` hosting Piper
+#               from ~/tts/voice as the other parts, or with PIPE_TTS_ARGS applied (e.g. "--set tts.engine=kokoro --set
 #               tts.kokoro_model=random": Kokoro on the GPU), started detached into OUT/tts-server once the
 #               ASR service answers (or the LLM server, without one); pipeline-asr then runs its frontends
 #               with tts.backend remote pointing at it: no frontend holds a GPU context)
@@ -211,13 +211,14 @@ run() {
           --whisper-dir "$whisper" --whisper-memory "${PIPE_WHISPER_MEMORY:-0.15}" \
           ${PIPE_ASR_SLOTS:+--asr-slots "$PIPE_ASR_SLOTS"} \
           --out "$out/asr-server" >> "$out/asr_server_part.log" 2>&1 || rc=$? ;;
-      tts-server)  # the ONE shared TTS service, detached (pipeline-asr finds it in OUT/tts-server)
+      tts-server)  # the ONE shared TTS service, detached (pipeline-asr finds it in OUT/tts-server); Piper
+        # from ~/tts/voice as the other parts, unless PIPE_TTS_ARGS says otherwise (--set tts.engine=kokoro)
         local after=""
         [ -f "$out/llm-server/llm_server.json" ] && after="$out/llm-server/llm_server.json"
         [ -f "$out/asr-server/asr_server.json" ] && after="$out/asr-server/asr_server.json"
         # shellcheck disable=SC2086  # PIPE_TTS_ARGS is a word list
         python3 benchmarks/pipeline_gpu.py tts-server --config configs/gpu-asr-service.yaml --gpu-dummy \
-          ${after:+--after "$after"} --start-timeout-s 600 ${PIPE_TTS_ARGS:-} \
+          ${after:+--after "$after"} --start-timeout-s 600 --voice "$HOME/tts/voice" ${PIPE_TTS_ARGS:-} \
           --out "$out/tts-server" >> "$out/tts_server_part.log" 2>&1 || rc=$? ;;
       pipeline-asr)  # one LLM server + ONE ASR service (+ ONE TTS service) + K frontends; one run per K
         local llm_url="" asr_url="" tts_url="" k
