@@ -614,7 +614,7 @@ class ServiceMeter:
         self.url, self.pid, self.counters = url, pid, counters
         self.sampler = ServiceStatsSampler(url)
         self.stats0: dict[str, Any] = {}
-        self.cpu0 = 0.0
+        self.cpu0 = self.cpu1 = 0.0
 
     def begin(self) -> None:
         with contextlib.suppress(Exception):
@@ -622,8 +622,13 @@ class ServiceMeter:
         self.sampler.start()
         self.cpu0 = tree_cpu(self.pid)
 
+    def stop_clock(self) -> None:
+        """The level's end for the CPU time: call on every meter before any end() (whose
+        sampler join and stats round trip would otherwise add to the next meter's level)."""
+        self.cpu1 = tree_cpu(self.pid)
+
     def end(self, wall_s: float) -> dict[str, Any]:
-        cores = (tree_cpu(self.pid) - self.cpu0) / wall_s if self.pid else None
+        cores = (self.cpu1 - self.cpu0) / wall_s if self.pid else None
         self.sampler.stop_flag.set()
         self.sampler.join(3)
         row: dict[str, Any] = {"peaks": self.sampler.peaks, "sampler_errors": self.sampler.errors,
@@ -955,6 +960,8 @@ def run_main(args: argparse.Namespace) -> int:
             result = asyncio.run(run_level_measured(cfg, n))
             last_wall = time.monotonic() - t0
             llm_cores = (tree_cpu(llm_pid) - llm0) / last_wall if llm_pid else None
+            for meter in meters.values():
+                meter.stop_clock()
             svc_rows = {k: meter.end(last_wall) for k, meter in meters.items()}
             loop1 = [http_json(h + LOOP_PATH)[1] for h in https]
             eng1 = [engine_cpu(pid) for pid in pids]
