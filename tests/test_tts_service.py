@@ -391,3 +391,21 @@ async def test_a_busy_service_is_a_capacity_error_that_does_not_count_toward_hea
                     await asyncio.wait_for(anext(tts.synthesize("c. d.")), WAIT)
             assert svc.stats.busy == 3
         assert tts.failure_streak == 0 and tts.failed == 0 and tts.last_error is None
+
+
+async def test_a_sentence_longer_than_a_frame_comes_in_several_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    import voicebot.engines.tts_remote as tts_remote
+    import voicebot.tts_service as tts_service
+
+    # 4096-byte frames hold 960 samples: each 1600-sample sentence needs two.
+    monkeypatch.setattr(tts_remote, "MAX_FRAME", 4096)
+    monkeypatch.setattr(tts_service, "MAX_FRAME", 4096)
+    fake = ScriptedTts()
+    async with service(fake) as (svc, url), frontend(url) as tts:
+        chunks = [c async for c in tts.synthesize("One. Two.")]
+        assert [c.size for c in chunks] == [960, 640, 960, 640]
+        expected = np.concatenate([np.full(RATE // 10, 1.0), np.full(RATE // 10, 2.0)]).astype(np.float32)
+        np.testing.assert_array_equal(np.concatenate(chunks), expected)
+        assert tts.failure_streak == 0 and tts.client.reconnects == 0
+        await until(lambda: svc.running == 0)
+        assert svc.stats.clauses == 1 and svc.stats.chunks == 4

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
+import numpy as np
 import websockets
 from websockets.asyncio.server import ServerConnection, serve
 
@@ -51,6 +52,14 @@ MAX_WINDOW = 64  # tts.remote.window's bound
 # A clause whose frontend takes none of its sent chunks for this long is dropped: a session
 # takes its next chunk within one sentence's playback, so only a lost cancel gets here.
 ACK_TIMEOUT_S = 300.0
+FRAME_HEADER_BYTES = 256  # room for an audio frame's length and JSON header within MAX_FRAME
+
+
+def frames_of(chunk: np.ndarray) -> list[np.ndarray]:
+    """A sentence's audio cut into pieces whose frames fit the client's MAX_FRAME (a sentence
+    over ~95 s at 22.05 kHz would otherwise close the connection, 1009, with every clause on it)."""
+    per_frame = (MAX_FRAME - FRAME_HEADER_BYTES) // 4
+    return [chunk[i : i + per_frame] for i in range(0, len(chunk), per_frame)] or [chunk]
 
 
 @dataclass
@@ -58,7 +67,7 @@ class ServiceStats:
     connections: int = 0
     open_connections: int = 0
     clauses: int = 0  # synthesised to their end
-    chunks: int = 0  # sentences of audio sent
+    chunks: int = 0  # audio frames sent (a sentence, or a piece of one longer than a frame)
     cancelled: int = 0  # by their frontend, or by their connection closing
     failed: int = 0
     bad_requests: int = 0
@@ -210,18 +219,20 @@ class TtsService:
         try:
             async with contextlib.aclosing(self.engine.synthesize(text, voice=voice, speed=speed)) as chunks:
                 async for chunk in chunks:
-                    while job.unacked >= job.window:
-                        job.room.clear()
-                        try:
-                            async with asyncio.timeout(ACK_TIMEOUT_S):
-                                await job.room.wait()
-                        except TimeoutError:
-                            raise EngineError(
-                                f"the frontend took no audio of this clause in {ACK_TIMEOUT_S:g} s", code="tts_timeout"
-                            ) from None
-                    job.unacked += 1
-                    await conn.ws.send(pack_frame({"type": "audio", "id": job.id}, chunk))
-                    self.stats.chunks += 1
+                    for piece in frames_of(chunk):  # each piece is a chunk to the frontend
+                        while job.unacked >= job.window:
+                            job.room.clear()
+                            try:
+                                async with asyncio.timeout(ACK_TIMEOUT_S):
+                                    await job.room.wait()
+                            except TimeoutError:
+                                raise EngineError(
+                                    f"the frontend took no audio of this clause in {ACK_TIMEOUT_S:g} s",
+                                    code="tts_timeout",
+                                ) from None
+                        job.unacked += 1
+                        await conn.ws.send(pack_frame({"type": "audio", "id": job.id}, piece))
+                        self.stats.chunks += 1
         except websockets.ConnectionClosed:
             return  # the handler cancels the connection's other clauses
         except Exception as exc:

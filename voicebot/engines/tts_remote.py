@@ -7,8 +7,8 @@ hosts ONE engine -- Kokoro batching every frontend's clauses in one forward, or 
 service's cores -- and this module is what a frontend runs instead of a local one.
 
 :class:`RemoteTts` *is* a :class:`~voicebot.engines.tts.TtsEngine`: ``synthesize(clause)``
-yields float32 chunks at ``sample_rate`` (the service's engine's), one per sentence, each as
-it arrives. Text cleaning and sentence cutting happen in the service's engine, as in-process.
+yields float32 chunks at ``sample_rate`` (the service's engine's), one per sentence (several
+for a sentence longer than one frame holds), each as it arrives. Text cleaning and sentence cutting happen in the service's engine, as in-process.
 
 Wire format (protocol 1), over one multiplexed WebSocket per frontend
 (:mod:`voicebot.engines.service_wire` has the conventions):
@@ -61,7 +61,8 @@ __all__ = ["MAX_FRAME", "PROTOCOL", "RemoteTts", "ServiceLost", "TtsServiceClien
 log = logging.getLogger(__name__)
 
 PROTOCOL = 1
-# One sentence of audio: even a 60 s one at 24 kHz float32 is 5.8 MB; a clause's text is small.
+# One sentence of audio: even a 60 s one at 24 kHz float32 is 5.8 MB; the service cuts a longer
+# one into several frames (tts_service.frames_of). A clause's text is small.
 MAX_FRAME = 8 * 1024 * 1024
 
 _CONNECT_ERRORS = (OSError, TimeoutError, websockets.InvalidHandshake, websockets.ConnectionClosed, ValueError)
