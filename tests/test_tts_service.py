@@ -409,3 +409,26 @@ async def test_a_sentence_longer_than_a_frame_comes_in_several_chunks(monkeypatc
         assert tts.failure_streak == 0 and tts.client.reconnects == 0
         await until(lambda: svc.running == 0)
         assert svc.stats.clauses == 1 and svc.stats.chunks == 4
+
+
+async def test_the_concurrency_bound_counts_clauses_still_connecting() -> None:
+    fake = ScriptedTts()
+    async with service(fake) as (_svc, url), frontend(url, concurrency=1) as tts:
+        release = asyncio.Event()
+        real_connect = tts.client.connect
+
+        async def slow_connect() -> None:  # as while the service is down: connect / retry backoff
+            await release.wait()
+            await real_connect()
+
+        tts.client.connect = slow_connect  # type: ignore[method-assign]
+        first = tts.synthesize("a.")
+        pending = asyncio.ensure_future(anext(first))
+        await until(lambda: tts.queue_depth == 1)  # in synthesize, not yet registered with the client
+        assert tts.client.open_clauses == 0
+        with pytest.raises(CapacityError):
+            await asyncio.wait_for(anext(tts.synthesize("b.")), WAIT)
+        release.set()
+        assert (await asyncio.wait_for(pending, WAIT)).size == RATE // 10
+        await first.aclose()
+        assert [c.size async for c in tts.synthesize("c.")] == [RATE // 10]  # the slot is free again

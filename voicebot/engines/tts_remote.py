@@ -325,6 +325,7 @@ class RemoteTts:
         self._failure_streak = 0
         self._last_error: BaseException | None = None
         self._waiting = 0  # clauses sent and waiting for their first audio
+        self._active = 0  # synthesize calls under way: connecting, backing off, sent or streaming
         self.completed = 0
         self.failed = 0
 
@@ -372,8 +373,11 @@ class RemoteTts:
     ) -> AsyncGenerator[np.ndarray, None]:
         if not clean_text(text):
             return  # nothing speakable: no round trip (the engine would yield nothing)
-        if self.client.open_clauses >= self._cfg.remote.concurrency:
-            raise CapacityError(f"TTS service: {self.client.open_clauses} clauses in synthesis (tts.remote.concurrency)")
+        # Counted over the whole call: clauses waiting to connect or in a retry's backoff are
+        # not registered with the client, and would escape a count of its open clauses.
+        if self._active >= self._cfg.remote.concurrency:
+            raise CapacityError(f"TTS service: {self._active} clauses in synthesis (tts.remote.concurrency)")
+        self._active += 1
         self._waiting += 1
         first = True
         try:
@@ -389,6 +393,7 @@ class RemoteTts:
             self._last_error = exc
             raise
         finally:
+            self._active -= 1
             if first:
                 self._waiting -= 1
         self.completed += 1
