@@ -40,7 +40,6 @@ A decode with no answer within ``decode_timeout_s`` fails with ``asr_timeout``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import json
 import logging
@@ -49,19 +48,20 @@ from typing import Any
 
 import numpy as np
 import websockets
-from websockets.asyncio.client import ClientConnection
 
 from voicebot.config import AsrConfig, RemoteAsrConfig
 from voicebot.engines.asr import AsrEngine, DecodeAbandoned, unless_abandoned
 from voicebot.engines.asr_queue import DecodeJob, Priority
 from voicebot.engines.service_wire import (
-    ServiceMismatch,
-    open_service,
+    CONNECT_ERRORS,
+    ServiceClient,
+    ServiceLost,
+    connect_at_start,
     pack_frame,
     samples_of,
     split_frame,
 )
-from voicebot.errors import EngineError, ModelError
+from voicebot.errors import EngineError
 
 __all__ = [
     "PROTOCOL",
@@ -78,10 +78,6 @@ log = logging.getLogger(__name__)
 PROTOCOL = 1
 # 30 s of float32 audio is 1.92 MB; the header is small.
 MAX_FRAME = 4 * 1024 * 1024
-
-
-class ServiceLost(Exception):
-    """The connection went away (or could not be made) before a decode's result: retryable."""
 
 
 class PartialDropped(Exception):
@@ -106,92 +102,41 @@ def unpack_decode(frame: bytes) -> tuple[dict[str, Any], np.ndarray]:
     return header, samples_of(body, "decode")
 
 
-_CONNECT_ERRORS = (OSError, TimeoutError, websockets.InvalidHandshake, websockets.ConnectionClosed, ValueError)
-
-
-class AsrServiceClient:
+class AsrServiceClient(ServiceClient):
     """One multiplexed WebSocket to the ASR service: many decodes in flight, matched by id."""
 
+    what = "ASR service"
+    service = "asr"
+    protocol = PROTOCOL
+
     def __init__(self, cfg: RemoteAsrConfig) -> None:
-        self.cfg = cfg
-        self.hello: dict[str, Any] | None = None
-        self._ws: ClientConnection | None = None
-        self._reader: asyncio.Task[None] | None = None
+        super().__init__(cfg)
+        self.cfg: RemoteAsrConfig = cfg
         self._pending: dict[int, asyncio.Future[tuple[str, float]]] = {}
-        self._ids = itertools.count(1)
-        self._connecting = asyncio.Lock()
-        self._background: set[asyncio.Task[Any]] = set()
-        self._closed = False
-        self.reconnects = 0
-        self._attempts = 0  # connect attempts made
-        self._last_error: BaseException | None = None  # of the last failed attempt
 
-    @property
-    def connected(self) -> bool:
-        return self._ws is not None
+    def max_size(self) -> int:
+        return MAX_FRAME
 
-    async def connect(self) -> None:
-        """Open the connection unless open; raises what connecting raised.
+    def _on_message(self, msg: str | bytes) -> None:
+        if isinstance(msg, bytes):
+            return
+        data = json.loads(msg)
+        fut = self._pending.pop(data.get("id"), None)
+        if fut is None or fut.done():
+            return  # cancelled meanwhile
+        if data.get("type") == "result":
+            fut.set_result((str(data.get("text", "")), float(data.get("decode_s", 0.0))))
+        elif data.get("code") == "dropped":
+            fut.set_exception(PartialDropped())
+        else:
+            code = str(data.get("code") or "engine_error")
+            fut.set_exception(EngineError(f"ASR service: {data.get('message', code)}", code=code))
 
-        Callers that waited while another one's attempt failed share that failure instead
-        of trying again one after another (with a host that never answers, 20 waiting
-        decodes would otherwise take 20 connect timeouts)."""
-        seen = self._attempts
-        async with self._connecting:
-            if self._ws is not None:
-                return
-            if self._closed:
-                raise EngineError("ASR service client is closed")
-            if self._attempts != seen and self._last_error is not None:
-                raise self._last_error
-            self._attempts += 1
-            self._last_error = None  # a cancelled attempt leaves none: waiters try themselves
-            try:
-                await self._open()
-            except Exception as exc:
-                self._last_error = exc
-                raise
-
-    async def _open(self) -> None:
-        ws, hello = await open_service(
-            self.cfg.url, what="ASR service", service="asr", protocol=PROTOCOL, open_timeout_s=self.cfg.connect_timeout_s, max_size=MAX_FRAME
-        )
-        if self.hello is not None:
-            self.reconnects += 1
-        self.hello = hello
-        self._ws = ws
-        self._reader = asyncio.create_task(self._read(ws), name="asr-service-reader")
-
-    async def _read(self, ws: ClientConnection) -> None:
-        try:
-            async for msg in ws:
-                if isinstance(msg, bytes):
-                    continue
-                data = json.loads(msg)
-                fut = self._pending.pop(data.get("id"), None)
-                if fut is None or fut.done():
-                    continue  # cancelled meanwhile
-                if data.get("type") == "result":
-                    fut.set_result((str(data.get("text", "")), float(data.get("decode_s", 0.0))))
-                elif data.get("code") == "dropped":
-                    fut.set_exception(PartialDropped())
-                else:
-                    code = str(data.get("code") or "engine_error")
-                    fut.set_exception(EngineError(f"ASR service: {data.get('message', code)}", code=code))
-        except websockets.ConnectionClosed:
-            pass
-        except Exception:
-            log.exception("ASR service connection: bad message; dropping the connection")
-            await ws.close()
-        finally:
-            # No await from here on: no decode can register on this connection meanwhile.
-            if self._ws is ws:
-                self._ws = None
-            lost = ServiceLost(f"connection to {self.cfg.url} lost")
-            pending, self._pending = self._pending, {}
-            for fut in pending.values():
-                if not fut.done():
-                    fut.set_exception(lost)
+    def _lose_all(self, lost: ServiceLost) -> None:
+        pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(lost)
 
     async def decode(
         self, audio: np.ndarray, prefix: str, language: str | None, priority: Priority
@@ -214,7 +159,7 @@ class AsrServiceClient:
     ) -> tuple[str, float]:
         try:
             await self.connect()
-        except _CONNECT_ERRORS as exc:
+        except CONNECT_ERRORS as exc:
             raise ServiceLost(f"cannot connect to {self.cfg.url}: {exc}") from exc
         ws = self._ws
         if ws is None:
@@ -231,39 +176,15 @@ class AsrServiceClient:
                 async with asyncio.timeout(self.cfg.decode_timeout_s):
                     return await fut
             except TimeoutError:
-                self._cancel_remote(ws, job_id)
+                self._send_soon(ws, {"type": "cancel", "id": job_id})
                 raise EngineError(
                     f"ASR service gave no result in {self.cfg.decode_timeout_s:g} s", code="asr_timeout"
                 ) from None
         except asyncio.CancelledError:
-            self._cancel_remote(ws, job_id)
+            self._send_soon(ws, {"type": "cancel", "id": job_id})
             raise
         finally:
             self._pending.pop(job_id, None)
-
-    def _cancel_remote(self, ws: ClientConnection, job_id: int) -> None:
-        """Tell the service to stop a decode (fire and forget: its result is ignored anyway)."""
-        if ws is not self._ws:
-            return  # that connection is gone, and the service dropped its jobs with it
-
-        async def send() -> None:
-            with contextlib.suppress(websockets.ConnectionClosed):
-                await ws.send(json.dumps({"type": "cancel", "id": job_id}))
-
-        task = asyncio.create_task(send(), name="asr-service-cancel")
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def aclose(self) -> None:
-        self._closed = True
-        ws, self._ws = self._ws, None
-        if ws is not None:
-            await ws.close()
-        if self._reader is not None:
-            await asyncio.gather(self._reader, return_exceptions=True)
-        for task in list(self._background):
-            task.cancel()
-        await asyncio.gather(*self._background, return_exceptions=True)
 
 
 class RemoteAsrEngine(AsrEngine):
@@ -285,19 +206,7 @@ class RemoteAsrEngine(AsrEngine):
 
     async def start(self) -> None:
         rcfg = self.cfg.remote
-        t0 = time.monotonic()
-        while True:
-            try:
-                await self.client.connect()
-                break
-            except ServiceMismatch as exc:
-                raise ModelError(f"ASR service {rcfg.url}: {exc}") from exc
-            except _CONNECT_ERRORS as exc:
-                if time.monotonic() - t0 >= rcfg.startup_timeout_s:
-                    raise ModelError(
-                        f"ASR service {rcfg.url} not reachable after {rcfg.startup_timeout_s:g} s: {exc}"
-                    ) from exc
-                await asyncio.sleep(min(1.0, rcfg.startup_timeout_s / 10 or 0.1))
+        took = await connect_at_start(self.client, rcfg.startup_timeout_s)
         # One task per decode slot, as for vLLM: each takes the next job (finals first)
         # and awaits the service. The service bounds its own queue; this count bounds ours.
         self._workers = [
@@ -308,7 +217,7 @@ class RemoteAsrEngine(AsrEngine):
             rcfg.url,
             (self.client.hello or {}).get("backend"),
             (self.client.hello or {}).get("model"),
-            time.monotonic() - t0,
+            took,
             rcfg.concurrency,
         )
 

@@ -13,21 +13,30 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import signal
 import struct
+import time
 from collections.abc import Awaitable, Callable, Iterator
-from typing import Any
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
+import websockets
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.asyncio.server import ServerConnection, serve
 
+from voicebot.errors import EngineError, ModelError
+
 __all__ = [
+    "CONNECT_ERRORS",
     "PING_INTERVAL_S",
     "PING_TIMEOUT_S",
+    "ServiceClient",
+    "ServiceLost",
     "ServiceMismatch",
+    "connect_at_start",
     "listen",
     "open_service",
     "pack_frame",
@@ -42,6 +51,8 @@ __all__ = [
 PING_INTERVAL_S = 5.0
 PING_TIMEOUT_S = 10.0
 _HEADER = struct.Struct(">I")
+
+log = logging.getLogger(__name__)
 
 
 class ServiceMismatch(ValueError):
@@ -116,6 +127,167 @@ async def open_service(
         await ws.close()
         raise
     return ws, hello
+
+
+class RemoteServiceSettings(Protocol):
+    """What a client reads of its config section (asr.remote, tts.remote)."""
+
+    @property
+    def url(self) -> str: ...
+
+    @property
+    def connect_timeout_s(self) -> float: ...
+
+
+# What a failed connect raises: the client retries it (ServiceMismatch is a ValueError too;
+# connect_at_start gives up on it at once).
+CONNECT_ERRORS = (OSError, TimeoutError, websockets.InvalidHandshake, websockets.ConnectionClosed, ValueError)
+
+
+class ServiceLost(Exception):
+    """The connection went away (or could not be made) before a request's end: retryable."""
+
+
+class ServiceClient:
+    """One multiplexed WebSocket to a service, many requests in flight matched by id: the
+    connecting, the reader's loop and its end, fire-and-forget control messages and closing.
+    A subclass says which service it wants and handles its messages (``_on_message``) and
+    what a lost connection means for its requests (``_lose_all``)."""
+
+    what: ClassVar[str]  # "ASR service": for messages
+    service: ClassVar[str]  # what the hello must say: "asr", "tts"
+    protocol: ClassVar[int]
+
+    def __init__(self, cfg: RemoteServiceSettings) -> None:
+        self.cfg = cfg
+        self.hello: dict[str, Any] | None = None
+        self._ws: ClientConnection | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._ids = itertools.count(1)
+        self._connecting = asyncio.Lock()
+        self._background: set[asyncio.Task[Any]] = set()
+        self._closed = False
+        self.reconnects = 0
+        self._attempts = 0  # connect attempts made
+        self._last_error: BaseException | None = None  # of the last failed attempt
+
+    @property
+    def connected(self) -> bool:
+        return self._ws is not None
+
+    def max_size(self) -> int:
+        """The largest message the service may send."""
+        raise NotImplementedError
+
+    def check_hello(self, hello: dict[str, Any]) -> None:
+        """Raise ValueError when the service's hello does not suit this client."""
+
+    def _on_message(self, msg: str | bytes) -> None:
+        raise NotImplementedError
+
+    def _lose_all(self, lost: ServiceLost) -> None:
+        """Fail every request in flight on the lost connection (no await: none may register meanwhile)."""
+        raise NotImplementedError
+
+    async def connect(self) -> None:
+        """Open the connection unless open; raises what connecting raised.
+
+        Callers that waited while another one's attempt failed share that failure instead
+        of trying again one after another (with a host that never answers, 20 waiting
+        requests would otherwise take 20 connect timeouts)."""
+        seen = self._attempts
+        async with self._connecting:
+            if self._ws is not None:
+                return
+            if self._closed:
+                raise EngineError(f"{self.what} client is closed")
+            if self._attempts != seen and self._last_error is not None:
+                raise self._last_error
+            self._attempts += 1
+            self._last_error = None  # a cancelled attempt leaves none: waiters try themselves
+            try:
+                await self._open()
+            except Exception as exc:
+                self._last_error = exc
+                raise
+
+    async def _open(self) -> None:
+        ws, hello = await open_service(
+            self.cfg.url,
+            what=self.what,
+            service=self.service,
+            protocol=self.protocol,
+            open_timeout_s=self.cfg.connect_timeout_s,
+            max_size=self.max_size(),
+        )
+        try:
+            self.check_hello(hello)
+        except BaseException:
+            await ws.close()
+            raise
+        if self.hello is not None:
+            self.reconnects += 1
+        self.hello = hello
+        self._ws = ws
+        self._reader = asyncio.create_task(self._read(ws), name=f"{self.service}-service-reader")
+
+    async def _read(self, ws: ClientConnection) -> None:
+        try:
+            async for msg in ws:
+                self._on_message(msg)
+        except websockets.ConnectionClosed:
+            pass
+        except Exception:
+            log.exception("%s connection: bad message; dropping the connection", self.what)
+            await ws.close()
+        finally:
+            # No await from here on: no request can register on this connection meanwhile.
+            if self._ws is ws:
+                self._ws = None
+            self._lose_all(ServiceLost(f"connection to {self.cfg.url} lost"))
+
+    def _send_soon(self, ws: ClientConnection, payload: dict[str, Any]) -> None:
+        """Send a control message without waiting (an ack or a cancel: never worth blocking a
+        caller on; a connection gone meanwhile took the service's side of the request with it)."""
+        if ws is not self._ws:
+            return
+
+        async def send() -> None:
+            with contextlib.suppress(websockets.ConnectionClosed):
+                await ws.send(json.dumps(payload))
+
+        task = asyncio.create_task(send(), name=f"{self.service}-service-send")
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def aclose(self) -> None:
+        self._closed = True
+        ws, self._ws = self._ws, None
+        if ws is not None:
+            await ws.close()
+        if self._reader is not None:
+            await asyncio.gather(self._reader, return_exceptions=True)
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+
+
+async def connect_at_start(client: ServiceClient, startup_timeout_s: float) -> float:
+    """Connect a frontend's client at start-up, retrying for up to ``startup_timeout_s`` while
+    the service comes up; ModelError then, or at once for another service or protocol.
+    Returns the seconds it took."""
+    url, what = client.cfg.url, client.what
+    t0 = time.monotonic()
+    while True:
+        try:
+            await client.connect()
+            return time.monotonic() - t0
+        except ServiceMismatch as exc:
+            raise ModelError(f"{what} {url}: {exc}") from exc
+        except CONNECT_ERRORS as exc:
+            if time.monotonic() - t0 >= startup_timeout_s:
+                raise ModelError(f"{what} {url} not reachable after {startup_timeout_s:g} s: {exc}") from exc
+            await asyncio.sleep(min(1.0, startup_timeout_s / 10 or 0.1))
 
 
 def listen(handler: Callable[[ServerConnection], Awaitable[None]], host: str, port: int, *, max_size: int) -> serve:

@@ -41,7 +41,6 @@ import contextlib
 import itertools
 import json
 import logging
-import time
 from collections import deque
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
@@ -52,9 +51,17 @@ import websockets
 from websockets.asyncio.client import ClientConnection
 
 from voicebot.config import RemoteTtsConfig, TtsConfig
-from voicebot.engines.service_wire import ServiceMismatch, open_service, samples_of, split_frame
+from voicebot.engines.service_wire import (
+    CONNECT_ERRORS,
+    ServiceClient,
+    ServiceLost,
+    ServiceMismatch,
+    connect_at_start,
+    samples_of,
+    split_frame,
+)
 from voicebot.engines.tts import clean_text
-from voicebot.errors import CapacityError, EngineError, ModelError
+from voicebot.errors import CapacityError, EngineError
 
 __all__ = ["MAX_FRAME", "PROTOCOL", "RemoteTts", "ServiceLost", "TtsServiceClient"]
 
@@ -64,13 +71,6 @@ PROTOCOL = 1
 # One sentence of audio: even a 60 s one at 24 kHz float32 is 5.8 MB; the service cuts a longer
 # one into several frames (tts_service.frames_of). A clause's text is small.
 MAX_FRAME = 8 * 1024 * 1024
-
-_CONNECT_ERRORS = (OSError, TimeoutError, websockets.InvalidHandshake, websockets.ConnectionClosed, ValueError)
-
-
-class ServiceLost(Exception):
-    """The connection went away (or could not be made) before the clause's end."""
-
 
 @dataclass(eq=False)
 class _Clause:
@@ -91,73 +91,31 @@ class _Done(Exception):
 _DONE = _Done()
 
 
-class TtsServiceClient:
+class TtsServiceClient(ServiceClient):
     """One multiplexed WebSocket to the TTS service: many clauses in flight, matched by id."""
 
-    def __init__(self, cfg: RemoteTtsConfig) -> None:
-        self.cfg = cfg
-        self.hello: dict[str, Any] | None = None
-        self._ws: ClientConnection | None = None
-        self._reader: asyncio.Task[None] | None = None
-        self._clauses: dict[int, _Clause] = {}
-        self._ids = itertools.count(1)
-        self._connecting = asyncio.Lock()
-        self._background: set[asyncio.Task[Any]] = set()
-        self._closed = False
-        self.reconnects = 0
-        self._attempts = 0
-        self._last_error: BaseException | None = None
+    what = "TTS service"
+    service = "tts"
+    protocol = PROTOCOL
 
-    @property
-    def connected(self) -> bool:
-        return self._ws is not None
+    def __init__(self, cfg: RemoteTtsConfig) -> None:
+        super().__init__(cfg)
+        self.cfg: RemoteTtsConfig = cfg
+        self._clauses: dict[int, _Clause] = {}
 
     @property
     def open_clauses(self) -> int:
         return len(self._clauses)
 
-    async def connect(self) -> None:
-        """Open the connection unless open; callers waiting on a failed attempt share its error
-        (as :class:`~voicebot.engines.asr_remote.AsrServiceClient` does)."""
-        seen = self._attempts
-        async with self._connecting:
-            if self._ws is not None:
-                return
-            if self._closed:
-                raise EngineError("TTS service client is closed")
-            if self._attempts != seen and self._last_error is not None:
-                raise self._last_error
-            self._attempts += 1
-            self._last_error = None
-            try:
-                await self._open()
-            except Exception as exc:
-                self._last_error = exc
-                raise
+    def max_size(self) -> int:
+        return MAX_FRAME
 
-    async def _open(self) -> None:
-        ws, hello = await open_service(
-            self.cfg.url,
-            what="TTS service",
-            service="tts",
-            protocol=PROTOCOL,
-            open_timeout_s=self.cfg.connect_timeout_s,
-            max_size=MAX_FRAME,
-        )
+    def check_hello(self, hello: dict[str, Any]) -> None:
         rate = hello.get("sample_rate")
         if not isinstance(rate, int) or isinstance(rate, bool) or rate <= 0:
-            await ws.close()
             raise ServiceMismatch(f"TTS service {self.cfg.url} gave no sample rate (a positive integer): {rate!r}")
-        if self.hello is not None and hello.get("sample_rate") != self.hello.get("sample_rate"):
-            await ws.close()
-            raise ValueError(
-                f"TTS service now synthesises at {hello.get('sample_rate')} Hz, not {self.hello.get('sample_rate')}"
-            )
-        if self.hello is not None:
-            self.reconnects += 1
-        self.hello = hello
-        self._ws = ws
-        self._reader = asyncio.create_task(self._read(ws), name="tts-service-reader")
+        if self.hello is not None and rate != self.hello.get("sample_rate"):
+            raise ValueError(f"TTS service now synthesises at {rate} Hz, not {self.hello.get('sample_rate')}")
 
     def _deliver(self, clause: _Clause, item: np.ndarray | BaseException) -> None:
         if isinstance(item, BaseException):
@@ -170,47 +128,36 @@ class TtsServiceClient:
             clause.got_audio = True
         clause.arrived.set()
 
-    async def _read(self, ws: ClientConnection) -> None:
-        try:
-            async for msg in ws:
-                if isinstance(msg, bytes):
-                    header, body = split_frame(msg, "audio")
-                    clause = self._clauses.get(header["id"])
-                    if clause is not None:  # else cancelled meanwhile
-                        self._deliver(clause, samples_of(body, "audio"))
-                    continue
-                data = json.loads(msg)
-                clause = self._clauses.get(data.get("id"))
-                if clause is None:
-                    continue
-                if data.get("type") == "done":
-                    self._deliver(clause, _DONE)
-                elif data.get("type") == "error":
-                    code = str(data.get("code") or "engine_error")
-                    message = f"TTS service: {data.get('message', code)}"
-                    # The service's "busy" is a full queue, as CapacityError is in-process: the
-                    # clause's problem, not the engine's (no failure_streak, no health).
-                    full = code in ("busy", CapacityError.code)
-                    exc = CapacityError(message) if full else EngineError(message, code=code)
-                    self._deliver(clause, exc)
-        except websockets.ConnectionClosed:
-            pass
-        except Exception:
-            log.exception("TTS service connection: bad message; dropping the connection")
-            await ws.close()
-        finally:
-            # No await from here on: no clause can register on this connection meanwhile.
-            if self._ws is ws:
-                self._ws = None
-            lost = ServiceLost(f"connection to {self.cfg.url} lost")
-            clauses, self._clauses = self._clauses, {}
-            for clause in clauses.values():
-                self._deliver(clause, lost)
+    def _on_message(self, msg: str | bytes) -> None:
+        if isinstance(msg, bytes):
+            header, body = split_frame(msg, "audio")
+            clause = self._clauses.get(header["id"])
+            if clause is not None:  # else cancelled meanwhile
+                self._deliver(clause, samples_of(body, "audio"))
+            return
+        data = json.loads(msg)
+        clause = self._clauses.get(data.get("id"))
+        if clause is None:
+            return
+        if data.get("type") == "done":
+            self._deliver(clause, _DONE)
+        elif data.get("type") == "error":
+            code = str(data.get("code") or "engine_error")
+            message = f"TTS service: {data.get('message', code)}"
+            # The service's "busy" is a full queue, as CapacityError is in-process: the
+            # clause's problem, not the engine's (no failure_streak, no health).
+            full = code in ("busy", CapacityError.code)
+            self._deliver(clause, CapacityError(message) if full else EngineError(message, code=code))
+
+    def _lose_all(self, lost: ServiceLost) -> None:
+        clauses, self._clauses = self._clauses, {}
+        for clause in clauses.values():
+            self._deliver(clause, lost)
 
     async def _start_clause(self, text: str, voice: str | None, speed: float | None) -> tuple[ClientConnection, _Clause]:
         try:
             await self.connect()
-        except _CONNECT_ERRORS as exc:
+        except CONNECT_ERRORS as exc:
             raise ServiceLost(f"cannot connect to {self.cfg.url}: {exc}") from exc
         ws = self._ws
         if ws is None:
@@ -288,31 +235,6 @@ class TtsServiceClient:
         log.info("TTS service: %s; retry %d", exc, attempt + 1)
         await asyncio.sleep(self.cfg.retry_backoff_s * 2**attempt)
 
-    def _send_soon(self, ws: ClientConnection, payload: dict[str, Any]) -> None:
-        """Send a control message without waiting (an ack or a cancel: never worth blocking a
-        session on; a connection gone meanwhile took the clause with it)."""
-        if ws is not self._ws:
-            return
-
-        async def send() -> None:
-            with contextlib.suppress(websockets.ConnectionClosed):
-                await ws.send(json.dumps(payload))
-
-        task = asyncio.create_task(send(), name="tts-service-send")
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def aclose(self) -> None:
-        self._closed = True
-        ws, self._ws = self._ws, None
-        if ws is not None:
-            await ws.close()
-        if self._reader is not None:
-            await asyncio.gather(self._reader, return_exceptions=True)
-        for task in list(self._background):
-            task.cancel()
-        await asyncio.gather(*self._background, return_exceptions=True)
-
 
 class RemoteTts:
     """:class:`~voicebot.engines.tts.TtsEngine` whose syntheses run on the shared TTS service."""
@@ -331,23 +253,11 @@ class RemoteTts:
 
     async def start(self) -> None:
         rcfg = self._cfg.remote
-        t0 = time.monotonic()
-        while True:
-            try:
-                await self.client.connect()
-                break
-            except ServiceMismatch as exc:
-                raise ModelError(f"TTS service {rcfg.url}: {exc}") from exc
-            except _CONNECT_ERRORS as exc:
-                if time.monotonic() - t0 >= rcfg.startup_timeout_s:
-                    raise ModelError(
-                        f"TTS service {rcfg.url} not reachable after {rcfg.startup_timeout_s:g} s: {exc}"
-                    ) from exc
-                await asyncio.sleep(min(1.0, rcfg.startup_timeout_s / 10 or 0.1))
+        took = await connect_at_start(self.client, rcfg.startup_timeout_s)
         hello = self.client.hello or {}
         self.sample_rate = int(hello["sample_rate"])  # checked by the client
         log.info("TTS: the shared service at %s (%s, %d Hz) in %.1f s", rcfg.url, hello.get("engine"),
-                 self.sample_rate, time.monotonic() - t0)
+                 self.sample_rate, took)
 
     async def aclose(self) -> None:
         await self.client.aclose()
