@@ -37,9 +37,8 @@ from voicebot.engines.asr import AsrEngine, DecodeAbandoned
 from voicebot.engines.asr_queue import DecodeJob, JobQueue, Priority
 from voicebot.engines.asr_remote import MAX_FRAME, PROTOCOL, unpack_decode
 from voicebot.engines.service_wire import listen as listen_ws
-from voicebot.engines.service_wire import quiet_server_log, stop_on_signals
+from voicebot.engines.service_wire import run_service, serve_until_stopped
 from voicebot.errors import VoicebotError
-from voicebot.server.process import apply_process_settings
 
 __all__ = ["AsrService", "ServiceStats", "listen", "run_asr_service", "serve_asr"]
 
@@ -304,23 +303,15 @@ async def serve_asr(
     slots = engine.settings.concurrency if isinstance(engine, VllmAsrEngine) else acfg.workers
     service = AsrService(engine, slots=slots, queue_size=acfg.queue_size, backend=backend)
     service.start()
-    stop = stop or asyncio.Event()
+
+    def on_ready(url: str) -> None:
+        log.info("ASR service (%s, %s, %d slots) ready on %s in %.1f s", backend, path, slots, url,
+                 time.perf_counter() - t0)
+        if ready is not None:
+            ready(url)
+
     try:
-        with stop_on_signals(stop):
-            async with listen(service, host, port) as server:
-                bound = next(iter(server.sockets)).getsockname()
-                url = f"ws://{bound[0]}:{bound[1]}"
-                log.info(
-                    "ASR service (%s, %s, %d slots) ready on %s in %.1f s",
-                    backend,
-                    path,
-                    slots,
-                    url,
-                    time.perf_counter() - t0,
-                )
-                if ready is not None:
-                    ready(url)
-                await stop.wait()
+        await serve_until_stopped(listen(service, host, port), stop or asyncio.Event(), on_ready)
     finally:
         await service.aclose()
         await engine.aclose()
@@ -328,13 +319,4 @@ async def serve_asr(
 
 def run_asr_service(cfg: Config, host: str, port: int, *, pull: bool = True) -> int:
     """``voicebot asr-serve``: prints one JSON line ``{"asr_service": URL}`` once it listens."""
-
-    def ready(url: str) -> None:
-        print(json.dumps({"asr_service": url}), flush=True)
-
-    quiet_server_log()
-    # Process-wide settings, as `voicebot serve` makes them, before the engine starts its threads.
-    apply_process_settings(cfg.server)
-
-    asyncio.run(serve_asr(cfg, host, port, ready=ready, pull=pull))
-    return 0
+    return run_service("asr", cfg.server, lambda ready: serve_asr(cfg, host, port, ready=ready, pull=pull))

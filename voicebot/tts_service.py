@@ -34,11 +34,10 @@ from websockets.asyncio.server import ServerConnection, serve
 
 from voicebot.config import Config
 from voicebot.engines.service_wire import listen as listen_ws
-from voicebot.engines.service_wire import pack_frame, quiet_server_log, stop_on_signals
+from voicebot.engines.service_wire import pack_frame, run_service, serve_until_stopped
 from voicebot.engines.tts import TtsEngine
 from voicebot.engines.tts_remote import MAX_FRAME, PROTOCOL
 from voicebot.errors import EngineError, VoicebotError
-from voicebot.server.process import apply_process_settings
 
 __all__ = ["ServiceStats", "TtsService", "listen", "run_tts_service", "serve_tts"]
 
@@ -292,17 +291,15 @@ async def serve_tts(
     engine = create_tts(tcfg, voice_path)
     await engine.start()
     service = TtsService(engine, engine_name=tcfg.engine)
-    stop = stop or asyncio.Event()
+
+    def on_ready(url: str) -> None:
+        log.info("TTS service (%s, %d Hz) ready on %s in %.1f s", tcfg.engine, engine.sample_rate, url,
+                 time.perf_counter() - t0)
+        if ready is not None:
+            ready(url)
+
     try:
-        with stop_on_signals(stop):
-            async with listen(service, host, port) as server:
-                bound = next(iter(server.sockets)).getsockname()
-                url = f"ws://{bound[0]}:{bound[1]}"
-                log.info("TTS service (%s, %d Hz) ready on %s in %.1f s", tcfg.engine, engine.sample_rate, url,
-                         time.perf_counter() - t0)
-                if ready is not None:
-                    ready(url)
-                await stop.wait()
+        await serve_until_stopped(listen(service, host, port), stop or asyncio.Event(), on_ready)
     finally:
         await service.aclose()
         await engine.aclose()
@@ -310,12 +307,4 @@ async def serve_tts(
 
 def run_tts_service(cfg: Config, host: str, port: int, *, pull: bool = True) -> int:
     """``voicebot tts-serve``: prints one JSON line ``{"tts_service": URL}`` once it listens."""
-
-    def ready(url: str) -> None:
-        print(json.dumps({"tts_service": url}), flush=True)
-
-    quiet_server_log()
-    # Process-wide settings, as `voicebot serve` makes them, before the engine starts its threads.
-    apply_process_settings(cfg.server)
-    asyncio.run(serve_tts(cfg, host, port, ready=ready, pull=pull))
-    return 0
+    return run_service("tts", cfg.server, lambda ready: serve_tts(cfg, host, port, ready=ready, pull=pull))

@@ -19,8 +19,8 @@ import logging
 import signal
 import struct
 import time
-from collections.abc import Awaitable, Callable, Iterator
-from typing import Any, ClassVar, Protocol
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
 import websockets
@@ -28,6 +28,9 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.asyncio.server import ServerConnection, serve
 
 from voicebot.errors import EngineError, ModelError
+
+if TYPE_CHECKING:
+    from voicebot.config import ServerConfig
 
 __all__ = [
     "CONNECT_ERRORS",
@@ -41,7 +44,9 @@ __all__ = [
     "open_service",
     "pack_frame",
     "quiet_server_log",
+    "run_service",
     "samples_of",
+    "serve_until_stopped",
     "split_frame",
     "stop_on_signals",
 ]
@@ -303,6 +308,16 @@ def listen(handler: Callable[[ServerConnection], Awaitable[None]], host: str, po
     )
 
 
+async def serve_until_stopped(server: serve, stop: asyncio.Event, on_ready: Callable[[str], None]) -> None:
+    """Run a service's listener (``listen(...)``) until ``stop`` is set or SIGINT / SIGTERM
+    comes; ``on_ready`` gets its URL once it listens."""
+    with stop_on_signals(stop):
+        async with server as running:
+            bound = next(iter(running.sockets)).getsockname()
+            on_ready(f"ws://{bound[0]}:{bound[1]}")
+            await stop.wait()
+
+
 @contextlib.contextmanager
 def stop_on_signals(stop: asyncio.Event) -> Iterator[None]:
     """SIGINT and SIGTERM set ``stop`` while inside (the service closes its engine cleanly)."""
@@ -323,3 +338,20 @@ def quiet_server_log() -> None:
     ws_log = logging.getLogger("websockets.server")
     if ws_log.level == logging.NOTSET:
         ws_log.setLevel(logging.WARNING)
+
+
+def run_service(
+    kind: str, server: ServerConfig, main: Callable[[Callable[[str], None]], Coroutine[Any, Any, None]]
+) -> int:
+    """``voicebot asr-serve`` / ``tts-serve``: runs ``main(ready)``, whose ``ready(url)`` prints
+    one JSON line ``{"<kind>_service": URL}`` once it listens."""
+    from voicebot.server.process import apply_process_settings
+
+    def ready(url: str) -> None:
+        print(json.dumps({f"{kind}_service": url}), flush=True)
+
+    quiet_server_log()
+    # Process-wide settings, as `voicebot serve` makes them, before the engine starts its threads.
+    apply_process_settings(server)
+    asyncio.run(main(ready))
+    return 0
