@@ -318,8 +318,10 @@ async def test_a_clause_cancelled_while_its_request_drains_is_cancelled_on_the_s
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        await until(lambda: fake.closed == 1 and svc.running == 0)
-        assert svc.stats.cancelled == 1 and tts.failure_streak == 0
+        # Not the engine stream's close: when the request and the cancel arrive in one
+        # read, the clause is cancelled before its engine stream ever starts.
+        await until(lambda: svc.running == 0 and svc.stats.cancelled == 1)
+        assert tts.failure_streak == 0
 
 
 async def test_a_clause_whose_frontend_never_acks_is_dropped_by_the_service(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -360,6 +362,18 @@ async def test_a_frontend_pointed_at_the_asr_service_refuses_to_start_at_once() 
     finally:
         await svc.aclose()
         await asr.aclose()
+
+
+async def test_a_hello_without_a_service_name_is_an_asr_service_and_refused() -> None:
+    async def hello(ws: websockets.ServerConnection) -> None:  # asr-serve's hello before it named itself
+        await ws.send(json.dumps({"type": "hello", "protocol": 1, "backend": "vllm", "model": "m", "slots": 1}))
+        await ws.wait_closed()
+
+    async with websockets.serve(hello, "127.0.0.1", 0) as server:
+        host, port = next(iter(server.sockets)).getsockname()[:2]
+        cfg = TtsConfig(backend="remote", remote=RemoteTtsConfig(url=f"ws://{host}:{port}", startup_timeout_s=60))
+        with pytest.raises(ModelError, match="'asr' service, not 'tts'"):
+            await asyncio.wait_for(RemoteTts(cfg).start(), WAIT)
 
 
 @pytest.mark.parametrize("rate", [None, 0, "22050", True])

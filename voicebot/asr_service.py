@@ -36,8 +36,8 @@ from voicebot.config import Config
 from voicebot.engines.asr import AsrEngine, DecodeAbandoned
 from voicebot.engines.asr_queue import DecodeJob, JobQueue, Priority
 from voicebot.engines.asr_remote import MAX_FRAME, PROTOCOL, unpack_decode
+from voicebot.engines.service_wire import is_id, run_service, serve_until_stopped
 from voicebot.engines.service_wire import listen as listen_ws
-from voicebot.engines.service_wire import run_service, serve_until_stopped
 from voicebot.errors import VoicebotError
 
 __all__ = ["AsrService", "ServiceStats", "listen", "run_asr_service", "serve_asr"]
@@ -156,8 +156,8 @@ class AsrService:
             data = json.loads(msg)
         except json.JSONDecodeError:
             data = None
-        if isinstance(data, dict) and data.get("type") == "cancel":
-            job = conn.jobs.pop(data.get("id"), None)  # type: ignore[arg-type]
+        if isinstance(data, dict) and data.get("type") == "cancel" and is_id(data.get("id")):
+            job = conn.jobs.pop(data["id"], None)
             if job is None:
                 return  # finished meanwhile: its result is on the way and will be ignored
             self.stats.cancelled += 1

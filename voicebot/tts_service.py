@@ -26,15 +26,15 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeGuard
+from typing import Any
 
 import numpy as np
 import websockets
 from websockets.asyncio.server import ServerConnection, serve
 
 from voicebot.config import Config
+from voicebot.engines.service_wire import is_id, pack_frame, run_service, serve_until_stopped
 from voicebot.engines.service_wire import listen as listen_ws
-from voicebot.engines.service_wire import pack_frame, run_service, serve_until_stopped
 from voicebot.engines.tts import TtsEngine
 from voicebot.engines.tts_remote import MAX_FRAME, PROTOCOL
 from voicebot.errors import EngineError, VoicebotError
@@ -96,14 +96,10 @@ class _Request(ValueError):
     """A synthesize message that cannot be served (an ``invalid_request`` error)."""
 
 
-def _is_id(value: object) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def parse_synthesize(data: dict[str, Any]) -> tuple[int, str, str | None, float | None, int]:
     """id, text, voice, speed and window of a synthesize message; _Request when malformed."""
     job_id, text, voice, speed, window = (data.get(k) for k in ("id", "text", "voice", "speed", "window"))
-    if not _is_id(job_id):
+    if not is_id(job_id):
         raise _Request("synthesize id must be an integer")
     if not isinstance(text, str) or len(text) > MAX_TEXT_CHARS:
         raise _Request(f"synthesize text must be a string of at most {MAX_TEXT_CHARS} characters")
@@ -174,7 +170,7 @@ class TtsService:
             with contextlib.suppress(json.JSONDecodeError):
                 data = json.loads(msg)
         kind = data.get("type") if isinstance(data, dict) else None
-        if kind in ("ack", "cancel") and not _is_id(data.get("id")):
+        if kind in ("ack", "cancel") and not is_id(data.get("id")):
             self.stats.bad_requests += 1  # a list or dict id would not even hash
             await self._error(conn, None, "invalid_request", f"{kind} id must be an integer")
         elif kind == "ack":
@@ -199,7 +195,7 @@ class TtsService:
             job_id, text, voice, speed, window = parse_synthesize(data)
         except _Request as exc:
             self.stats.bad_requests += 1
-            await self._error(conn, data.get("id") if _is_id(data.get("id")) else None, "invalid_request", str(exc))
+            await self._error(conn, data.get("id") if is_id(data.get("id")) else None, "invalid_request", str(exc))
             return
         if job_id in conn.jobs:
             self.stats.bad_requests += 1

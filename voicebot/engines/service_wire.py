@@ -20,7 +20,7 @@ import signal
 import struct
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeGuard
 
 import numpy as np
 import websockets
@@ -121,9 +121,12 @@ async def open_service(
         hello = json.loads(raw)
         if not isinstance(hello, dict) or hello.get("type") != "hello":
             raise ValueError(f"{what} {url} did not say hello: {raw!r:.200}")
-        if hello.get("service") != service:
+        # asr-serve said no name before the TTS service existed (the same protocol 1):
+        # frontends upgraded before their ASR service must still start.
+        said = hello.get("service", "asr")
+        if said != service:
             raise ServiceMismatch(
-                f"{url} is not a {what}: it says it is the {hello.get('service')!r} service, not {service!r}"
+                f"{url} is not a {what}: it says it is the {said!r} service, not {service!r}"
                 " (is the URL the other service's?)"
             )
         if hello.get("protocol") != protocol:
@@ -355,3 +358,10 @@ def run_service(
     apply_process_settings(server)
     asyncio.run(main(ready))
     return 0
+
+
+def is_id(value: object) -> TypeGuard[int]:
+    """A job id on the wire: an int, not a bool (anything else is a bad request, never a
+    dictionary lookup that raises in the connection handler)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
