@@ -364,28 +364,23 @@ async def test_a_frontend_pointed_at_the_asr_service_refuses_to_start_at_once() 
         await asr.aclose()
 
 
-async def test_a_hello_without_a_service_name_is_an_asr_service_and_refused() -> None:
-    async def hello(ws: websockets.ServerConnection) -> None:  # asr-serve's hello before it named itself
-        await ws.send(json.dumps({"type": "hello", "protocol": 1, "backend": "vllm", "model": "m", "slots": 1}))
+@pytest.mark.parametrize(
+    ("hello", "refusal"),
+    [
+        # asr-serve's hello before it named itself: an ASR service's.
+        ({"protocol": 1, "backend": "vllm", "model": "m", "slots": 1}, "'asr' service, not 'tts'"),
+        *(({"service": "tts", "protocol": 1, "sample_rate": rate}, "sample rate") for rate in (None, 0, "22050", True)),
+    ],
+)
+async def test_a_hello_that_is_no_tts_service_is_refused_at_start(hello: dict[str, object], refusal: str) -> None:
+    async def say_hello(ws: websockets.ServerConnection) -> None:
+        await ws.send(json.dumps({"type": "hello", **hello}))
         await ws.wait_closed()
 
-    async with websockets.serve(hello, "127.0.0.1", 0) as server:
+    async with websockets.serve(say_hello, "127.0.0.1", 0) as server:
         host, port = next(iter(server.sockets)).getsockname()[:2]
         cfg = TtsConfig(backend="remote", remote=RemoteTtsConfig(url=f"ws://{host}:{port}", startup_timeout_s=60))
-        with pytest.raises(ModelError, match="'asr' service, not 'tts'"):
-            await asyncio.wait_for(RemoteTts(cfg).start(), WAIT)
-
-
-@pytest.mark.parametrize("rate", [None, 0, "22050", True])
-async def test_a_tts_service_hello_without_a_sample_rate_is_refused(rate: object) -> None:
-    async def hello(ws: websockets.ServerConnection) -> None:
-        await ws.send(json.dumps({"type": "hello", "service": "tts", "protocol": 1, "sample_rate": rate}))
-        await ws.wait_closed()
-
-    async with websockets.serve(hello, "127.0.0.1", 0) as server:
-        host, port = next(iter(server.sockets)).getsockname()[:2]
-        cfg = TtsConfig(backend="remote", remote=RemoteTtsConfig(url=f"ws://{host}:{port}", startup_timeout_s=60))
-        with pytest.raises(ModelError, match="sample rate"):
+        with pytest.raises(ModelError, match=refusal):
             await asyncio.wait_for(RemoteTts(cfg).start(), WAIT)
 
 

@@ -26,7 +26,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import websockets
@@ -36,7 +36,7 @@ from voicebot.config import Config
 from voicebot.engines.asr import AsrEngine, DecodeAbandoned
 from voicebot.engines.asr_queue import DecodeJob, JobQueue, Priority
 from voicebot.engines.asr_remote import MAX_FRAME, PROTOCOL, unpack_decode
-from voicebot.engines.service_wire import is_id, run_service, serve_until_stopped
+from voicebot.engines.service_wire import ServiceConn, is_id, run_service, serve_until_stopped
 from voicebot.engines.service_wire import listen as listen_ws
 from voicebot.errors import VoicebotError
 
@@ -66,19 +66,15 @@ class ServiceStats:
 
 
 @dataclass(eq=False)
-class _Conn:
-    ws: ServerConnection
-    jobs: dict[int, _Job] = field(default_factory=dict)
-    closed: bool = False
-
-
-@dataclass(eq=False)
 class _Job:
     priority: Priority
     owner: _Conn
     id: int
     decode: DecodeJob
     task: asyncio.Future[tuple[str, float]] | None = None
+
+
+_Conn = ServiceConn[_Job]
 
 
 class AsrService:

@@ -25,6 +25,16 @@ def _add_config_args(p: argparse.ArgumentParser, default: str | None) -> None:
     )
 
 
+def _add_service_parser(sub: argparse._SubParsersAction, name: str, engine: str, port: int) -> None:  # type: ignore[type-arg]
+    """``asr-serve`` / ``tts-serve``: the config's one ASR or TTS engine for many frontends."""
+    p = sub.add_parser(name, help=f"run the shared {engine} service (one engine for many frontends)")
+    _add_config_args(p, "configs/default.yaml")
+    p.add_argument("--host", default="127.0.0.1", help="listen address (default: %(default)s)")
+    p.add_argument("--port", type=int, default=port, help="listen port, 0: any free one (default: %(default)s)")
+    p.add_argument("--no-pull", action="store_true", help="fail instead of building a missing bundle model")
+    p.set_defaults(func=_run_service, service=engine)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="voicebot", description="Real-time voice agent server.")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)")
@@ -43,19 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, help="listen port (overrides server.port)")
     serve.add_argument("--no-pull", action="store_true", help="fail instead of building missing bundle models")
 
-    asr = sub.add_parser("asr-serve", help="run the shared ASR service (one engine for many frontends)")
-    _add_config_args(asr, "configs/default.yaml")
-    asr.add_argument("--host", default="127.0.0.1", help="listen address (default: %(default)s)")
-    asr.add_argument("--port", type=int, default=8092, help="listen port, 0: any free one (default: %(default)s)")
-    asr.add_argument("--no-pull", action="store_true", help="fail instead of building a missing bundle model")
-    asr.set_defaults(func=_asr_serve)
-
-    tts = sub.add_parser("tts-serve", help="run the shared TTS service (one engine for many frontends)")
-    _add_config_args(tts, "configs/default.yaml")
-    tts.add_argument("--host", default="127.0.0.1", help="listen address (default: %(default)s)")
-    tts.add_argument("--port", type=int, default=8093, help="listen port, 0: any free one (default: %(default)s)")
-    tts.add_argument("--no-pull", action="store_true", help="fail instead of building a missing bundle model")
-    tts.set_defaults(func=_tts_serve)
+    _add_service_parser(sub, "asr-serve", "ASR", 8092)
+    _add_service_parser(sub, "tts-serve", "TTS", 8093)
 
     from voicebot.probe.cli import add_probe_parser
     from voicebot.provision.cli import add_models_parser
@@ -105,20 +104,15 @@ def _serve(args: argparse.Namespace) -> int:
     return serve(cfg, pull_models=not args.no_pull)
 
 
-def _asr_serve(args: argparse.Namespace) -> int:
-    from voicebot.asr_service import run_asr_service
+def _run_service(args: argparse.Namespace) -> int:
     from voicebot.config import load_config
 
+    if args.service == "ASR":
+        from voicebot.asr_service import run_asr_service as run
+    else:
+        from voicebot.tts_service import run_tts_service as run
     cfg = load_config(args.config, list(args.overrides))
-    return run_asr_service(cfg, args.host, args.port, pull=not args.no_pull)
-
-
-def _tts_serve(args: argparse.Namespace) -> int:
-    from voicebot.config import load_config
-    from voicebot.tts_service import run_tts_service
-
-    cfg = load_config(args.config, list(args.overrides))
-    return run_tts_service(cfg, args.host, args.port, pull=not args.no_pull)
+    return run(cfg, args.host, args.port, pull=not args.no_pull)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,7 +33,13 @@ import websockets
 from websockets.asyncio.server import ServerConnection, serve
 
 from voicebot.config import Config
-from voicebot.engines.service_wire import is_id, pack_frame, run_service, serve_until_stopped
+from voicebot.engines.service_wire import (
+    ServiceConn,
+    is_id,
+    pack_frame,
+    run_service,
+    serve_until_stopped,
+)
 from voicebot.engines.service_wire import listen as listen_ws
 from voicebot.engines.tts import TtsEngine
 from voicebot.engines.tts_remote import MAX_FRAME, PROTOCOL
@@ -77,19 +83,15 @@ class ServiceStats:
 
 
 @dataclass(eq=False)
-class _Conn:
-    ws: ServerConnection
-    jobs: dict[int, _Job] = field(default_factory=dict)
-    closed: bool = False
-
-
-@dataclass(eq=False)
 class _Job:
     id: int
     window: int
     unacked: int = 0  # chunks sent and not yet taken by the frontend's session
     room: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
+
+
+_Conn = ServiceConn[_Job]
 
 
 class _Request(ValueError):

@@ -20,7 +20,8 @@ import signal
 import struct
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeGuard
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeGuard, TypeVar
 
 import numpy as np
 import websockets
@@ -37,6 +38,7 @@ __all__ = [
     "PING_INTERVAL_S",
     "PING_TIMEOUT_S",
     "ServiceClient",
+    "ServiceConn",
     "ServiceLost",
     "ServiceMismatch",
     "connect_at_start",
@@ -58,6 +60,17 @@ PING_TIMEOUT_S = 10.0
 _HEADER = struct.Struct(">I")
 
 log = logging.getLogger(__name__)
+
+J = TypeVar("J")
+
+
+@dataclass(eq=False)
+class ServiceConn(Generic[J]):
+    """A service's side of one frontend's connection: its requests under way, by id."""
+
+    ws: ServerConnection
+    jobs: dict[int, J] = field(default_factory=dict)
+    closed: bool = False
 
 
 class ServiceMismatch(ValueError):
