@@ -207,9 +207,33 @@ class Tier:
         """Where frontends point llm.remote.url: the router, or the only server."""
         return self.router.url if self.router is not None else self.servers[0].url
 
-    async def server_metrics(self) -> list[dict[str, float]]:
+    async def server_metrics(self, tries: int = 3) -> list[dict[str, float]]:
+        """Each live server's /metrics ({} for a dead one).
+
+        A server that does not answer in 5 s is asked again (``tries`` in all): a CI run
+        once timed out connecting to one (httpx.ConnectTimeout) on a loaded machine. One
+        that never answers fails with where every process stands and its log's tail."""
         async with httpx.AsyncClient(timeout=5.0) as c:
-            return [await metrics(s.url, c) if s.alive() else {} for s in self.servers]
+            out: list[dict[str, float]] = []
+            for s in self.servers:
+                for attempt in range(tries):
+                    if not s.alive():
+                        out.append({})
+                        break
+                    try:
+                        out.append(await metrics(s.url, c))
+                        break
+                    except httpx.TransportError as e:
+                        if attempt == tries - 1:
+                            raise AssertionError(f"{s.name} did not answer /metrics {tries} times ({e!r})\n"
+                                                 f"{self.describe()}") from e
+            return out
+
+    def describe(self) -> str:
+        """Where each process of the tier stands, with its log's tail (for failure messages)."""
+        procs = [*self.servers, *([self.router] if self.router is not None else [])]
+        return "\n".join(f"--- {p.name} ({'alive' if p.alive() else f'exited {p.popen.returncode}'}):\n"
+                         f"{p.log_tail(25)}" for p in procs)
 
 
 @contextlib.asynccontextmanager

@@ -294,7 +294,10 @@ async def cut_twice(server: RunningServer, tier: Tier, clip: np.ndarray) -> None
     async def idle() -> bool:
         return unfinished_requests((await tier.server_metrics())[owner]) == 0
 
-    await wait_until(idle, 15.0, "no request left on the call's server after the hang-up")
+    try:
+        await wait_until(idle, 15.0, "no request left on the call's server after the hang-up")
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{tier.describe()}") from None
     after = (await tier.server_metrics())[owner]
     assert finished_over(after, LONG_EDGE) == finished_over(before[owner], LONG_EDGE), (
         "a reply of this call finished on the server: the barge-in or the hang-up did not abort it"
@@ -360,7 +363,15 @@ async def test_a_server_killed_mid_reply_fails_that_reply_and_the_call_goes_on_t
         before = (await tier.server_metrics())[survivor]
         mark = len(call.events)
         await call.say(speech_clips[5].audio)
-        await call.wait_for("response.audio.started", timeout=60, after=mark)
+        try:
+            await call.wait_for("response.audio.started", timeout=60, after=mark)
+        except TimeoutError:
+            # A CI run timed out here with nothing else to go on: say what the call and the
+            # tier did.
+            raise AssertionError(
+                f"no reply from the survivor (server {survivor}): events {[e['type'] for e in call.events[mark:]]}, "
+                f"errors {call.errors()}\n{tier.describe()}"
+            ) from None
         now = (await tier.server_metrics())[survivor]
         assert unfinished_requests(now) + finished_requests(now) > unfinished_requests(before) + finished_requests(before)
         assert len(call.errors()) == 1, call.errors()
