@@ -8,10 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import os
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -27,6 +33,7 @@ from voicebot.server.app import create_app
 from voicebot.server.run import uvicorn_config
 from voicebot.server.state import ServerState
 
+ROOT = Path(__file__).resolve().parents[1]
 MIC_RATE = 16000
 OUT_RATE = 16000  # what NativeCall asks the server to send
 FRAME = 320  # 20 ms at 16 kHz
@@ -198,3 +205,27 @@ async def serve_routes(routes: list[web.RouteDef]) -> AsyncIterator[str]:
         yield f"http://127.0.0.1:{port}"
     finally:
         await runner.cleanup()
+
+
+@contextlib.contextmanager
+def service_process(command: str, *args: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """``voicebot asr-serve`` / ``tts-serve`` ``args`` in its own process group (killed
+    whole on exit); yields it and its URL, which it prints as one JSON line once it
+    listens (``{"asr_service": URL}``)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "voicebot", command, *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # EOF if it died first
+        assert line, f"{command} exited with {proc.wait(5)} before listening"
+        yield proc, json.loads(line)[command.replace("-serve", "_service")]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)

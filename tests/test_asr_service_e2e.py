@@ -9,18 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import re
 import signal
 import subprocess
-import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import jiwer
 import pytest
-from servers import OUT_RATE, NativeCall, RunningServer, running_server
+from servers import OUT_RATE, NativeCall, RunningServer, running_server, service_process
 from speech import Clip
 
 from voicebot.config import ModelsConfig, load_config
@@ -36,26 +34,9 @@ def norm(text: str) -> str:
 @pytest.fixture(scope="module")
 def asr_service(models_config: ModelsConfig, whisper_tiny_dir: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
     """``voicebot asr-serve`` in its own process group; yields it and its URL."""
-    proc = subprocess.Popen(
-        [
-            sys.executable, "-m", "voicebot", "asr-serve", "--config", "configs/test.yaml",
-            "--set", f"models.cache_dir={models_config.cache_dir}", "--port", "0", "--no-pull",
-        ],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()  # '{"asr_service": URL}' once it listens (EOF if it died)
-        assert line, f"asr-serve exited with {proc.wait(5)} before listening"
-        yield proc, json.loads(line)["asr_service"]
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
+    with service_process("asr-serve", "--config", "configs/test.yaml", "--set",
+                         f"models.cache_dir={models_config.cache_dir}", "--port", "0", "--no-pull") as service:
+        yield service
 
 
 @pytest.fixture(scope="module")

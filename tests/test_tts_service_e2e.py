@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import websockets
-from servers import OUT_RATE, NativeCall, RunningServer, running_server
+from servers import OUT_RATE, NativeCall, RunningServer, running_server, service_process
 from speech import Clip
 
 from voicebot.config import ModelsConfig, TtsConfig, load_config
@@ -52,23 +52,8 @@ def piper_voice(bundle_dir: Any) -> str:
 @contextlib.contextmanager
 def started_service(models_config: ModelsConfig) -> Iterator[tuple[subprocess.Popen[str], str]]:
     """``voicebot tts-serve`` (Piper) in its own process group; yields it and its URL."""
-    proc = subprocess.Popen(
-        serve_cmd(models_config),
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()  # '{"tts_service": URL}' once it listens (EOF if it died)
-        assert line, f"tts-serve exited with {proc.wait(5)} before listening"
-        yield proc, json.loads(line)["tts_service"]
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
+    with service_process(*serve_cmd(models_config)[3:]) as service:
+        yield service
 
 
 @pytest.fixture(scope="module")
