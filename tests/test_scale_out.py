@@ -140,7 +140,9 @@ async def server(tier: Tier, models_config: ModelsConfig) -> AsyncIterator[Runni
             f"models.cache_dir={models_config.cache_dir}",
             "llm.backend=remote",
             f"llm.remote.url={tier.url}",
-            "llm.remote.retries=4",  # 0.25+0.5+1+2 s: longer than the router takes to drop a dead server
+            # 0.25+0.5+...+8 s: far longer than the router takes to drop a dead server (~1-3 s
+            # here; its health checks run every second, and a loaded CI machine may be slower).
+            "llm.remote.retries=6",
             "llm.remote.retry_backoff_s=0.25",
             "llm.max_tokens=4",  # the random model's words are seconds of espeak each
             # The tests read the servers' request counters and the cache hits of each turn;
