@@ -108,14 +108,12 @@ class AsrServiceClient(ServiceClient):
     what = "ASR service"
     service = "asr"
     protocol = PROTOCOL
+    max_size = MAX_FRAME
 
     def __init__(self, cfg: RemoteAsrConfig) -> None:
         super().__init__(cfg)
         self.cfg: RemoteAsrConfig = cfg
         self._pending: dict[int, asyncio.Future[tuple[str, float]]] = {}
-
-    def max_size(self) -> int:
-        return MAX_FRAME
 
     def _on_message(self, msg: str | bytes) -> None:
         if isinstance(msg, bytes):

@@ -178,6 +178,7 @@ class ServiceClient:
     what: ClassVar[str]  # "ASR service": for messages
     service: ClassVar[str]  # what the hello must say: "asr", "tts"
     protocol: ClassVar[int]
+    max_size: ClassVar[int]  # the largest message the service may send
 
     def __init__(self, cfg: RemoteServiceSettings) -> None:
         self.cfg = cfg
@@ -195,10 +196,6 @@ class ServiceClient:
     @property
     def connected(self) -> bool:
         return self._ws is not None
-
-    def max_size(self) -> int:
-        """The largest message the service may send."""
-        raise NotImplementedError
 
     def check_hello(self, hello: dict[str, Any]) -> None:
         """Raise ValueError when the service's hello does not suit this client."""
@@ -239,7 +236,7 @@ class ServiceClient:
             service=self.service,
             protocol=self.protocol,
             open_timeout_s=self.cfg.connect_timeout_s,
-            max_size=self.max_size(),
+            max_size=self.max_size,
         )
         try:
             self.check_hello(hello)

@@ -97,6 +97,7 @@ class TtsServiceClient(ServiceClient):
     what = "TTS service"
     service = "tts"
     protocol = PROTOCOL
+    max_size = MAX_FRAME
 
     def __init__(self, cfg: RemoteTtsConfig) -> None:
         super().__init__(cfg)
@@ -106,9 +107,6 @@ class TtsServiceClient(ServiceClient):
     @property
     def open_clauses(self) -> int:
         return len(self._clauses)
-
-    def max_size(self) -> int:
-        return MAX_FRAME
 
     def check_hello(self, hello: dict[str, Any]) -> None:
         rate = hello.get("sample_rate")
