@@ -35,13 +35,13 @@ LONG = " ".join(f"This is sentence number {n} of a reply that goes on for a whil
 pytestmark = pytest.mark.engines
 
 
-def serve_cmd(models_config: ModelsConfig, *sets: str) -> list[str]:
-    cmd = [sys.executable, "-m", "voicebot", "tts-serve", "--config", "configs/test.yaml",
-           "--set", f"models.cache_dir={models_config.cache_dir}", "--set", "tts.engine=piper",
-           "--set", f"tts.voice={VOICE}", "--port", "0", "--no-pull"]
+def serve_args(models_config: ModelsConfig, *sets: str) -> list[str]:
+    """``voicebot tts-serve``'s arguments: Piper, any free port, the suite's model cache."""
+    args = ["--config", "configs/test.yaml", "--set", f"models.cache_dir={models_config.cache_dir}",
+            "--set", "tts.engine=piper", "--set", f"tts.voice={VOICE}", "--port", "0", "--no-pull"]
     for item in sets:
-        cmd += ["--set", item]
-    return cmd
+        args += ["--set", item]
+    return args
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,7 @@ def piper_voice(bundle_dir: Any) -> str:
 @contextlib.contextmanager
 def started_service(models_config: ModelsConfig) -> Iterator[tuple[subprocess.Popen[str], str]]:
     """``voicebot tts-serve`` (Piper) in its own process group; yields it and its URL."""
-    with service_process(*serve_cmd(models_config)[3:]) as service:
+    with service_process("tts-serve", *serve_args(models_config)) as service:
         yield service
 
 
@@ -179,7 +179,8 @@ async def test_closing_a_clause_after_its_first_sentence_stops_its_synthesis_on_
 
 def test_tts_serve_refuses_a_bad_config(models_config: ModelsConfig) -> None:
     proc = subprocess.run(
-        serve_cmd(models_config, "tts.remote.window=0"), cwd=ROOT, capture_output=True, text=True, timeout=120,
+        [sys.executable, "-m", "voicebot", "tts-serve", *serve_args(models_config, "tts.remote.window=0")],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 2, proc.stderr
     assert "tts.remote.window" in proc.stderr
