@@ -100,6 +100,17 @@ class WhisperVllmConfig(_Section):
     enforce_eager: bool = Field(False, description="No CUDA graphs (faster start, slower decode).")
     load_format: Literal["auto", "dummy"] = Field("auto", description="'dummy': random weights of the model's shape, for GPU measurements without the weights.")
     max_tokens_per_s: float = Field(8.0, gt=0.0, le=100.0, description="Longest transcript per second of audio, in tokens (a guard against a decoder that never stops).")
+    window_buckets_s: tuple[float, ...] = Field((8.0, 10.0, 12.0, 15.0, 20.0, 30.0), min_length=1, description="With asr.encoder_pad_s set: the encoder window is the utterance + encoder_pad_s (at least encoder_min_s) rounded up to one of these lengths in seconds, multiples of 0.02 s (each distinct length is its own encoder call in a step: few lengths keep them batched); over 30 s: 30.")
+
+    @field_validator("window_buckets_s")
+    @classmethod
+    def _whole_frames(cls, v: tuple[float, ...]) -> tuple[float, ...]:
+        # An even number of 10 ms frames: the encoder's stride-2 convolution then gives
+        # exactly frames / 2 positions.
+        bad = [b for b in v if not 0 < b <= 30 or abs(b * 50 - round(b * 50)) > 1e-9]
+        if bad:
+            raise ValueError(f"window lengths must be in (0, 30] s and multiples of 0.02 s: {bad}")
+        return tuple(sorted(set(v)))
 
 
 class AsrConfig(_Section):
@@ -114,7 +125,7 @@ class AsrConfig(_Section):
     agreement_n: int = Field(3, ge=2, le=5, description="Consecutive agreeing partials before a word is confirmed (LocalAgreement-n).")
     partial_interval_ms: int = Field(600, ge=100, le=10_000, description="New audio needed before another partial decode.")
     max_utterance_s: float = Field(28.0, ge=2.0, le=30.0, description="Longest utterance buffered; Whisper's window is 30 s.")
-    encoder_pad_s: float | None = Field(None, ge=0.0, le=30.0, description="faster-whisper: run the encoder on the utterance plus this many seconds of padding instead of Whisper's 30 s window (None: the full window); voicebot/engines/whisper_window.py.")
+    encoder_pad_s: float | None = Field(None, ge=0.0, le=30.0, description="Run the encoder on the utterance plus this many seconds of padding instead of Whisper's 30 s window (None: the full window): faster-whisper (voicebot/engines/whisper_window.py) and Whisper on vLLM (whisper_vllm_window.py, rounded up to asr.vllm.window_buckets_s).")
     encoder_min_s: float = Field(8.0, ge=0.0, le=30.0, description="With encoder_pad_s: the shortest encoder window, in seconds (tiny.en repeats short questions in a loop below ~5 s).")
     queue_size: int = Field(64, ge=1, le=100_000, description="Pending decode jobs before new partials are dropped.")
     backend: Literal["faster-whisper", "vllm", "remote"] = Field("faster-whisper", description="Decoder: faster-whisper (CTranslate2; CPU, or CUDA 12), Whisper on vLLM (GPU on torch's CUDA, batched across sessions; model: a Hugging Face Whisper directory), or remote: a shared `voicebot asr-serve` service (asr.remote) that batches every frontend's streams on one engine.")

@@ -75,6 +75,12 @@ class WhisperVllmSettings:
     feature_workers: int = 4
     # Longest text per second of audio (a guard against a decoder that never stops).
     max_tokens_per_s: float = 8.0
+    # The encoder's window lengths (seconds) when the window is cut (window_pad_s set).
+    window_buckets_s: tuple[float, ...] = (8.0, 10.0, 12.0, 15.0, 20.0, 30.0)
+    # asr.encoder_pad_s / encoder_min_s: encode the utterance + pad_s (at least min_s,
+    # rounded up to a bucket) instead of 30 s (whisper_vllm_window.py). None: 30 s.
+    window_pad_s: float | None = None
+    window_min_s: float = 8.0
 
 
 class WhisperRunner(Protocol):
@@ -152,6 +158,13 @@ class VllmWhisper:
             disable_log_stats=True,
             seed=0,
         )
+        if s.window_pad_s is not None:
+            from voicebot.engines import whisper_vllm_window
+
+            # This process; vLLM's spawned engine processes register it through the
+            # vllm.general_plugins entry point (pyproject.toml).
+            whisper_vllm_window.register()
+            kwargs["hf_overrides"] = whisper_vllm_window.hf_overrides(s.window_pad_s, s.window_min_s, s.window_buckets_s)
         try:
             return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
         except Exception as exc:
@@ -317,7 +330,9 @@ def create_asr(cfg: AsrConfig, model_path: str, *, settings: WhisperVllmSettings
     """The ASR engine ``cfg.backend`` names (faster-whisper on CPU/CUDA 12, Whisper on vLLM,
     or the shared ASR service)."""
     if cfg.backend == "vllm":
-        settings = settings or WhisperVllmSettings(**cfg.vllm.model_dump())
+        settings = settings or WhisperVllmSettings(
+            **cfg.vllm.model_dump(), window_pad_s=cfg.encoder_pad_s, window_min_s=cfg.encoder_min_s
+        )
         return VllmAsrEngine(cfg, model_path, agreement_n=cfg.agreement_n, settings=settings)
     if cfg.backend == "remote":  # the shared ASR service (voicebot asr-serve)
         from voicebot.engines.asr_remote import RemoteAsrEngine

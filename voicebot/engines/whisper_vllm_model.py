@@ -1,0 +1,126 @@
+"""The windowed Whisper model for vLLM (see voicebot/engines/whisper_vllm_window.py).
+
+Imported only by vLLM, when a config names ``VoicebotWindowedWhisper`` (registered lazily
+by :func:`voicebot.engines.whisper_vllm_window.register`): it needs vLLM and torch.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from typing import Any, cast
+
+import torch
+from transformers import WhisperFeatureExtractor
+from vllm.model_executor.models.whisper import (
+    WhisperDummyInputsBuilder,
+    WhisperForConditionalGeneration,
+    WhisperMultiModalProcessor,
+    WhisperProcessingInfo,
+)
+from vllm.multimodal import MULTIMODAL_REGISTRY
+from vllm.multimodal.processing import PromptReplacement, PromptUpdate
+
+from voicebot.engines.whisper_vllm_window import (
+    audio_lengths,
+    cut_features,
+    placeholder_lengths,
+    window_frames_for,
+    window_of,
+)
+
+__all__ = ["WindowedFeatureExtractor", "WindowedProcessor", "WindowedWhisper", "WindowedWhisperInfo"]
+
+
+class WindowedFeatureExtractor(WhisperFeatureExtractor):  # type: ignore[misc]
+    """Whisper's feature extractor, then the features cut to the audio's window.
+
+    Made from the checkpoint's own extractor (:meth:`of`), so the log-mel is exactly
+    the stock one (padded to 30 s, normalised over the padded window, as faster-whisper
+    does) before the cut."""
+
+    window: tuple[float, float, tuple[float, ...]]
+
+    @classmethod
+    def of(cls, fe: WhisperFeatureExtractor, window: tuple[float, float, tuple[float, ...]]) -> WindowedFeatureExtractor:
+        # A copy of the loaded extractor with this class: its mel filters and settings
+        # as loaded, nothing recomputed.
+        new = copy.copy(fe)
+        new.__class__ = cls
+        new.window = window
+        return new
+
+    def __call__(self, raw_speech: Any, *args: Any, **kwargs: Any) -> Any:
+        out = super().__call__(raw_speech, *args, **kwargs)
+        pad_s, min_s, buckets = self.window
+        # One tensor for the batch: its longest audio's window (vLLM sends one audio per call).
+        frames = max(window_frames_for(n, pad_s, min_s, buckets) for n in audio_lengths(raw_speech))
+        for key in ("input_features", "attention_mask"):
+            if key in out:
+                out[key] = cut_features(out[key], frames)
+        return out
+
+
+class WindowedWhisperInfo(WhisperProcessingInfo):  # type: ignore[misc]
+    """Whisper's processing info with the windowed feature extractor in its HF processor."""
+
+    def get_hf_processor(self, **kwargs: object) -> Any:
+        proc = super().get_hf_processor(**kwargs)
+        cache: dict[int, Any] = self.__dict__.setdefault("_voicebot_windowed", {})
+        key = id(proc)
+        if key not in cache:  # vLLM caches the processor: wrap each one once
+            windowed = copy.copy(proc)
+            windowed.feature_extractor = WindowedFeatureExtractor.of(
+                proc.feature_extractor, window_of(self.get_hf_config())
+            )
+            cache[key] = (proc, windowed)  # holds proc: its id stays unique
+        return cache[key][1]
+
+
+class WindowedProcessor(WhisperMultiModalProcessor):  # type: ignore[misc]
+    """Each audio's placeholder is as long as its encoder output: frames / 2 positions of
+    the features the extractor produced, not always 1500."""
+
+    def _get_prompt_updates(
+        self,
+        mm_items: Any,
+        hf_processor_mm_kwargs: Mapping[str, object],
+        out_mm_kwargs: Any,
+    ) -> Sequence[PromptUpdate]:
+        lengths = placeholder_lengths(out_mm_kwargs)
+        if not lengths:
+            return super()._get_prompt_updates(mm_items, hf_processor_mm_kwargs, out_mm_kwargs)
+
+        def replacement(item_idx: int) -> list[int]:
+            return [0] * lengths[item_idx]
+
+        return [PromptReplacement(modality="audio", target=[0], replacement=replacement)]
+
+
+@MULTIMODAL_REGISTRY.register_processor(
+    WindowedProcessor,
+    info=WindowedWhisperInfo,
+    dummy_inputs=WhisperDummyInputsBuilder,  # 30 s of dummy audio: the full window, the most positions
+)
+class WindowedWhisper(WhisperForConditionalGeneration):  # type: ignore[misc]
+    """Whisper whose encoder takes a step's audios in groups of one window length."""
+
+    def embed_multimodal(self, **kwargs: object) -> Any:
+        feats = kwargs.get("input_features")
+        if feats is None:
+            return []
+        # Audios of one length arrive stacked [B, mels, T]; of several, as a list of [mels, T].
+        items: list[torch.Tensor] = []
+        stacked = feats if isinstance(feats, (list, tuple)) else cast(torch.Tensor, feats).unbind(0)
+        for f in stacked:
+            items.extend(f.unbind(0) if f.ndim == 3 else [f])
+        groups: dict[int, list[int]] = {}
+        for i, f in enumerate(items):
+            groups.setdefault(int(f.shape[-1]), []).append(i)
+        out: list[torch.Tensor | None] = [None] * len(items)
+        for idx in groups.values():
+            batch = torch.stack([items[i].to(self.dtype) for i in idx])
+            encoded = self.model.get_encoder_outputs(batch)  # [n, frames / 2, d_model]
+            for j, i in enumerate(idx):
+                out[i] = encoded[j]
+        return tuple(out)
