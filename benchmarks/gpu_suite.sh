@@ -30,6 +30,9 @@
 #               tts.kokoro_model=random": Kokoro on the GPU), started detached into OUT/tts-server once the
 #               ASR service answers (or the LLM server, without one); pipeline-asr then runs its frontends
 #               with tts.backend remote pointing at it: no frontend holds a GPU context)
+#             asr-window (issue 9: the asr streams through Whisper's 30 s encoder window, then through the window
+#               cut to the utterance (asr.encoder_pad_s: whisper_vllm_window.py) -> OUT/asr_stock.json, asr_window.json;
+#               asr-server takes PIPE_ASR_ARGS, e.g. "--set asr.encoder_pad_s=1.0" for the cut window)
 #             llm-stop (stop what llm-server / asr-server / tts-server / --detach left running in OUT)
 #             remote-tier (issue 10, one GPU: two vLLM servers sharing it behind vllm-router vs one,
 #               affinity on vs off, gpu_remote_tier.py; needs the vllm-router wheel: .whl/, see below)
@@ -90,6 +93,16 @@ model_dir() {  # .gpu/NAME if this transfer carried it, else the staged copy
   if [ -d ".gpu/$1" ]; then echo ".gpu/$1"; else echo "$HOME/gpu-models/$1"; fi
 }
 
+plugin_entry_point() {  # voicebot runs from PYTHONPATH here, not pip-installed: vLLM's spawned engine
+  # processes find the windowed Whisper (vllm.general_plugins, pyproject.toml) only through a dist-info
+  if ! python3 -c "import importlib.metadata as m; m.distribution('voicebot')" 2>/dev/null; then
+    mkdir -p voicebot-0.1.0.dist-info
+    printf 'Metadata-Version: 2.1\nName: voicebot\nVersion: 0.1.0\n' > voicebot-0.1.0.dist-info/METADATA
+    printf '[vllm.general_plugins]\nvoicebot_windowed_whisper = voicebot.engines.whisper_vllm_window:register\n' \
+      > voicebot-0.1.0.dist-info/entry_points.txt
+  fi
+}
+
 MPS_DIR=""
 mps_status() {  # append the daemon's server list and the GPU's process table to OUT/mps/status.log
   [ -n "$MPS_DIR" ] || return 0
@@ -144,6 +157,7 @@ run() {
   qwen=$(model_dir qwen7b); whisper=$(model_dir whisper-turbo); audio=$(model_dir audio)
   export PYTHONPATH="$PWD:$HOME/vllm-site:$HOME/tts/site:$(model_dir fwstub)${PYTHONPATH:+:$PYTHONPATH}"
   export HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 PYTHONUNBUFFERED=1
+  plugin_entry_point
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$out/device.txt" || true
   date -u +%FT%TZ >> "$out/device.txt"
   local rc=0
@@ -164,6 +178,18 @@ run() {
           --streams 64 128 256 512 --partial-ms-sweep 1000 2000 --duration-s 20 --burst 256 --pause-ms 0 \
           --gpu-memory-utilization 0.2 --max-wall-s "${ASR_WALL_S:-330}" \
           --json "$out/asr.json" > "$out/asr.log" 2>&1 || rc=$? ;;
+      asr-window)  # the same streams through Whisper on vLLM with the 30 s encoder window (stock) and with
+        # the window cut to the utterance (asr.encoder_pad_s 1 s, at least 8 s: whisper_vllm_window.py), one
+        # engine after the other on the whole GPU; ASR_WINDOW_STREAMS, ASR_WINDOW_PARTIAL_MS
+        local label pad
+        for label in stock window; do
+          pad=""; [ "$label" = window ] && pad="--window-pad-s 1.0 --window-min-s 8"
+          # shellcheck disable=SC2086  # word lists
+          python3 benchmarks/gpu_asr.py --model-dir "$whisper" --clips "$audio" $pad \
+            --streams ${ASR_WINDOW_STREAMS:-64 128 256} --partial-ms "${ASR_WINDOW_PARTIAL_MS:-2000}" \
+            --duration-s 20 --burst 256 --pause-ms 0 --gpu-memory-utilization 0.2 \
+            --max-wall-s "${ASR_WALL_S:-240}" --json "$out/asr_$label.json" > "$out/asr_$label.log" 2>&1 || rc=$?
+        done ;;
       tts)  # Piper joe-medium on the machine's CPU cores through PiperTts
         python3 benchmarks/gpu_tts.py --voice "$HOME/tts/voice" --sessions 64 128 256 \
           --workers 8 16 --duration-s 20 --max-wall-s "${TTS_WALL_S:-240}" \
@@ -209,7 +235,7 @@ run() {
         python3 benchmarks/pipeline_gpu.py asr-server --config configs/gpu-asr-service.yaml --gpu-dummy \
           $( [ -f "$out/llm-server/llm_server.json" ] && echo --after "$out/llm-server/llm_server.json" ) \
           --whisper-dir "$whisper" --whisper-memory "${PIPE_WHISPER_MEMORY:-0.15}" \
-          ${PIPE_ASR_SLOTS:+--asr-slots "$PIPE_ASR_SLOTS"} \
+          ${PIPE_ASR_SLOTS:+--asr-slots "$PIPE_ASR_SLOTS"} ${PIPE_ASR_ARGS:-} \
           --out "$out/asr-server" >> "$out/asr_server_part.log" 2>&1 || rc=$? ;;
       tts-server)  # the ONE shared TTS service, detached (pipeline-asr finds it in OUT/tts-server); Piper
         # from ~/tts/voice as the other parts, unless PIPE_TTS_ARGS says otherwise (--set tts.engine=kokoro)
