@@ -136,6 +136,20 @@ class VllmWhisper:
             from vllm.v1.engine.async_llm import AsyncLLM
         except ImportError as exc:
             raise ModelError(f"asr.backend 'vllm' needs vLLM installed ({exc})") from exc
+        kwargs = self.engine_args()
+        if "hf_overrides" in kwargs:
+            from voicebot.engines import whisper_vllm_window
+
+            # This process; vLLM's spawned engine processes register it through the
+            # vllm.general_plugins entry point (pyproject.toml).
+            whisper_vllm_window.register()
+        try:
+            return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        except Exception as exc:
+            raise ModelError(f"vLLM could not load Whisper {self.model_path}: {exc}") from exc
+
+    def engine_args(self) -> dict[str, Any]:
+        """vLLM ``AsyncEngineArgs`` of this engine."""
         s = self.settings
         kwargs: dict[str, Any] = dict(
             model=self.model_path,
@@ -159,16 +173,10 @@ class VllmWhisper:
             seed=0,
         )
         if s.window_pad_s is not None:
-            from voicebot.engines import whisper_vllm_window
+            from voicebot.engines.whisper_vllm_window import hf_overrides
 
-            # This process; vLLM's spawned engine processes register it through the
-            # vllm.general_plugins entry point (pyproject.toml).
-            whisper_vllm_window.register()
-            kwargs["hf_overrides"] = whisper_vllm_window.hf_overrides(s.window_pad_s, s.window_min_s, s.window_buckets_s)
-        try:
-            return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
-        except Exception as exc:
-            raise ModelError(f"vLLM could not load Whisper {self.model_path}: {exc}") from exc
+            kwargs["hf_overrides"] = hf_overrides(s.window_pad_s, s.window_min_s, s.window_buckets_s)
+        return kwargs
 
     async def aclose(self) -> None:
         engine, self._engine = self._engine, None
