@@ -91,7 +91,7 @@ class WhisperVllmConfig(_Section):
     """Whisper on vLLM (``asr.backend: vllm``, or ``asr.remote.engine: vllm`` in ``voicebot
     asr-serve``): how its engine is sized on the GPU. Defaults: beside a 7B LLM on one 80 GB GPU."""
 
-    gpu_memory_utilization: float = Field(0.10, gt=0.0, le=0.95, description="Share of GPU memory for Whisper's weights and KV; each decode holds 1500 encoder positions of cross-attention KV (~31 MB for large-v3-turbo), so this bounds the decodes that fit at once.")
+    gpu_memory_utilization: float = Field(0.10, gt=0.0, le=0.95, description="Share of GPU memory for Whisper's weights and KV; each decode holds 1500 encoder positions of cross-attention KV (~31 MB for large-v3-turbo; fewer with asr.encoder_pad_s: frames / 2 of its window), so this bounds the decodes that fit at once.")
     concurrency: int = Field(256, ge=1, le=4096, description="Decodes in flight in vLLM at once (the service's decode slots); more wait in the engine's finals-first queue.")
     max_num_seqs: int = Field(256, ge=1, le=4096, description="vLLM max_num_seqs: requests one engine step may hold.")
     max_num_batched_tokens: int = Field(12_000, ge=1500, le=1_000_000, description="vLLM max_num_batched_tokens, also the encoder budget per step: 1500 tokens per 30 s window (12000: 8 windows). Larger: more encoder throughput, longer steps for the decodes beside them.")
