@@ -95,10 +95,10 @@ model_dir() {  # .gpu/NAME if this transfer carried it, else the staged copy
 
 plugin_entry_point() {  # voicebot runs from PYTHONPATH here, not pip-installed: vLLM's spawned engine
   # processes find the windowed Whisper (vllm.general_plugins, pyproject.toml) only through a dist-info
-  if ! python3 -c "import importlib.metadata as m; m.distribution('voicebot')" 2>/dev/null; then
+  if ! python3 -c "import importlib.metadata as m, sys; sys.exit(not m.entry_points(group='vllm.general_plugins', name='voicebot_windowed_whisper'))" 2>/dev/null; then
     mkdir -p voicebot-0.1.0.dist-info
     printf 'Metadata-Version: 2.1\nName: voicebot\nVersion: 0.1.0\n' > voicebot-0.1.0.dist-info/METADATA
-    printf '[vllm.general_plugins]\nvoicebot_windowed_whisper = voicebot.engines.whisper_vllm_window:register\n' \
+    printf '[vllm.general_plugins]\nvoicebot_windowed_whisper = voicebot.vllm_plugin:register\n' \
       > voicebot-0.1.0.dist-info/entry_points.txt
   fi
 }

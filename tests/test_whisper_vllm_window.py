@@ -14,11 +14,14 @@ mixed lengths put back in the wrong order all change the tokens.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import importlib.util
 import json
+import tomllib
 from collections.abc import AsyncIterator, Callable
 from importlib.metadata import entry_points
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -68,10 +71,18 @@ def test_a_window_of_frames_gives_half_as_many_encoder_positions() -> None:
     assert [positions_of(f) for f in (800, 1000, 3000, 801)] == [400, 500, 1500, 401]
 
 
-@pytest.mark.parametrize("buckets", [(8.33,), (0.0, 8.0), (31.0,), ()])
-def test_window_lengths_that_are_no_even_number_of_frames_are_refused(buckets: tuple[float, ...]) -> None:
+@pytest.mark.parametrize("buckets", [(8.333,), (0.0, 8.0), (31.0,), ()])
+def test_window_lengths_that_are_no_whole_frames_are_refused(buckets: tuple[float, ...]) -> None:
     with pytest.raises(ValidationError):
         WhisperVllmConfig(window_buckets_s=buckets)
+
+
+@pytest.mark.parametrize("backend", ["vllm", "remote"])
+def test_a_window_that_could_never_be_cut_is_refused(backend: str) -> None:
+    # No bucket between encoder_min_s and 30 s: every window would be 30 s, silently.
+    with pytest.raises(ValidationError, match="encoder_min_s"):
+        AsrConfig(backend=backend, remote={"engine": "vllm"}, encoder_pad_s=1.0, encoder_min_s=25.0)
+    AsrConfig(backend="faster-whisper", encoder_pad_s=1.0, encoder_min_s=25.0)  # no buckets there
 
 
 def test_window_lengths_are_kept_sorted_once_each() -> None:
@@ -99,8 +110,46 @@ def test_encoder_pad_s_selects_the_windowed_architecture_and_carries_its_window(
 
 def test_vllm_processes_find_the_architecture_through_the_entry_point() -> None:
     # vLLM spawns its engine core; there only its general plugins register models.
-    plugins = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
-    assert plugins.get("voicebot_windowed_whisper") == "voicebot.engines.whisper_vllm_window:register"
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    target = project["entry-points"]["vllm.general_plugins"]["voicebot_windowed_whisper"]
+    assert target == "voicebot.vllm_plugin:register"
+    module, func = target.split(":")
+    register = getattr(importlib.import_module(module), func)
+    register()
+    register()  # every vLLM process calls it; twice is harmless
+    from vllm import ModelRegistry
+
+    assert ARCH in ModelRegistry.get_supported_archs()
+    # What the installed package tells vLLM (make install re-installs on a pyproject change).
+    installed = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
+    assert installed.get("voicebot_windowed_whisper") == target
+
+
+def test_the_model_encodes_each_length_once_and_keeps_the_order() -> None:
+    import torch
+
+    from voicebot.engines.whisper_vllm_model import WindowedWhisper
+
+    calls: list[tuple[int, ...]] = []
+
+    def encoder(features: torch.Tensor) -> torch.Tensor:  # [n, mels, T] -> [n, T / 2, 4]
+        calls.append(tuple(features.shape))
+        n, _, t = features.shape
+        return features[:, :4, ::2].transpose(1, 2).contiguous().reshape(n, t // 2, 4)
+
+    fake = SimpleNamespace(model=SimpleNamespace(get_encoder_outputs=encoder), dtype=torch.float64)
+    items = [torch.full((8, frames), float(i)) for i, frames in enumerate([800, 1200, 800, 3000, 1200])]
+    for feats in (items, [f[None] for f in items]):  # vLLM's list of mixed lengths, or of [1, mels, T]
+        calls.clear()
+        out = WindowedWhisper.embed_multimodal(fake, input_features=feats)
+        assert [o.shape for o in out] == [(400, 4), (600, 4), (400, 4), (1500, 4), (600, 4)]
+        assert [float(o[0, 0]) for o in out] == [0.0, 1.0, 2.0, 3.0, 4.0]  # each its own item
+        assert all(o.dtype == torch.float64 for o in out)
+        assert sorted(calls) == [(1, 8, 3000), (2, 8, 800), (2, 8, 1200)]  # one call per length
+    calls.clear()
+    stacked = torch.stack([items[0], items[2]])  # one length: vLLM stacks them
+    out = WindowedWhisper.embed_multimodal(fake, input_features=stacked)
+    assert [float(o[0, 0]) for o in out] == [0.0, 2.0] and calls == [(2, 8, 800)]
 
 
 # ------------------------------------------------------------------ a tiny Whisper with weights
@@ -164,6 +213,10 @@ def reference(model_dir: Path, audio: np.ndarray, prompt: list[int], frames: int
         hidden = encoder(feats).last_hidden_state
         for _ in range(TOKENS):
             logits = model(encoder_outputs=(hidden,), decoder_input_ids=torch.tensor([ids])).logits[0, -1]
+            top2 = logits.topk(2).values
+            # Two implementations agree on the argmax unless it is a near tie; fail clearly
+            # rather than on a CPU whose kernels round differently.
+            assert float(top2[0] - top2[1]) > 1e-3 * float(top2[0].abs()), f"near tie at token {len(ids)}"
             ids.append(int(logits.argmax()))
             if ids[-1] == eot:
                 break
@@ -194,10 +247,14 @@ async def test_each_decode_is_whisper_on_its_own_window(
     # batch of three lengths.
     texts = await asyncio.gather(*(decode(windowed, f"mixed-{n}", a, prompt) for n, a in clips.items()))
     together = dict(zip(clips, texts, strict=True))
+    expected = {
+        name: await asyncio.to_thread(reference, tiny_whisper, audio, prompt, frames[name])
+        for name, audio in clips.items()
+    }
+    assert len(set(expected.values())) == 3 and all(expected.values()), expected  # a swap would show
     for name, audio in clips.items():
-        expected = await asyncio.to_thread(reference, tiny_whisper, audio, prompt, frames[name])
-        assert together[name] == expected, (name, frames[name])
-        assert await decode(windowed, f"solo-{name}", audio, prompt) == expected, name
+        assert together[name] == expected[name], (name, frames[name])
+        assert await decode(windowed, f"solo-{name}", audio, prompt) == expected[name], name
 
 
 async def test_the_cut_window_is_what_the_encoder_sees(

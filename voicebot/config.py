@@ -42,6 +42,8 @@ class ServerConfig(_Section):
     max_audio_message_ms: int = Field(1000, ge=20, le=60_000, description="Longest audio in one message; longer ones are refused (send real-time chunks).")
     input_rate: float = Field(1.1, ge=1.0, le=100.0, description="Sustained caller audio accepted, as a multiple of real time (a little over 1 absorbs clock drift).")
     input_burst_ms: int = Field(2000, ge=20, le=600_000, description="Audio a client may send ahead of real time before input_rate applies.")
+    control_rate: float = Field(20.0, gt=0.0, le=10_000.0, description="Control messages (every client message that is not caller audio: JSON commands, Realtime events, data-channel events, Twilio marks) accepted per second and session after control_burst; more are refused with message_rate_exceeded.")
+    control_burst: int = Field(200, ge=1, le=100_000, description="Control messages a session may send at once before control_rate applies (a Realtime client loading a conversation's history).")
     web_root: str = Field("web", description="Directory served at '/' (the browser client); a relative one is "
                           "looked up in the current directory, then in the project the server runs from.")
     max_message_bytes: int = Field(1 << 20, ge=1024, le=64 << 20, description="Largest WebSocket message accepted.")
@@ -94,22 +96,21 @@ class WhisperVllmConfig(_Section):
     gpu_memory_utilization: float = Field(0.10, gt=0.0, le=0.95, description="Share of GPU memory for Whisper's weights and KV; each decode holds 1500 encoder positions of cross-attention KV (~31 MB for large-v3-turbo; fewer with asr.encoder_pad_s: frames / 2 of its window), so this bounds the decodes that fit at once.")
     concurrency: int = Field(256, ge=1, le=4096, description="Decodes in flight in vLLM at once (the service's decode slots); more wait in the engine's finals-first queue.")
     max_num_seqs: int = Field(256, ge=1, le=4096, description="vLLM max_num_seqs: requests one engine step may hold.")
-    max_num_batched_tokens: int = Field(12_000, ge=1500, le=1_000_000, description="vLLM max_num_batched_tokens, also the encoder budget per step: 1500 tokens per 30 s window (12000: 8 windows). Larger: more encoder throughput, longer steps for the decodes beside them.")
+    max_num_batched_tokens: int = Field(12_000, ge=1500, le=1_000_000, description="vLLM max_num_batched_tokens, also the encoder budget per step: 1500 tokens per 30 s window (12000: 8 windows; 30 of 8 s with asr.encoder_pad_s). Larger: more encoder throughput, longer steps for the decodes beside them.")
     feature_workers: int = Field(4, ge=1, le=64, description="Threads that turn audio into log-mel features (vLLM's renderer pool), off the event loop.")
     dtype: str = Field("bfloat16", description="vLLM dtype of the Whisper weights.")
     enforce_eager: bool = Field(False, description="No CUDA graphs (faster start, slower decode).")
     load_format: Literal["auto", "dummy"] = Field("auto", description="'dummy': random weights of the model's shape, for GPU measurements without the weights.")
     max_tokens_per_s: float = Field(8.0, gt=0.0, le=100.0, description="Longest transcript per second of audio, in tokens (a guard against a decoder that never stops).")
-    window_buckets_s: tuple[float, ...] = Field((8.0, 10.0, 12.0, 15.0, 20.0, 30.0), min_length=1, description="With asr.encoder_pad_s set: the encoder window is the utterance + encoder_pad_s (at least encoder_min_s) rounded up to one of these lengths in seconds, multiples of 0.02 s (each distinct length is its own encoder call in a step: few lengths keep them batched); over 30 s: 30.")
+    window_buckets_s: tuple[float, ...] = Field((8.0, 10.0, 12.0, 15.0, 20.0, 30.0), min_length=1, description="With asr.encoder_pad_s set: the encoder window is the utterance + encoder_pad_s (at least encoder_min_s) rounded up to one of these lengths in seconds, whole 10 ms frames (each distinct length is its own encoder call in a step: few lengths keep them batched); over 30 s: 30.")
 
     @field_validator("window_buckets_s")
     @classmethod
     def _whole_frames(cls, v: tuple[float, ...]) -> tuple[float, ...]:
-        # An even number of 10 ms frames: the encoder's stride-2 convolution then gives
-        # exactly frames / 2 positions.
-        bad = [b for b in v if not 0 < b <= 30 or abs(b * 50 - round(b * 50)) > 1e-9]
+        # The log-mel has one frame per 10 ms; a window is a number of them.
+        bad = [b for b in v if not 0 < b <= 30 or abs(b * 100 - round(b * 100)) > 1e-6]
         if bad:
-            raise ValueError(f"window lengths must be in (0, 30] s and multiples of 0.02 s: {bad}")
+            raise ValueError(f"window lengths must be in (0, 30] s, whole 10 ms frames: {bad}")
         return tuple(sorted(set(v)))
 
 
@@ -131,6 +132,19 @@ class AsrConfig(_Section):
     backend: Literal["faster-whisper", "vllm", "remote"] = Field("faster-whisper", description="Decoder: faster-whisper (CTranslate2; CPU, or CUDA 12), Whisper on vLLM (GPU on torch's CUDA, batched across sessions; model: a Hugging Face Whisper directory), or remote: a shared `voicebot asr-serve` service (asr.remote) that batches every frontend's streams on one engine.")
     remote: RemoteAsrConfig = Field(default_factory=RemoteAsrConfig, description="The shared ASR service (backend remote; also what `voicebot asr-serve` hosts).")
     vllm: WhisperVllmConfig = Field(default_factory=WhisperVllmConfig, description="Whisper on vLLM (backend vllm, or the service's remote.engine vllm): GPU memory, decode slots, encoder budget.")
+
+    @model_validator(mode="after")
+    def _a_window_can_be_cut(self) -> AsrConfig:
+        # On vLLM the window is a bucket at least encoder_min_s long: with none under 30 s,
+        # encoder_pad_s would silently change nothing.
+        on_vllm = self.backend == "vllm" or (self.backend == "remote" and self.remote.engine == "vllm")
+        cuttable = any(self.encoder_min_s <= b < 30 for b in self.vllm.window_buckets_s)
+        if on_vllm and self.encoder_pad_s is not None and not cuttable:
+            raise ValueError(
+                f"asr.vllm.window_buckets_s {list(self.vllm.window_buckets_s)} has no length between "
+                f"asr.encoder_min_s ({self.encoder_min_s:g} s) and 30 s: every window would be 30 s"
+            )
+        return self
 
 
 class RemoteLlmConfig(_Section):

@@ -138,11 +138,11 @@ class VllmWhisper:
             raise ModelError(f"asr.backend 'vllm' needs vLLM installed ({exc})") from exc
         kwargs = self.engine_args()
         if "hf_overrides" in kwargs:
-            from voicebot.engines import whisper_vllm_window
+            from voicebot.vllm_plugin import register
 
             # This process; vLLM's spawned engine processes register it through the
             # vllm.general_plugins entry point (pyproject.toml).
-            whisper_vllm_window.register()
+            register()
         try:
             return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
         except Exception as exc:
@@ -336,7 +336,8 @@ class VllmAsrEngine(AsrEngine):
 
 def create_asr(cfg: AsrConfig, model_path: str, *, settings: WhisperVllmSettings | None = None) -> AsrEngine:
     """The ASR engine ``cfg.backend`` names (faster-whisper on CPU/CUDA 12, Whisper on vLLM,
-    or the shared ASR service)."""
+    or the shared ASR service). ``settings`` (benchmarks) replaces everything the config
+    says of the vLLM engine, the encoder window included."""
     if cfg.backend == "vllm":
         settings = settings or WhisperVllmSettings(
             **cfg.vllm.model_dump(), window_pad_s=cfg.encoder_pad_s, window_min_s=cfg.encoder_min_s

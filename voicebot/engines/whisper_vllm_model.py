@@ -7,9 +7,13 @@ by :func:`voicebot.engines.whisper_vllm_window.register`): it needs vLLM and tor
 from __future__ import annotations
 
 import copy
+import logging
+import threading
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
+import numpy as np
 import torch
 from transformers import WhisperFeatureExtractor
 from vllm.model_executor.models.whisper import (
@@ -21,7 +25,9 @@ from vllm.model_executor.models.whisper import (
 from vllm.multimodal import MULTIMODAL_REGISTRY
 from vllm.multimodal.processing import PromptReplacement, PromptUpdate
 
+from voicebot.audio import ASR_RATE
 from voicebot.engines.whisper_vllm_window import (
+    FULL_FRAMES,
     audio_lengths,
     cut_features,
     placeholder_lengths,
@@ -30,6 +36,8 @@ from voicebot.engines.whisper_vllm_window import (
 )
 
 __all__ = ["WindowedFeatureExtractor", "WindowedProcessor", "WindowedWhisper", "WindowedWhisperInfo"]
+
+log = logging.getLogger(__name__)
 
 
 class WindowedFeatureExtractor(WhisperFeatureExtractor):  # type: ignore[misc]
@@ -64,17 +72,34 @@ class WindowedFeatureExtractor(WhisperFeatureExtractor):  # type: ignore[misc]
 class WindowedWhisperInfo(WhisperProcessingInfo):  # type: ignore[misc]
     """Whisper's processing info with the windowed feature extractor in its HF processor."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # vLLM caches HF processors (an LRU); each one it hands out is wrapped once, and
+        # forgotten with it. The renderer's feature threads call this concurrently.
+        self._windowed: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+
     def get_hf_processor(self, **kwargs: object) -> Any:
         proc = super().get_hf_processor(**kwargs)
-        cache: dict[int, Any] = self.__dict__.setdefault("_voicebot_windowed", {})
-        key = id(proc)
-        if key not in cache:  # vLLM caches the processor: wrap each one once
-            windowed = copy.copy(proc)
-            windowed.feature_extractor = WindowedFeatureExtractor.of(
-                proc.feature_extractor, window_of(self.get_hf_config())
-            )
-            cache[key] = (proc, windowed)  # holds proc: its id stays unique
-        return cache[key][1]
+        with self._lock:
+            windowed = self._windowed.get(proc)
+            if windowed is None:
+                windowed = copy.copy(proc)
+                window = window_of(self.get_hf_config())
+                windowed.feature_extractor = WindowedFeatureExtractor.of(proc.feature_extractor, window)
+                _check_cuts(windowed)
+                log.info("Whisper encoder window: the audio + %g s, at least %g s, rounded up to %s s", *window)
+                self._windowed[proc] = windowed
+        return windowed
+
+
+def _check_cuts(proc: Any) -> None:
+    """The HF processor must call the feature extractor we put in it: a transformers
+    release that routed audio elsewhere would silently encode 30 s again."""
+    out = proc(audio=[np.zeros(ASR_RATE, dtype=np.float32)], sampling_rate=ASR_RATE)
+    frames = np.asarray(out["input_features"][0]).shape[-1]
+    if frames >= FULL_FRAMES:
+        raise RuntimeError(f"the windowed Whisper processor did not cut the features ({frames} frames)")
 
 
 class WindowedProcessor(WhisperMultiModalProcessor):  # type: ignore[misc]
@@ -109,6 +134,8 @@ class WindowedWhisper(WhisperForConditionalGeneration):  # type: ignore[misc]
         feats = kwargs.get("input_features")
         if feats is None:
             return []
+        if isinstance(feats, torch.Tensor) and feats.ndim == 3:  # one length: vLLM stacked them
+            return self.model.get_encoder_outputs(feats.to(self.dtype)).unbind(0)
         # Audios of one length arrive stacked [B, mels, T]; of several, as a list of [mels, T].
         items: list[torch.Tensor] = []
         stacked = feats if isinstance(feats, (list, tuple)) else cast(torch.Tensor, feats).unbind(0)

