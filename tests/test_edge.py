@@ -205,6 +205,30 @@ def test_audio_gate_reports_once_per_second() -> None:
     assert gate.report_due()
 
 
+def test_control_gate_allows_a_burst_then_its_rate() -> None:
+    clock = Clock()
+    gate = edge.ControlGate(rate=16.0, burst=200, clock=clock)  # 1/16 s: exact in binary
+    for _ in range(200):  # a client loading a conversation at once
+        gate.check()
+    with pytest.raises(ProtocolError) as err:
+        gate.check()
+    assert err.value.code == "message_rate_exceeded" and gate.refused == 1
+    assert "server.control_rate" in str(err.value)
+    # Then 16 a second, for an hour; one more within the same 1/16 s is refused.
+    for _ in range(3600 * 16):
+        clock.t += 1 / 16
+        gate.check()
+    with pytest.raises(ProtocolError):
+        gate.check()
+    assert gate.refused == 2
+    # A pause refills the bucket, never beyond the burst.
+    clock.t += 3600
+    for _ in range(200):
+        gate.check()
+    with pytest.raises(ProtocolError):
+        gate.check()
+
+
 def test_burst_must_hold_one_message() -> None:
     with pytest.raises(ValueError, match="input_burst_ms"):
         ServerConfig(max_audio_message_ms=3000, input_burst_ms=2000)

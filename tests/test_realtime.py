@@ -29,6 +29,7 @@ from voicebot.audio import dbfs, float_to_pcm16, pcm16_to_float, resample
 from voicebot.config import ModelsConfig, load_config
 from voicebot.probe.client import ProbeConfig, run_level
 from voicebot.probe.clips import load_clip
+from voicebot.server import edge
 from voicebot.server.state import ServerState
 from voicebot.session import events as se
 from voicebot.session.settings import SessionSettings
@@ -860,6 +861,31 @@ async def test_probe_speaks_realtime(server: Running, clip: Clip) -> None:
     assert record.status == "ok", record
     assert wer(clip.text, record.transcript) <= 0.25, record.transcript
     assert record.voice_to_voice_ms is not None and record.voice_to_voice_ms < 1000 * (time.monotonic() - started)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_events_beyond_the_control_rate_are_refused_and_audio_is_not_counted() -> None:
+    clock = Clock()
+    tr, fake = make(control_gate=edge.ControlGate(rate=2.0, burst=3, clock=clock))
+    for _ in range(3):
+        assert send(tr, type="input_audio_buffer.clear")[0]["type"] == "input_audio_buffer.cleared"
+    (err,) = send(tr, type="input_audio_buffer.clear", event_id="e4")
+    assert (err["type"], err["error"]["code"], err["error"]["event_id"]) == ("error", "message_rate_exceeded", "e4")
+    chunk = base64.b64encode(bytes(480)).decode()
+    for _ in range(10):  # audio has its own gate
+        assert send(tr, type="input_audio_buffer.append", audio=chunk) == []
+    clock.t += 0.5  # one token back
+    assert send(tr, type="input_audio_buffer.clear")[0]["type"] == "input_audio_buffer.cleared"
+    (err,) = send(tr, type="input_audio_buffer.clear")
+    assert err["error"]["code"] == "message_rate_exceeded"
+    assert fake.calls.count(("clear",)) == 4  # a refused event does nothing
 
 
 async def test_audio_faster_than_real_time_is_refused(server: Running) -> None:

@@ -13,6 +13,7 @@ import asyncio
 import base64
 import contextlib
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -482,6 +483,23 @@ async def test_stop_ends_the_session(server: RunningServer) -> None:
     async with twilio_call(server) as (call, session):
         await asyncio.sleep(0.3)
         await call.send("stop", stop={"callSid": "CA1"})
+        await asyncio.wait_for(call.ws.wait_closed(), 10)
+    await wait_for(lambda: session.id not in server.state.sessions, 5, "session closed")
+    assert session.closed_reason == "call ended"
+
+
+async def test_carrier_messages_beyond_the_control_rate_are_dropped(
+    server: RunningServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Media has the audio gate; every other message (marks, keys) had no limit at all.
+    cfg = server.state.cfg.server
+    caplog.set_level(logging.WARNING)
+    async with twilio_call(server) as (call, session):
+        for i in range(cfg.control_burst + 100):  # echoes of marks never sent: no effect but the cost
+            await call.send("mark", mark={"name": f"flood{i}"})
+        await wait_for(lambda: "message_rate_exceeded" in caplog.text, 10, "the refusal in the log")
+        await asyncio.sleep(2 / cfg.control_rate)  # a token or two back
+        await call.send("stop", stop={"callSid": "CA1"})  # still heard: the call ends as asked
         await asyncio.wait_for(call.ws.wait_closed(), 10)
     await wait_for(lambda: session.id not in server.state.sessions, 5, "session closed")
     assert session.closed_reason == "call ended"

@@ -7,6 +7,7 @@ nonsense would make the reply-transcript checks meaningless); TTS is espeak-ng.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import time
@@ -244,6 +245,37 @@ async def test_audio_faster_than_real_time_is_refused(server: RunningServer) -> 
         # time) refilled while the loop took the messages, a frame or so of rounding.
         allowed = 2000 + 1100 * (time.monotonic() - sending) + 100
         assert session.input_ms <= min(allowed, 5000), (session.input_ms, allowed)
+
+
+async def test_control_messages_beyond_their_rate_are_refused(server: RunningServer) -> None:
+    # Found in the hardening review: only audio had a rate; a client could send commands as
+    # fast as the loop took them, each parsed and acted on by the loop all calls share.
+    cfg = server.state.cfg.server
+    sent = cfg.control_burst + 50
+    async with websockets.connect(server.ws()) as ws:
+        await _started(ws)  # one control message of the burst
+        sending = time.monotonic()
+        for _ in range(sent):  # the burst at once, then more
+            await ws.send(json.dumps({"type": "input.clear"}))
+        elapsed = time.monotonic() - sending
+        cleared, errors = 0, []
+        with contextlib.suppress(TimeoutError):
+            while True:  # every answer, until the socket has been quiet for a second
+                reply = json.loads(await asyncio.wait_for(ws.recv(), 1.0))
+                cleared += reply["type"] == "input.cleared"
+                if reply["type"] == "error":
+                    errors.append(reply)
+        assert errors and {(e["code"], e["fatal"]) for e in errors} == {("message_rate_exceeded", False)}, errors
+        # Refused before parsing: the burst (less the session.start) and what the rate
+        # refilled while they were sent, no more.
+        assert cfg.control_burst - 1 <= cleared <= cfg.control_burst + cfg.control_rate * elapsed + 1, cleared
+        assert cleared + len(errors) == sent, (cleared, len(errors))
+        await asyncio.sleep(2 / cfg.control_rate)  # a token or two back
+        await ws.send(json.dumps({"type": "session.update", "max_tokens": 50}))
+        async with asyncio.timeout(5):
+            while True:  # the session goes on: the next message after a pause is answered
+                if json.loads(await ws.recv())["type"] == "session.updated":
+                    break
 
 
 async def test_per_client_limit(server: RunningServer) -> None:

@@ -25,6 +25,7 @@ Wire codes a client can act on (the class sets the default; raisers may refine i
                                                BadMessage: an error event, the session goes on
     invalid_audio, input_rate_exceeded, input_backlog_full
                                                BadAudio / rate gate: the audio is dropped
+    message_rate_exceeded                      control messages over server.control_rate: dropped
     message_too_large, payload_too_large, text_too_long
                                                size limits: the message is dropped (HTTP 413)
     server_shutdown (close 1001), engine_failed (close 1011), idle_timeout

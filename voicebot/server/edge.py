@@ -8,6 +8,7 @@ One place for each of these, so the four wire protocols cannot drift apart:
   server's own host or a loopback page;
 - JSON: bounded in size and nesting depth before the parser sees it;
 - caller audio: one message's length and the sustained rate (a token bucket);
+- control messages (everything else a client sends): a rate per session (a token bucket);
 - admission: ready, not draining, a free slot, under the per-client limit;
 - errors on the wire: one mapping of error code to WebSocket close code and HTTP status;
 - start-up: no unauthenticated server on a non-loopback address by accident.
@@ -304,6 +305,43 @@ class AudioGate:
         return False
 
 
+# -------------------------------------------------------------- control messages
+class ControlGate:
+    """Per-session limit on control messages: every client message that is not caller
+    audio (JSON commands, Realtime events, WebRTC data-channel events, Twilio marks and
+    keys). Each is parsed and acted on by the event loop all sessions share, and some make
+    work (a session.update, a conversation item); audio has its own gate. A token bucket:
+    ``burst`` at once (a Realtime client loading a conversation's history), then ``rate``
+    a second. Beyond it a message is refused with an error, not queued.
+    """
+
+    def __init__(self, rate: float, burst: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.rate = rate
+        self.burst = float(burst)
+        self._clock = clock
+        self._tokens = self.burst
+        self._last = clock()
+        self.refused = 0  # messages refused so far (for logs and tests)
+
+    @classmethod
+    def from_config(cls, cfg: ServerConfig, clock: Callable[[], float] = time.monotonic) -> ControlGate:
+        return cls(cfg.control_rate, cfg.control_burst, clock)
+
+    def check(self) -> None:
+        """Admit one control message, or raise (and the caller drops it)."""
+        now = self._clock()
+        self._tokens = min(self.burst, self._tokens + (now - self._last) * self.rate)
+        self._last = now
+        if self._tokens < 1.0 - 1e-9:  # float noise, not a message
+            self.refused += 1
+            raise ProtocolError(
+                f"more than {self.rate:g} control messages a second beyond a burst of {self.burst:g} "
+                "(server.control_rate, control_burst); this one was dropped",
+                code="message_rate_exceeded",
+            )
+        self._tokens -= 1.0
+
+
 # --------------------------------------------------------------------- admission
 def check_admission(state: ServerState, client: str | None = None) -> None:
     """Raise NotReady / CapacityError unless a new session may start now.
@@ -328,7 +366,8 @@ def check_admission(state: ServerState, client: str | None = None) -> None:
 
 
 # ------------------------------------------------------------------ errors on wire
-_RETRY_LATER = frozenset({"capacity_exceeded", "not_ready", "draining", "input_rate_exceeded", "engine_unavailable"})
+_RETRY_LATER = frozenset({"capacity_exceeded", "not_ready", "draining", "input_rate_exceeded", "message_rate_exceeded",
+                          "engine_unavailable"})
 _POLICY = frozenset({"unauthorized", "origin_not_allowed"})
 _SERVER_FAULT = frozenset({"internal_error", "engine_error", "model_unavailable", "engine_failed"})
 

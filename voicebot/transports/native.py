@@ -237,6 +237,7 @@ async def _send_error_and_close(ws: WebSocket, exc: VoicebotError) -> None:
 async def _run(ws: WebSocket, session: Session, state: ServerState, in_rate: int, out_rate: int) -> None:
     max_bytes = state.cfg.server.max_message_bytes
     gate = edge.AudioGate.from_config(state.cfg.server)
+    control = edge.ControlGate.from_config(state.cfg.server)
 
     async def reader() -> None:
         while True:
@@ -253,6 +254,7 @@ async def _run(ws: WebSocket, session: Session, state: ServerState, in_rate: int
                     gate.check(len(data) // 2, in_rate)  # length and rate: refused, not queued
                     session.push_audio(data, in_rate)
                 elif msg.get("text") is not None:
+                    control.check()  # before parsing: a flood is refused at the cost of a counter
                     edge.check_size(len(msg["text"]), max_bytes)
                     data = parse_json(msg["text"])
                     event_id = data.get("event_id") if isinstance(data.get("event_id"), str) else None

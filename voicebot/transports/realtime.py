@@ -75,6 +75,7 @@ def endpoint(state: ServerState):  # type: ignore[no-untyped-def]
                 transcription = ws.query_params.get("intent") == "transcription"
                 translator = RealtimeTranslator(session, session_id=session.id, model=model, beta=beta,
                                                 voices=_voices(state), audio_gate=edge.AudioGate.from_config(server),
+                                                control_gate=edge.ControlGate.from_config(server),
                                                 transcription_only=transcription)
                 await _run(ws, session, translator, state)
         except WebSocketDisconnect:

@@ -82,9 +82,11 @@ class SessionPort(Protocol):
 class RealtimeTranslator:
     def __init__(self, session: SessionPort, *, session_id: str, model: str, beta: bool = False,
                  voices: Collection[str] | None = None, audio_gate: edge.AudioGate | None = None,
+                 control_gate: edge.ControlGate | None = None,
                  transcription_only: bool = False, clock: Callable[[], float] = time.monotonic) -> None:
         self.session = session
         self.audio_gate = audio_gate  # wire limits on caller audio (None: unlimited, for tests)
+        self.control_gate = control_gate  # on every other event (None: unlimited, for tests)
         self.wire = Wire(fam=rt.BETA if beta else rt.GA)
         self.replies = Replies(self.wire, self.view, self._link)
         self.id, self.model = session_id, model
@@ -214,6 +216,8 @@ class RealtimeTranslator:
         try:
             data = rt.load_json(text)
             event_id = data.get("event_id") if isinstance(data.get("event_id"), str) else None
+            if self.control_gate is not None and data.get("type") != "input_audio_buffer.append":
+                self.control_gate.check()  # audio has its own gate
             return self._out(self._apply(rt.validate_client_event(data)))
         except VoicebotError as exc:
             return self.error(exc, event_id)

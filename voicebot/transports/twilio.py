@@ -203,6 +203,10 @@ class _Call:
         self.cfg = state.cfg.telephony
         self.max_bytes = state.cfg.server.max_message_bytes
         self.gate = edge.AudioGate.from_config(state.cfg.server)
+        # Marks, keys, the rest; plus the echoes of our own marks (one per mark_interval_ms
+        # while a reply plays), which a carrier sends back as fast as we send them.
+        server = state.cfg.server
+        self.control = edge.ControlGate(server.control_rate + 1000 / self.cfg.mark_interval_ms, server.control_burst)
         self.out = tp.Outbound(start.stream_id, start.dialect)
         self.fmt = start.encoding
         self.marks = tp.PlayoutMarks(self.cfg.mark_interval_ms)
@@ -254,6 +258,8 @@ class _Call:
 
     def _handle(self, msg: tp.Inbound) -> bool:
         """Act on one message; True when the call is over."""
+        if not isinstance(msg, tp.Media):
+            self.control.check()  # raises: the reader logs it and drops the message
         match msg:
             case tp.Media(payload, track):
                 if track in ("inbound", "inbound_track") and payload:

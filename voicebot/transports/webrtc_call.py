@@ -112,6 +112,7 @@ class Call:
                     model=str(self.session_config.get("model") or self.state.cfg.llm.model),
                     beta=self.beta,
                     voices=_voices(self.state),
+                    control_gate=edge.ControlGate.from_config(self.state.cfg.server),
                 )
                 await self._negotiate()
                 self._configure()
