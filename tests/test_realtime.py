@@ -24,6 +24,7 @@ import websockets
 from openai import AsyncOpenAI
 from servers import running_server, server_errors
 from speech import Clip
+from test_edge import Clock
 
 from voicebot.audio import dbfs, float_to_pcm16, pcm16_to_float, resample
 from voicebot.config import ModelsConfig, load_config
@@ -861,14 +862,6 @@ async def test_probe_speaks_realtime(server: Running, clip: Clip) -> None:
     assert record.status == "ok", record
     assert wer(clip.text, record.transcript) <= 0.25, record.transcript
     assert record.voice_to_voice_ms is not None and record.voice_to_voice_ms < 1000 * (time.monotonic() - started)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def test_events_beyond_the_control_rate_are_refused_and_audio_is_not_counted() -> None:

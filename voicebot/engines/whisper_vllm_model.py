@@ -1,7 +1,7 @@
 """The windowed Whisper model for vLLM (see voicebot/engines/whisper_vllm_window.py).
 
 Imported only by vLLM, when a config names ``VoicebotWindowedWhisper`` (registered lazily
-by :func:`voicebot.engines.whisper_vllm_window.register`): it needs vLLM and torch.
+by :func:`voicebot.vllm_plugin.register`): it needs vLLM and torch.
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ class WindowedWhisper(WhisperForConditionalGeneration):  # type: ignore[misc]
             return []
         if isinstance(feats, torch.Tensor) and feats.ndim == 3:  # one length: vLLM stacked them
             return self.model.get_encoder_outputs(feats.to(self.dtype)).unbind(0)
-        # Audios of one length arrive stacked [B, mels, T]; of several, as a list of [mels, T].
+        # Of several lengths they arrive as a list of [mels, T] (or [1, mels, T]).
         items: list[torch.Tensor] = []
         stacked = feats if isinstance(feats, (list, tuple)) else cast(torch.Tensor, feats).unbind(0)
         for f in stacked:

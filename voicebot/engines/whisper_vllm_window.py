@@ -43,6 +43,7 @@ __all__ = [
     "audio_lengths",
     "cut_features",
     "hf_overrides",
+    "needed_frames",
     "placeholder_lengths",
     "positions_of",
     "window_frames_for",
@@ -53,12 +54,19 @@ FULL_FRAMES = 3000  # Whisper's 30 s window, 10 ms per frame
 _HOP = 160  # samples per frame at 16 kHz
 
 
+def needed_frames(samples: int, pad_s: float, min_s: float) -> float:
+    """Log-mel frames a window needs for ``samples`` of 16 kHz audio: the audio plus
+    ``pad_s`` seconds, at least ``min_s``, before rounding (both paths: faster-whisper's
+    whisper_window.window_frames rounds to 0.5 s, :func:`window_frames_for` to a bucket)."""
+    content = samples // _HOP + 1  # the feature extractor pads the audio by one hop
+    return max(content + pad_s * 100, min_s * 100)
+
+
 def window_frames_for(samples: int, pad_s: float, min_s: float, buckets_s: Sequence[float]) -> int:
     """Encoder frames for ``samples`` of 16 kHz audio: the audio plus ``pad_s`` seconds,
     at least ``min_s``, rounded up to the next of ``buckets_s`` (seconds); never more than
     30 s."""
-    content = samples // _HOP + 1  # the feature extractor pads the audio by one hop
-    need = max(content + pad_s * 100, min_s * 100)
+    need = needed_frames(samples, pad_s, min_s)
     for b in sorted(buckets_s):
         if b * 100 >= need:
             return min(FULL_FRAMES, int(round(b * 100)))

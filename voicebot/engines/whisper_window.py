@@ -25,10 +25,11 @@ from typing import Any
 import numpy as np
 from faster_whisper import WhisperModel
 
+# The window arithmetic both Whisper paths share (that module needs neither engine).
+from voicebot.engines.whisper_vllm_window import FULL_FRAMES, needed_frames
+
 __all__ = ["FULL_FRAMES", "WindowedWhisper", "window_frames"]
 
-FULL_FRAMES = 3000  # Whisper's 30 s window, 10 ms per frame
-_HOP = 160  # samples per frame at 16 kHz
 _STEP = 50  # windows are rounded up to 0.5 s: fewer distinct shapes
 
 
@@ -38,8 +39,7 @@ def window_frames(samples: int, pad_s: float | None, min_s: float = 0.0) -> int:
     ``pad_s=None``: the full window."""
     if pad_s is None:
         return FULL_FRAMES
-    content = samples // _HOP + 1  # the feature extractor pads the audio by one hop
-    frames = max(content + pad_s * 100, min_s * 100)
+    frames = needed_frames(samples, pad_s, min_s)
     return min(FULL_FRAMES, max(_STEP, math.ceil(frames / _STEP) * _STEP))
 
 
