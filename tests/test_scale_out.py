@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -316,11 +317,14 @@ async def test_a_server_killed_mid_reply_fails_that_reply_and_the_call_goes_on_t
     real_try = llm._try
 
     seen: list[list[dict[str, float]]] = []
+    reads_s: list[float] = []  # how long each /metrics read of both servers took
 
     async def one_busy() -> bool:
         # The server with a request in flight whose prompt counter moved since the call
         # began: a request of an earlier test still ending on the other one is not it.
+        t0 = time.monotonic()
         metrics = await tier.server_metrics()
+        reads_s.append(round(time.monotonic() - t0, 2))
         seen[:] = [metrics]
         busy[:] = [i for i, (m, b) in enumerate(zip(metrics, at_start, strict=True))
                    if unfinished_requests(m) >= 1 and prompt_tokens(m) > prompt_tokens(b)]
@@ -334,11 +338,15 @@ async def test_a_server_killed_mid_reply_fails_that_reply_and_the_call_goes_on_t
                 if not killed:
                     # The vLLM gauges follow the engine's steps. A 2 s look found no single
                     # busy server in one CI run (what it saw was not printed; now it is).
-                    # The forced reply runs ~30 s: there is time to look for 10.
+                    # A 10 s look then read nothing at all in another ("none read"): no
+                    # /metrics read of the two servers had finished in 10 s on the loaded
+                    # machine. The forced reply runs ~30 s: look for 25, and say how long
+                    # each read took.
                     try:
-                        await wait_until(one_busy, 10.0, "the reply is generating on one server")
+                        await wait_until(one_busy, 25.0, "the reply is generating on one server")
                     except AssertionError as e:
                         raise AssertionError(f"{e}: busy {busy}, gauges {[_gauges(m) for m in seen[0]] if seen else 'none read'}, "
+                                             f"reads took {reads_s} s, "
                                              f"at the start {[_gauges(m) for m in at_start]}") from None
                     killed.append(busy[0])
                     os.killpg(tier.servers[busy[0]].popen.pid, signal.SIGKILL)
