@@ -175,6 +175,18 @@ class Clock:
         return self.t
 
 
+def test_token_bucket_refusal_takes_nothing() -> None:
+    # A chunk too large for what is left is refused whole and leaves the bucket as it
+    # was: a smaller one that fits still passes (a refusal is not a debt).
+    clock = Clock()
+    bucket = edge.TokenBucket(rate=1.0, capacity=1.0, clock=clock)
+    assert not bucket.take(1.5)
+    assert bucket.take(1.0) and not bucket.take(0.5)
+    clock.t += 0.25
+    assert bucket.take(0.25) and not bucket.take(1e-3)
+    assert bucket.take(1e-10, slack=1e-9)  # float noise within the slack
+
+
 def test_audio_gate_allows_real_time_and_a_burst_only() -> None:
     clock = Clock()
     gate = edge.AudioGate(max_message_ms=1000, rate=1.0, burst_ms=2000, clock=clock)

@@ -250,6 +250,29 @@ async def read_body(request: Request, limit: int) -> Request:
     return Request(request.scope, replay)
 
 
+# ------------------------------------------------------------------- rate limits
+class TokenBucket:
+    """``capacity`` at once, refilled at ``rate`` a second: the one bucket both gates use."""
+
+    def __init__(self, rate: float, capacity: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.rate = rate
+        self.capacity = capacity
+        self._clock = clock
+        self._tokens = capacity
+        self._last = clock()
+
+    def take(self, amount: float, *, slack: float = 0.0) -> bool:
+        """Take ``amount`` if the bucket holds it (to within ``slack``: float noise); a
+        refused take takes nothing."""
+        now = self._clock()
+        self._tokens = min(self.capacity, self._tokens + (now - self._last) * self.rate)
+        self._last = now
+        if amount > self._tokens + slack:
+            return False
+        self._tokens -= amount
+        return True
+
+
 # ------------------------------------------------------------------ caller audio
 class AudioGate:
     """Per-session wire limits on caller audio, checked before ``session.push_audio``.
@@ -267,8 +290,7 @@ class AudioGate:
         self.rate = rate
         self.burst_s = burst_ms / 1000.0
         self._clock = clock
-        self._tokens = self.burst_s
-        self._last = clock()
+        self._bucket = TokenBucket(rate, self.burst_s, clock)
         self.refused_s = 0.0  # audio refused so far (for logs and tests)
         self._reported = -1e9
 
@@ -284,17 +306,13 @@ class AudioGate:
                 f"one audio message of {seconds * 1000:.0f} ms exceeds server.max_audio_message_ms "
                 f"({self.max_s * 1000:.0f} ms); send it in smaller chunks, in real time"
             )
-        now = self._clock()
-        self._tokens = min(self.burst_s, self._tokens + (now - self._last) * self.rate)
-        self._last = now
-        if seconds > self._tokens + 1e-6:  # 1 µs: float noise, not audio
+        if not self._bucket.take(seconds, slack=1e-6):  # 1 µs: float noise, not audio
             self.refused_s += seconds
             raise ProtocolError(
                 f"audio arrives faster than real time (more than {self.rate:g}x beyond a "
                 f"{self.burst_s:g} s burst); this chunk was dropped",
                 code="input_rate_exceeded",
             )
-        self._tokens -= seconds
 
     def report_due(self, every_s: float = 1.0) -> bool:
         """For senders of many small frames (WebRTC, Twilio): one report per ``every_s``."""
@@ -318,9 +336,7 @@ class ControlGate:
     def __init__(self, rate: float, burst: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.rate = rate
         self.burst = float(burst)
-        self._clock = clock
-        self._tokens = self.burst
-        self._last = clock()
+        self._bucket = TokenBucket(rate, self.burst, clock)
         self.refused = 0  # messages refused so far (for logs and tests)
 
     @classmethod
@@ -329,17 +345,13 @@ class ControlGate:
 
     def check(self) -> None:
         """Admit one control message, or raise (and the caller drops it)."""
-        now = self._clock()
-        self._tokens = min(self.burst, self._tokens + (now - self._last) * self.rate)
-        self._last = now
-        if self._tokens < 1.0 - 1e-9:  # float noise, not a message
+        if not self._bucket.take(1.0, slack=1e-9):  # float noise, not a message
             self.refused += 1
             raise ProtocolError(
                 f"more than {self.rate:g} control messages a second beyond a burst of {self.burst:g} "
                 "(server.control_rate, control_burst); this one was dropped",
                 code="message_rate_exceeded",
             )
-        self._tokens -= 1.0
 
 
 # --------------------------------------------------------------------- admission
