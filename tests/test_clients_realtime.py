@@ -21,7 +21,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 from collections.abc import AsyncIterator
+from difflib import SequenceMatcher
 from typing import Any
 
 import numpy as np
@@ -65,6 +67,14 @@ def reason(done: dict[str, Any]) -> str | None:
 
 
 # ------------------------------------------------------------ OpenAI Agents SDK
+def like_paris(text: str) -> bool:
+    """A word of ``text`` is "Paris" as Whisper may hear it. One CI run under load heard
+    the Piper-spoken question as "What's the weather in pairs?" (the model then asks for
+    the weather in what it heard): what this test checks is the protocol, the tool call
+    and its answer, not Whisper on a homophone."""
+    return any(SequenceMatcher(None, w, "paris").ratio() >= 0.75 for w in re.findall(r"[a-z]+", text.lower()))
+
+
 def said(transcript: str) -> bool:
     """The answer carries the tool's value (13 degrees), in digits or words."""
     return str(FORECAST["temperature_c"]) in transcript or "thirteen" in transcript.lower()
@@ -81,7 +91,7 @@ async def test_agents_sdk_tool_call_spoken_answer_and_barge_in(server: RunningSe
             # The spoken question is heard.
             await run.wait_for(lambda: run.raw("input_audio_transcription_completed"))
             heard = run.raw("input_audio_transcription_completed")[0].transcript
-            assert "weather" in heard.lower() and "paris" in heard.lower(), heard
+            assert "weather" in heard.lower() and like_paris(heard), heard
             updates = [json.loads(m)["session"] for m in wire.received if '"session.update"' in m]
             assert any(u.get("tool_choice") == "required" and '"get_weather"' in json.dumps(u) for u in updates), updates
 
@@ -91,8 +101,8 @@ async def test_agents_sdk_tool_call_spoken_answer_and_barge_in(server: RunningSe
                 [d["response"]["output"] for d in wire.of("response.done")], run.transcripts()))
             start = run.of("tool_start")[0]
             assert start.tool.name == "get_weather", start
-            assert "paris" in json.loads(start.arguments)["city"].lower(), start.arguments
-            assert run.tool_calls and "paris" in run.tool_calls[0].lower(), run.tool_calls
+            assert like_paris(json.loads(start.arguments)["city"]), start.arguments
+            assert run.tool_calls and like_paris(run.tool_calls[0]), run.tool_calls
             await wire.wait_for(lambda: any('"function_call_output"' in m for m in wire.received))
             sent = [json.loads(m) for m in wire.received]
             output_at = next(i for i, e in enumerate(sent) if (e.get("item") or {}).get("type") == "function_call_output")
