@@ -342,11 +342,15 @@ async def test_a_server_killed_mid_reply_fails_that_reply_and_the_call_goes_on_t
                     # /metrics read of the two servers had finished in 10 s on the loaded
                     # machine. The forced reply runs ~30 s: look for 25, and say how long
                     # each read took.
+                    looked = time.monotonic()
                     try:
                         await wait_until(one_busy, 25.0, "the reply is generating on one server")
                     except AssertionError as e:
+                        # Reads that never end within a look that ends long after 25 s
+                        # would be this process's event loop blocked, not a slow server.
                         raise AssertionError(f"{e}: busy {busy}, gauges {[_gauges(m) for m in seen[0]] if seen else 'none read'}, "
-                                             f"reads took {reads_s} s, "
+                                             f"reads took {reads_s} s, the look ended after "
+                                             f"{time.monotonic() - looked:.1f} s, "
                                              f"at the start {[_gauges(m) for m in at_start]}") from None
                     killed.append(busy[0])
                     os.killpg(tier.servers[busy[0]].popen.pid, signal.SIGKILL)
