@@ -214,9 +214,15 @@ class ServerProcess:
         first = "\n".join(lines[tracebacks[0]: tracebacks[0] + 40]) if tracebacks else None
         # Counted apart, not excused: one after "Finished server process" is a teardown bug.
         end = next((i for i, line in enumerate(lines) if "Finished server process" in line), len(lines))
+        # voicebot/server/loop_watch.py: "has not run for" (with the stack it is blocked
+        # at) while the loop is blocked, "was blocked for" once it runs again.
+        stalls = [i for i, line in enumerate(lines) if "the event loop was blocked for" in line]
+        stuck = [i for i, line in enumerate(lines) if "the event loop has not run for" in line]
         return {"lines": len(lines), "tracebacks": len(tracebacks),
                 "tracebacks_at_exit": sum(i > end for i in tracebacks), "error_lines": len(errors), "first_traceback": first,
-                "errors_sample": errors[:10]}
+                "errors_sample": errors[:10],
+                "loop_stalls": len(stalls), "loop_stall_lines": [lines[i] for i in stalls[:10]],
+                "first_loop_stack": "\n".join(lines[stuck[0]: stuck[0] + 40]) if stuck else None}
 
 
 def _install_task_route() -> None:

@@ -376,7 +376,13 @@ def print_table(result: dict[str, Any]) -> None:
         print(f"overload: capacity {ov['capacity']}: {o['attempted']} attempted, {o['admitted']} admitted, "
               f"{o['refused']} refused ({'clearly' if o['refused_clearly'] else 'NOT clearly'}); admitted v2v p95 "
               f"{o['v2v_ms']['p95']} ms vs {ov['alone']['v2v_ms']['p95']} ms alone (x{ov['p95_ratio']})")
-    print(f"server log: {result['server_log']['tracebacks']} tracebacks, {result['server_log']['error_lines']} ERROR lines")
+    log = result["server_log"]
+    print(f"server log: {log['tracebacks']} tracebacks, {log['error_lines']} ERROR lines, "
+          f"{log['loop_stalls']} event-loop stalls (server.loop_stall_s)")
+    for line in log["loop_stall_lines"]:
+        print(f"  {line}")
+    if log["first_loop_stack"]:
+        print(f"the first stall's stack:\n{log['first_loop_stack']}")
     heap = result.get("heap_growth")
     if heap and "top" in heap:
         print(f"python heap allocated since the mark and still alive: {heap['growth_kb']:.1f} KB; by site:")

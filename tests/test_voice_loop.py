@@ -356,5 +356,7 @@ async def test_health_and_metrics(server: RunningServer) -> None:
         "voicebot_active_sessions",
         "voicebot_barge_ins_total",
         "voicebot_llm_prefix_cache_hit_ratio",
+        "voicebot_event_loop_lag_seconds_count",
+        "voicebot_event_loop_stalls_total",
     ):
         assert name in text, name

@@ -53,6 +53,9 @@ class Metrics:
         # process_resident_memory_bytes from prometheus_client's process collector.
         self.heap_trims = Counter("voicebot_heap_trims", "glibc malloc_trim runs after calls ended (server.heap_trim_interval_s).", registry=r)
         self.asyncio_tasks = Gauge("voicebot_asyncio_tasks", "Live asyncio tasks of the server's loop.", registry=r)
+        self.loop_lag = Histogram("voicebot_event_loop_lag_seconds", "How late the event loop every call shares ran a 100 ms timer.",
+                                  buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0), registry=r)
+        self.loop_stalls = Counter("voicebot_event_loop_stalls", "Times the event loop did not run for server.loop_stall_s or longer.", registry=r)
         ProcessCollector(registry=r)
 
     def observe_turn(self, t: TurnTimings) -> None:

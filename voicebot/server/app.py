@@ -30,6 +30,7 @@ from voicebot.config import Config
 from voicebot.engines import load_engines
 from voicebot.engines.supervisor import Supervisor
 from voicebot.server import edge
+from voicebot.server.loop_watch import LoopWatch
 from voicebot.server.state import ServerState
 
 log = logging.getLogger(__name__)
@@ -86,7 +87,11 @@ def create_app(cfg: Config, *, load: bool = True, state: ServerState | None = No
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
         supervisor: list[Supervisor] = []  # filled once the engines are up
-        runner = asyncio.create_task(_run_engines(state, load, supervisor), name="engines")
+        watch = None
+        if state.cfg.server.loop_stall_s > 0:
+            watch = LoopWatch(state.cfg.server.loop_stall_s, on_lag=state.metrics.loop_lag.observe,
+                              on_stall=state.metrics.loop_stalls.inc)
+        runner = asyncio.create_task(_run_engines(state, load, supervisor, watch), name="engines")
         try:
             yield
         finally:
@@ -101,6 +106,9 @@ def create_app(cfg: Config, *, load: bool = True, state: ServerState | None = No
             if state.engines is not None:
                 await state.engines.aclose()
                 state.engines = None
+            # Nothing is left to stall; the full collection below takes ~0.5 s.
+            if watch is not None:
+                await watch.aclose()
             # vLLM's AsyncLLM sits in a reference cycle: collected at interpreter teardown,
             # its __del__ shuts down again with module globals gone (a traceback at every
             # exit). Collect it now, while the interpreter is whole.
@@ -119,8 +127,12 @@ def create_app(cfg: Config, *, load: bool = True, state: ServerState | None = No
     return app
 
 
-async def _run_engines(state: ServerState, load: bool, supervisor: list[Supervisor]) -> None:
-    """Load the engines (unless given), then supervise them until cancelled."""
+async def _run_engines(state: ServerState, load: bool, supervisor: list[Supervisor],
+                       watch: LoopWatch | None = None) -> None:
+    """Load the engines (unless given), then watch the loop and supervise them until cancelled.
+
+    The loop watch starts once the server can take calls: while the models load, import
+    threads hold the GIL for half a second at a time, a stall no call sees."""
     if state.engines is None:
         if not load:
             return
@@ -133,6 +145,8 @@ async def _run_engines(state: ServerState, load: bool, supervisor: list[Supervis
             state.load_error = f"{type(exc).__name__}: {exc}"
             log.error("engines failed to load: %s", state.load_error)
             return
+    if watch is not None:
+        watch.start()
     sup = Supervisor(state.engines, on_failure=lambda name, reason: end_sessions(state, reason))
     supervisor.append(sup)
     await sup.run()

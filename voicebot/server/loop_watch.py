@@ -1,0 +1,100 @@
+"""Watch the event loop every call shares: how late it runs, and what blocks it.
+
+All sessions, every transport and the engines' asyncio sides run on one loop. Code that
+blocks it (a synchronous call where an ``await`` or a thread was meant, a large message
+handled in one go) stalls every call at once, and nothing else in the server says so.
+
+Two parts:
+- a task on the loop that sleeps ``interval_s`` and records how late it woke up
+  (``voicebot_event_loop_lag_seconds``): the delay every ready callback sees;
+- a daemon thread that checks the task's heartbeat. When the loop has not run for
+  ``stall_s`` it logs, once per stall, the loop thread's stack *while it is blocked*:
+  the line to fix. When the loop runs again the task logs how long it was stuck.
+
+A blocking call that holds the GIL (C code that does not release it) stops the thread
+too: then only the "was blocked" line comes, after the fact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+
+class LoopWatch:
+    def __init__(self, stall_s: float, *, interval_s: float = 0.1,
+                 on_lag: Callable[[float], None] | None = None,
+                 on_stall: Callable[[], None] | None = None) -> None:
+        self.stall_s = stall_s
+        self.interval_s = interval_s
+        self._on_lag = on_lag
+        self._on_stall = on_stall
+        self._beat = time.monotonic()
+        self._reported = False  # this stall's stack was logged
+        self._stop = threading.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._thread: threading.Thread | None = None
+        self._loop_thread = 0
+        self.stalls = 0
+        self.max_lag_s = 0.0
+
+    def start(self) -> None:
+        """Start watching the running loop (from a coroutine on it)."""
+        self._loop_thread = threading.get_ident()
+        self._beat = time.monotonic()
+        self._task = asyncio.get_running_loop().create_task(self._tick(), name="loop-watch")
+        self._thread = threading.Thread(target=self._watch, name="voicebot-loop-watch", daemon=True)
+        self._thread.start()
+
+    async def aclose(self) -> None:
+        """Stop watching (a watch never started closes too)."""
+        self._stop.set()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None
+
+    async def _tick(self) -> None:
+        while True:
+            before = time.monotonic()
+            await asyncio.sleep(self.interval_s)
+            now = time.monotonic()
+            lag = max(0.0, now - before - self.interval_s)
+            self._beat = now
+            self.max_lag_s = max(self.max_lag_s, lag)
+            if self._on_lag is not None:
+                self._on_lag(lag)
+            if lag >= self.stall_s:
+                if not self._reported:  # the thread could not look (the GIL was held)
+                    self._count_stall()
+                log.warning("the event loop was blocked for %.2f s: every call stalled with it", lag)
+            self._reported = False
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            stuck = time.monotonic() - self._beat
+            if stuck < self.stall_s or self._reported:
+                continue
+            self._reported = True
+            self._count_stall()
+            frame = sys._current_frames().get(self._loop_thread)
+            where = "".join(traceback.format_stack(frame)) if frame is not None else "(no frame)\n"
+            log.warning("the event loop has not run for %.2f s (server.loop_stall_s %g); it is blocked at:\n%s",
+                        stuck, self.stall_s, where.rstrip())
+
+    def _count_stall(self) -> None:
+        self.stalls += 1
+        if self._on_stall is not None:
+            self._on_stall()
