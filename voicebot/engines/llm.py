@@ -211,10 +211,19 @@ class LlmEngine:
     async def aclose(self) -> None:
         engine, self._engine = self._engine, None
         if engine is not None:
-            # Synchronous on purpose: vLLM's output handler lives on this loop and
-            # must be cancelled from it, not from a worker thread.
-            engine.shutdown()
-            _shut_down(engine)
+            # On a thread: shutdown() joins the engine-core process (seconds: vLLM waits,
+            # then kills it), and on the loop that stalled every call and /healthz for
+            # ~5 s (server.loop_stall_s caught it: 4.91 s at exit). vLLM is built for it:
+            # its own liveness monitor calls shutdown() from a thread, and what lives on
+            # this loop (the output handler, the zmq sockets) it closes with
+            # call_soon_threadsafe. Wait for the handler to end before going on.
+            handler = getattr(engine, "output_handler", None)
+            try:
+                await asyncio.to_thread(engine.shutdown)
+            finally:
+                _shut_down(engine)
+            if isinstance(handler, asyncio.Task) and not handler.done():
+                await asyncio.wait([handler], timeout=5.0)
 
     # ------------------------------------------------------------------ queries
     @property
