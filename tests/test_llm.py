@@ -9,6 +9,7 @@ import time
 from collections.abc import AsyncIterator
 
 import pytest
+from vllm_spy import assert_shut_down_off_the_loop, shutdown_threads
 
 from voicebot.config import ModelsConfig, load_config
 from voicebot.engines.llm import GenerationStats, Lane, LlmEngine
@@ -24,10 +25,12 @@ async def llm_engine(models_config: ModelsConfig) -> AsyncIterator[LlmEngine]:
     cfg = load_config("configs/test.yaml", [f"models.cache_dir={models_config.cache_dir}"])
     engine = LlmEngine(cfg.llm, resolve_model(cfg.llm.model, cfg.models))
     await engine.start()
+    shutdown_on = shutdown_threads(engine._engine)
     try:
         yield engine
     finally:
         await engine.aclose()
+    assert_shut_down_off_the_loop(shutdown_on)
 
 
 SYSTEM = "You are a helpful voice assistant for a train company. " * 30  # > 2 KV blocks of 128

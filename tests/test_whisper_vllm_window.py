@@ -28,6 +28,7 @@ import pytest
 import pytest_asyncio
 from pydantic import ValidationError
 from speech import Clip
+from vllm_spy import assert_shut_down_off_the_loop, shutdown_threads
 
 from voicebot.audio import ASR_RATE
 from voicebot.config import AsrConfig, WhisperVllmConfig
@@ -188,10 +189,12 @@ def settings(window_pad_s: float | None) -> WhisperVllmSettings:
 async def windowed(tiny_whisper: Path) -> AsyncIterator[VllmWhisper]:
     runner = VllmWhisper(str(tiny_whisper), settings(1.0))
     await runner.start()
+    shutdown_on = shutdown_threads(runner._engine)
     try:
         yield runner
     finally:
         await runner.aclose()
+    assert_shut_down_off_the_loop(shutdown_on)
 
 
 def reference(model_dir: Path, audio: np.ndarray, prompt: list[int], frames: int) -> str:

@@ -39,6 +39,7 @@ from voicebot.config import AsrConfig
 from voicebot.engines.agreement import continuation_after
 from voicebot.engines.asr import AsrEngine, DecodeAbandoned, unless_abandoned
 from voicebot.engines.asr_queue import DecodeJob
+from voicebot.engines.vllm_shutdown import shut_down
 from voicebot.errors import EngineError, ModelError
 
 if TYPE_CHECKING:
@@ -181,7 +182,7 @@ class VllmWhisper:
     async def aclose(self) -> None:
         engine, self._engine = self._engine, None
         if engine is not None:
-            engine.shutdown()
+            await shut_down(engine)  # off the loop: it joins the engine-core process
 
     def prompt_ids(self, language: str | None, prefix: str) -> list[int]:
         ids = [self._task_ids["<|startoftranscript|>"]]

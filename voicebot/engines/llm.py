@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from voicebot.affinity import current_session, rank_for
 from voicebot.config import LlmConfig
 from voicebot.engines.dtype import resolve_dtype
+from voicebot.engines.vllm_shutdown import shut_down
 from voicebot.errors import EngineError, ModelError
 
 if TYPE_CHECKING:
@@ -80,7 +81,7 @@ class TextDelta:
 
 
 
-def _shut_down(engine: AsyncLLM) -> None:
+def _no_del_after_shutdown(engine: AsyncLLM) -> None:
     """Mark an AsyncLLM that was shut down explicitly so its ``__del__`` does nothing.
 
     The build thread's frame keeps the engine alive until interpreter teardown, where
@@ -155,7 +156,7 @@ class LlmEngine:
             if engine is not None:
                 # Built in this thread, no output handler yet: safe to shut down here.
                 engine.shutdown()
-                _shut_down(engine)
+                _no_del_after_shutdown(engine)
             raise asyncio.CancelledError("LLM start cancelled")
 
     def _build(self, cancel: threading.Event) -> AsyncLLM:
@@ -211,19 +212,10 @@ class LlmEngine:
     async def aclose(self) -> None:
         engine, self._engine = self._engine, None
         if engine is not None:
-            # On a thread: shutdown() joins the engine-core process (seconds: vLLM waits,
-            # then kills it), and on the loop that stalled every call and /healthz for
-            # ~5 s (server.loop_stall_s caught it: 4.91 s at exit). vLLM is built for it:
-            # its own liveness monitor calls shutdown() from a thread, and what lives on
-            # this loop (the output handler, the zmq sockets) it closes with
-            # call_soon_threadsafe. Wait for the handler to end before going on.
-            handler = getattr(engine, "output_handler", None)
             try:
-                await asyncio.to_thread(engine.shutdown)
+                await shut_down(engine)  # off the loop: it joins the engine-core process
             finally:
-                _shut_down(engine)
-            if isinstance(handler, asyncio.Task) and not handler.done():
-                await asyncio.wait([handler], timeout=5.0)
+                _no_del_after_shutdown(engine)
 
     # ------------------------------------------------------------------ queries
     @property
