@@ -80,3 +80,27 @@ async def test_a_stall_with_the_gil_held_is_still_counted_after_the_fact(caplog:
     assert watch.stalls == 1, caplog.text
     assert any("was blocked for" in r.getMessage() for r in caplog.records)
     assert not any("has not run for" in r.getMessage() for r in caplog.records)
+
+
+async def test_the_services_loop_is_watched_while_it_listens(caplog: pytest.LogCaptureFixture) -> None:
+    # voicebot asr-serve / tts-serve: one loop serves every frontend's requests.
+    from websockets.asyncio.server import serve
+
+    from voicebot.engines.service_wire import serve_until_stopped
+
+    async def handler(ws: object) -> None:
+        return None
+
+    stop = asyncio.Event()
+    urls: list[str] = []
+    caplog.set_level(logging.WARNING, logger=WATCH_LOG)
+    task = asyncio.create_task(serve_until_stopped(serve(handler, "127.0.0.1", 0), stop, urls.append, 0.5))
+    while not urls:
+        await asyncio.sleep(0.01)
+    assert watch_threads() == ["voicebot-loop-watch"]
+    block_the_loop_for(1.5)
+    await asyncio.sleep(0.2)
+    stop.set()
+    await task
+    assert any("block_the_loop_for" in r.getMessage() for r in caplog.records), caplog.text
+    assert watch_threads() == []

@@ -297,7 +297,8 @@ async def serve_tts(
             ready(url)
 
     try:
-        await serve_until_stopped(listen(service, host, port), stop or asyncio.Event(), on_ready)
+        await serve_until_stopped(listen(service, host, port), stop or asyncio.Event(), on_ready,
+                                  cfg.server.loop_stall_s)
     finally:
         await service.aclose()
         await engine.aclose()
