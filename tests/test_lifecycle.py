@@ -12,6 +12,7 @@ import contextlib
 import itertools
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -486,6 +487,14 @@ async def drain_check(proc: subprocess.Popen[bytes], port: int) -> None:
         # A second caller, on the Realtime protocol, connected and silent.
         idle = await websockets.connect(f"ws://127.0.0.1:{port}/v1/realtime?model=m", subprotocols=["realtime"])
         assert (await next_event(idle, kinds=("session.created",)))["type"] == "session.created"
+
+        # The loop watch runs (what the check of its log at the end relies on): its 100 ms
+        # timer has fired (this point can come ~70 ms after the server is ready).
+        async def ticks() -> float:
+            found = re.search(r"^voicebot_event_loop_lag_seconds_count (\S+)$", (await http.get("/metrics")).text, re.M)
+            return float(found.group(1)) if found else -1.0
+
+        assert await until_async(ticks, lambda n: n > 0, 5) > 0
 
         proc.send_signal(signal.SIGTERM)
         # Draining: still listening, but out of rotation and refusing new calls.

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from voicebot.server.loop_watch import LoopWatch
+from voicebot.server.loop_watch import LoopWatch, watching_loop
 
 WATCH_LOG = "voicebot.server.loop_watch"
 
@@ -82,25 +82,16 @@ async def test_a_stall_with_the_gil_held_is_still_counted_after_the_fact(caplog:
     assert not any("has not run for" in r.getMessage() for r in caplog.records)
 
 
-async def test_the_services_loop_is_watched_while_it_listens(caplog: pytest.LogCaptureFixture) -> None:
-    # voicebot asr-serve / tts-serve: one loop serves every frontend's requests.
-    from websockets.asyncio.server import serve
-
-    from voicebot.engines.service_wire import serve_until_stopped
-
-    async def handler(ws: object) -> None:
-        return None
-
-    stop = asyncio.Event()
-    urls: list[str] = []
+async def test_watching_loop_is_a_watch_while_inside(caplog: pytest.LogCaptureFixture) -> None:
+    # What voicebot asr-serve / tts-serve wrap their serving and closing in: one loop there
+    # serves every frontend's requests.
     caplog.set_level(logging.WARNING, logger=WATCH_LOG)
-    task = asyncio.create_task(serve_until_stopped(serve(handler, "127.0.0.1", 0), stop, urls.append, 0.5))
-    while not urls:
-        await asyncio.sleep(0.01)
-    assert watch_threads() == ["voicebot-loop-watch"]
-    block_the_loop_for(1.5)
-    await asyncio.sleep(0.2)
-    stop.set()
-    await task
+    async with watching_loop(0.0) as none:
+        assert none is None and watch_threads() == []  # server.loop_stall_s 0: no watch
+    async with watching_loop(0.5, interval_s=0.05) as watch:
+        assert watch is not None and watch_threads() == ["voicebot-loop-watch"]
+        await asyncio.sleep(0.1)
+        block_the_loop_for(1.5)
+        await asyncio.sleep(0.2)
+    assert watch.stalls == 1 and watch_threads() == []
     assert any("block_the_loop_for" in r.getMessage() for r in caplog.records), caplog.text
-    assert watch_threads() == []

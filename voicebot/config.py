@@ -57,7 +57,7 @@ class ServerConfig(_Section):
     omp_threads: int = Field(0, ge=0, le=1024, description="OMP_NUM_THREADS for this process and the engine processes it starts (0: leave it). 1 on a GPU host, where torch's spinning OpenMP workers only take cores from the loop and Piper (docs/gpu-results.md).")
     omp_wait_policy: Literal["", "passive", "active"] = Field("", description="OMP_WAIT_POLICY for this process and the engine processes it starts ('': leave it). passive: idle OpenMP workers sleep at once instead of spinning on a core another engine is waiting for (docs/benchmarks.md, OpenMP wait policy).")
     heap_trim_interval_s: float = Field(30.0, ge=0.0, le=3600.0, description="After a call ends, give the heap's free pages back to the OS (glibc malloc_trim), at most once per this many seconds; 0: never.")
-    loop_stall_s: float = Field(0.5, ge=0.0, le=600.0, description="When the event loop every call shares has not run for this long, log the stack it is blocked at (once per stall; voicebot/server/loop_watch.py). Its lateness is always in voicebot_event_loop_lag_seconds. 0: no watch.")
+    loop_stall_s: float = Field(0.5, ge=0.0, le=600.0, description="When the event loop every call shares has not run for this long, log the stack it is blocked at (once per stall; voicebot/server/loop_watch.py). Its lateness goes to voicebot_event_loop_lag_seconds. 0: no watch (and no lateness recorded).")
 
     @field_validator("omp_wait_policy", mode="before")
     @classmethod

@@ -29,7 +29,6 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.asyncio.server import ServerConnection, serve
 
 from voicebot.errors import EngineError, ModelError
-from voicebot.server.loop_watch import LoopWatch
 
 if TYPE_CHECKING:
     from voicebot.config import ServerConfig
@@ -322,23 +321,14 @@ def listen(handler: Callable[[ServerConnection], Awaitable[None]], host: str, po
     )
 
 
-async def serve_until_stopped(server: serve, stop: asyncio.Event, on_ready: Callable[[str], None],
-                              loop_stall_s: float = 0.0) -> None:
+async def serve_until_stopped(server: serve, stop: asyncio.Event, on_ready: Callable[[str], None]) -> None:
     """Run a service's listener (``listen(...)``) until ``stop`` is set or SIGINT / SIGTERM
-    comes; ``on_ready`` gets its URL once it listens. With ``loop_stall_s`` the event loop
-    every frontend's requests share is watched as the server's is (server.loop_stall_s)."""
-    watch = LoopWatch(loop_stall_s) if loop_stall_s > 0 else None
+    comes; ``on_ready`` gets its URL once it listens."""
     with stop_on_signals(stop):
         async with server as running:
             bound = next(iter(running.sockets)).getsockname()
             on_ready(f"ws://{bound[0]}:{bound[1]}")
-            if watch is not None:
-                watch.start()
-            try:
-                await stop.wait()
-            finally:
-                if watch is not None:
-                    await watch.aclose()
+            await stop.wait()
 
 
 @contextlib.contextmanager

@@ -98,17 +98,20 @@ def create_app(cfg: Config, *, load: bool = True, state: ServerState | None = No
             # Order matters: no restart may start an engine behind our back, the
             # sessions go before the engines they use, and a load still in progress is
             # aborted (start_all closes what it had started).
-            runner.cancel()
-            await asyncio.wait([runner])  # waits without raising its CancelledError
-            for sup in supervisor:
-                await sup.aclose()
-            await state.close_all()
-            if state.engines is not None:
-                await state.engines.aclose()
-                state.engines = None
-            # Nothing is left to stall; the full collection below takes ~0.5 s.
-            if watch is not None:
-                await watch.aclose()
+            try:
+                runner.cancel()
+                await asyncio.wait([runner])  # waits without raising its CancelledError
+                for sup in supervisor:
+                    await sup.aclose()
+                await state.close_all()
+                if state.engines is not None:
+                    await state.engines.aclose()
+                    state.engines = None
+            finally:
+                # Watched up to here (closing the engines once stalled the loop ~5 s);
+                # the full collection below takes ~0.5 s with nothing left to stall.
+                if watch is not None:
+                    await watch.aclose()
             # vLLM's AsyncLLM sits in a reference cycle: collected at interpreter teardown,
             # its __del__ shuts down again with module globals gone (a traceback at every
             # exit). Collect it now, while the interpreter is whole.

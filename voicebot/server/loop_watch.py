@@ -24,7 +24,8 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +38,12 @@ class LoopWatch:
         self.interval_s = interval_s
         self._on_lag = on_lag
         self._on_stall = on_stall
+        # The tick's last wake-up, and the one whose stall the thread reported (so a stall
+        # is counted once, by whichever side sees it first). Both under _lock: the thread
+        # checks and sets, the tick moves the beat on.
+        self._lock = threading.Lock()
         self._beat = time.monotonic()
-        self._reported = False  # this stall's stack was logged
+        self._reported_beat: float | None = None
         self._stop = threading.Event()
         self._task: asyncio.Task[None] | None = None
         self._thread: threading.Thread | None = None
@@ -68,29 +73,34 @@ class LoopWatch:
 
     async def _tick(self) -> None:
         while True:
-            before = time.monotonic()
             await asyncio.sleep(self.interval_s)
             now = time.monotonic()
-            lag = max(0.0, now - before - self.interval_s)
-            self._beat = now
+            with self._lock:
+                # Late by: the time past this wake-up's due time, the thread's measure too.
+                lag = max(0.0, now - self._beat - self.interval_s)
+                seen_by_thread = self._reported_beat == self._beat
+                self._beat = now
             self.max_lag_s = max(self.max_lag_s, lag)
             if self._on_lag is not None:
                 self._on_lag(lag)
-            if lag >= self.stall_s:
-                if not self._reported:  # the thread could not look (the GIL was held)
-                    self._count_stall()
+            if lag >= self.stall_s and not seen_by_thread:
+                self._count_stall()  # the thread could not look (the GIL was held)
+            if lag >= self.stall_s or seen_by_thread:
                 log.warning("the event loop was blocked for %.2f s: every call stalled with it", lag)
-            self._reported = False
 
     def _watch(self) -> None:
         while not self._stop.wait(self.interval_s):
-            stuck = time.monotonic() - self._beat
-            if stuck < self.stall_s or self._reported:
-                continue
-            self._reported = True
+            with self._lock:
+                beat = self._beat
+                stuck = time.monotonic() - beat - self.interval_s
+                if stuck < self.stall_s or self._reported_beat == beat:
+                    continue
+                self._reported_beat = beat
             self._count_stall()
             frame = sys._current_frames().get(self._loop_thread)
             where = "".join(traceback.format_stack(frame)) if frame is not None else "(no frame)\n"
+            if self._beat != beat:
+                continue  # the loop ran on meanwhile: that stack is not where it was stuck
             log.warning("the event loop has not run for %.2f s (server.loop_stall_s %g); it is blocked at:\n%s",
                         stuck, self.stall_s, where.rstrip())
 
@@ -98,3 +108,17 @@ class LoopWatch:
         self.stalls += 1
         if self._on_stall is not None:
             self._on_stall()
+
+
+@contextlib.asynccontextmanager
+async def watching_loop(stall_s: float, **kwargs: Any) -> AsyncIterator[LoopWatch | None]:
+    """A :class:`LoopWatch` on the running loop while inside (none for ``stall_s`` 0)."""
+    if stall_s <= 0:
+        yield None
+        return
+    watch = LoopWatch(stall_s, **kwargs)
+    watch.start()
+    try:
+        yield watch
+    finally:
+        await watch.aclose()
