@@ -39,7 +39,6 @@ from voicebot.engines.asr_remote import MAX_FRAME, PROTOCOL, unpack_decode
 from voicebot.engines.service_wire import ServiceConn, is_id, run_service, serve_until_stopped
 from voicebot.engines.service_wire import listen as listen_ws
 from voicebot.errors import VoicebotError
-from voicebot.server.loop_watch import watching_loop
 
 __all__ = ["AsrService", "ServiceStats", "listen", "run_asr_service", "serve_asr"]
 
@@ -307,14 +306,8 @@ async def serve_asr(
         if ready is not None:
             ready(url)
 
-    # The loop every frontend's requests share, watched as the server's is (the engine is
-    # loaded: its start holds the GIL in long stretches no request sees), closing included.
-    async with watching_loop(cfg.server.loop_stall_s):
-        try:
-            await serve_until_stopped(listen(service, host, port), stop or asyncio.Event(), on_ready)
-        finally:
-            await service.aclose()
-            await engine.aclose()
+    await serve_until_stopped(listen(service, host, port), stop or asyncio.Event(), on_ready,
+                              close=(service.aclose, engine.aclose), loop_stall_s=cfg.server.loop_stall_s)
 
 
 def run_asr_service(cfg: Config, host: str, port: int, *, pull: bool = True) -> int:

@@ -44,7 +44,6 @@ from voicebot.engines.service_wire import listen as listen_ws
 from voicebot.engines.tts import TtsEngine
 from voicebot.engines.tts_remote import MAX_FRAME, PROTOCOL
 from voicebot.errors import EngineError, VoicebotError
-from voicebot.server.loop_watch import watching_loop
 
 __all__ = ["ServiceStats", "TtsService", "listen", "run_tts_service", "serve_tts"]
 
@@ -297,14 +296,8 @@ async def serve_tts(
         if ready is not None:
             ready(url)
 
-    # The loop every frontend's requests share, watched as the server's is (the engine is
-    # loaded: its start holds the GIL in long stretches no request sees), closing included.
-    async with watching_loop(cfg.server.loop_stall_s):
-        try:
-            await serve_until_stopped(listen(service, host, port), stop or asyncio.Event(), on_ready)
-        finally:
-            await service.aclose()
-            await engine.aclose()
+    await serve_until_stopped(listen(service, host, port), stop or asyncio.Event(), on_ready,
+                              close=(service.aclose, engine.aclose), loop_stall_s=cfg.server.loop_stall_s)
 
 
 def run_tts_service(cfg: Config, host: str, port: int, *, pull: bool = True) -> int:

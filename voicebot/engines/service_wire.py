@@ -19,7 +19,7 @@ import logging
 import signal
 import struct
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeGuard, TypeVar
 
@@ -29,6 +29,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.asyncio.server import ServerConnection, serve
 
 from voicebot.errors import EngineError, ModelError
+from voicebot.server.loop_watch import watching_loop
 
 if TYPE_CHECKING:
     from voicebot.config import ServerConfig
@@ -321,14 +322,24 @@ def listen(handler: Callable[[ServerConnection], Awaitable[None]], host: str, po
     )
 
 
-async def serve_until_stopped(server: serve, stop: asyncio.Event, on_ready: Callable[[str], None]) -> None:
+async def serve_until_stopped(server: serve, stop: asyncio.Event, on_ready: Callable[[str], None], *,
+                              close: Sequence[Callable[[], Awaitable[None]]] = (),
+                              loop_stall_s: float = 0.0) -> None:
     """Run a service's listener (``listen(...)``) until ``stop`` is set or SIGINT / SIGTERM
-    comes; ``on_ready`` gets its URL once it listens."""
-    with stop_on_signals(stop):
-        async with server as running:
-            bound = next(iter(running.sockets)).getsockname()
-            on_ready(f"ws://{bound[0]}:{bound[1]}")
-            await stop.wait()
+    comes; ``on_ready`` gets its URL once it listens; then ``close`` in order (the service,
+    then its engine). With ``loop_stall_s`` the loop every frontend's requests share is
+    watched as the server's is (voicebot/server/loop_watch.py), closing included: the
+    engine is loaded by then (its start holds the GIL in long stretches no request sees)."""
+    async with watching_loop(loop_stall_s):
+        try:
+            with stop_on_signals(stop):
+                async with server as running:
+                    bound = next(iter(running.sockets)).getsockname()
+                    on_ready(f"ws://{bound[0]}:{bound[1]}")
+                    await stop.wait()
+        finally:
+            for step in close:
+                await step()
 
 
 @contextlib.contextmanager
