@@ -54,6 +54,15 @@ class Proc:
         except OSError:
             return "(no log)"
 
+    def log_size(self) -> int:
+        return self.log.stat().st_size
+
+    def log_since(self, offset: int) -> str:
+        """What the process logged after ``log_size()`` was ``offset``."""
+        with open(self.log, "rb") as f:
+            f.seek(offset)
+            return f.read().decode(errors="replace")
+
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Signal the whole process group (vLLM's engine core included)."""
         if self.popen.poll() is None:
