@@ -36,6 +36,9 @@ async def test_a_blocked_loop_is_reported_with_where_it_is_blocked(caplog: pytes
         during = [r.getMessage() for r in caplog.records if "has not run for" in r.getMessage()]
         assert len(during) == 1, caplog.text
         assert "block_the_loop_for" in during[0] and "time.sleep(seconds)" in during[0], during[0]
+        # From the callback the loop runs: not the frames every report shares around it.
+        assert "test_a_blocked_loop_is_reported" in during[0].split("blocked at:\n")[1].splitlines()[0], during[0]
+        assert "base_events.py" not in during[0] and "_pytest" not in during[0], during[0]
         await asyncio.sleep(0.2)  # the loop runs again: the tick says how long it was stuck
         after = [r.getMessage() for r in caplog.records if "was blocked for" in r.getMessage()]
         assert len(after) == 1 and float(after[0].split("for ")[1].split(" s")[0]) >= 1.4, after

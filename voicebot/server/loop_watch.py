@@ -20,14 +20,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import sys
 import threading
 import time
 import traceback
 from collections.abc import AsyncIterator, Callable
+from types import FrameType
 from typing import Any
 
 log = logging.getLogger(__name__)
+
+# Where asyncio calls a ready callback (Handle._run): every stack on the loop goes through it.
+_HANDLE_RUN = os.path.join("asyncio", "events.py")
 
 
 class LoopWatch:
@@ -100,7 +105,7 @@ class LoopWatch:
                 self._reported_beat = beat
             self._count_stall()
             frame = sys._current_frames().get(self._loop_thread)
-            where = "".join(traceback.format_stack(frame)) if frame is not None else "(no frame)\n"
+            where = _blocked_at(frame) if frame is not None else "(no frame)\n"
             if self._beat != beat:
                 continue  # the loop ran on meanwhile: that stack is not where it was stuck
             log.warning("the event loop has not run for %.2f s (server.loop_stall_s %g); it is blocked at:\n%s",
@@ -110,6 +115,18 @@ class LoopWatch:
         self.stalls += 1
         if self._on_stall is not None:
             self._on_stall()
+
+
+def _blocked_at(frame: FrameType) -> str:
+    """The loop thread's stack from the callback the loop is running in: the frames
+    outside it (the program's entry, ``run_forever``, ``_run_once``) are the same in every
+    report, and a log viewer that keeps the first lines would cut the one to fix."""
+    stack = traceback.extract_stack(frame)
+    start = 0
+    for i, f in enumerate(stack):
+        if f.name == "_run" and f.filename.endswith(_HANDLE_RUN):
+            start = i + 1  # the innermost: a loop run inside a callback is the one that is blocked
+    return "".join(traceback.format_list(stack[start:]))
 
 
 @contextlib.asynccontextmanager
