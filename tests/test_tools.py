@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
+import threading
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
@@ -35,7 +37,7 @@ from voicebot.tools.spec import (
     tool_from_dict,
     tools_from_list,
 )
-from voicebot.tools.webhook import WebhookTools
+from voicebot.tools.webhook import WebhookTools, tls_context
 from voicebot.transports.realtime_session import RealtimeTranslator
 
 WEATHER = ToolSpec("get_weather", "Current weather in a city.",
@@ -305,6 +307,29 @@ async def test_webhooks_answer_or_give_the_model_an_error(webhook_server: tuple[
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+async def test_a_webhook_call_loads_no_ca_bundle_on_the_event_loop(
+    webhook_server: tuple[str, list[dict[str, Any]]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # httpx loads certifi's CA bundle for every client it builds (~45 ms of CPU): on the
+    # loop, at each tool call, every call on the server stalled with it.
+    base, _ = webhook_server
+    loop_thread = threading.get_ident()
+    loads: list[int] = []
+    real_load = ssl.SSLContext.load_verify_locations
+
+    def spy(self: ssl.SSLContext, *args: Any, **kwargs: Any) -> None:
+        loads.append(threading.get_ident())
+        real_load(self, *args, **kwargs)
+
+    monkeypatch.setattr(ssl.SSLContext, "load_verify_locations", spy)
+    tls_context.cache_clear()  # an earlier test may have built it
+    hooks = WebhookTools([ServerToolConfig(name="weather", url=base + "/weather", parameters=WEATHER.parameters)])
+    for _ in range(2):
+        assert json.loads(await hooks.run(ToolCall("call_1", "item_1", "weather", '{"city": "Oslo"}'), "s"))["city"] == "Oslo"
+    assert len(loads) == 1, f"the CA bundle is loaded once, not per call: {len(loads)} loads"
+    assert loop_thread not in loads, "the CA bundle was loaded on the event loop"
 
 
 # ------------------------------------------------------------- Realtime wire

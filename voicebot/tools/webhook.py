@@ -13,8 +13,10 @@ barge-in, the call ending) aborts the request and re-raises.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
+import ssl
 from collections.abc import Sequence
 
 import httpx
@@ -23,6 +25,16 @@ from voicebot.config import ServerToolConfig
 from voicebot.tools.spec import ToolCall, ToolSpec
 
 log = logging.getLogger(__name__)
+
+
+@functools.cache
+def tls_context() -> ssl.SSLContext:
+    """httpx's default TLS verification (certifi's CA bundle, or ``SSL_CERT_FILE``/``_DIR``).
+
+    Loading the CA bundle takes ~45 ms of CPU, and httpx does it for every client it
+    builds: on the event loop, at every tool call, every call on the server would stall
+    with it. Built once, off the loop (:meth:`WebhookTools._post`)."""
+    return httpx.create_ssl_context()
 
 
 def error_result(message: str) -> str:
@@ -64,8 +76,9 @@ class WebhookTools:
 
     async def _post(self, tool: ServerToolConfig, body: dict[str, object]) -> str:
         limit = self.max_result_chars
+        tls = await asyncio.to_thread(tls_context)
         async with (
-            httpx.AsyncClient(timeout=tool.timeout_s, follow_redirects=False) as client,
+            httpx.AsyncClient(timeout=tool.timeout_s, follow_redirects=False, verify=tls) as client,
             client.stream("POST", tool.url, json=body, headers=tool.headers) as resp,
         ):
             if resp.status_code >= 300:
