@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import re
 import time
@@ -362,3 +363,14 @@ async def test_health_and_metrics(server: RunningServer) -> None:
     # The loop watch runs (voicebot/server/loop_watch.py): its timer has fired.
     ticks = re.search(r"^voicebot_event_loop_lag_seconds_count (\S+)$", text, re.M)
     assert ticks is not None and float(ticks.group(1)) > 0, text[-2000:]
+
+
+async def test_the_loaded_engines_are_out_of_the_garbage_collectors_reach(server: RunningServer) -> None:
+    # A full collection walks every tracked object: ~620k after the CPU default's load,
+    # 620-665 ms on the loop (benchmarks/gc_pause.py). The server freezes what loading
+    # left before its first call (voicebot/server/gc_freeze.py), so a collection while
+    # serving walks only what the calls made since.
+    frozen = gc.get_freeze_count()
+    assert frozen > 100_000, f"only {frozen} objects frozen: the loaded heap is still collected"
+    assert len(gc.get_objects()) < frozen / 4, "most of the heap stays out of every collection"
+

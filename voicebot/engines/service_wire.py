@@ -29,6 +29,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.asyncio.server import ServerConnection, serve
 
 from voicebot.errors import EngineError, ModelError
+from voicebot.server.gc_freeze import frozen_heap
 from voicebot.server.loop_watch import watching_loop
 
 if TYPE_CHECKING:
@@ -330,16 +331,19 @@ async def serve_until_stopped(server: serve, stop: asyncio.Event, on_ready: Call
     then its engine). With ``loop_stall_s`` the loop every frontend's requests share is
     watched as the server's is (voicebot/server/loop_watch.py), closing included: the
     engine is loaded by then (its start holds the GIL in long stretches no request sees)."""
-    async with watching_loop(loop_stall_s):
-        try:
-            with stop_on_signals(stop):
-                async with server as running:
-                    bound = next(iter(running.sockets)).getsockname()
-                    on_ready(f"ws://{bound[0]}:{bound[1]}")
-                    await stop.wait()
-        finally:
-            for step in close:
-                await step()
+    # The heap the engine loaded is frozen out of the garbage collector while serving
+    # (voicebot/server/gc_freeze.py): a full collection of it stalls every frontend.
+    with frozen_heap():
+        async with watching_loop(loop_stall_s):
+            try:
+                with stop_on_signals(stop):
+                    async with server as running:
+                        bound = next(iter(running.sockets)).getsockname()
+                        on_ready(f"ws://{bound[0]}:{bound[1]}")
+                        await stop.wait()
+            finally:
+                for step in close:
+                    await step()
 
 
 @contextlib.contextmanager

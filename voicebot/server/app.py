@@ -30,6 +30,7 @@ from voicebot.config import Config
 from voicebot.engines import load_engines
 from voicebot.engines.supervisor import Supervisor
 from voicebot.server import edge
+from voicebot.server.gc_freeze import freeze_loaded_heap
 from voicebot.server.loop_watch import LoopWatch
 from voicebot.server.state import ServerState
 
@@ -114,7 +115,9 @@ def create_app(cfg: Config, *, load: bool = True, state: ServerState | None = No
                     await watch.aclose()
             # vLLM's AsyncLLM sits in a reference cycle: collected at interpreter teardown,
             # its __del__ shuts down again with module globals gone (a traceback at every
-            # exit). Collect it now, while the interpreter is whole.
+            # exit). Collect it now, while the interpreter is whole (unfrozen first: it
+            # was loaded before the heap was frozen).
+            gc.unfreeze()
             gc.collect()
 
     routes: list[BaseRoute] = [
@@ -136,18 +139,24 @@ async def _run_engines(state: ServerState, load: bool, supervisor: list[Supervis
 
     The loop watch starts once the server can take calls: while the models load, import
     threads hold the GIL for half a second at a time, a stall no call sees."""
+    loaded_here = state.engines is None
     if state.engines is None:
         if not load:
             return
         try:
             state.engines = await load_engines(state.cfg)
-            log.info("ready: %d session slots", state.cfg.server.max_sessions)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             state.load_error = f"{type(exc).__name__}: {exc}"
             log.error("engines failed to load: %s", state.load_error)
             return
+    if state.engines.specs is not None and not state.sessions:
+        # What loading left, out of the collector before the first call (voicebot/server/
+        # gc_freeze.py; unfrozen at exit). Engines built by hand (tests) hold nothing of it.
+        freeze_loaded_heap()
+    if loaded_here:
+        log.info("ready: %d session slots", state.cfg.server.max_sessions)
     if watch is not None:
         watch.start()
     sup = Supervisor(state.engines, on_failure=lambda name, reason: end_sessions(state, reason))
