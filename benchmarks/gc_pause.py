@@ -17,27 +17,24 @@ import argparse
 import asyncio
 import gc
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
+
+from bench_util import summarise  # same folder
 
 from voicebot.config import load_config
 from voicebot.engines import load_engines
 from voicebot.server.gc_freeze import freeze_loaded_heap
 
 
-def pauses_ms(reps: int) -> list[float]:
+def pauses_s(reps: int) -> list[float]:
     out = []
     for _ in range(reps):
         t0 = time.perf_counter()
         gc.collect()
-        out.append(round((time.perf_counter() - t0) * 1000, 2))
+        out.append(time.perf_counter() - t0)
     return out
-
-
-def summary(ms: list[float]) -> dict[str, float]:
-    return {"p50_ms": statistics.median(ms), "max_ms": max(ms)}
 
 
 async def main(args: argparse.Namespace) -> dict[str, object]:
@@ -45,9 +42,9 @@ async def main(args: argparse.Namespace) -> dict[str, object]:
     engines = await load_engines(cfg)
     try:
         tracked = len(gc.get_objects())
-        before = pauses_ms(args.reps)
+        before = pauses_s(args.reps)
         frozen = freeze_loaded_heap()
-        after = pauses_ms(args.reps)
+        after = pauses_s(args.reps)
         tracked_after = len(gc.get_objects())
         gc.unfreeze()
     finally:
@@ -55,8 +52,7 @@ async def main(args: argparse.Namespace) -> dict[str, object]:
     return {
         "config": str(args.config), "overrides": args.set, "python": sys.version.split()[0],
         "tracked_objects": tracked, "frozen_objects": frozen, "tracked_after_freeze": tracked_after,
-        "full_collection_ms": before, "full_collection_frozen_ms": after,
-        "summary": {"unfrozen": summary(before), "frozen": summary(after)},
+        "full_collection_ms": {"unfrozen": summarise(before, 2), "frozen": summarise(after, 2)},
     }
 
 
@@ -68,11 +64,11 @@ if __name__ == "__main__":  # vLLM starts its engine core with spawn: the guard 
     ap.add_argument("--json", type=Path)
     ns = ap.parse_args()
     result = asyncio.run(main(ns))
-    s = result["summary"]
+    s = result["full_collection_ms"]
     print(f"tracked objects after load: {result['tracked_objects']:,}; frozen: {result['frozen_objects']:,}; "
           f"still tracked after the freeze: {result['tracked_after_freeze']:,}")
-    print(f"full collection, unfrozen: p50 {s['unfrozen']['p50_ms']:.1f} ms, max {s['unfrozen']['max_ms']:.1f} ms")  # type: ignore[index]
-    print(f"full collection, frozen:   p50 {s['frozen']['p50_ms']:.1f} ms, max {s['frozen']['max_ms']:.1f} ms")  # type: ignore[index]
+    for name in ("unfrozen", "frozen"):
+        print(f"full collection, {name}: p50 {s[name]['p50']} ms, max {s[name]['max']} ms (n {s[name]['n']})")  # type: ignore[index]
     if ns.json:
         ns.json.parent.mkdir(parents=True, exist_ok=True)
         ns.json.write_text(json.dumps(result, indent=2))
