@@ -2,7 +2,7 @@
 
 Loading the engines leaves ~620k objects tracked by the garbage collector in the CPU
 default server (torch's, transformers' and vLLM's modules and the engines' own). A full
-collection walks every one of them: 620-665 ms measured (``benchmarks/gc_pause.py``),
+collection walks every one of them: 534-734 ms measured (``benchmarks/gc_pause.py``),
 on whichever thread set it off and holding the GIL, so the event loop and every call
 stall with it. CPython starts one when the objects promoted since the last exceed a
 quarter of the long-lived ones: rarely, but a server that runs for days does. None of
