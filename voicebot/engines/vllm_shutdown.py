@@ -7,7 +7,8 @@ caught it: 4.91 s). vLLM is built to be shut down from a thread: its liveness mo
 shuts its engine client down from one (``MPClient.shutdown``), and what lives on the loop
 (the output handler task, the zmq sockets, the output-queue task) it closes there with
 ``call_soon_threadsafe``. Callers stop using the engine first (``_engine = None``, decodes
-cancelled): a request started during the shutdown would open sockets from the loop.
+cancelled): a request started during the shutdown would open sockets from the loop. The
+output handler is cancelled here on the loop before the thread starts (see ``_shut_down``).
 """
 
 from __future__ import annotations
@@ -17,17 +18,27 @@ from typing import Any
 
 
 async def shut_down(engine: Any) -> None:
-    """``engine.shutdown()`` on a thread, then wait (up to 5 s) for its output handler,
-    which vLLM cancels on this loop."""
-    handler = getattr(engine, "output_handler", None)
-    closing = asyncio.ensure_future(asyncio.to_thread(engine.shutdown))
+    """Stop the engine's output handler on this loop, then ``engine.shutdown()`` on a
+    thread. Runs to the end even if cancelled (then re-raises): the caller has already
+    dropped its reference, and a half-closed engine would leave its processes behind."""
+    closing = asyncio.ensure_future(_shut_down(engine))
     try:
         await asyncio.shield(closing)
     except asyncio.CancelledError:
-        # A cancelled close (a supervisor stopping a restart) still waits for the engine
-        # core to be gone: cancelling to_thread does not stop the thread, and the caller
-        # has already dropped its reference to the engine.
+        # Cancelling to_thread does not stop the thread: wait for the engine core to be
+        # gone (a supervisor stopping a restart cancels this).
         await asyncio.wait([closing])
         raise
+
+
+async def _shut_down(engine: Any) -> None:
+    # The output handler first. vLLM cancels it only after the engine core has exited
+    # (~5 s later), from its thread; in between, the closed output socket hands the
+    # handler an EngineDeadError, which it logs as "AsyncLLM output_handler failed" with
+    # a traceback whenever it runs before its cancellation lands (one exit in two of the
+    # CPU default). Nobody reads its outputs any more: the callers stopped first.
+    handler = getattr(engine, "output_handler", None)
     if isinstance(handler, asyncio.Task) and not handler.done():
+        handler.cancel()
         await asyncio.wait([handler], timeout=5.0)
+    await asyncio.to_thread(engine.shutdown)
