@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 
 import pytest
 from vllm_spy import assert_shut_down_off_the_loop, shutdown_threads
@@ -221,3 +221,45 @@ async def test_the_turn_after_a_tool_result_hits_the_prefix_cache(llm_engine: Ll
     assert after.cached_tokens > 0, "the turn after a tool result must reuse the cached prefix"
     block = 128  # the CPU backend's default KV block (configs/test.yaml sets none)
     assert after.cached_tokens >= (len(first_ids) // block) * block
+
+
+async def test_summaries_tokenised_together_never_grow_the_tokenizer_pool(
+    llm_engine: LlmEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # vLLM's tokenizer is a pool of 2 deep copies; a borrower that finds it empty
+    # deep-copies the tokenizer (~1 s holding the GIL: every call's loop stalls).
+    import copy
+    import threading
+
+    from vllm.tokenizers.hf import ThreadSafeHFTokenizerMixin
+
+    from voicebot.engines.tokenizer_thread import run_tokenizer
+
+    tok = llm_engine.tokenizer
+    assert isinstance(tok, ThreadSafeHFTokenizerMixin), type(tok)  # the pool this is about
+    grown: list[str] = []
+    real_deepcopy = copy.deepcopy
+
+    def deepcopy(x: object, *args: object, **kwargs: object) -> object:
+        if "Tokenizer" in type(x).__name__:
+            grown.append(type(x).__name__)
+        return real_deepcopy(x, *args, **kwargs)
+
+    monkeypatch.setattr(copy, "deepcopy", deepcopy)
+    threads: set[int] = set()
+    text = "\n".join(f"user: question {i} about the timetable to Edinburgh" for i in range(120))
+
+    def encode() -> int:
+        threads.add(threading.get_ident())
+        ids = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=True, add_generation_prompt=True)
+        return len(ids["input_ids"] if isinstance(ids, Mapping) else ids)
+
+    async def loop_borrows() -> None:  # the session's own encodes, on the loop meanwhile
+        for _ in range(20):
+            tok.encode("a turn on the loop")
+            await asyncio.sleep(0)
+
+    results = await asyncio.gather(*(run_tokenizer(encode) for _ in range(8)), loop_borrows())
+    assert all(n > 1000 for n in results[:8])
+    assert grown == [], f"the tokenizer pool grew by {len(grown)} deep copies"
+    assert len(threads) == 1 and threading.get_ident() not in threads

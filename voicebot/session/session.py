@@ -32,6 +32,7 @@ from voicebot.config import Config, VadConfig
 from voicebot.engines import Engines
 from voicebot.engines.asr import AsrStream, Transcript
 from voicebot.engines.llm import Lane
+from voicebot.engines.tokenizer_thread import run_tokenizer
 from voicebot.errors import BadAudio, BadMessage, VoicebotError
 from voicebot.metrics import Metrics
 from voicebot.session.clock import REAL_CLOCK, Clock
@@ -1035,8 +1036,9 @@ class Session:
             # list() would be its keys.
             return list(prompt["input_ids"] if isinstance(prompt, Mapping) else prompt)
 
-        # Up to a history budget of text: tokenised off the event loop.
-        ids = await asyncio.to_thread(encode)
+        # Up to a history budget of text: tokenised off the event loop, on the one thread
+        # that keeps vLLM's tokenizer pool from growing (engines/tokenizer_thread.py).
+        ids = await run_tokenizer(encode)
         return await self.engines.llm.complete(ids, lane=Lane.BACKGROUND, max_tokens=64, temperature=0.0)
 
     # -------------------------------------------------------------------- pacer
