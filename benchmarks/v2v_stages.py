@@ -17,6 +17,10 @@ stages that follow each other on the critical path of a speculative reply:
 ``pause`` and ``rest`` are not measured apart (only their sum is known); ``pause + rest``
 is reported as one column.
 
+``uncached`` (tokens, not ms) is the part of the reply's prompt that vLLM's prefix cache
+did not hold: what the TTFT had to prefill.
+
+Several probe reports are pooled into one table (back-to-back runs of one setting).
 ``--uncapped MS`` prints the table a second time over the turns whose endpointing took
 less than MS (Smart Turn's cap is 1500 ms: those turns did not wait for it).
 """
@@ -29,7 +33,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-COLUMNS = ("v2v", "asr", "ttft", "clause", "tts", "pause+rest")
+COLUMNS = ("v2v", "asr", "ttft", "clause", "tts", "pause+rest", "uncached")
 
 
 def stages(turn: dict[str, Any]) -> dict[str, float] | None:
@@ -46,6 +50,7 @@ def stages(turn: dict[str, Any]) -> dict[str, float] | None:
         "tts": t["tts_first_audio_ms"],
     }
     row["pause+rest"] = v2v - row["asr"] - row["ttft"] - row["clause"] - row["tts"]
+    row["uncached"] = (t.get("prompt_tokens") or 0) - (t.get("cached_prompt_tokens") or 0)
     return row
 
 
@@ -55,7 +60,7 @@ def pct(values: list[float], q: float) -> float:
 
 
 def table(rows: list[dict[str, float]], title: str = "") -> dict[str, Any]:
-    print(f"{'':>5}" + "".join(f"{c:>11}" for c in COLUMNS) + f"   (ms, n={len(rows)}{title})")
+    print(f"{'':>5}" + "".join(f"{c:>11}" for c in COLUMNS) + f"   (ms; uncached: tokens; n={len(rows)}{title})")
     out: dict[str, Any] = {"n": len(rows)}
     for q, name in ((0.5, "p50"), (0.95, "p95")):
         values = {c: round(pct([r[c] for r in rows], q), 1) for c in COLUMNS}
@@ -66,12 +71,12 @@ def table(rows: list[dict[str, float]], title: str = "") -> dict[str, Any]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("probe_json", type=Path)
+    p.add_argument("probe_json", type=Path, nargs="+", help="one report, or several to pool")
     p.add_argument("--json", type=Path)
     p.add_argument("--uncapped", type=float, metavar="MS", help="also: only turns whose endpointing took < MS")
     args = p.parse_args()
-    report = json.loads(args.probe_json.read_text())
-    rows = [r for r in (stages(t) for t in report["turns"]) if r is not None]
+    turns = [t for path in args.probe_json for t in json.loads(path.read_text())["turns"]]
+    rows = [r for r in (stages(t) for t in turns) if r is not None]
     if not rows:
         print("no turn with complete timings", file=sys.stderr)
         return 1
@@ -84,7 +89,7 @@ def main() -> int:
     if args.uncapped is not None:
         kept = [
             r
-            for r, t in ((stages(t), t) for t in report["turns"])
+            for r, t in ((stages(t), t) for t in turns)
             if r is not None and (t["timings"].get("endpointing_ms") or 0) < args.uncapped
         ]
         if kept:

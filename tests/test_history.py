@@ -353,3 +353,39 @@ async def test_a_reply_to_a_text_question_is_asked_that_question(tokenizer) -> N
             await until(c.clock, lambda n=i + 1: len(c.of(ev.ResponseDone)) >= n, timeout=10)
             asked = tokenizer.decode(prompts[-1])
             assert question(i) in asked, f"turn {i}: the reply's prompt lacks its question:\n...{asked[-300:]}"
+
+
+# Finals of the test clips and of spoken questions, with what tends to trip a tokeniser:
+# numbers, contractions, quotes, marks inside and at the end.
+FINALS = [
+    "And so, my fellow Americans, ask not what your country can do for you, ask what you can do for your country.",
+    "I'd like to book a table for 2 at 7:30 tonight, please; it's my wife's birthday!",
+    "Go forward ten meters.",
+    "What's the weather in \"New York\" on the 21st, and will it rain?",
+    "Hmm… can you spell your name?",
+]
+
+
+def test_the_words_heard_so_far_start_the_prompt_of_the_finished_turn(any_tokenizer) -> None:  # type: ignore[no-untyped-def]
+    # The session prefills the turn while the caller speaks (user_prefix_ids of each
+    # partial transcript); the finished turn's prompt must begin with those very ids, or
+    # vLLM's prefix cache holds nothing of them. A partial ends where the speech heard so
+    # far ends, often with a full stop Whisper put there: cut after every word, with and
+    # without one.
+    conv = Conversation(any_tokenizer, "Be brief.", budget_tokens=10_000, reply_tokens=32)
+    conv.append("user", "Hi.")
+    conv.append("assistant", "Hello! How can I help?")
+    history = conv.history_ids()
+    for final in FINALS:
+        prompt = conv.prompt_ids(user_text=final)
+        words = final.split()
+        for k in range(1, len(words) + 1):
+            for partial in (" ".join(words[:k]), " ".join(words[:k]).rstrip(".,;:!?…") + "."):
+                ids = conv.user_prefix_ids(partial)
+                assert len(ids) > len(history), partial
+                assert prompt[: len(ids)] == ids, (
+                    f"{partial!r} of {final!r}: {any_tokenizer.decode(ids[len(history):])!r} is not how "
+                    f"the prompt goes on: {any_tokenizer.decode(prompt[len(history):len(ids) + 2])!r}"
+                )
+    assert conv.user_prefix_ids("  ") == history
+    assert conv.history_ids() == history, "nothing is added to the history"

@@ -134,6 +134,7 @@ class FakeLlm:
     word_delay: float = 0.02
     fail: bool = False
     started: list[str] = field(default_factory=list)
+    prompts: list[list[int]] = field(default_factory=list)  # of each reply, as started
     aborted: list[str] = field(default_factory=list)
     completed: list[str] = field(default_factory=list)
     running: int = 0
@@ -147,6 +148,7 @@ class FakeLlm:
     async def generate(self, prompt_ids: list[int], *, stats: GenerationStats | None = None, **_: object) -> AsyncIterator[TextDelta]:
         rid = f"r{len(self.started)}"
         self.started.append(rid)
+        self.prompts.append(list(prompt_ids))
         finished = False
         try:
             if self.fail:

@@ -24,6 +24,7 @@ from test_session import (
 from transformers import AutoTokenizer
 
 from voicebot.config import LlmConfig
+from voicebot.engines.asr import Partial
 from voicebot.engines.llm import GenerationStats, Lane, LlmEngine, TextDelta
 from voicebot.session import events as ev
 from voicebot.session.clock import REAL_CLOCK
@@ -307,3 +308,85 @@ async def test_no_prefill_when_the_engine_keeps_no_prefix_cache(tokenizer) -> No
             f"{len(warmed)} prefill(s) ({', '.join(str(len(w)) for w in warmed)} tokens) "
             "with no prefix cache to keep them"
         )
+
+
+# ------------------------------------------------ 5. the caller's words (llm.warm_turn)
+QUESTION = "Could you book me a table for two people at eight tonight, by the window, with a view of the sea?"
+
+
+def hear(c: Any, words: str) -> None:
+    """A partial transcript of the session's stream: the words heard so far."""
+    c.session._asr._partials.put_nowait(Partial(words, "", 0.0))
+
+
+async def test_the_callers_words_are_prefilled_while_they_speak(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    # The turn's prompt was prefilled whole after the end of speech, from the history's
+    # last whole block on: on the 2-core CPU default ~7 ms a token of the reply's time to
+    # first token. Each partial now prefills the words heard so far, and the reply's
+    # prompt starts with them.
+    engines = make_engines(tokenizer)
+    engines.asr.text = QUESTION  # type: ignore[attr-defined]
+    llm = engines.llm
+    words = QUESTION.split()
+    async with call(engines) as c:
+        await until(c.clock, lambda: llm.warmed)  # type: ignore[attr-defined]
+        history = c.session.conversation.history_ids()
+        await c.speak(1000)
+        hear(c, " ".join(words[:6]) + ".")  # Whisper ends a partial with a full stop
+        await c.speak(1000)
+        hear(c, " ".join(words[:17]))
+        await c.speak(600)
+        turn = llm.warmed[1:]  # type: ignore[attr-defined]
+        heard = len(c.session.conversation.user_prefix_ids(" ".join(words[:17])))
+        await c.silence(700)
+        await c.wait_for(ev.ResponseDone, timeout=10)
+    assert turn, "no prefill while the caller spoke"
+    prompt = llm.prompts[0]  # type: ignore[attr-defined]
+    for warmed in turn:
+        assert prompt[: len(warmed)] == warmed, tokenizer.decode(warmed[len(history):])
+    # Every whole 16-token block (FakeLlm.block_size) of the words heard last, and the
+    # history's last block, which the history alone did not fill.
+    assert len(turn[-1]) // 16 == heard // 16 > len(history) // 16 + 1, (len(history), [len(w) for w in turn], heard)
+
+
+@pytest.mark.parametrize("warm_turn", [True, False])
+async def test_no_prefill_of_the_callers_words_once_the_reply_is_prepared_or_when_it_is_off(tokenizer, warm_turn: bool) -> None:  # type: ignore[no-untyped-def]
+    # A partial that comes after the pause (the decode that saw the end of speech) finds
+    # a speculative reply whose own prompt prefills the same words: a prefill beside it
+    # would only compete with it. And llm.warm_turn: false turns the feature off.
+    engines = make_engines(tokenizer)
+    engines.cfg = engines.cfg.model_copy(update={"llm": engines.cfg.llm.model_copy(update={"warm_turn": warm_turn})})
+    engines.asr.text = QUESTION  # type: ignore[attr-defined]
+    llm = engines.llm
+    async with call(engines) as c:
+        await until(c.clock, lambda: llm.warmed)  # type: ignore[attr-defined]
+        history = c.session.conversation.history_ids()
+        await c.speak(1500)
+        if not warm_turn:
+            hear(c, QUESTION[:60])
+        await c.silence(200)  # paused: the speculative reply is being prepared
+        assert c.session._response is not None
+        hear(c, QUESTION)
+        await c.silence(60)
+        turn = [w for w in llm.warmed if len(w) > len(history)]  # type: ignore[attr-defined]
+        await c.silence(500)
+        await c.wait_for(ev.ResponseDone, timeout=10)
+    assert not turn, f"warm_turn={warm_turn}: {len(turn)} prefill(s) of the caller's words"
+
+
+async def test_a_prefill_of_the_callers_words_is_kept_when_the_history_is_asked_again(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    # A Realtime client's session.update with nothing new asks for the history's prefill
+    # again. A prefill already under way that covers the history and the caller's words
+    # after it must be left to run, not restarted as the history alone.
+    engines = make_engines(tokenizer, warm_delay=2.0)
+    engines.asr.text = QUESTION  # type: ignore[attr-defined]
+    llm = engines.llm
+    async with call(engines) as c:
+        await until(c.clock, lambda: llm.warmed, timeout=10)  # type: ignore[attr-defined]
+        await c.speak(1000)
+        hear(c, QUESTION)
+        await c.speak(500)  # its prefill is running
+        c.session.update_settings(speed=1.0)
+        await c.speak(2000)
+        assert llm.warms_cancelled == 0, "the prefill of the caller's words was restarted"  # type: ignore[attr-defined]
+        assert len(llm.warmed[-1]) > len(c.session.conversation.history_ids())  # type: ignore[attr-defined]

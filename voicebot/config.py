@@ -191,6 +191,7 @@ class LlmConfig(_Section):
     seed: int | None = Field(None, description="Sampling seed (tests set it for reproducibility).")
     background_concurrency: int = Field(1, ge=0, le=4096, description="Background requests running at once (summaries ...).")
     warm_prefix: bool = Field(True, description="Prefill each call's conversation so far at background priority while nobody waits on the LLM (the call started or got new instructions or tools, a reply ended), so the next turn's prompt finds it in the prefix cache and prefills only its own words (needs background_concurrency > 0).")
+    warm_turn: bool = Field(True, description="Also prefill the caller's words while they speak (each partial transcript, at background priority, with warm_prefix): at the end of the turn the prompt prefills only the words heard last; ~7 ms of time to first token per token on the 2-core CPU default.")
     background_queue: int = Field(64, ge=0, le=100_000, description="Background requests waiting for a slot; one more is refused at once (BackgroundQueueFull), never queued.")
     interactive_priority: int = Field(0, description="vLLM priority of live turns (lower is served first).")
     background_priority: int = Field(10, description="vLLM priority of background work.")

@@ -63,6 +63,7 @@ class Message:
 
 
 _PLACEHOLDER = Message("user", "...")
+_TRAILING_MARKS = ".,;:!?…"
 
 
 def _after_overlap(generated: list[int], tail: list[int]) -> list[int]:
@@ -277,6 +278,26 @@ class Conversation:
             ids.extend(self._message_ids(history, message))
             history = [history[0], message]
         return ids + self._encode(self._generation_text(history))
+
+    def user_prefix_ids(self, words: str) -> list[int]:
+        """The start of the next prompt while the caller is still speaking: the history,
+        then a user message that begins with ``words`` (the transcript so far), cut
+        where they end. The prompt of the finished turn starts with these ids when its
+        transcript starts with ``words`` at a word boundary: the template's closing
+        follows the words, and the tokeniser splits before each space-led word.
+        Punctuation ending ``words`` is left out: a hypothesis of speech that goes on
+        ends in a full stop that the finished sentence may not have there, and the
+        tokeniser keeps marks apart from the word before them."""
+        words = words.strip().rstrip(_TRAILING_MARKS).rstrip()
+        history = self._context(self._all())
+        ids = list(self._ids)
+        if not words:
+            return ids
+        segment = self._segment(history, Message("user", words))
+        at = segment.rfind(words)
+        if at < 0:
+            return ids  # a template that rewrites the text: nothing to share
+        return ids + self._encode(segment[: at + len(words)])
 
     def set_system_prompt(self, prompt: str) -> None:
         if prompt != self.system_prompt:

@@ -954,14 +954,26 @@ class Session:
                     self._warmer.cancel()
                 self._summariser = self._spawn(self._summarise(), "summary")
 
-    def _warm_prefix(self) -> None:
+    def _warm_turn(self, words: str) -> None:
+        """Prefill the caller's words so far while they go on speaking (llm.warm_turn),
+        on each partial transcript: at the end of the turn its prompt prefills only what
+        came after the last whole cache block of them, not the whole question. On the
+        2-core CPU default every token of prompt left to prefill costs the reply ~7 ms
+        (docs/benchmarks.md); the cores are mostly idle while the caller speaks. A word
+        the final hears otherwise costs only the blocks from it on: the cache is keyed
+        by content, never wrong."""
+        if self.cfg.llm.warm_turn and self.settings.create_response:
+            self._warm_prefix(self.conversation.user_prefix_ids(words))
+
+    def _warm_prefix(self, ids: list[int] | None = None) -> None:
         """Prefill the conversation so far at background priority while nobody waits on
         the LLM (llm.warm_prefix): the call has just started or got new instructions or
         tools, or a reply has ended. The next turn's prompt then finds those blocks in
         the prefix cache and prefills only what is new: the caller's words. Without it a
         long system prompt (a Realtime client's instructions and tools) is prefilled
         with the first turn, seconds on a CPU; and the blocks after a reply are cached
-        only as far as the model computed them."""
+        only as far as the model computed them. ``ids``: a longer start of the next
+        prompt than the history (the caller's words so far, :meth:`_warm_turn`)."""
         llm_cfg = self.cfg.llm
         if not llm_cfg.warm_prefix or llm_cfg.background_concurrency == 0 or self._tg is None:
             return
@@ -972,14 +984,17 @@ class Session:
         summariser = self._summariser
         if summariser is not None and not summariser.done() and summariser is not asyncio.current_task():
             return  # its summary rewrites the system message; it prefills after that
-        ids = self.conversation.history_ids()
+        if ids is None:
+            ids = self.conversation.history_ids()
         block = self.engines.llm.block_size  # the prefix cache holds whole blocks only
         whole = len(ids) // block * block
         if whole == 0 or ids[:whole] == self._warmed[:whole]:
             return  # nothing new that the cache could hold
         if self._warmer is not None and not self._warmer.done():
-            if ids[:whole] == self._warming:
-                return  # being prefilled (a session.update that changed nothing)
+            if ids[:whole] == self._warming[:whole]:
+                # Being prefilled: a session.update that changed nothing, or the history
+                # while the caller's words after it are.
+                return
             self._warmer.cancel()  # superseded
         self._warming = ids[:whole]
         self._warmer = self._spawn(self._warm(ids, whole), "warm")
@@ -1125,6 +1140,7 @@ class Session:
             async for partial in stream:
                 if self._item_id is not None and stream is self._asr:
                     self.emit(TranscriptPartial(self._item_id, partial.confirmed, partial.tentative))
+                    self._warm_turn(partial.text)
             if stream is self._asr:
                 return  # the session's own stream closed: the session is ending
             # A committed turn took that stream away (and closed it): follow the new one.
