@@ -91,3 +91,23 @@ def test_first_clause_does_not_wait_for_the_token_after_its_punctuation() -> Non
 @pytest.mark.parametrize("text", ["Mr.", "It costs 3.", "Try e.g.", "In the U.S.", "It's"])
 def test_first_clause_waits_where_the_mark_may_not_end_anything(text: str) -> None:
     assert ClauseChunker(first_clause_words=6).push(text) == []
+
+
+@pytest.mark.parametrize(
+    ("pieces", "clauses"),
+    [
+        # Seen in the voice loop (2026-11-28): "Mr." went to TTS alone, spoken as a sentence
+        # of its own ("Mister." and a pause), then "Dashwood was indeed ...".
+        (["Mr", ".", " Dashwood", " was", " kind", "."], ["Mr. Dashwood was kind."]),
+        (["You can see", " Dr", ". Smith", " at", " nine", ". Bye", "."], ["You can see Dr. Smith", "at nine.", "Bye."]),
+        (["It", " is", " near", " St", ". Louis", " and", " Mt", ". Hood", "."], ["It is near St. Louis", "and Mt. Hood."]),
+        (["Ask", " for", " J", ". K", ". Rowling", " please", "."], ["Ask for J. K. Rowling please."]),
+        (["Room", " No", ". 5", " is", " free", "."], ["Room No. 5 is free."]),
+        # Still sentences: a plain word, "No." before a word, "etc." at the end of one.
+        (["No", ". I", " am", " sorry", "."], ["No.", "I am sorry."]),
+        (["We", " sell", " pens", ", ink", ", etc", ". Anything", " else", "?"],
+         ["We sell pens,", "ink, etc.", "Anything else?"]),
+    ],
+)
+def test_an_abbreviation_or_an_initial_does_not_end_a_clause(pieces: list[str], clauses: list[str]) -> None:
+    assert feed(ClauseChunker(first_clause_words=8, max_clause_words=24), pieces) == clauses

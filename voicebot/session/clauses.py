@@ -16,6 +16,10 @@ Knowing the next word is such a word takes no longer than the plain word-count c
 (either needs the whitespace after it). And the first clause does not wait for the
 whitespace after its punctuation ("Sure." is cut as soon as the "." arrives, a token
 sooner) where the mark cannot belong to a number ("3.50") or an abbreviation ("Mr.").
+
+No clause ends at the full stop of a title or an initial ("Mr. Dashwood", "St. Louis",
+"J. K. Rowling") or of "No." before a number: TTS speaks each clause as a sentence, and
+"Mr." alone is heard as "Mister." and a pause.
 """
 
 from __future__ import annotations
@@ -30,6 +34,12 @@ _WORD = re.compile(r"\S+")
 # Punctuation ending the text so far, after a word of 2+ letters (not "3.", "e.g.", "U.S.").
 _TRAILING_MARK = re.compile(r"(?<![\w.'])([A-Za-z]{2,})([.!?…,;:])$")
 _ABBREVIATIONS = frozenset("mr mrs ms dr st jr sr vs etc no mt ft approx".split())
+# Abbreviations whose full stop never ends a sentence: a title or a place's prefix is
+# followed by its name ("Mr. Dashwood", "St. Louis"). TTS speaks a clause as a sentence:
+# "Mr." cut alone is heard as "Mister." and a pause.
+_TITLES = frozenset("mr mrs ms dr prof st mt vs approx capt sgt lt col gen rev".split())
+# The word before a full stop: a title, an initial ("J. K. Rowling"), or "No." before a number.
+_WORD_BEFORE_STOP = re.compile(r"(?:^|(?<=[\s(\"']))([A-Za-z.]+)\.$")
 # Words the first clause may be cut before once it has _FIRST_MIN_WORDS words.
 _FIRST_MIN_WORDS = 2
 _PHRASE_STARTS = frozenset(
@@ -77,6 +87,8 @@ class ClauseChunker:
             if words == 0:
                 continue
             mark = m.group(1)[0]
+            if mark == "." and _not_a_sentence_end(head, self._buf[m.end() :]):
+                continue
             if mark in _SENTENCE_END or (mark in _CLAUSE_MARKS and words >= comma_words):
                 return self._cut(m.end(1), m.end())
         found = list(_WORD.finditer(self._buf))
@@ -103,3 +115,17 @@ class ClauseChunker:
             return None
         self._emitted += 1
         return clause
+
+
+def _not_a_sentence_end(head: str, after: str) -> bool:
+    """The full stop ending ``head`` belongs to a title, an initial or "No." before a
+    number (``after``: the text after the whitespace that follows it)."""
+    m = _WORD_BEFORE_STOP.search(head)
+    if m is None:
+        return False
+    word = m.group(1)
+    if word.lower() in _TITLES:
+        return True
+    if len(word.replace(".", "")) == 1 and word[0].isupper():
+        return True  # "J. K. Rowling"
+    return word.lower() == "no" and after[:1].isdigit()
