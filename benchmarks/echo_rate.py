@@ -153,6 +153,8 @@ class Turn:
     cached_prompt_tokens: int | None = None
     prompt_tokens: int | None = None
     voice_to_voice_ms: float | None = None
+    first_clause_tokens: int | None = None  # text mode: tokens generated before TTS can start
+    first_clause: str = ""
     errors: list[str] = field(default_factory=list)
 
     def judge(self) -> None:
@@ -176,6 +178,7 @@ def summarise(turns: list[Turn]) -> dict[str, Any]:
     later_ttft = [t.ttft_ms for t in turns if t.ttft_ms is not None and t.turn > 0]
     v2v = [t.voice_to_voice_ms for t in turns if t.voice_to_voice_ms is not None]
     words = [len(t.reply.split()) for t in replied]
+    clause_tokens = [float(t.first_clause_tokens) for t in turns if t.first_clause_tokens is not None]
     return {
         "turns": n,
         "replied": len(replied),
@@ -193,6 +196,8 @@ def summarise(turns: list[Turn]) -> dict[str, Any]:
         "ttft_ms_first_turn_p50": _pct(first_ttft, 0.5),
         "ttft_ms_later_turns_p50": _pct(later_ttft, 0.5),
         "voice_to_voice_ms_p50": _pct(v2v, 0.5),
+        "first_clause_tokens_p50": _pct(clause_tokens, 0.5),
+        "first_clause_tokens_p95": _pct(clause_tokens, 0.95),
     }
 
 
@@ -288,6 +293,7 @@ async def run_pipeline(calls: list[list[Item]], args: argparse.Namespace) -> lis
 # ------------------------------------------------------------------------- text
 async def _text_call(llm: Any, cfg: Any, index: int, items: list[tuple[Item, str]], variant: dict[str, Any]) -> list[Turn]:
     from voicebot.engines.llm import GenerationStats, Lane
+    from voicebot.session.clauses import ClauseChunker
     from voicebot.session.history import Conversation
 
     conv = Conversation(llm.tokenizer, variant["system_prompt"], cfg.session.history_tokens, cfg.llm.max_tokens)
@@ -299,12 +305,20 @@ async def _text_call(llm: Any, cfg: Any, index: int, items: list[tuple[Item, str
         conv.append("user", heard)
         st = GenerationStats(request_id="", lane=Lane.INTERACTIVE)
         text, ids = [], []
+        # The session's chunker over the stream: how many tokens the first clause waited for.
+        chunker, first = ClauseChunker(cfg.session.first_clause_words, cfg.session.max_clause_words), None
         async for d in llm.generate(conv.prompt_ids(), stats=st, temperature=variant.get("temperature")):
             text.append(d.text)
             ids.extend(d.token_ids)
+            if first is None and (cut := chunker.push(d.text)):
+                first = (cut[0], len(ids))
         reply = "".join(text).strip()
         conv.append("assistant", reply, token_ids=ids)
+        if first is None and (rest := chunker.flush()):
+            first = (rest, len(ids))
         t = Turn(index, k, it.clip.name, it.reference, heard=heard, reply=reply)
+        if first is not None:
+            t.first_clause, t.first_clause_tokens = first
         t.ttft_ms = None if st.ttft_s is None else round(1000 * st.ttft_s, 1)
         t.cached_prompt_tokens, t.prompt_tokens = st.cached_tokens, st.prompt_tokens
         out.append(t)

@@ -111,3 +111,36 @@ def test_first_clause_waits_where_the_mark_may_not_end_anything(text: str) -> No
 )
 def test_an_abbreviation_or_an_initial_does_not_end_a_clause(pieces: list[str], clauses: list[str]) -> None:
     assert feed(ClauseChunker(first_clause_words=8, max_clause_words=24), pieces) == clauses
+
+
+def test_later_clauses_are_whole_sentences_while_audio_is_ahead() -> None:
+    c = ClauseChunker(first_clause_words=4, max_clause_words=24, ahead_s=lambda: 3.0, low_water_s=1.0)
+    words = "Sure. The weather will be warm and sunny in the morning with a light breeze from the west."
+    assert feed(c, [w + " " for w in words.split()]) == [
+        "Sure.", "The weather will be warm and sunny in the morning with a light breeze from the west."
+    ]
+
+
+def test_later_clauses_are_cut_early_while_the_audio_runs_low() -> None:
+    # The first clause plays for ~0.3 s while the model writes the next sentence at ~1.5x
+    # the voice's pace: waiting for its full stop left seconds of silence.
+    ahead = [3.0]
+    c = ClauseChunker(first_clause_words=4, max_clause_words=24, ahead_s=lambda: ahead[0], low_water_s=1.0)
+    out: list[str] = []
+    for w in "Sure. The weather will be warm and sunny in the morning, with a light breeze".split():
+        out += c.push(w + " ")
+        ahead[0] = 0.2 if out else 3.0
+    out += [c.flush() or ""]
+    assert out == [
+        "Sure.",
+        "The weather will be warm",  # nothing to cut at: 5 words
+        "and sunny",  # before a phrase, from 2 words
+        "in the morning,",  # a comma from 2 words
+        "with a light breeze",
+    ]
+
+
+def test_the_first_clause_does_not_depend_on_the_audio_ahead() -> None:
+    for ahead in (0.0, 5.0):
+        c = ClauseChunker(first_clause_words=4, max_clause_words=24, ahead_s=lambda a=ahead: a, low_water_s=1.0)  # type: ignore[misc]
+        assert c.push("The weather will be warm ") == ["The weather will be"]

@@ -1004,3 +1004,30 @@ async def test_a_finished_verdict_after_the_last_audio_still_ends_the_turn(token
         model.futures[0].set_result(0.9)  # finished
         await until(c.clock, lambda: bool(c.of(ev.ResponseDone)))
         assert c.of(ev.TranscriptFinal)
+
+
+async def test_a_reply_written_slower_than_it_is_read_for_the_first_clause_leaves_no_long_silence(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    # The model writes a word in 60 ms and the voice says it in 100 ms (FakeTts): faster
+    # than real time, as the CPU default's ~6 tokens/s against ~3 spoken words/s. But a
+    # short first clause ("Sure,") was followed by the rest of the sentence cut only at
+    # its full stop: 2 s of writing while 0.1 s of audio played. Seen in the voice loop
+    # on the CPU default: 1-3 s of silence mid-reply in 10 of 12 replies.
+    reply = ("Sure, the sun will shine all day long over the hills and over the sea and over the old town "
+             "and over the river and the park until late tonight when it gets cold again.")
+    engines = make_engines(tokenizer, reply=reply, word_delay=0.06)
+    sent: list[float] = []
+    async with call(engines, turn_detection=False) as c:
+        put = c.session._out.put_nowait
+
+        def timed(e: object) -> None:  # when the pacer sends each 20 ms frame
+            if isinstance(e, ev.ResponseAudio):
+                sent.append(c.clock.monotonic())
+            put(e)  # type: ignore[arg-type]
+
+        c.session._out.put_nowait = timed  # type: ignore[method-assign]
+        c.session.add_text("user", "How will the weather be?")
+        c.session.create_response()
+        done = await c.wait_for(ev.ResponseDone, timeout=30)
+    assert done.status == "completed" and len(sent) > 100
+    longest = max(b - a for a, b in zip(sent, sent[1:], strict=False))
+    assert longest < 0.35, f"{longest:.2f} s of silence in the reply"

@@ -17,6 +17,13 @@ Knowing the next word is such a word takes no longer than the plain word-count c
 whitespace after its punctuation ("Sure." is cut as soon as the "." arrives, a token
 sooner) where the mark cannot belong to a number ("3.50") or an abbreviation ("Mr.").
 
+Later clauses are cut as early as the first one while the reply's audio is about to run
+out (``ahead_s`` below ``low_water_s``): on the 2-core CPU default the model generates
+only ~1.5 times as fast as the voice speaks, and a whole sentence waited for after a
+short first clause left the caller 1-3 s of silence in 10 of 12 replies
+(docs/benchmarks.md). While the audio ahead is comfortable, clauses are whole sentences
+again, so a fast engine never cuts early.
+
 No clause ends at the full stop of a title or an initial ("Mr. Dashwood", "St. Louis",
 "J. K. Rowling") or of "No." before a number: TTS speaks each clause as a sentence, and
 "Mr." alone is heard as "Mister." and a pause.
@@ -25,6 +32,7 @@ No clause ends at the full stop of a title or an initial ("Mr. Dashwood", "St. L
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 _SENTENCE_END = ".!?…"
 _CLAUSE_MARKS = ",;:—–"
@@ -42,6 +50,10 @@ _TITLES = frozenset("mr mrs ms dr prof st mt vs approx capt sgt lt col gen rev".
 _WORD_BEFORE_STOP = re.compile(r"(?:^|(?<=[\s(\"']))([A-Za-z.]+)\.$")
 # Words the first clause may be cut before once it has _FIRST_MIN_WORDS words.
 _FIRST_MIN_WORDS = 2
+# A later clause cut while the audio runs low: at a comma or before a phrase from this many
+# words on, and at any word boundary once it has _LOW_MAX_WORDS (~1.7 s of speech).
+_LOW_MIN_WORDS = 2
+_LOW_MAX_WORDS = 5
 _PHRASE_STARTS = frozenset(
     # Not "of" or articles: "the capital | of France", "boil | the water" split a phrase.
     """and but or so because if when while that which who where at on in to for with from by
@@ -50,24 +62,43 @@ _PHRASE_STARTS = frozenset(
 
 
 class ClauseChunker:
-    def __init__(self, first_clause_words: int = 6, max_clause_words: int = 24) -> None:
+    """``ahead_s``: seconds of reply audio the caller has still to hear (queued and being
+    synthesised); below ``low_water_s`` later clauses are cut early. None: never."""
+
+    def __init__(
+        self,
+        first_clause_words: int = 6,
+        max_clause_words: int = 24,
+        *,
+        ahead_s: Callable[[], float] | None = None,
+        low_water_s: float = 0.0,
+    ) -> None:
         self.first_clause_words = first_clause_words
         self.max_clause_words = max_clause_words
+        self._ahead_s = ahead_s
+        self._low_water_s = low_water_s
         self._buf = ""
         self._emitted = 0
 
-    def _limits(self) -> tuple[int, int]:
+    def _running_low(self) -> bool:
+        return self._emitted > 0 and self._ahead_s is not None and self._ahead_s() < self._low_water_s
+
+    def _limits(self, low: bool) -> tuple[int, int]:
         """(words needed before a comma cut, words that force a cut)."""
         if self._emitted == 0:
             # "Sure," alone is a fine first clause: the caller hears something sooner.
             return 1, self.first_clause_words
+        if low:
+            return _LOW_MIN_WORDS, min(_LOW_MAX_WORDS, self.max_clause_words)
         return 5, self.max_clause_words
 
     def push(self, text: str) -> list[str]:
         """Add streamed text; return the clauses that are now complete."""
         self._buf += text
         out: list[str] = []
-        while (clause := self._next_clause()) is not None:
+        # Asked once: the clauses cut here reach the audio ahead only once returned.
+        low = self._running_low()
+        while (clause := self._next_clause(low and not out)) is not None:
             out.append(clause)
         return out
 
@@ -79,8 +110,8 @@ class ClauseChunker:
         self._emitted += 1
         return rest
 
-    def _next_clause(self) -> str | None:
-        comma_words, max_words = self._limits()
+    def _next_clause(self, low: bool = False) -> str | None:
+        comma_words, max_words = self._limits(low)
         for m in _PUNCT_CUT.finditer(self._buf):
             head = self._buf[: m.end(1)]
             words = len(_WORD.findall(head))
@@ -96,6 +127,7 @@ class ClauseChunker:
             trailing = _TRAILING_MARK.search(self._buf)
             if trailing is not None and trailing.group(1).lower() not in _ABBREVIATIONS:
                 return self._cut(len(self._buf), len(self._buf))
+        if self._emitted == 0 or low:
             # Before a phrase-opening word, once that word is known to be complete.
             for k in range(_FIRST_MIN_WORDS, min(len(found), max_words)):
                 w = found[k]

@@ -40,6 +40,10 @@ from voicebot.tools.spec import ToolCall, ToolChoice, ToolSpec, new_call_id
 
 log = logging.getLogger(__name__)
 
+# Speech per word at speed 1, to count a clause's audio before it is synthesised: 0.34 s
+# p50 (0.29-0.41 p10-p90) over the default Piper voice's replies (docs/benchmarks.md).
+SECONDS_PER_WORD = 0.34
+
 
 @dataclass
 class ResponseTimes:
@@ -81,6 +85,7 @@ class Response:
         first_clause_words: int,
         max_clause_words: int,
         gated: bool,
+        clause_low_water_ms: int = 0,
         output_rate: int | None = None,
         clock: Clock = REAL_CLOCK,
         on_audio: Callable[[], None] | None = None,
@@ -97,7 +102,10 @@ class Response:
         self._voice = voice
         self._speed = speed
         self._max_tokens = max_tokens
-        self._chunker = ClauseChunker(first_clause_words, max_clause_words)
+        self._chunker = ClauseChunker(
+            first_clause_words, max_clause_words, ahead_s=self._audio_ahead_s, low_water_s=clause_low_water_ms / 1000
+        )
+        self._words_to_speak = 0  # of clauses handed to TTS whose audio is not in the playout yet
         # Each synthesised sentence is resampled once, whole, to the rate the transport
         # sends: a streaming resampler here would release audio in uneven blocks and
         # the pacer could not send exact 20 ms frames.
@@ -205,13 +213,23 @@ class Response:
     async def _put_clause(self, clauses: asyncio.Queue[str | None], clause: str) -> None:
         if self.times.first_clause is None:
             self.times.first_clause = self._clock.monotonic()
+        self._words_to_speak += len(clause.split())
         await clauses.put(clause)
+
+    def _audio_ahead_s(self) -> float:
+        """Reply audio the caller has still to hear: what the playout holds, and the
+        clauses being synthesised at the voice's pace (their audio is not there yet)."""
+        queued = self.playout.queued_samples / self.playout.sample_rate
+        return queued + self._words_to_speak * SECONDS_PER_WORD / (self._speed or 1.0)
 
     async def _synthesize(self, clauses: asyncio.Queue[str | None]) -> None:
         while (clause := await clauses.get()) is not None:
             if self.times.first_clause_synth_start is None:
                 self.times.first_clause_synth_start = self._clock.monotonic()
-            await self._speak(clause)
+            try:
+                await self._speak(clause)
+            finally:
+                self._words_to_speak -= len(clause.split())
 
     async def say(self, text: str) -> None:
         """Speak ``text`` after the generated reply (a filler while a tool runs): played

@@ -746,6 +746,7 @@ class Session:
             max_tokens=options.max_tokens or s.max_tokens,
             first_clause_words=self.cfg.session.first_clause_words,
             max_clause_words=self.cfg.session.max_clause_words,
+            clause_low_water_ms=self.cfg.session.clause_low_water_ms,
             gated=gated,
             output_rate=s.output_sample_rate,
             clock=self._clock,
