@@ -143,4 +143,21 @@ def test_later_clauses_are_cut_early_while_the_audio_runs_low() -> None:
 def test_the_first_clause_does_not_depend_on_the_audio_ahead() -> None:
     for ahead in (0.0, 5.0):
         c = ClauseChunker(first_clause_words=4, max_clause_words=24, ahead_s=lambda a=ahead: a, low_water_s=1.0)  # type: ignore[misc]
-        assert c.push("The weather will be warm ") == ["The weather will be"]
+        assert c.push("The weather looks warm today ") == ["The weather looks warm"]
+
+
+@pytest.mark.parametrize(
+    ("text", "first"),
+    [
+        ("My name is John and I can help", "My name is John"),
+        ("To boil an egg you need water", "To boil an egg"),
+        ("The distance between the Earth and", "The distance between the Earth"),  # 2 words more at most
+        ("A large pizza costs ten", "A large pizza"),
+        ("I'm glad I could help you", "I'm glad I could help"),
+    ],
+)
+def test_a_cut_forced_by_length_does_not_end_on_a_word_the_phrase_goes_on_from(text: str, first: str) -> None:
+    # Spoken as a sentence, "My name is" / "To boil an" ends in mid-air and the rest
+    # starts as a new sentence.
+    c = ClauseChunker(first_clause_words=3, max_clause_words=24)
+    assert feed(c, [w + " " for w in text.split()])[0] == first

@@ -60,6 +60,26 @@ _PHRASE_STARTS = frozenset(
     about after before until into than then""".split()
 )
 
+# Words a phrase does not end on (articles, determiners, prepositions, auxiliaries, subject
+# pronouns): a cut forced by length after one ("To boil an | egg", "My name is | John")
+# is spoken as two broken sentences, so it moves on by up to _MAX_EXTEND words.
+_BINDING = frozenset(
+    """a an the my your our their his her its this that these those some any every each no
+    to of in on at for with from by about into onto over under than as like between through
+    across around without within near after before until since during against toward towards
+    and or but nor if so because while when where which who whose what how
+    is are was were be been being am do does did has have had will would can could should
+    shall may might must not very too more most less i we he she they
+    i'm you're we're they're he's she's it's that's there's let's i'll you'll we'll they'll
+    i've you've we've i'd you'd we'd don't doesn't didn't can't won't isn't aren't wasn't""".split()
+)
+_MAX_EXTEND = 2
+_EDGE_MARKS = "\"'()[]"
+
+
+def _binds(word: str) -> bool:
+    return word.strip(_EDGE_MARKS).lower().replace("\u2019", "'") in _BINDING
+
 
 class ClauseChunker:
     """``ahead_s``: seconds of reply audio the caller has still to hear (queued and being
@@ -133,12 +153,14 @@ class ClauseChunker:
                 w = found[k]
                 if w.end() < len(self._buf) and w.group().lower() in _PHRASE_STARTS:
                     return self._cut(found[k - 1].end(), w.start())
-        # No punctuation cut: force one at a word boundary once the clause is long.
-        boundaries = [m.end() for m in found]
-        if len(boundaries) > max_words:
-            end = boundaries[max_words - 1]
-            if end < len(self._buf) and self._buf[end].isspace():
-                return self._cut(end, end + 1)
+        # No punctuation cut: force one at a word boundary once the clause is long, but
+        # not after a word the phrase goes on from.
+        i = max_words - 1
+        while i + 1 < len(found):  # word i is complete: another one has started
+            if i >= max_words - 1 + _MAX_EXTEND or not _binds(found[i].group()):
+                end = found[i].end()
+                return self._cut(end, end + 1) if self._buf[end].isspace() else None
+            i += 1
         return None
 
     def _cut(self, end: int, resume: int) -> str | None:
