@@ -114,7 +114,7 @@ def test_an_abbreviation_or_an_initial_does_not_end_a_clause(pieces: list[str], 
 
 
 def test_later_clauses_are_whole_sentences_while_audio_is_ahead() -> None:
-    c = ClauseChunker(first_clause_words=4, max_clause_words=24, ahead_s=lambda: 3.0, low_water_s=1.0)
+    c = ClauseChunker(first_clause_words=4, max_clause_words=24, running_low=lambda: False)
     words = "Sure. The weather will be warm and sunny in the morning with a light breeze from the west."
     assert feed(c, [w + " " for w in words.split()]) == [
         "Sure.", "The weather will be warm and sunny in the morning with a light breeze from the west."
@@ -124,12 +124,10 @@ def test_later_clauses_are_whole_sentences_while_audio_is_ahead() -> None:
 def test_later_clauses_are_cut_early_while_the_audio_runs_low() -> None:
     # The first clause plays for ~0.3 s while the model writes the next sentence at ~1.5x
     # the voice's pace: waiting for its full stop left seconds of silence.
-    ahead = [3.0]
-    c = ClauseChunker(first_clause_words=4, max_clause_words=24, ahead_s=lambda: ahead[0], low_water_s=1.0)
+    c = ClauseChunker(first_clause_words=4, max_clause_words=24, running_low=lambda: bool(out))
     out: list[str] = []
     for w in "Sure. The weather will be warm and sunny in the morning, with a light breeze".split():
         out += c.push(w + " ")
-        ahead[0] = 0.2 if out else 3.0
     out += [c.flush() or ""]
     assert out == [
         "Sure.",
@@ -141,8 +139,8 @@ def test_later_clauses_are_cut_early_while_the_audio_runs_low() -> None:
 
 
 def test_the_first_clause_does_not_depend_on_the_audio_ahead() -> None:
-    for ahead in (0.0, 5.0):
-        c = ClauseChunker(first_clause_words=4, max_clause_words=24, ahead_s=lambda a=ahead: a, low_water_s=1.0)  # type: ignore[misc]
+    for low in (True, False):
+        c = ClauseChunker(first_clause_words=4, max_clause_words=24, running_low=lambda low=low: low)  # type: ignore[misc]
         assert c.push("The weather looks warm today ") == ["The weather looks warm"]
 
 

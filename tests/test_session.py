@@ -1031,3 +1031,18 @@ async def test_a_reply_written_slower_than_it_is_read_for_the_first_clause_leave
     assert done.status == "completed" and len(sent) > 100
     longest = max(b - a for a, b in zip(sent, sent[1:], strict=False))
     assert longest < 0.35, f"{longest:.2f} s of silence in the reply"
+
+
+async def test_a_model_that_writes_fast_keeps_its_sentences_whole_after_a_short_first_clause(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    # "Sure!" is 0.1 s of audio (FakeTts): less than the low water. A model that writes a
+    # word a millisecond (a GPU's ~100 tokens/s against a voice's 3 words/s is the same
+    # ratio) finishes the next sentence long before that runs out, so the sentence is
+    # not cut into pieces, each spoken as a sentence of its own.
+    reply = "Sure! The sun will shine all day long over the hills and the sea until late tonight."
+    engines = make_engines(tokenizer, reply=reply, word_delay=0.001)
+    async with call(engines, turn_detection=False) as c:
+        c.session.add_text("user", "How will the weather be?")
+        c.session.create_response()
+        done = await c.wait_for(ev.ResponseDone, timeout=30)
+    assert done.status == "completed"
+    assert engines.tts.started == 2, f"{engines.tts.started} clauses for 2 sentences"  # type: ignore[attr-defined]

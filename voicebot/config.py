@@ -259,7 +259,7 @@ class SessionConfig(_Section):
     playout_lead_ms: int = Field(120, ge=0, le=2000, description="Audio sent ahead of real time to absorb jitter.")
     first_clause_words: int = Field(6, ge=1, le=64, description="Longest first clause (words) before a cut at any word boundary; punctuation cuts it sooner.")
     max_clause_words: int = Field(24, ge=2, le=200, description="Longest later clause (words) before a cut at any word boundary.")
-    clause_low_water_ms: int = Field(1000, ge=0, le=10_000, description="While less reply audio than this is left for the caller to hear (queued and being synthesised), later clauses are cut as early as the first (at a comma or before a phrase from 2 words, at 5 words anyway) so a slow LLM leaves no silence mid-reply; 0: whole sentences always.")
+    clause_low_water_ms: int = Field(1000, ge=0, le=10_000, description="While less reply audio than this is left for the caller to hear (queued and being synthesised) and the LLM, at its pace so far, could not write a sentence more before it runs out, later clauses are cut as early as the first (at a comma or before a phrase from 2 words, at 5 words anyway): a slow LLM leaves no silence mid-reply; 0: whole sentences always.")
     max_turn_s: float = Field(25.0, ge=1.0, le=600.0, description="Longest user turn before it is ended by force (keep below asr.max_utterance_s).")
     idle_timeout_s: float = Field(600.0, ge=1.0, le=86_400.0, description="A session with no audio for this long is closed.")
     out_queue_frames: int = Field(256, ge=8, le=100_000, description="Outbound events buffered per session before it is treated as stalled; the last eighth is kept for control events (reply audio and text wait below it).")

@@ -18,11 +18,10 @@ whitespace after its punctuation ("Sure." is cut as soon as the "." arrives, a t
 sooner) where the mark cannot belong to a number ("3.50") or an abbreviation ("Mr.").
 
 Later clauses are cut as early as the first one while the reply's audio is about to run
-out (``ahead_s`` below ``low_water_s``): on the 2-core CPU default the model generates
-only ~1.5 times as fast as the voice speaks, and a whole sentence waited for after a
-short first clause left the caller 1-3 s of silence in 10 of 12 replies
-(docs/benchmarks.md). While the audio ahead is comfortable, clauses are whole sentences
-again, so a fast engine never cuts early.
+out (``running_low``, the reply's judgement: voicebot/session/response.py): on the 2-core
+CPU default the model writes only ~1.5 times as fast as the voice speaks, and a whole
+sentence waited for after a short first clause left the caller 1-3 s of silence in 10 of
+12 replies (docs/benchmarks.md). Otherwise clauses are whole sentences.
 
 No clause ends at the full stop of a title or an initial ("Mr. Dashwood", "St. Louis",
 "J. K. Rowling") or of "No." before a number: TTS speaks each clause as a sentence, and
@@ -82,26 +81,24 @@ def _binds(word: str) -> bool:
 
 
 class ClauseChunker:
-    """``ahead_s``: seconds of reply audio the caller has still to hear (queued and being
-    synthesised); below ``low_water_s`` later clauses are cut early. None: never."""
+    """``running_low``: True while the reply's audio will run out before a whole sentence
+    more can be written; later clauses are then cut early. None: never."""
 
     def __init__(
         self,
         first_clause_words: int = 6,
         max_clause_words: int = 24,
         *,
-        ahead_s: Callable[[], float] | None = None,
-        low_water_s: float = 0.0,
+        running_low: Callable[[], bool] | None = None,
     ) -> None:
         self.first_clause_words = first_clause_words
         self.max_clause_words = max_clause_words
-        self._ahead_s = ahead_s
-        self._low_water_s = low_water_s
+        self._running_low_fn = running_low
         self._buf = ""
         self._emitted = 0
 
     def _running_low(self) -> bool:
-        return self._emitted > 0 and self._ahead_s is not None and self._ahead_s() < self._low_water_s
+        return self._emitted > 0 and self._running_low_fn is not None and self._running_low_fn()
 
     def _limits(self, low: bool) -> tuple[int, int]:
         """(words needed before a comma cut, words that force a cut)."""

@@ -43,6 +43,8 @@ log = logging.getLogger(__name__)
 # Speech per word at speed 1, to count a clause's audio before it is synthesised: 0.34 s
 # p50 (0.29-0.41 p10-p90) over the default Piper voice's replies (docs/benchmarks.md).
 SECONDS_PER_WORD = 0.34
+# A sentence still to write, for the writing pace: ~10 words.
+SENTENCE_TOKENS = 14
 
 
 @dataclass
@@ -102,10 +104,11 @@ class Response:
         self._voice = voice
         self._speed = speed
         self._max_tokens = max_tokens
-        self._chunker = ClauseChunker(
-            first_clause_words, max_clause_words, ahead_s=self._audio_ahead_s, low_water_s=clause_low_water_ms / 1000
-        )
+        self._chunker = ClauseChunker(first_clause_words, max_clause_words, running_low=self._running_low)
+        self._low_water_s = clause_low_water_ms / 1000
         self._words_to_speak = 0  # of clauses handed to TTS whose audio is not in the playout yet
+        self._writing_since: float | None = None  # the first token, on the session's clock
+        self._tokens_written = 0
         # Each synthesised sentence is resampled once, whole, to the rate the transport
         # sends: a streaming resampler here would release audio in uneven blocks and
         # the pacer could not send exact 20 ms frames.
@@ -173,6 +176,9 @@ class Response:
             )
         ) as stream:
             async for delta in stream:
+                if self._writing_since is None:
+                    self._writing_since = self._clock.monotonic()
+                self._tokens_written += delta.token_count
                 self.raw_parts.append(delta.text)
                 self.token_ids.extend(delta.token_ids)
                 pieces = self._tools.feed(delta.text, delta.token_ids) if self._tools else [Speech(delta.text)]
@@ -221,6 +227,18 @@ class Response:
         clauses being synthesised at the voice's pace (their audio is not there yet)."""
         queued = self.playout.queued_samples / self.playout.sample_rate
         return queued + self._words_to_speak * SECONDS_PER_WORD / (self._speed or 1.0)
+
+    def _running_low(self) -> bool:
+        """Less audio ahead than ``clause_low_water_ms``, and the model writes too slowly
+        to finish a sentence before it runs out: a later clause should be cut now. A fast
+        model (a GPU's) finishes the sentence in time: its clauses stay whole."""
+        ahead = self._audio_ahead_s()
+        if ahead >= self._low_water_s:
+            return False
+        if self._writing_since is None or self._tokens_written < 2:
+            return True
+        rate = (self._tokens_written - 1) / max(self._clock.monotonic() - self._writing_since, 1e-3)
+        return SENTENCE_TOKENS / rate > ahead
 
     async def _synthesize(self, clauses: asyncio.Queue[str | None]) -> None:
         while (clause := await clauses.get()) is not None:
