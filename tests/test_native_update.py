@@ -11,6 +11,7 @@ engines (test_session.make_engines), the native transport's own ``apply_command`
 from __future__ import annotations
 
 import asyncio
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -47,6 +48,19 @@ def test_an_unknown_or_fixed_field_is_an_error(bundle_dir: Callable[[str], str],
     assert err.value.code == "invalid_event"
     name = next(iter(fields["vad"])) if "vad" in fields else next(iter(fields))  # type: ignore[call-overload]
     assert name in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("fields", [{"voice": []}, {"turn_detection": {"x": 1.5}}, {"system_prompt": 2.5}])
+def test_a_wrong_type_is_an_error_and_nothing_warns(bundle_dir: Callable[[str], str], fields: dict[str, object]) -> None:
+    # The update was copied into the settings unvalidated and then dumped to validate it:
+    # pydantic warned on stderr for each wrong value (test_fuzz printed dozens) before
+    # the error. The error is the whole answer.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(VoicebotError) as err:
+            run_update(bundle_dir, fields)
+    assert err.value.code == "invalid_event"
+    assert next(iter(fields)) in str(err.value), str(err.value)
 
 
 def test_a_valid_update_changes_what_it_names_and_merges_vad(bundle_dir: Callable[[str], str]) -> None:

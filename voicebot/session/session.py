@@ -697,8 +697,9 @@ class Session:
             )
 
     def update_settings(self, **changes: object) -> None:
-        new = self.settings.model_copy(update=changes)
-        new = SessionSettings.model_validate(new.model_dump())
+        # Validated as a whole (model_copy(update=) would take the values unchecked, and
+        # dumping them to check them warns on each wrong type before the error).
+        new = SessionSettings.model_validate({**self.settings.model_dump(), **changes})
         self._check_voice(new.voice)
         self.settings = new
         self.conversation.set_system_prompt(new.system_prompt)
