@@ -103,6 +103,10 @@ def test_first_clause_waits_where_the_mark_may_not_end_anything(text: str) -> No
         (["It", " is", " near", " St", ". Louis", " and", " Mt", ". Hood", "."], ["It is near St. Louis", "and Mt. Hood."]),
         (["Ask", " for", " J", ". K", ". Rowling", " please", "."], ["Ask for J. K. Rowling please."]),
         (["Room", " No", ". 5", " is", " free", "."], ["Room No. 5 is free."]),
+        # Titles the first clause's early cut (at the mark, before the next text) did
+        # not know: "Prof." and "Capt." were cut alone there.
+        (["Prof", ".", " Smith", " is", " in", "."], ["Prof. Smith is in."]),
+        (["Capt", ".", " Hook", " sails", " today", "."], ["Capt. Hook sails today."]),
         # Still sentences: a plain word, "No." before a word, "etc." at the end of one.
         (["No", ". I", " am", " sorry", "."], ["No.", "I am sorry."]),
         (["We", " sell", " pens", ", ink", ", etc", ". Anything", " else", "?"],

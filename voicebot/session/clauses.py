@@ -40,11 +40,13 @@ _PUNCT_CUT = re.compile(r"([.!?…,;:—–][\"')\]]*)(\s+)")
 _WORD = re.compile(r"\S+")
 # Punctuation ending the text so far, after a word of 2+ letters (not "3.", "e.g.", "U.S.").
 _TRAILING_MARK = re.compile(r"(?<![\w.'])([A-Za-z]{2,})([.!?…,;:])$")
-_ABBREVIATIONS = frozenset("mr mrs ms dr st jr sr vs etc no mt ft approx".split())
 # Abbreviations whose full stop never ends a sentence: a title or a place's prefix is
 # followed by its name ("Mr. Dashwood", "St. Louis"). TTS speaks a clause as a sentence:
 # "Mr." cut alone is heard as "Mister." and a pause.
 _TITLES = frozenset("mr mrs ms dr prof st mt vs approx capt sgt lt col gen rev".split())
+# Abbreviations whose full stop the first clause's early cut does not take: the titles, and
+# those that may or may not end a sentence; the next text decides (_not_a_sentence_end).
+_ABBREVIATIONS = _TITLES | frozenset("jr sr etc no ft".split())
 # The word before a full stop: a title, an initial ("J. K. Rowling"), or "No." before a number.
 _WORD_BEFORE_STOP = re.compile(r"(?:^|(?<=[\s(\"']))([A-Za-z.]+)\.$")
 # Words the first clause may be cut before once it has _FIRST_MIN_WORDS words.
