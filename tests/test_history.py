@@ -51,6 +51,30 @@ def test_trim_drops_oldest_turns_and_keeps_the_budget(tokenizer) -> None:  # typ
     assert len(conv.messages) < 40
 
 
+def test_a_compaction_drops_what_a_trim_would_and_its_ids_are_the_history_after_it(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    # The session prefills compacted_ids() and then swaps in compact(): the two must be
+    # the same tokens, or the swapped-in history misses the cache it was prefilled for.
+    conv = Conversation(tokenizer, "Be brief.", budget_tokens=300, reply_tokens=20)
+    i = 0
+    while not conv.near_budget():
+        conv.append("user", f"This is user message number {i} with some words.", item_id=f"u{i}")
+        conv.append("assistant", f"This is reply number {i}.", item_id=f"a{i}")
+        i += 1
+    assert not conv.over_budget() and i >= 3
+    head = conv.trim_plan()
+    assert head and head[0].item_id == "u0" and head[-1].role == "assistant"
+    assert len(conv.messages) == 2 * i, "planning drops nothing"
+    expected = conv.compacted_ids(head, " Talked about messages. ")
+    assert conv.compact(head, " Talked about messages. ")
+    assert conv.history_ids() == expected
+    assert conv.summary == "Talked about messages." and conv.messages[0].role == "user"
+    assert conv.token_count + conv.reply_tokens <= conv.budget_tokens * conv.trim_to
+    # A head the history no longer starts with (a client deleted a message) is refused.
+    stale = conv.trim_plan() or conv.messages[:2]
+    assert conv.delete(stale[0].item_id)  # type: ignore[arg-type]
+    assert conv.compacted_ids(stale, "x") is None and not conv.compact(stale, "x")
+
+
 def test_a_reply_as_long_as_the_budget_leaves_the_call_its_memory(tokenizer) -> None:  # type: ignore[no-untyped-def]
     # The history kept room for a whole reply: with max_tokens at or above the budget
     # (Realtime allows 4096; the default budget is 1536) every append trimmed every

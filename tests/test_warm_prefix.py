@@ -72,6 +72,132 @@ async def test_no_prefill_of_a_history_that_a_running_summary_replaces(tokenizer
         )
 
 
+async def ask(c: Any, i: int) -> None:
+    c.session.add_text("user", f"Question number {i} about the weather in some faraway town?")
+    c.session.create_response()
+    await until(c.clock, lambda: len(c.of(ev.ResponseDone)) == i + 1, timeout=30)
+
+
+def computed_before_each_reply(llm: Any) -> list[int]:
+    """Wrap the fake's warm and generate; after the call, tokens of each reply's prompt
+    that no earlier prefill or reply had computed: what its TTFT pays for."""
+    order: list[tuple[str, list[int]]] = []
+    warm, generate = llm.warm, llm.generate
+
+    async def logged_warm(prompt_ids: list[int]) -> None:
+        await warm(prompt_ids)
+        order.append(("warm", list(prompt_ids)))
+
+    def logged_generate(prompt_ids: list[int], **kw: Any) -> Any:
+        order.append(("reply", list(prompt_ids)))
+        return generate(prompt_ids, **kw)
+
+    llm.warm, llm.generate = logged_warm, logged_generate
+    left: list[int] = []
+
+    def count() -> list[int]:
+        computed: list[list[int]] = []
+        for kind, ids in order:
+            if kind == "reply":
+                known = max((len(_common(ids, c)) for c in computed), default=0)
+                left.append(len(ids) - known)
+            computed.append(ids)
+        return left
+
+    return count  # type: ignore[return-value]
+
+
+def _common(a: list[int], b: list[int]) -> list[int]:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return a[:n]
+
+
+async def test_no_reply_prefills_the_history_a_trim_left(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    # A long call goes over session.history_tokens: the oldest turns are dropped (down to
+    # 60 % of it) and summarised into the system message. Dropping them moves every
+    # kept token, so nothing of the kept history is cached any more, and the summary
+    # blocked its prefill while being written: seconds on the 2-core CPU (64 tokens at
+    # ~6 a second). The next reply prefilled the kept history itself: 825 tokens at the
+    # default budget, a TTFT of 4.8 s instead of ~0.4 s (benchmarks/ttft_new_tokens.py).
+    # Then the summary landed and rewrote the system message: the same again.
+    engines = make_engines(tokenizer, summary_delay=3.0, warm_delay=0.3)
+    with_session_cfg(engines, history_tokens=800)
+    uncached = computed_before_each_reply(engines.llm)
+    async with call(engines, turn_detection=False, max_tokens=20) as c:
+        conv = c.session.conversation
+        await c.pause(1.0)  # the call's prefill of its instructions
+        for i in range(16):
+            await ask(c, i)
+            assert conv.token_count + conv._reserved <= conv.budget_tokens, "the budget holds"
+            await c.pause(1.0)  # the caller listens, thinks, speaks
+        assert conv.summary is not None and not conv.messages[0].content.startswith("Question number 0")
+    left = uncached()  # type: ignore[operator]
+    # The question and the generation prompt (25 tokens): nothing of the history.
+    assert max(left) <= 32, f"prompt tokens left to prefill, reply by reply: {left}"
+    assert not c.of(ev.ErrorEvent)
+
+
+async def test_replies_faster_than_a_summary_still_keep_the_budget(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    # The compaction waits for its summary; the budget does not: past it the history is
+    # trimmed at once, as before, and the turns it drops are summarised all the same.
+    engines = make_engines(tokenizer, summary_delay=60.0)
+    with_session_cfg(engines, history_tokens=600)
+    llm = engines.llm
+    async with call(engines, turn_detection=False, max_tokens=20) as c:
+        conv = c.session.conversation
+        for i in range(12):
+            await ask(c, i)
+            assert conv.token_count + conv._reserved <= conv.budget_tokens
+        assert conv.messages[0].content != "Question number 0 about the weather in some faraway town?"
+        assert llm.summaries_cancelled == 1, "the compaction's summary gave way to the trim's"  # type: ignore[attr-defined]
+        await until(c.clock, lambda: conv.summary is not None, timeout=120)
+        assert "Question number 0" in llm.summary_prompts[-1]  # type: ignore[attr-defined]
+    assert not c.of(ev.ErrorEvent)
+
+
+async def test_a_failed_compaction_summary_still_drops_the_turns(tokenizer, caplog) -> None:  # type: ignore[no-untyped-def]
+    engines = make_engines(tokenizer, summary_delay=0.5)
+    engines.llm.summary_fail = True  # type: ignore[attr-defined]
+    with_session_cfg(engines, history_tokens=600)
+    async with call(engines, turn_detection=False, max_tokens=20) as c:
+        conv = c.session.conversation
+        i = 0
+        while c.session._compaction is None:
+            await ask(c, i)
+            i += 1
+        planned = list(c.session._compaction.head)
+        await until(c.clock, lambda: "failed, dropped" in caplog.text and c.session._compaction is None, timeout=30)
+        kept = set(map(id, conv.messages))
+        assert conv.summary is None and not any(id(m) in kept for m in planned), "dropped unsummarised"
+        assert not conv.near_budget() and conv.messages[0].content.startswith("Question number")
+    assert not c.of(ev.ErrorEvent), "background work is invisible to the caller"
+
+
+async def test_a_compaction_whose_turns_a_client_deleted_is_planned_again(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    # A Realtime client's conversation.item.delete while the summary is written: the
+    # turns it was written for are no longer the history's first; dropping "the first
+    # n" then would drop a turn nobody summarised.
+    engines = make_engines(tokenizer, summary_delay=1.0)
+    with_session_cfg(engines, history_tokens=600)
+    llm = engines.llm
+    async with call(engines, turn_detection=False, max_tokens=20) as c:
+        conv = c.session.conversation
+        i = 0
+        while c.session._compaction is None:
+            exchange(c.session, i, 1)
+            i += 1
+        planned = list(c.session._compaction.head)
+        assert conv.delete(conv.messages[0].item_id)  # type: ignore[arg-type]
+        exchange(c.session, i, 1)  # still near the budget
+        await until(c.clock, lambda: conv.summary is not None, timeout=10)
+        assert len(llm.summary_prompts) == 2 and conv.summary == "Summary 2.", "written again for the history as it is"  # type: ignore[attr-defined]
+        kept = set(map(id, conv.messages))
+        assert all(id(m) not in kept for m in planned[1:]), "the planned turns are gone"
+    assert not c.of(ev.ErrorEvent)
+
+
 class LaneLlm(LlmEngine):
     """The real LlmEngine (lanes, background cap and queue, warm, complete) over a fake
     transport: every request takes ``delay`` seconds and says a few words."""

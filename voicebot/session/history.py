@@ -32,6 +32,13 @@ The history is bounded by a token budget. When a reply could overflow it, the ol
 turns are dropped (down to ``trim_to`` of the budget, so this happens rarely: each
 trim costs one prefix-cache miss). Dropped turns are handed back so the session can
 summarise them at background priority.
+
+Dropping turns at the front moves every kept token, so nothing of the kept history is
+cached after a trim; on a CPU, prefilling it again takes seconds. So the session
+compacts ahead of the budget instead: from ``compact_at`` of it, the turns a trim would
+drop (:meth:`trim_plan`) are summarised while the history stays as it is, the history
+they leave (:meth:`compacted_ids`) is prefilled, and only then swapped in
+(:meth:`compact`). :meth:`trim` at the budget itself remains the hard limit.
 """
 
 from __future__ import annotations
@@ -83,12 +90,14 @@ class Conversation:
         budget_tokens: int,
         reply_tokens: int,
         trim_to: float = 0.6,
+        compact_at: float = 0.8,
     ) -> None:
         self._tok = tokenizer
         self.system_prompt = system_prompt
         self.budget_tokens = budget_tokens
         self.reply_tokens = reply_tokens
         self.trim_to = trim_to
+        self.compact_at = compact_at
         self.summary: str | None = None
         self.tools: list[dict[str, Any]] = []  # Chat Completions shape, rendered by the template
         self.messages: list[Message] = []
@@ -102,10 +111,11 @@ class Conversation:
         self.rebuilds += 1
 
     # ----------------------------------------------------------------- rendering
-    def _system_message(self) -> Message:
+    def _system_message(self, summary: str | None = None) -> Message:
         content = self.system_prompt
-        if self.summary:
-            content += "\n\nEarlier in this call: " + self.summary
+        summary = self.summary if summary is None else summary
+        if summary:
+            content += "\n\nEarlier in this call: " + summary
         return Message("system", content)
 
     def _render(
@@ -320,10 +330,13 @@ class Conversation:
     def over_budget(self) -> bool:
         return self.token_count + self._reserved > self.budget_tokens
 
-    def trim(self) -> list[Message]:
-        """Drop the oldest turns until under ``trim_to`` of the budget; return them."""
-        if not self.over_budget():
-            return []
+    def near_budget(self) -> bool:
+        """Past ``compact_at`` of the budget: time to summarise the turns the next trim
+        would drop, while the history still holds them (the session's compaction)."""
+        return self.token_count + self._reserved > self.budget_tokens * self.compact_at
+
+    def _drop_count(self) -> int:
+        """How many of the oldest messages a trim drops: down to ``trim_to`` of the budget."""
         target = max(int(self.budget_tokens * self.trim_to) - self._reserved, 0)
         # The latest turn stays whatever the target: a long system message (a Realtime
         # client's instructions and tools) can be over it alone, and the loop then dropped
@@ -339,11 +352,49 @@ class Conversation:
             while n < keep_from and self.messages[n].role in ("assistant", "tool"):
                 count -= len(self._parts[n])
                 n += 1
+        return n
+
+    def trim(self) -> list[Message]:
+        """Drop the oldest turns until under ``trim_to`` of the budget; return them."""
+        if not self.over_budget():
+            return []
+        return self._drop(self._drop_count())
+
+    def _drop(self, n: int) -> list[Message]:
         dropped = self.messages[:n]
         del self.messages[:n]
         del self._parts[:n]
         self._join()
         return dropped
+
+    def trim_plan(self) -> list[Message]:
+        """The messages a trim would drop now (nothing is dropped)."""
+        return self.messages[: self._drop_count()]
+
+    def _starts_with(self, head: list[Message]) -> bool:
+        # By identity: a message a client replaced or deleted since is another one.
+        return len(head) <= len(self.messages) and all(a is b for a, b in zip(head, self.messages, strict=False))
+
+    def compacted_ids(self, head: list[Message], summary: str | None) -> list[int] | None:
+        """The history as :meth:`compact` would leave it: ``head`` dropped, ``summary`` in
+        the system message. None when the history no longer starts with ``head``."""
+        if not head or not self._starts_with(head):
+            return None
+        ids = self._encode(self._render([self._system_message((summary or "").strip())], False))
+        for part in self._parts[len(head) :]:
+            ids.extend(part)
+        return ids
+
+    def compact(self, head: list[Message], summary: str | None) -> bool:
+        """Drop ``head`` and set ``summary`` at once: one change of the prompt's start, not
+        two. False (nothing changed) when the history no longer starts with ``head``."""
+        if not head or not self._starts_with(head):
+            return False
+        del self.messages[: len(head)]
+        del self._parts[: len(head)]
+        self.summary = (summary or "").strip() or None
+        self._system_changed()
+        return True
 
     def set_summary(self, summary: str) -> None:
         self.summary = summary.strip() or None

@@ -107,6 +107,16 @@ class _Turn:
     response: Response | None = None
 
 
+@dataclass
+class _Compaction:
+    """The oldest turns being folded into the summary ahead of the budget: the history
+    keeps them (and its cached prefix) until the history without them is prefilled."""
+
+    head: list[Message]  # the messages to drop, as they were (compared by identity)
+    summary: str | None = None  # the summary that replaces them, once written
+    written: bool = False
+
+
 class Session:
     def __init__(
         self,
@@ -181,6 +191,8 @@ class Session:
         self._heard: dict[str, Playout] = {}
         self._unsummarised: list[Message] = []  # dropped from the history, not yet summarised
         self._summariser: asyncio.Task[None] | None = None
+        self._compaction: _Compaction | None = None
+        self._compactor: asyncio.Task[None] | None = None  # writing its summary
         self._warmer: asyncio.Task[None] | None = None  # prefilling the history (llm.warm_prefix)
         self._warmed: list[int] = []  # the history last prefilled, whole cache blocks
         self._warming: list[int] = []  # what the prefill in flight covers
@@ -943,7 +955,22 @@ class Session:
         self._warm_prefix()
 
     def _trim_history(self) -> None:
-        dropped = self.conversation.trim()
+        conv = self.conversation
+        if self._can_warm():
+            if not conv.over_budget():
+                if conv.near_budget():
+                    self._start_compaction()
+                return
+            # Over the budget before the compaction was ready (replies come faster than
+            # a summary on this machine): trim now, its summary as well if written.
+            c, self._compaction = self._compaction, None
+            if self._compactor is not None:
+                self._compactor.cancel()
+                self._compactor = None
+            if c is not None and c.written and conv.compact(c.head, c.summary) and not conv.over_budget():
+                self._warm_prefix()
+                return
+        dropped = conv.trim()
         if dropped and self.cfg.llm.background_concurrency > 0:
             self._unsummarised.extend(dropped)
             if len(self._unsummarised) > _MAX_UNSUMMARISED:  # the summariser is far behind
@@ -955,6 +982,42 @@ class Session:
                     # cancel it). The summary prefills again when it lands.
                     self._warmer.cancel()
                 self._summariser = self._spawn(self._summarise(), "summary")
+
+    def _start_compaction(self) -> None:
+        """Fold the turns the next trim would drop into the summary while the history
+        still holds them: a trim moves every kept token, so nothing of the kept history
+        stays cached, and a reply that came next prefilled all of it (60 % of
+        session.history_tokens: 825 tokens, a TTFT of 4.8 s on the 2-core CPU default,
+        docs/benchmarks.md). The history without them is prefilled at background
+        priority once the summary is written, and swapped in when that prefill is done
+        (:meth:`_warm`): replies until then use the history as it was, still cached."""
+        if self._compaction is not None or (self._summariser is not None and not self._summariser.done()):
+            return  # one at a time; a trim's summary rewrites the system message first
+        head = self.conversation.trim_plan()
+        if head:
+            self._compaction = _Compaction(head)
+            self._compactor = self._spawn(self._write_compaction(self._compaction), "compaction")
+
+    async def _write_compaction(self, c: _Compaction) -> None:
+        # Cancellation (the hard trim took over, the call ended) propagates.
+        earlier = self.conversation.summary
+        try:
+            c.summary = await self._summary_of(c.head, earlier)
+        except Exception as exc:
+            # Dropped unsummarised, as a trim's turns are when their summary fails.
+            self.log.warning("summary of %d dropped messages failed, dropped: %s", len(c.head), exc)
+            c.summary = earlier
+        c.written = True
+        if self._compactor is asyncio.current_task():
+            self._compactor = None
+        self._warm_prefix()
+
+    def _apply_compaction(self, c: _Compaction) -> None:
+        self._compaction = None
+        if not self.conversation.compact(c.head, c.summary):
+            self.log.info("history changed while it was compacted: compacting again")
+        self._trim_history()  # a long exchange meanwhile may call for the next one
+        self._warm_prefix()  # what came after the prefill began
 
     def _warm_turn(self, words: str) -> None:
         """Prefill the caller's words so far while they go on speaking (llm.warm_turn),
@@ -976,21 +1039,31 @@ class Session:
         with the first turn, seconds on a CPU; and the blocks after a reply are cached
         only as far as the model computed them. ``ids``: a longer start of the next
         prompt than the history (the caller's words so far, :meth:`_warm_turn`)."""
-        llm_cfg = self.cfg.llm
-        if not llm_cfg.warm_prefix or llm_cfg.background_concurrency == 0 or self._tg is None:
+        if not self._can_warm() or self._tg is None:
             return
-        if llm_cfg.backend == "inprocess" and not llm_cfg.enable_prefix_caching:
-            return  # no cache to keep it: the prefill would be thrown away (a remote tier's is its own)
         if self._closing.is_set() or self._response is not None:
             return  # a live reply's prompt has this prefix anyway
         summariser = self._summariser
         if summariser is not None and not summariser.done() and summariser is not asyncio.current_task():
             return  # its summary rewrites the system message; it prefills after that
-        if ids is None:
-            ids = self.conversation.history_ids()
+        c = self._compaction
+        if c is not None and c.written:
+            # The history without the compacted turns first: the caller's words after it
+            # are prefilled by the next partial, once it is the history.
+            ids = self.conversation.compacted_ids(c.head, c.summary)
+            if ids is None:  # a client deleted or rewrote one of its messages meanwhile
+                self._compaction = None
+                self._trim_history()
+                return
+        else:
+            c = None
+            if ids is None:
+                ids = self.conversation.history_ids()
         block = self.engines.llm.block_size  # the prefix cache holds whole blocks only
         whole = len(ids) // block * block
         if whole == 0 or ids[:whole] == self._warmed[:whole]:
+            if c is not None:
+                self._apply_compaction(c)
             return  # nothing new that the cache could hold
         if self._warmer is not None and not self._warmer.done():
             if ids[:whole] == self._warming[:whole]:
@@ -999,9 +1072,17 @@ class Session:
                 return
             self._warmer.cancel()  # superseded
         self._warming = ids[:whole]
-        self._warmer = self._spawn(self._warm(ids, whole), "warm")
+        self._warmer = self._spawn(self._warm(ids, whole, c), "warm")
 
-    async def _warm(self, ids: list[int], whole: int) -> None:
+    def _can_warm(self) -> bool:
+        """Background prefills are on, and a prefix cache keeps what they compute."""
+        llm_cfg = self.cfg.llm
+        if not llm_cfg.warm_prefix or llm_cfg.background_concurrency == 0:
+            return False
+        # No cache to keep it: the prefill would be thrown away (a remote tier's is its own).
+        return llm_cfg.backend != "inprocess" or llm_cfg.enable_prefix_caching
+
+    async def _warm(self, ids: list[int], whole: int, compaction: _Compaction | None = None) -> None:
         # Background work is invisible to the caller: a failure is logged, never an
         # error event. Cancellation (a reply started, the call ended) propagates.
         try:
@@ -1010,6 +1091,8 @@ class Session:
             self.log.warning("prefilling the conversation (%d tokens) failed: %s", len(ids), exc)
             return
         self._warmed = ids[:whole]
+        if compaction is not None and compaction is self._compaction and self._response is None:
+            self._apply_compaction(compaction)
 
     async def _summarise(self) -> None:
         """Fold dropped turns into the one-line summary, at background priority.
