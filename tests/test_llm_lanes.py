@@ -88,3 +88,50 @@ async def test_a_cancelled_start_builds_nothing() -> None:
     with pytest.raises(asyncio.CancelledError):
         await e.start(cancel)
     assert e.dead_reason == "not started" and e._engine is None
+
+
+class PrefillLog(LlmEngine):
+    """LlmEngine over a fake transport that records each request's prompt length; each
+    takes ``step_s`` (an engine step that cannot be interrupted)."""
+
+    def __init__(self, piece: int, step_s: float = 0.0) -> None:
+        super().__init__(LlmConfig(block_size=32, warm_piece_tokens=piece), model_path="unused")
+        self._engine = object()  # type: ignore[assignment]  # "started"
+        self.step_s = step_s
+        self.prompts: list[int] = []
+
+    def _params(self, values: dict[str, object]) -> dict[str, object]:
+        return values
+
+    async def _stream(self, rid, prompt_ids, lane, st, params):  # type: ignore[no-untyped-def]
+        from voicebot.engines.llm import TextDelta
+
+        self.prompts.append(len(prompt_ids))
+        await asyncio.sleep(self.step_s)
+        yield TextDelta("x", 1)
+
+
+@pytest.mark.parametrize(("piece", "expected"), [(256, [256, 512, 700]), (300, [288, 576, 700]), (0, [700])])
+async def test_a_long_prefill_goes_in_pieces_of_whole_blocks(piece: int, expected: list[int]) -> None:
+    # A live turn arriving during a background prefill waits for the engine step in
+    # flight: the 825 tokens of a compacted history were one step of 4.8 s on the 2-core
+    # CPU default. Each piece starts with the last one's blocks, so the cache carries
+    # them over and the whole is computed once.
+    e = PrefillLog(piece)
+    await e.warm(list(range(700)))
+    assert e.prompts == expected
+    await e.warm(list(range(200)))
+    assert e.prompts[len(expected):] == [200], "a short one is one request"
+
+
+async def test_cancelling_a_prefill_stops_it_between_pieces() -> None:
+    e = PrefillLog(256, step_s=0.05)
+    task = asyncio.create_task(e.warm(list(range(1000))))
+    while not e.prompts:
+        await asyncio.sleep(0.001)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.sleep(0.2)
+    assert e.prompts == [256], "no piece after the cancellation"
+    assert e.background_running == 0, "its slot is free"

@@ -192,6 +192,7 @@ class LlmConfig(_Section):
     background_concurrency: int = Field(1, ge=0, le=4096, description="Background requests running at once (summaries ...).")
     warm_prefix: bool = Field(True, description="Prefill each call's conversation so far at background priority while nobody waits on the LLM (the call started or got new instructions or tools, a reply ended), so the next turn's prompt finds it in the prefix cache and prefills only its own words (needs background_concurrency > 0).")
     warm_turn: bool = Field(True, description="Also prefill the caller's words while they speak (each partial transcript, at background priority, with warm_prefix): at the end of the turn the prompt prefills only the words heard last; ~7 ms of time to first token per token on the 2-core CPU default.")
+    warm_piece_tokens: int = Field(128, ge=0, le=1_000_000, description="Background prefills (warm_prefix, warm_turn, a compacted history) go to the engine in pieces of this many tokens (rounded to whole KV blocks; 0: whole). An engine step cannot be interrupted: a live turn that arrives during a prefill waits for the step in flight, so for one piece at most. On the 2-core CPU default, a live turn during an 800-token prefill: TTFT p50 / max 4048 / 5384 ms whole, 884 / 1110 ms in pieces of 128, and the prefill itself no slower (benchmarks/warm_collision.py).")
     background_queue: int = Field(64, ge=0, le=100_000, description="Background requests waiting for a slot; one more is refused at once (BackgroundQueueFull), never queued.")
     interactive_priority: int = Field(0, description="vLLM priority of live turns (lower is served first).")
     background_priority: int = Field(10, description="vLLM priority of background work.")
@@ -254,7 +255,13 @@ class SessionConfig(_Section):
         "Never use lists, markdown or emoji.",
         description="Instructions the conversation starts with.",
     )
-    history_tokens: int = Field(1536, ge=64, le=1_000_000, description="Token budget for the conversation history.")
+    history_tokens: int = Field(
+        1536,
+        ge=64,
+        le=1_000_000,
+        description="Token budget for the conversation history. From 80 % of it the oldest turns are summarised "
+        "and swapped out once the history without them is prefilled; at the budget they are dropped at once.",
+    )
     output_sample_rate: int = Field(24_000, ge=8000, le=48_000, description="Default reply audio rate sent to clients.")
     playout_lead_ms: int = Field(120, ge=0, le=2000, description="Audio sent ahead of real time to absorb jitter.")
     first_clause_words: int = Field(6, ge=1, le=64, description="Longest first clause (words) before a cut at any word boundary; punctuation cuts it sooner.")

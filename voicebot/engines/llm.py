@@ -456,10 +456,22 @@ class LlmEngine:
         """Prefill ``prompt_ids`` at background priority and drop the one token made:
         the prefix cache then holds their whole blocks for the next prompt that starts
         with them. Best effort (see ``GenerationStats.best_effort``); cancelling it
-        aborts the request, as for any other."""
-        st = GenerationStats("", Lane.BACKGROUND, best_effort=True)
-        async for _ in self.generate(prompt_ids, lane=Lane.BACKGROUND, max_tokens=1, temperature=0.0, stats=st):
-            pass
+        aborts the request, as for any other.
+
+        In pieces of ``llm.warm_piece_tokens``, each a request that starts with the last
+        one's blocks (cached): the engine runs one step at a time and an abort takes
+        effect after the step, so a live turn that arrives during a long prefill (a
+        history compacted at its budget, a Realtime client's instructions) waits for at
+        most one piece instead of all of it."""
+        block = self.block_size
+        piece = max(self.cfg.warm_piece_tokens // block, 1) * block if self.cfg.warm_piece_tokens else 0
+        ends = list(range(piece, len(prompt_ids), piece)) if piece else []
+        for end in [*ends, len(prompt_ids)]:
+            st = GenerationStats("", Lane.BACKGROUND, best_effort=True)
+            async for _ in self.generate(
+                prompt_ids[:end], lane=Lane.BACKGROUND, max_tokens=1, temperature=0.0, stats=st
+            ):
+                pass
 
     async def complete(self, prompt_ids: list[int], **kwargs: Any) -> str:
         """Collect a whole reply (background summaries, tests)."""
