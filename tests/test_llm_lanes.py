@@ -135,3 +135,15 @@ async def test_cancelling_a_prefill_stops_it_between_pieces() -> None:
     await asyncio.sleep(0.2)
     assert e.prompts == [256], "no piece after the cancellation"
     assert e.background_running == 0, "its slot is free"
+
+
+async def test_a_prefill_starts_its_pieces_after_what_is_cached_and_says_each_one() -> None:
+    # A request over cached blocks still recomputes its last block and samples a token
+    # (~0.2 s on the 2-core CPU): the history after a reply, 1,200 tokens of which the
+    # last 48 are new, went as 9 such requests before the one that computed anything.
+    e = PrefillLog(128)
+    done: list[int] = []
+    await e.warm(list(range(1200)), cached=1170, on_piece=done.append)
+    assert e.prompts == [1200] and done == [1200]
+    await e.warm(list(range(1200)), cached=900, on_piece=done.append)
+    assert e.prompts[1:] == [1024, 1152, 1200] and done[1:] == [1024, 1152, 1200]

@@ -180,13 +180,15 @@ class FakeLlm:
     warmed: list[list[int]] = field(default_factory=list)
     warms_cancelled: int = 0
 
-    async def warm(self, prompt_ids: list[int]) -> None:
+    async def warm(self, prompt_ids: list[int], cached: int = 0, on_piece: Callable[[int], None] | None = None) -> None:
         try:
             await self.clock.sleep(self.warm_delay)
         except asyncio.CancelledError:
             self.warms_cancelled += 1
             raise
         self.warmed.append(list(prompt_ids))
+        if on_piece is not None:
+            on_piece(len(prompt_ids))
 
     async def complete(self, prompt_ids: list[int], **kw: object) -> str:
         self.summarising += 1

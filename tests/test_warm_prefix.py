@@ -65,7 +65,9 @@ async def test_no_prefill_of_a_history_that_a_running_summary_replaces(tokenizer
         warmed_before = len(engines.llm.warmed)  # type: ignore[attr-defined]
         await until(c.clock, lambda: c.session.conversation.summary is not None)
         await until(c.clock, lambda: engines.llm.warmed[-1] == c.session.conversation.history_ids())  # type: ignore[attr-defined]
-        stale = [w for w in engines.llm.warmed if "Earlier in this call" not in tokenizer.decode(w)]  # type: ignore[attr-defined]
+        histories = [t for w in engines.llm.warmed  # type: ignore[attr-defined]
+                     if "Summarise the conversation" not in (t := tokenizer.decode(w))]  # a summary's own prompt
+        stale = [t for t in histories if "Earlier in this call" not in t]
         assert not stale[1:], (
             f"{len(stale) - 1} prefill(s) of a history without the summary that was being written "
             f"(warms: {len(engines.llm.warmed)}, {warmed_before} by the reply's end)"  # type: ignore[attr-defined]
@@ -84,8 +86,8 @@ def computed_before_each_reply(llm: Any) -> list[int]:
     order: list[tuple[str, list[int]]] = []
     warm, generate = llm.warm, llm.generate
 
-    async def logged_warm(prompt_ids: list[int]) -> None:
-        await warm(prompt_ids)
+    async def logged_warm(prompt_ids: list[int], **kw: Any) -> None:
+        await warm(prompt_ids, **kw)
         order.append(("warm", list(prompt_ids)))
 
     def logged_generate(prompt_ids: list[int], **kw: Any) -> Any:
@@ -165,7 +167,7 @@ async def test_a_failed_compaction_summary_still_drops_the_turns(tokenizer, capl
         conv = c.session.conversation
         i = 0
         while c.session._compaction is None:
-            await ask(c, i)
+            exchange(c.session, i, 1)
             i += 1
         planned = list(c.session._compaction.head)
         await until(c.clock, lambda: "failed, dropped" in caplog.text and c.session._compaction is None, timeout=30)
@@ -196,6 +198,56 @@ async def test_a_compaction_whose_turns_a_client_deleted_is_planned_again(tokeni
         kept = set(map(id, conv.messages))
         assert all(id(m) not in kept for m in planned[1:]), "the planned turns are gone"
     assert not c.of(ev.ErrorEvent)
+
+
+async def test_no_summary_starts_beside_a_live_reply_and_its_prompt_is_prefilled_in_pieces(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    # The caller's question takes the history past 80 % of its budget while the reply to
+    # it is already being prepared (speculatively, at the pause). A compaction started
+    # there sent its summary's prompt (300-500 tokens) beside the live reply: on the CPU
+    # default that prompt is prefilled in one engine step of 2-4 s, and the reply's
+    # tokens wait for it. It starts when the reply has ended, and its prompt goes through
+    # warm() first, which prefills in pieces (test_llm_lanes), so a turn that ends during
+    # it waits for one piece.
+    engines = make_engines(tokenizer, summary_delay=0.5)
+    with_session_cfg(engines, history_tokens=800)
+    llm = engines.llm
+    order: list[tuple[str, list[int], bool]] = []
+    warm, complete = llm.warm, llm.complete  # type: ignore[attr-defined]
+    sessions: list[Any] = []
+
+    def live() -> bool:
+        return bool(sessions) and sessions[0]._response is not None
+
+    async def logged_warm(ids: list[int], **kw: Any) -> None:
+        order.append(("warm", list(ids), live()))
+        await warm(ids, **kw)
+
+    async def logged_complete(ids: list[int], **kw: Any) -> str:
+        order.append(("summary", list(ids), live()))
+        return await complete(ids, **kw)  # type: ignore[no-any-return]
+
+    llm.warm, llm.complete = logged_warm, logged_complete  # type: ignore[attr-defined]
+    async with call(engines, max_tokens=20) as c:
+        sessions.append(c.session)
+        conv = c.session.conversation
+        i = 0
+        while conv.token_count + conv._reserved + 64 < conv.budget_tokens * conv.compact_at:
+            exchange(c.session, i, 1)
+            i += 1
+        assert not conv.near_budget() and c.session._compaction is None
+        # A question that takes the history past 80 % of the budget, not past the budget.
+        question = "Could you tell me once more what the weather will be like in the mountains tomorrow?"
+        while len(tokenizer.encode(question)) < 72:
+            question += " And the day after?"
+        engines.asr.text = question  # type: ignore[attr-defined]
+        await c.speak(1200)
+        await c.silence(700)
+        await c.wait_for(ev.ResponseDone, timeout=10)
+        await until(c.clock, lambda: conv.summary is not None, timeout=10)
+    summaries = [(ids, live) for kind, ids, live in order if kind == "summary"]
+    assert summaries and not any(live for _, live in summaries), "a summary started beside a live reply"
+    warmed = [ids for kind, ids, _ in order if kind == "warm"]
+    assert all(ids in warmed for ids, _ in summaries), "a summary's prompt not prefilled first"
 
 
 class LaneLlm(LlmEngine):

@@ -23,7 +23,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -452,7 +452,9 @@ class LlmEngine:
             return int(self._engine.vllm_config.cache_config.block_size)
         return self.cfg.block_size or 16
 
-    async def warm(self, prompt_ids: list[int]) -> None:
+    async def warm(
+        self, prompt_ids: list[int], cached: int = 0, on_piece: Callable[[int], None] | None = None
+    ) -> None:
         """Prefill ``prompt_ids`` at background priority and drop the one token made:
         the prefix cache then holds their whole blocks for the next prompt that starts
         with them. Best effort (see ``GenerationStats.best_effort``); cancelling it
@@ -462,16 +464,21 @@ class LlmEngine:
         one's blocks (cached): the engine runs one step at a time and an abort takes
         effect after the step, so a live turn that arrives during a long prefill (a
         history compacted at its budget, a Realtime client's instructions) waits for at
-        most one piece instead of all of it."""
+        most one piece instead of all of it. ``cached``: how much of the start the caller
+        knows to be cached; the pieces start after it (a request over cached blocks still
+        recomputes its last one). ``on_piece(end)``: ``prompt_ids[:end]`` is now cached."""
         block = self.block_size
         piece = max(self.cfg.warm_piece_tokens // block, 1) * block if self.cfg.warm_piece_tokens else 0
-        ends = list(range(piece, len(prompt_ids), piece)) if piece else []
+        start = min(cached, len(prompt_ids)) // block * block
+        ends = list(range(start + piece, len(prompt_ids), piece)) if piece else []
         for end in [*ends, len(prompt_ids)]:
             st = GenerationStats("", Lane.BACKGROUND, best_effort=True)
             async for _ in self.generate(
                 prompt_ids[:end], lane=Lane.BACKGROUND, max_tokens=1, temperature=0.0, stats=st
             ):
                 pass
+            if on_piece is not None:
+                on_piece(end)
 
     async def complete(self, prompt_ids: list[int], **kwargs: Any) -> str:
         """Collect a whole reply (background summaries, tests)."""

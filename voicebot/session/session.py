@@ -17,12 +17,13 @@ request aborted).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import uuid
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -115,6 +116,7 @@ class _Compaction:
     head: list[Message]  # the messages to drop, as they were (compared by identity)
     summary: str | None = None  # the summary that replaces them, once written
     written: bool = False
+    warmed: list[int] = field(default_factory=list)  # of the history after it, prefilled so far
 
 
 class Session:
@@ -952,6 +954,8 @@ class Session:
             # The reply's request left its prompt and all but its last token in the cache:
             # prefill the history only where it has a whole block more than that.
             self._warmed = _common_prefix(self.conversation.history_ids(), resp.prompt_ids + resp.token_ids[:-1])
+        if self.conversation.near_budget():
+            self._start_compaction()  # held back while this reply was live
         self._warm_prefix()
 
     def _trim_history(self) -> None:
@@ -991,8 +995,15 @@ class Session:
         docs/benchmarks.md). The history without them is prefilled at background
         priority once the summary is written, and swapped in when that prefill is done
         (:meth:`_warm`): replies until then use the history as it was, still cached."""
+        if not self._can_warm():
+            return  # nothing would keep the compacted history's prefill: trims do it all
         if self._compaction is not None or (self._summariser is not None and not self._summariser.done()):
             return  # one at a time; a trim's summary rewrites the system message first
+        if self._response is not None:
+            # Its summary's prompt (hundreds of tokens) would be prefilled in the steps
+            # that carry the live reply's tokens: seconds of silence on a CPU. The
+            # reply's end trims, so this runs again then.
+            return
         head = self.conversation.trim_plan()
         if head:
             self._compaction = _Compaction(head)
@@ -1085,8 +1096,16 @@ class Session:
     async def _warm(self, ids: list[int], whole: int, compaction: _Compaction | None = None) -> None:
         # Background work is invisible to the caller: a failure is logged, never an
         # error event. Cancellation (a reply started, the call ended) propagates.
+        def cached(end: int) -> None:  # a piece is in: a retry after a live turn starts there
+            if compaction is not None:
+                compaction.warmed = ids[: end // block * block]
+            else:
+                self._warmed = ids[: end // block * block]
+
+        block = self.engines.llm.block_size
+        known = compaction.warmed if compaction is not None else self._warmed
         try:
-            await self.engines.llm.warm(ids)
+            await self.engines.llm.warm(ids, cached=len(_common_prefix(ids, known)), on_piece=cached)
         except Exception as exc:
             self.log.warning("prefilling the conversation (%d tokens) failed: %s", len(ids), exc)
             return
@@ -1139,6 +1158,10 @@ class Session:
         # Up to a history budget of text: tokenised off the event loop, on the one thread
         # that keeps vLLM's tokenizer pool from growing (engines/tokenizer_thread.py).
         ids = await run_tokenizer(encode)
+        # Prefilled first in pieces (llm.warm_piece_tokens), as any background prefill: a
+        # turn that ends meanwhile waits for one piece's step, not the whole prompt's.
+        with contextlib.suppress(Exception):  # best effort: the summary's request prefills the rest
+            await self.engines.llm.warm(ids)
         return await self.engines.llm.complete(ids, lane=Lane.BACKGROUND, max_tokens=64, temperature=0.0)
 
     # -------------------------------------------------------------------- pacer
