@@ -159,17 +159,22 @@ async def test_replies_faster_than_a_summary_still_keep_the_budget(tokenizer) ->
     assert not c.of(ev.ErrorEvent)
 
 
+def until_compacting(c: Any) -> tuple[int, list[Any]]:
+    """Client-side exchanges until a compaction is planned: (exchanges, its turns)."""
+    i = 0
+    while c.session._compaction is None:
+        exchange(c.session, i, 1)
+        i += 1
+    return i, list(c.session._compaction.head)
+
+
 async def test_a_failed_compaction_summary_still_drops_the_turns(tokenizer, caplog) -> None:  # type: ignore[no-untyped-def]
     engines = make_engines(tokenizer, summary_delay=0.5)
     engines.llm.summary_fail = True  # type: ignore[attr-defined]
     with_session_cfg(engines, history_tokens=600)
     async with call(engines, turn_detection=False, max_tokens=20) as c:
         conv = c.session.conversation
-        i = 0
-        while c.session._compaction is None:
-            exchange(c.session, i, 1)
-            i += 1
-        planned = list(c.session._compaction.head)
+        i, planned = until_compacting(c)
         await until(c.clock, lambda: "failed, dropped" in caplog.text and c.session._compaction is None, timeout=30)
         kept = set(map(id, conv.messages))
         assert conv.summary is None and not any(id(m) in kept for m in planned), "dropped unsummarised"
@@ -186,11 +191,7 @@ async def test_a_compaction_whose_turns_a_client_deleted_is_planned_again(tokeni
     llm = engines.llm
     async with call(engines, turn_detection=False, max_tokens=20) as c:
         conv = c.session.conversation
-        i = 0
-        while c.session._compaction is None:
-            exchange(c.session, i, 1)
-            i += 1
-        planned = list(c.session._compaction.head)
+        i, planned = until_compacting(c)
         assert conv.delete(conv.messages[0].item_id)  # type: ignore[arg-type]
         exchange(c.session, i, 1)  # still near the budget
         await until(c.clock, lambda: conv.summary is not None, timeout=10)
