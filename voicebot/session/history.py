@@ -390,10 +390,8 @@ class Conversation:
         two. False (nothing changed) when the history no longer starts with ``head``."""
         if not head or not self._starts_with(head):
             return False
-        del self.messages[: len(head)]
-        del self._parts[: len(head)]
-        self.summary = (summary or "").strip() or None
-        self._system_changed()
+        self._drop(len(head))
+        self.set_summary(summary or "")
         return True
 
     def set_summary(self, summary: str) -> None:
