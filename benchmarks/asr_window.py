@@ -33,7 +33,7 @@ import numpy as np
 
 from voicebot.audio import ASR_RATE, read_wav
 from voicebot.config import load_config
-from voicebot.engines.whisper_window import WindowedWhisper
+from voicebot.engines.asr.whisper_window import WindowedWhisper
 from voicebot.provision import resolve_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,7 +108,7 @@ async def streamed_final(engine: Any, audio: np.ndarray, interval_s: float) -> t
 
 
 async def run_streamed(cfg: Any, windows: list[tuple[float, float] | None], sets: dict[str, Any]) -> list[dict[str, Any]]:
-    from voicebot.engines.asr import AsrEngine
+    from voicebot.engines.asr.engine import AsrEngine
 
     rows = []
     for window in windows:

@@ -224,7 +224,7 @@ def synthesise_questions(voice_dir: Path, out: Path) -> list[Item]:
         path = out / f"q{i:02d}_{_slug(text)}.wav"
         if not path.exists():
             if voice is None:
-                from voicebot.engines.tts_piper import _load_voice, find_voice_files
+                from voicebot.engines.tts.piper import _load_voice, find_voice_files
 
                 voice = _load_voice(*find_voice_files(voice_dir))
             rate = voice.config.sample_rate
@@ -292,7 +292,7 @@ async def run_pipeline(calls: list[list[Item]], args: argparse.Namespace) -> lis
 
 # ------------------------------------------------------------------------- text
 async def _text_call(llm: Any, cfg: Any, index: int, items: list[tuple[Item, str]], variant: dict[str, Any]) -> list[Turn]:
-    from voicebot.engines.llm import GenerationStats, Lane
+    from voicebot.engines.llm.inprocess import GenerationStats, Lane
     from voicebot.session.clauses import ClauseChunker
     from voicebot.session.history import Conversation
 
@@ -350,7 +350,7 @@ async def run_text(
     One engine for every variant ({"name", "system_prompt", "temperature", "examples":
     [[user, reply], ...] as chat turns before the call}); one list of turns per variant."""
     from voicebot.config import load_config
-    from voicebot.engines import resolve_specs
+    from voicebot.engines.registry import resolve_specs
     from voicebot.session.history import Conversation
 
     cfg = load_config(args.config, list(args.set))

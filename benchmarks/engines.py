@@ -24,9 +24,9 @@ import numpy as np
 
 from voicebot.audio import ASR_RATE, read_wav
 from voicebot.config import Config, load_config
-from voicebot.engines.asr import AsrEngine
-from voicebot.engines.llm import GenerationStats, Lane, LlmEngine
-from voicebot.engines.tts import create_tts
+from voicebot.engines.asr.engine import AsrEngine
+from voicebot.engines.llm.inprocess import GenerationStats, Lane, LlmEngine
+from voicebot.engines.tts.pool import create_tts
 from voicebot.provision import resolve_model
 
 SHARED_AUDIO = Path(__file__).resolve().parents[1].parent / "shared" / "audio"

@@ -24,7 +24,7 @@ from pathlib import Path
 from bench_util import summarise  # same folder
 
 from voicebot.config import load_config
-from voicebot.engines import load_engines
+from voicebot.engines.registry import load_engines
 from voicebot.server.gc_freeze import freeze_loaded_heap
 
 

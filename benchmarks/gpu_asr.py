@@ -49,8 +49,8 @@ from llm_load import device_name, pct, run_with_deadline, summarise  # noqa: E40
 
 from voicebot.audio import ASR_RATE  # noqa: E402
 from voicebot.config import AsrConfig  # noqa: E402
-from voicebot.engines.asr_queue import DecodeJob  # noqa: E402
-from voicebot.engines.asr_vllm import VllmAsrEngine, WhisperVllmSettings  # noqa: E402
+from voicebot.engines.asr.jobs import DecodeJob  # noqa: E402
+from voicebot.engines.asr.vllm_whisper import VllmAsrEngine, WhisperVllmSettings  # noqa: E402
 
 log = logging.getLogger("gpu_asr")
 

@@ -174,8 +174,8 @@ def profile_forward(model: Any, n: int, styles: Any, out: Path | None) -> dict[s
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from voicebot.engines import kokoro_model as km
-    from voicebot.engines.kokoro_batch import MAX_FRAMES
+    from voicebot.engines.tts import kokoro_model as km
+    from voicebot.engines.tts.kokoro_batch import MAX_FRAMES
 
     cuda = str(model.device).startswith("cuda")
     rng = random.Random(3)
@@ -232,9 +232,9 @@ def count_forward(model: Any, sizes: list[int], styles: Any, args: argparse.Name
     frames, so that the time is the fixed per-forward cost rather than compute."""
     import torch
 
-    from voicebot.engines import kokoro_model as km
-    from voicebot.engines.kokoro_batch import MAX_FRAMES, Clause, torch_runner
-    from voicebot.engines.op_count import OpCounter
+    from voicebot.engines.tts import kokoro_model as km
+    from voicebot.engines.tts.kokoro_batch import MAX_FRAMES, Clause, torch_runner
+    from voicebot.engines.tts.op_count import OpCounter
 
     class Done:  # a clause's future, for a runner called directly
         def cancelled(self) -> bool:
@@ -291,8 +291,8 @@ def count_forward(model: Any, sizes: list[int], styles: Any, args: argparse.Name
 async def amain(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from voicebot.engines import kokoro_model as km
-    from voicebot.engines.kokoro_batch import MAX_FRAMES, KokoroBatcher, torch_runner
+    from voicebot.engines.tts import kokoro_model as km
+    from voicebot.engines.tts.kokoro_batch import MAX_FRAMES, KokoroBatcher, torch_runner
 
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()

@@ -83,7 +83,7 @@ def dump(path: str | None, report: dict[str, Any]) -> None:
 
 
 async def amain(args: argparse.Namespace) -> dict[str, Any]:
-    from voicebot.engines.tts_piper import PiperTts
+    from voicebot.engines.tts.piper import PiperTts
 
     report: dict[str, Any] = {"cpus": os.cpu_count(), "voice": str(args.voice), "argv": sys.argv, "scenarios": []}
     for intra in args.intra_op:

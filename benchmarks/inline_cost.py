@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_util import summarise  # noqa: E402
 from voicebot.audio import ASR_RATE  # noqa: E402
-from voicebot.engines.vad import WINDOW, SileroVad, default_model_path  # noqa: E402
+from voicebot.engines.turn.vad import WINDOW, SileroVad, default_model_path  # noqa: E402
 from voicebot.server import edge  # noqa: E402
 
 SHARED_AUDIO = ROOT.parent / "shared" / "audio"

@@ -70,7 +70,7 @@ def convert(onnx_path: Path) -> tuple[dict[str, Any], list[str]]:
     import torch
     from onnx import numpy_helper
 
-    from voicebot.engines import kokoro_model as km
+    from voicebot.engines.tts import kokoro_model as km
 
     model = onnx.load(str(onnx_path))
     init = {t.name: t for t in model.graph.initializer}
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     import torch
 
-    from voicebot.engines import kokoro_model as km
+    from voicebot.engines.tts import kokoro_model as km
 
     state, missing = convert(args.onnx)
     print(f"{len(state)} tensors converted; KModel keys left at their initial values: {len(missing)}")

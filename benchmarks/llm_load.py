@@ -60,30 +60,14 @@ from bench_util import pct, run_with_deadline, summarise  # noqa: E402, F401  (g
 from voicebot.config import LlmConfig, load_config  # noqa: E402  (pydantic, pyyaml)
 from voicebot.session.history import Conversation  # noqa: E402  (no dependencies)
 
-_ENGINE_DEPS = {"llm": ("dtype",), "llm_remote": ("llm",)}
+_ENGINE_MODULES = {"llm": "voicebot.engines.llm.inprocess", "llm_remote": "voicebot.engines.llm.remote"}
 
 
 def load_engine_module(stem: str = "llm") -> Any:
-    """``voicebot.engines.<stem>`` (llm, llm_remote) without ``voicebot/engines/__init__.py``.
-
-    The package's ``__init__`` imports the ASR, TTS and VAD engines (faster-whisper,
-    piper, onnxruntime ...), which a GPU machine that only runs this benchmark lacks.
-    llm.py and llm_remote.py need only voicebot.config, voicebot.errors, voicebot.affinity
-    (and httpx).
-    """
-    name = f"voicebot.engines.{stem}"
-    if name in sys.modules:
-        return sys.modules[name]
-    # What the module imports from the package, loaded the same way first: an import that
-    # finds its module in sys.modules never runs the package's __init__.
-    for dep in _ENGINE_DEPS.get(stem, ()):
-        load_engine_module(dep)
-    spec = importlib.util.spec_from_file_location(name, ROOT / "voicebot" / "engines" / f"{stem}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
+    """The LLM engine module ``stem`` names (llm: in-process, llm_remote: the HTTP tier).
+    ``voicebot.engines`` imports nothing on its own, so this needs only voicebot.config,
+    voicebot.errors, voicebot.affinity (and httpx), none of the ASR, TTS or VAD stack."""
+    return importlib.import_module(_ENGINE_MODULES[stem])
 
 
 _llm = load_engine_module("llm")

@@ -28,8 +28,8 @@ import numpy as np
 
 from voicebot.audio import ASR_RATE, read_wav
 from voicebot.config import ModelsConfig
-from voicebot.engines.smart_turn import SmartTurn
-from voicebot.engines.whisper_window import WindowedWhisper
+from voicebot.engines.asr.whisper_window import WindowedWhisper
+from voicebot.engines.turn.smart_turn import SmartTurn
 from voicebot.provision import resolve_model
 
 AUDIO = Path(os.environ.get("VOICEBOT_AUDIO", "/work/shared/audio"))

@@ -100,7 +100,7 @@ STAGES = ("endpointing_ms", "asr_final_ms", "llm_ttft_ms", "first_clause_ms", "t
 def install_patches(opts: dict[str, Any]) -> None:
     """Benchmark-only changes to the server process (see the module docstring)."""
     if opts.get("whisper"):
-        import voicebot.engines.asr_vllm as asr_vllm
+        import voicebot.engines.asr.vllm_whisper as asr_vllm
 
         w = opts["whisper"]  # the engine's sizing comes from asr.vllm (--set items, whisper_sets)
         per_s, cap = float(w["tokens_per_s"]), int(w["max_tokens"])
@@ -112,7 +112,7 @@ def install_patches(opts: dict[str, Any]) -> None:
 
         asr_vllm.VllmAsrEngine.token_budget = token_budget  # type: ignore[method-assign]
     if opts.get("script_replies") and opts.get("remote_llm"):
-        from voicebot.engines import llm_remote
+        from voicebot.engines.llm import remote as llm_remote
 
         original_stream = llm_remote.RemoteLlmEngine._stream
 
@@ -128,7 +128,7 @@ def install_patches(opts: dict[str, Any]) -> None:
 
         llm_remote.RemoteLlmEngine._stream = scripted_stream  # type: ignore[method-assign]
     elif opts.get("script_replies"):
-        from voicebot.engines import llm as llm_mod
+        from voicebot.engines.llm import inprocess as llm_mod
 
         original_start = llm_mod.LlmEngine.start
 
@@ -161,8 +161,8 @@ def serialize_gpu_starts() -> None:
     overhead (and can end up with no room for a cache). Benchmark-only: the server
     starts its engines together.
     """
-    import voicebot.engines.asr_vllm as asr_vllm
-    from voicebot.engines import llm as llm_mod
+    import voicebot.engines.asr.vllm_whisper as asr_vllm
+    from voicebot.engines.llm import inprocess as llm_mod
 
     gate: list[asyncio.Event] = []
 

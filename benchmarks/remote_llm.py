@@ -177,7 +177,7 @@ def stage_summary(records: list[dict[str, Any]], skip_first: bool = True) -> dic
 
 # ------------------------------------------------------------------ hop (CPU)
 async def hop(args: argparse.Namespace) -> dict[str, Any]:
-    from voicebot.engines import resolve_specs
+    from voicebot.engines.registry import resolve_specs
 
     cfg = load_config(args.config, args.set)
     specs = await resolve_specs(cfg)
@@ -202,7 +202,7 @@ async def hop(args: argparse.Namespace) -> dict[str, Any]:
     c = cfg.llm
     # llm.dtype auto: the dtype the in-process engine resolved (float32 on a CPU without
     # native bf16); vLLM's own "auto" would take the model's bfloat16, emulated there.
-    from voicebot.engines.dtype import resolve_dtype
+    from voicebot.engines.llm.dtype import resolve_dtype
 
     extra = ["--dtype", resolve_dtype(c.dtype, on_cpu=True), "--seed", str(c.seed or 0)]
     if c.block_size:

@@ -56,7 +56,10 @@ def install(path: str) -> None:
     global _out
     _out = open(path, "a", buffering=1)  # noqa: SIM115 - open for the process's life
 
-    from voicebot.engines import asr, llm, smart_turn, tts_piper
+    from voicebot.engines.asr import engine as asr
+    from voicebot.engines.llm import inprocess as llm
+    from voicebot.engines.tts import piper as tts_piper
+    from voicebot.engines.turn import smart_turn
     from voicebot.session import session
 
     asr.AsrEngine._decode = _span(  # type: ignore[method-assign]

@@ -39,8 +39,8 @@ import numpy as np
 
 from voicebot.audio import ASR_RATE, read_wav
 from voicebot.config import ModelsConfig, VadConfig
-from voicebot.engines.smart_turn import SmartTurn
-from voicebot.engines.vad import WINDOW, SileroVad
+from voicebot.engines.turn.smart_turn import SmartTurn
+from voicebot.engines.turn.vad import WINDOW, SileroVad
 from voicebot.provision import resolve_model
 from voicebot.session.turns import SemanticTurnDetector, Signal, SilenceTurnDetector, TurnDetector
 

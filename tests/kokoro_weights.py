@@ -106,7 +106,7 @@ def kokoro_int8_dir() -> Path:
             top, rest = key.split(".", 1)
             groups.setdefault(top, {})[rest] = value
         torch.save(groups, build / "kokoro-v1.0-int8-dequantised.pth")
-        from voicebot.engines.kokoro_model import random_config
+        from voicebot.engines.tts.kokoro_model import random_config
 
         (build / "config.json").write_text(json.dumps(random_config(), ensure_ascii=False))
         shutil.copy(voice, build / "voices" / voice.name)

@@ -27,7 +27,7 @@ from aiohttp import web
 
 from voicebot.audio import float_to_pcm16, pcm16_to_float
 from voicebot.config import Config
-from voicebot.engines import load_engines
+from voicebot.engines.registry import load_engines
 from voicebot.probe.base import Audio, ClientClosed, ConnectOptions, Event
 from voicebot.probe.native import NativeClient
 from voicebot.server.app import create_app

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from voicebot.engines.agreement import (
+from voicebot.engines.asr.agreement import (
     LocalAgreement,
     continuation_after,
     join_text,

@@ -21,8 +21,8 @@ import pytest_asyncio
 
 from voicebot.audio import ASR_RATE
 from voicebot.config import AsrConfig, ModelsConfig
-from voicebot.engines.asr import AsrEngine, AsrStream, Partial, Transcript
-from voicebot.engines.asr_queue import JobQueue, Priority
+from voicebot.engines.asr.engine import AsrEngine, AsrStream, Partial, Transcript
+from voicebot.engines.asr.jobs import JobQueue, Priority
 from voicebot.errors import EngineError, VoicebotError
 from voicebot.provision import resolve_model
 

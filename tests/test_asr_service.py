@@ -19,12 +19,12 @@ import pytest
 import websockets
 from fake_whisper import WAIT, WORDS, FakeWhisper, audio
 
-from voicebot.asr_service import AsrService, listen
 from voicebot.config import AsrConfig, RemoteAsrConfig
-from voicebot.engines.asr_queue import Priority
-from voicebot.engines.asr_remote import RemoteAsrEngine, pack_decode, unpack_decode
-from voicebot.engines.asr_vllm import VllmAsrEngine, WhisperVllmSettings, create_asr
+from voicebot.engines.asr.jobs import Priority
+from voicebot.engines.asr.remote import RemoteAsrEngine, pack_decode, unpack_decode
+from voicebot.engines.asr.vllm_whisper import VllmAsrEngine, WhisperVllmSettings, create_asr
 from voicebot.errors import EngineError, ModelError
+from voicebot.services.asr_service import AsrService, listen
 
 
 @contextlib.asynccontextmanager
@@ -292,7 +292,7 @@ async def test_the_remote_backend_builds_the_service_client_and_resolves_no_whis
 ) -> None:
     import voicebot.provision
     from voicebot.config import Config
-    from voicebot.engines import resolve_specs
+    from voicebot.engines.registry import resolve_specs
 
     assert isinstance(create_asr(AsrConfig(backend="remote"), ""), RemoteAsrEngine)
     resolved: list[str] = []
@@ -314,7 +314,7 @@ async def test_decodes_waiting_on_a_connect_that_fails_fail_with_it_not_one_time
     """A service host that accepts TCP but never answers (hung, black-holed): 20 decodes
     waiting on the same connect must fail together after one connect timeout, not after 20
     connect timeouts one by one (a final would hang for minutes)."""
-    from voicebot.engines.asr_remote import AsrServiceClient
+    from voicebot.engines.asr.remote import AsrServiceClient
 
     async def mute(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.read()  # never answers the handshake
@@ -400,8 +400,8 @@ async def test_a_partial_that_covers_the_end_of_speech_is_the_final() -> None:
 async def test_a_frontend_pointed_at_the_tts_service_refuses_to_start_at_once() -> None:
     from types import SimpleNamespace
 
-    from voicebot.tts_service import TtsService
-    from voicebot.tts_service import listen as listen_tts
+    from voicebot.services.tts_service import TtsService
+    from voicebot.services.tts_service import listen as listen_tts
 
     svc = TtsService(SimpleNamespace(sample_rate=16_000, voices=list), engine_name="none")  # type: ignore[arg-type]
     async with listen_tts(svc, "127.0.0.1", 0) as server:

@@ -27,7 +27,7 @@ import pytest
 
 from voicebot.audio import ASR_RATE
 from voicebot.config import AsrConfig
-from voicebot.engines.asr import AsrEngine
+from voicebot.engines.asr.engine import AsrEngine
 
 WORDS = "alpha bravo charlie delta echo foxtrot golf hotel".split()
 WAIT = 10.0  # seconds; a hang still fails

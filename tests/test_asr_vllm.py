@@ -19,8 +19,8 @@ from fake_whisper import WAIT, WORDS, FakeWhisper, audio
 
 from voicebot.audio import ASR_RATE
 from voicebot.config import AsrConfig, load_config
-from voicebot.engines.asr import AsrEngine
-from voicebot.engines.asr_vllm import (
+from voicebot.engines.asr.engine import AsrEngine
+from voicebot.engines.asr.vllm_whisper import (
     WHISPER_MAX_TARGET_TOKENS,
     VllmAsrEngine,
     WhisperVllmSettings,
@@ -206,7 +206,7 @@ async def test_a_failed_decode_fails_only_its_final() -> None:
 
 def test_token_budget_is_bounded_by_audio_length_and_whisper_window() -> None:
     eng = engine(FakeWhisper())
-    from voicebot.engines.asr_queue import DecodeJob, Priority
+    from voicebot.engines.asr.jobs import DecodeJob, Priority
 
     short = DecodeJob(Priority.FINAL, None, audio=audio(2.0))
     assert eng.token_budget(short, 4) == (0, 2 * 8 + 16)
@@ -228,7 +228,7 @@ def test_backend_is_chosen_by_config_and_defaults_to_faster_whisper() -> None:
 
 
 def test_importing_the_backend_does_not_import_vllm() -> None:
-    code = "import sys, voicebot.engines.asr_vllm; print('vllm' in sys.modules)"
+    code = "import sys, voicebot.engines.asr.vllm_whisper; print('vllm' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

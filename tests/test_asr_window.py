@@ -15,8 +15,8 @@ from speech import Clip
 
 from voicebot.audio import ASR_RATE
 from voicebot.config import AsrConfig, load_config
-from voicebot.engines.asr import AsrEngine
-from voicebot.engines.whisper_window import FULL_FRAMES, window_frames
+from voicebot.engines.asr.engine import AsrEngine
+from voicebot.engines.asr.whisper_window import FULL_FRAMES, window_frames
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -30,7 +30,7 @@ from vllm_router.launch_router import parse_router_args
 
 from voicebot.cli import build_parser
 from voicebot.config import Config, load_config
-from voicebot.engines.llm_remote import SESSION_HEADER
+from voicebot.engines.llm.remote import SESSION_HEADER
 from voicebot.errors import ConfigError
 from voicebot.server.edge import check_exposure
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from voicebot.config import Config
-from voicebot.engines.dtype import cpu_flags, resolve_dtype
+from voicebot.engines.llm.dtype import cpu_flags, resolve_dtype
 
 AVX2_ONLY = frozenset({"fpu", "sse2", "avx", "avx2", "fma"})
 

@@ -41,7 +41,7 @@ from test_session import clock_of, elapse, make_engines, until
 from transformers import AutoTokenizer
 
 from voicebot.config import Config
-from voicebot.engines import Engines
+from voicebot.engines.registry import Engines
 from voicebot.errors import ProtocolError, VoicebotError
 from voicebot.server.state import ServerState
 from voicebot.session import events as ev

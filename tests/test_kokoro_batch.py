@@ -15,7 +15,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from voicebot.engines.kokoro_batch import Clause, ClauseQueue, KokoroBatcher
+from voicebot.engines.tts.kokoro_batch import Clause, ClauseQueue, KokoroBatcher
 from voicebot.errors import CapacityError, EngineError
 
 

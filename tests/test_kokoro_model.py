@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from voicebot.engines import kokoro_model as km
+from voicebot.engines.tts import kokoro_model as km
 
 SMALL = {
     **km.KOKORO_82M_SHAPE,
@@ -101,8 +101,8 @@ def test_batch_one_matches_the_package_forward(model: Any, no_noise: None) -> No
 def _counted_forward(model: Any, n: int) -> Any:
     """What one forward of the engine's runner dispatches for ``n`` clauses of different
     lengths in one vocoder group (forced durations, as the benchmark's)."""
-    from voicebot.engines.kokoro_batch import Clause, torch_runner
-    from voicebot.engines.op_count import OpCounter
+    from voicebot.engines.tts.kokoro_batch import Clause, torch_runner
+    from voicebot.engines.tts.op_count import OpCounter
 
     class Done:
         def cancelled(self) -> bool:

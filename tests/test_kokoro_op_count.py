@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from voicebot.engines.op_count import MARK, OpCounter
+from voicebot.engines.tts.op_count import MARK, OpCounter
 
 
 def test_counts_kernels_views_and_each_kind_of_sync() -> None:

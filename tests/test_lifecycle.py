@@ -33,10 +33,10 @@ import websockets
 from servers import running_server
 
 from voicebot.config import Config, ModelsConfig, load_config
-from voicebot.engines import Engines, load_engines
+from voicebot.engines.registry import Engines, load_engines
 from voicebot.engines.startup import ABORT_WAIT_S, start_all
 from voicebot.engines.supervisor import RestartPolicy, Supervisor
-from voicebot.engines.tts import WorkerPool
+from voicebot.engines.tts.pool import WorkerPool
 from voicebot.errors import EngineError, ModelError
 from voicebot.server.app import create_app
 from voicebot.server.drain import drain

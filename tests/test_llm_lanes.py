@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from voicebot.config import LlmConfig
-from voicebot.engines.llm import BackgroundQueueFull, LlmEngine
+from voicebot.engines.llm.inprocess import BackgroundQueueFull, LlmEngine
 
 
 def engine(limit: int) -> LlmEngine:
@@ -104,7 +104,7 @@ class PrefillLog(LlmEngine):
         return values
 
     async def _stream(self, rid, prompt_ids, lane, st, params):  # type: ignore[no-untyped-def]
-        from voicebot.engines.llm import TextDelta
+        from voicebot.engines.llm.inprocess import TextDelta
 
         self.prompts.append(len(prompt_ids))
         await asyncio.sleep(self.step_s)

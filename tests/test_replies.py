@@ -118,7 +118,7 @@ def test_default_config_penalises_repetition_and_the_engine_passes_it() -> None:
     """Qwen2.5-0.5B echoed the caller in ~20% of replies (issue 12: 15 of 16 short phone
     prompts); prompts alone did not fix it, vLLM's repetition_penalty did (the rate is
     benchmarks/echo_rate.py's figure). Off with tools: a call repeats the tool's name."""
-    from voicebot.engines.llm import LlmEngine
+    from voicebot.engines.llm.inprocess import LlmEngine
 
     cfg = load_config("configs/default.yaml").llm
     assert cfg.repetition_penalty > 1.0

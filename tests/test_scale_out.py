@@ -33,8 +33,8 @@ from speech import Clip
 from voicebot.affinity import bind_session, current_session, rank_for
 from voicebot.audio import dbfs
 from voicebot.config import ModelsConfig, load_config
-from voicebot.engines.llm import TextDelta
-from voicebot.engines.llm_remote import RemoteLlmEngine
+from voicebot.engines.llm.inprocess import TextDelta
+from voicebot.engines.llm.remote import RemoteLlmEngine
 
 CPU_BLOCK = 128  # vLLM's KV block on CPU: only whole blocks are cached
 SPACE_A = 264  # " a" in the Qwen3 tokenizer of the random test model
@@ -108,7 +108,7 @@ def test_a_tier_process_is_its_own_process_group_in_its_own_or_the_callers_sessi
 def test_the_remote_request_samples_as_the_in_process_engine_does() -> None:
     # One resolution of the config's defaults (LlmEngine._sampling) for both backends: the
     # body's fields are SamplingParams' own, value for value; the ones left out are unset.
-    from voicebot.engines.llm import LlmEngine
+    from voicebot.engines.llm.inprocess import LlmEngine
 
     cfg = load_config("configs/default.yaml").llm
     local, remote = LlmEngine(cfg, "unused"), RemoteLlmEngine(cfg, "unused")

@@ -21,9 +21,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from voicebot.config import Config
-from voicebot.engines import Engines
-from voicebot.engines.asr import Partial, Transcript
-from voicebot.engines.llm import GenerationStats, TextDelta
+from voicebot.engines.asr.engine import Partial, Transcript
+from voicebot.engines.llm.inprocess import GenerationStats, TextDelta
+from voicebot.engines.registry import Engines
 from voicebot.errors import BadAudio, BadMessage, EngineError
 from voicebot.metrics import Metrics
 from voicebot.session import events as ev

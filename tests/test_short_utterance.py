@@ -22,7 +22,7 @@ from speech import Clip
 
 from voicebot.audio import ASR_RATE, Resampler, float_to_pcm16, pcm16_to_float, resample
 from voicebot.config import ModelsConfig, VadConfig, load_config
-from voicebot.engines.vad import WINDOW, SileroVad
+from voicebot.engines.turn.vad import WINDOW, SileroVad
 from voicebot.probe.client import ProbeConfig, run_level
 from voicebot.probe.clips import load_clip
 from voicebot.probe.turn import TurnRecord

@@ -12,8 +12,8 @@ from speech import Clip
 
 from voicebot.audio import ASR_RATE
 from voicebot.config import VadConfig
-from voicebot.engines.smart_turn import SmartTurn
-from voicebot.engines.vad import WINDOW, SileroVad
+from voicebot.engines.turn.smart_turn import SmartTurn
+from voicebot.engines.turn.vad import WINDOW, SileroVad
 from voicebot.session.turns import SemanticTurnDetector, Signal
 
 # "and mister john dashwood had then leisure to consider how much there might be

@@ -10,10 +10,10 @@ import sys
 
 import pytest
 
-from voicebot import asr_service
 from voicebot.config import load_config
 from voicebot.errors import ConfigError
 from voicebot.server import process, threads
+from voicebot.services import asr_service
 
 CHILD = "import os, torch; print(os.environ.get('OMP_NUM_THREADS'), torch.get_num_threads())"
 

@@ -24,7 +24,7 @@ import pytest
 
 from voicebot.audio import ASR_RATE, dbfs, resample
 from voicebot.config import AsrConfig, Config, TtsConfig
-from voicebot.engines.tts import TtsEngine, clean_text, create_tts, split_sentences
+from voicebot.engines.tts.pool import TtsEngine, clean_text, create_tts, split_sentences
 from voicebot.errors import CapacityError, EngineError, ModelError
 
 pytestmark = pytest.mark.engines
@@ -76,7 +76,7 @@ async def engine(request: pytest.FixtureRequest) -> AsyncIterator[TtsEngine]:
 
 @pytest.fixture(scope="module")
 async def asr() -> AsyncIterator[object]:
-    from voicebot.engines.asr import AsrEngine
+    from voicebot.engines.asr.engine import AsrEngine
 
     eng = AsrEngine(AsrConfig(beam_size=1), whisper_dir())
     await eng.start()

@@ -14,8 +14,8 @@ from kokoro_weights import VOICE, kokoro_int8_dir
 
 from voicebot.audio import ASR_RATE, dbfs, resample
 from voicebot.config import AsrConfig, Config, TtsConfig
-from voicebot.engines.tts import create_tts
-from voicebot.engines.tts_kokoro import KokoroTts
+from voicebot.engines.tts.kokoro import KokoroTts
+from voicebot.engines.tts.pool import create_tts
 
 pytestmark = pytest.mark.engines
 
@@ -44,7 +44,7 @@ async def tts() -> AsyncIterator[KokoroTts]:
 
 
 async def test_two_sessions_batched_and_heard_back(tts: KokoroTts) -> None:
-    from voicebot.engines.asr import AsrEngine
+    from voicebot.engines.asr.engine import AsrEngine
     from voicebot.provision import resolve_model
 
     async def say(text: str) -> np.ndarray:
@@ -68,8 +68,8 @@ async def test_two_sessions_batched_and_heard_back(tts: KokoroTts) -> None:
 
 
 async def test_random_weights_for_gpu_measurements_speak_real_lengths() -> None:
-    from voicebot.engines.kokoro_model import SAMPLES_PER_FRAME
-    from voicebot.engines.tts_kokoro import RANDOM
+    from voicebot.engines.tts.kokoro import RANDOM
+    from voicebot.engines.tts.kokoro_model import SAMPLES_PER_FRAME
 
     eng = create_tts(TtsConfig(engine="kokoro", voice="any_name", kokoro_model=RANDOM, device="cpu"), None)
     assert isinstance(eng, KokoroTts)

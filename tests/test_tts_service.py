@@ -19,10 +19,10 @@ import pytest
 import websockets
 
 from voicebot.config import RemoteTtsConfig, TtsConfig, load_config
-from voicebot.engines.tts import create_tts
-from voicebot.engines.tts_remote import RemoteTts
+from voicebot.engines.tts.pool import create_tts
+from voicebot.engines.tts.remote import RemoteTts
 from voicebot.errors import CapacityError, ConfigError, EngineError, ModelError
-from voicebot.tts_service import TtsService, listen
+from voicebot.services.tts_service import TtsService, listen
 
 WAIT = 10.0  # generous: only a hang reaches it
 RATE = 16_000
@@ -325,7 +325,7 @@ async def test_a_clause_cancelled_while_its_request_drains_is_cancelled_on_the_s
 
 
 async def test_a_clause_whose_frontend_never_acks_is_dropped_by_the_service(monkeypatch: pytest.MonkeyPatch) -> None:
-    import voicebot.tts_service as tts_service
+    import voicebot.services.tts_service as tts_service
 
     monkeypatch.setattr(tts_service, "ACK_TIMEOUT_S", 0.05)
     fake = ScriptedTts()
@@ -341,10 +341,10 @@ async def test_a_clause_whose_frontend_never_acks_is_dropped_by_the_service(monk
 async def test_a_frontend_pointed_at_the_asr_service_refuses_to_start_at_once() -> None:
     from fake_whisper import FakeWhisper
 
-    from voicebot.asr_service import AsrService
-    from voicebot.asr_service import listen as listen_asr
     from voicebot.config import AsrConfig
-    from voicebot.engines.asr_vllm import VllmAsrEngine, WhisperVllmSettings
+    from voicebot.engines.asr.vllm_whisper import VllmAsrEngine, WhisperVllmSettings
+    from voicebot.services.asr_service import AsrService
+    from voicebot.services.asr_service import listen as listen_asr
 
     asr = VllmAsrEngine(AsrConfig(backend="vllm"), "fake-whisper", settings=WhisperVllmSettings(concurrency=1),
                         runner=FakeWhisper())
@@ -387,7 +387,7 @@ async def test_a_hello_that_is_no_tts_service_is_refused_at_start(hello: dict[st
 async def test_a_busy_service_is_a_capacity_error_that_does_not_count_toward_health(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import voicebot.tts_service as tts_service
+    import voicebot.services.tts_service as tts_service
 
     monkeypatch.setattr(tts_service, "MAX_JOBS_PER_CONNECTION", 1)
     hold = asyncio.Event()
@@ -403,8 +403,8 @@ async def test_a_busy_service_is_a_capacity_error_that_does_not_count_toward_hea
 
 
 async def test_a_sentence_longer_than_a_frame_comes_in_several_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
-    import voicebot.engines.tts_remote as tts_remote
-    import voicebot.tts_service as tts_service
+    import voicebot.engines.tts.remote as tts_remote
+    import voicebot.services.tts_service as tts_service
 
     # 4096-byte frames hold 960 samples: each 1600-sample sentence needs two.
     monkeypatch.setattr(tts_remote, "MAX_FRAME", 4096)

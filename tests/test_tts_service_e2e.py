@@ -25,7 +25,7 @@ from servers import OUT_RATE, NativeCall, RunningServer, running_server, service
 from speech import Clip
 
 from voicebot.config import ModelsConfig, TtsConfig, load_config
-from voicebot.engines.tts_remote import RemoteTts
+from voicebot.engines.tts.remote import RemoteTts
 from voicebot.errors import EngineError
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -26,10 +26,10 @@ from test_session import FRAME, RATE, Caller, FakeLlm, FakeTts, call, elapse, un
 from transformers import AutoTokenizer
 
 from voicebot.config import Config
-from voicebot.engines import Engines
-from voicebot.engines.asr import AsrEngine
-from voicebot.engines.asr_queue import DecodeJob
-from voicebot.engines.llm import GenerationStats, TextDelta
+from voicebot.engines.asr.engine import AsrEngine
+from voicebot.engines.asr.jobs import DecodeJob
+from voicebot.engines.llm.inprocess import GenerationStats, TextDelta
+from voicebot.engines.registry import Engines
 from voicebot.session import events as ev
 from voicebot.session.clock import VirtualClock
 

@@ -20,7 +20,7 @@ from test_session import Caller, call, elapse, make_engines, until
 from transformers import AutoTokenizer
 
 from voicebot.config import VadConfig
-from voicebot.engines import Engines
+from voicebot.engines.registry import Engines
 from voicebot.session import events as ev
 
 CAP_MS = 1500

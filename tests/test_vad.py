@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from voicebot.audio import ASR_RATE
-from voicebot.engines.vad import WINDOW, SileroVad, default_model_path
+from voicebot.engines.turn.vad import WINDOW, SileroVad, default_model_path
 
 
 @pytest.fixture(scope="module")

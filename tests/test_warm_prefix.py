@@ -24,8 +24,8 @@ from test_session import (
 from transformers import AutoTokenizer
 
 from voicebot.config import LlmConfig
-from voicebot.engines.asr import Partial
-from voicebot.engines.llm import GenerationStats, Lane, LlmEngine, TextDelta
+from voicebot.engines.asr.engine import Partial
+from voicebot.engines.llm.inprocess import GenerationStats, Lane, LlmEngine, TextDelta
 from voicebot.session import events as ev
 from voicebot.session.clock import REAL_CLOCK
 
@@ -445,7 +445,7 @@ async def test_a_remote_prefill_is_tried_once_and_is_no_failure_of_the_tier() ->
     # towards the tier's dead_reason; a prefill is best effort: one try, never counted
     # (a busy tier held the call's one background slot for every retry, and a failed
     # prefill moved the tier towards "dead").
-    from voicebot.engines.llm_remote import RemoteLlmEngine, RemoteLlmError, _Retryable
+    from voicebot.engines.llm.remote import RemoteLlmEngine, RemoteLlmError, _Retryable
 
     cfg = LlmConfig(backend="remote", remote={"url": "http://tier.invalid", "retries": 2, "retry_backoff_s": 0.001})
     llm = RemoteLlmEngine(cfg, "unused")

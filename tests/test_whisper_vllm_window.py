@@ -32,8 +32,13 @@ from vllm_spy import assert_shut_down_off_the_loop, shutdown_threads
 
 from voicebot.audio import ASR_RATE
 from voicebot.config import AsrConfig, WhisperVllmConfig
-from voicebot.engines.asr_vllm import VllmAsrEngine, VllmWhisper, WhisperVllmSettings, create_asr
-from voicebot.engines.whisper_vllm_window import (
+from voicebot.engines.asr.vllm_whisper import (
+    VllmAsrEngine,
+    VllmWhisper,
+    WhisperVllmSettings,
+    create_asr,
+)
+from voicebot.engines.asr.whisper_vllm_window import (
     ARCH,
     FULL_FRAMES,
     positions_of,
@@ -129,7 +134,7 @@ def test_vllm_processes_find_the_architecture_through_the_entry_point() -> None:
 def test_the_model_encodes_each_length_once_and_keeps_the_order() -> None:
     import torch
 
-    from voicebot.engines.whisper_vllm_model import WindowedWhisper
+    from voicebot.engines.asr.whisper_vllm_model import WindowedWhisper
 
     calls: list[tuple[int, ...]] = []
 
@@ -277,7 +282,7 @@ async def test_the_cut_window_is_what_the_encoder_sees(
 def test_the_feature_extractor_cuts_the_stock_features(tiny_whisper: Path) -> None:
     from transformers import WhisperFeatureExtractor
 
-    from voicebot.engines.whisper_vllm_model import WindowedFeatureExtractor
+    from voicebot.engines.asr.whisper_vllm_model import WindowedFeatureExtractor
 
     stock = WhisperFeatureExtractor.from_pretrained(tiny_whisper)
     windowed = WindowedFeatureExtractor.of(stock, (1.0, 8.0, BUCKETS))

@@ -108,9 +108,9 @@ def _run_service(args: argparse.Namespace) -> int:
     from voicebot.config import load_config
 
     if args.service == "ASR":
-        from voicebot.asr_service import run_asr_service as run
+        from voicebot.services.asr_service import run_asr_service as run
     else:
-        from voicebot.tts_service import run_tts_service as run
+        from voicebot.services.tts_service import run_tts_service as run
     cfg = load_config(args.config, list(args.overrides))
     return run(cfg, args.host, args.port, pull=not args.no_pull)
 

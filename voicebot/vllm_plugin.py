@@ -15,7 +15,7 @@ __all__ = ["ARCH", "register"]
 
 log = logging.getLogger(__name__)
 
-# The windowed Whisper's architecture name (voicebot/engines/whisper_vllm_window.py).
+# The windowed Whisper's architecture name (voicebot/engines/asr/whisper_vllm_window.py).
 ARCH = "VoicebotWindowedWhisper"
 
 
@@ -25,6 +25,6 @@ def register() -> None:
         from vllm import ModelRegistry
 
         if ARCH not in ModelRegistry.get_supported_archs():
-            ModelRegistry.register_model(ARCH, "voicebot.engines.whisper_vllm_model:WindowedWhisper")
+            ModelRegistry.register_model(ARCH, "voicebot.engines.asr.whisper_vllm_model:WindowedWhisper")
     except Exception:  # a changed vLLM API must not take the LLM server down with it
         log.exception("could not register %s with vLLM", ARCH)

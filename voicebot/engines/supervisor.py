@@ -24,8 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from voicebot.engines import ENGINE_NAMES, Engines
 from voicebot.engines.health import FailureStreak, asr_counts, llm_failure, streak_failure
+from voicebot.engines.registry import ENGINE_NAMES, Engines
 from voicebot.engines.startup import reap_children, start_all
 
 log = logging.getLogger(__name__)

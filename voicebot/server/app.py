@@ -27,7 +27,7 @@ from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from voicebot.config import Config
-from voicebot.engines import load_engines
+from voicebot.engines.registry import load_engines
 from voicebot.engines.supervisor import Supervisor
 from voicebot.server import edge
 from voicebot.server.gc_freeze import freeze_loaded_heap

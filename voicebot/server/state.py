@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from voicebot.config import Config
-from voicebot.engines import Engines
+from voicebot.engines.registry import Engines
 from voicebot.errors import AuthError, CapacityError, VoicebotError
 from voicebot.metrics import Metrics
 from voicebot.server import edge

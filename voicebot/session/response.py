@@ -28,8 +28,8 @@ from typing import Any
 import numpy as np
 
 from voicebot.audio import resample
-from voicebot.engines.llm import GenerationStats, Lane, LlmEngine
-from voicebot.engines.tts import TtsEngine
+from voicebot.engines.llm.inprocess import GenerationStats, Lane, LlmEngine
+from voicebot.engines.tts.pool import TtsEngine
 from voicebot.session.clauses import ClauseChunker
 from voicebot.session.clock import REAL_CLOCK, Clock
 from voicebot.session.events import ToolCallArgumentsDelta, ToolCallDone, ToolCallStarted

@@ -30,9 +30,9 @@ import numpy as np
 from voicebot.affinity import bind_session
 from voicebot.audio import ASR_RATE, Resampler, pcm16_to_float
 from voicebot.config import Config, VadConfig
-from voicebot.engines import Engines
-from voicebot.engines.asr import AsrStream, Transcript
-from voicebot.engines.llm import Lane
+from voicebot.engines.asr.engine import AsrStream, Transcript
+from voicebot.engines.llm.inprocess import Lane
+from voicebot.engines.registry import Engines
 from voicebot.engines.tokenizer_thread import run_tokenizer
 from voicebot.errors import BadAudio, BadMessage, VoicebotError
 from voicebot.metrics import Metrics

@@ -75,20 +75,20 @@ def create_tts(cfg: TtsConfig, voice_path: str | None) -> TtsEngine:
     """Build the engine ``cfg.engine`` names; ``voice_path`` is the resolved Piper voice directory.
     With ``cfg.backend: remote`` it is the client of the shared service that hosts that engine."""
     if cfg.backend == "remote":
-        from voicebot.engines.tts_remote import RemoteTts
+        from voicebot.engines.tts.remote import RemoteTts
 
         return RemoteTts(cfg)
     if cfg.engine == "piper":
-        from voicebot.engines.tts_piper import PiperTts
+        from voicebot.engines.tts.piper import PiperTts
 
         if voice_path is None:
             raise ModelError("tts.engine=piper needs a resolved voice directory (tts.voice)")
         return PiperTts(cfg, voice_path)
     if cfg.engine == "kokoro":
-        from voicebot.engines.tts_kokoro import KokoroTts
+        from voicebot.engines.tts.kokoro import KokoroTts
 
         return KokoroTts(cfg)
-    from voicebot.engines.tts_espeak import EspeakTts
+    from voicebot.engines.tts.espeak import EspeakTts
 
     return EspeakTts(cfg)
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from voicebot.audio import resample
 from voicebot.config import TtsConfig
-from voicebot.engines.tts import (
+from voicebot.engines.tts.pool import (
     PooledTts,
     WorkerPool,
     clean_text,

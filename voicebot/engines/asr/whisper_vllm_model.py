@@ -26,7 +26,7 @@ from vllm.multimodal import MULTIMODAL_REGISTRY
 from vllm.multimodal.processing import PromptReplacement, PromptUpdate
 
 from voicebot.audio import ASR_RATE
-from voicebot.engines.whisper_vllm_window import (
+from voicebot.engines.asr.whisper_vllm_window import (
     FULL_FRAMES,
     audio_lengths,
     cut_features,

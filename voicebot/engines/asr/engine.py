@@ -23,9 +23,9 @@ import numpy as np
 
 from voicebot.audio import ASR_RATE
 from voicebot.config import AsrConfig
-from voicebot.engines.agreement import continuation_after, join_text
-from voicebot.engines.asr_queue import DecodeJob, JobQueue, Priority
-from voicebot.engines.asr_stream import AsrStream, Partial, Transcript, as_mono_f32
+from voicebot.engines.asr.agreement import continuation_after, join_text
+from voicebot.engines.asr.jobs import DecodeJob, JobQueue, Priority
+from voicebot.engines.asr.stream import AsrStream, Partial, Transcript, as_mono_f32
 from voicebot.errors import EngineError, ModelError
 
 __all__ = ["AsrEngine", "AsrStats", "AsrStream", "Partial", "Transcript"]
@@ -101,7 +101,7 @@ class AsrEngine:
 
     async def start(self) -> None:
         # heavy import (faster-whisper), only when serving
-        from voicebot.engines.whisper_window import WindowedWhisper
+        from voicebot.engines.asr.whisper_window import WindowedWhisper
 
         cfg = self.cfg
         t0 = time.perf_counter()

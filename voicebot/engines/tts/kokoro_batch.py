@@ -255,7 +255,7 @@ def torch_runner(model: Any, *, max_pad: float = 0.25, max_frames: int = MAX_FRA
     but the first group's audio waits for the other groups' launches."""
     import torch
 
-    from voicebot.engines import kokoro_model as km
+    from voicebot.engines.tts import kokoro_model as km
 
     local = threading.local()
     cuda = str(model.device).startswith("cuda")

@@ -33,17 +33,11 @@ import websockets
 from websockets.asyncio.server import ServerConnection, serve
 
 from voicebot.config import Config
-from voicebot.engines.service_wire import (
-    ServiceConn,
-    is_id,
-    pack_frame,
-    run_service,
-    serve_until_stopped,
-)
-from voicebot.engines.service_wire import listen as listen_ws
-from voicebot.engines.tts import TtsEngine
-from voicebot.engines.tts_remote import MAX_FRAME, PROTOCOL
+from voicebot.engines.tts.pool import TtsEngine
+from voicebot.engines.tts.remote import MAX_FRAME, PROTOCOL
 from voicebot.errors import EngineError, VoicebotError
+from voicebot.services.wire import ServiceConn, is_id, pack_frame, run_service, serve_until_stopped
+from voicebot.services.wire import listen as listen_ws
 
 __all__ = ["ServiceStats", "TtsService", "listen", "run_tts_service", "serve_tts"]
 
@@ -276,7 +270,7 @@ async def serve_tts(
     pull: bool = True,
 ) -> None:
     """Load the engine, serve until ``stop`` (or SIGINT/SIGTERM), close everything."""
-    from voicebot.engines.tts import create_tts
+    from voicebot.engines.tts.pool import create_tts
     from voicebot.provision import resolve_model
 
     tcfg = cfg.tts.model_copy(update={"backend": "local"})

@@ -23,7 +23,7 @@ from piper import PiperVoice, SynthesisConfig
 
 from voicebot.audio import resample
 from voicebot.config import TtsConfig
-from voicebot.engines.tts import (
+from voicebot.engines.tts.pool import (
     PooledTts,
     WorkerPool,
     clean_text,

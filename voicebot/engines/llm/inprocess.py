@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from voicebot.affinity import current_session, rank_for
 from voicebot.config import LlmConfig
-from voicebot.engines.dtype import resolve_dtype
+from voicebot.engines.llm.dtype import resolve_dtype
 from voicebot.engines.vllm_shutdown import shut_down
 from voicebot.errors import EngineError, ModelError
 

@@ -41,7 +41,7 @@ import httpx
 
 from voicebot.affinity import current_session
 from voicebot.config import LlmConfig
-from voicebot.engines.llm import GenerationStats, Lane, LlmEngine, TextDelta
+from voicebot.engines.llm.inprocess import GenerationStats, Lane, LlmEngine, TextDelta
 from voicebot.errors import EngineError, ModelError
 
 log = logging.getLogger(__name__)

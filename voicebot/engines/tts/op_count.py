@@ -59,7 +59,7 @@ def _where() -> str:
     """The innermost frame outside torch and this module: where a sync was asked for."""
     for fr in reversed(traceback.extract_stack()[:-2]):
         f = fr.filename.replace("\\", "/")
-        if "/torch/" in f or f.endswith(("/voicebot/engines/op_count.py", "/contextlib.py")):
+        if "/torch/" in f or f.endswith(("/voicebot/engines/tts/op_count.py", "/contextlib.py")):
             continue
         return f"{f.rsplit('/', 1)[-1]}:{fr.lineno} {fr.name}"
     return "?"

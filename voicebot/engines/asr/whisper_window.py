@@ -26,7 +26,7 @@ import numpy as np
 from faster_whisper import WhisperModel
 
 # The window arithmetic both Whisper paths share (that module needs neither engine).
-from voicebot.engines.whisper_vllm_window import FULL_FRAMES, needed_frames
+from voicebot.engines.asr.whisper_vllm_window import FULL_FRAMES, needed_frames
 
 __all__ = ["FULL_FRAMES", "WindowedWhisper", "window_frames"]
 

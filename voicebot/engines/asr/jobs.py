@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 import numpy as np
 
 if TYPE_CHECKING:
-    from voicebot.engines.asr_stream import AsrStream
+    from voicebot.engines.asr.stream import AsrStream
 
 
 class Priority(IntEnum):

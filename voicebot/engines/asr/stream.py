@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from voicebot.audio import ASR_RATE
-from voicebot.engines.agreement import LocalAgreement, join_text, split_words
-from voicebot.engines.asr_queue import DecodeJob, Priority
+from voicebot.engines.asr.agreement import LocalAgreement, join_text, split_words
+from voicebot.engines.asr.jobs import DecodeJob, Priority
 from voicebot.errors import EngineError
 
 if TYPE_CHECKING:
-    from voicebot.engines.asr import AsrEngine
+    from voicebot.engines.asr.engine import AsrEngine
 
 _PARTIALS_BUFFERED = 4  # per stream; a newer partial supersedes the oldest
 

@@ -26,8 +26,8 @@ from typing import Any
 import numpy as np
 
 from voicebot.config import TtsConfig
-from voicebot.engines.kokoro_batch import KokoroBatcher, Runner
-from voicebot.engines.tts import clean_text, resolve_speed, split_sentences
+from voicebot.engines.tts.kokoro_batch import KokoroBatcher, Runner
+from voicebot.engines.tts.pool import clean_text, resolve_speed, split_sentences
 from voicebot.errors import EngineError, ModelError
 
 log = logging.getLogger(__name__)
@@ -206,8 +206,8 @@ class KokoroTts:
     def _load(self) -> None:
         import torch
 
-        from voicebot.engines import kokoro_model as km
-        from voicebot.engines.kokoro_batch import torch_runner
+        from voicebot.engines.tts import kokoro_model as km
+        from voicebot.engines.tts.kokoro_batch import torch_runner
 
         t0 = time.perf_counter()
         random_weights = self._cfg.kokoro_model == RANDOM

@@ -51,7 +51,9 @@ import websockets
 from websockets.asyncio.client import ClientConnection
 
 from voicebot.config import RemoteTtsConfig, TtsConfig
-from voicebot.engines.service_wire import (
+from voicebot.engines.tts.pool import clean_text
+from voicebot.errors import CapacityError, EngineError
+from voicebot.services.wire import (
     CONNECT_ERRORS,
     ServiceClient,
     ServiceLost,
@@ -60,8 +62,6 @@ from voicebot.engines.service_wire import (
     samples_of,
     split_frame,
 )
-from voicebot.engines.tts import clean_text
-from voicebot.errors import CapacityError, EngineError
 
 __all__ = ["MAX_FRAME", "PROTOCOL", "RemoteTts", "ServiceLost", "TtsServiceClient"]
 

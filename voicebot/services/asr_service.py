@@ -33,12 +33,12 @@ import websockets
 from websockets.asyncio.server import ServerConnection, serve
 
 from voicebot.config import Config
-from voicebot.engines.asr import AsrEngine, DecodeAbandoned
-from voicebot.engines.asr_queue import DecodeJob, JobQueue, Priority
-from voicebot.engines.asr_remote import MAX_FRAME, PROTOCOL, unpack_decode
-from voicebot.engines.service_wire import ServiceConn, is_id, run_service, serve_until_stopped
-from voicebot.engines.service_wire import listen as listen_ws
+from voicebot.engines.asr.engine import AsrEngine, DecodeAbandoned
+from voicebot.engines.asr.jobs import DecodeJob, JobQueue, Priority
+from voicebot.engines.asr.remote import MAX_FRAME, PROTOCOL, unpack_decode
 from voicebot.errors import VoicebotError
+from voicebot.services.wire import ServiceConn, is_id, run_service, serve_until_stopped
+from voicebot.services.wire import listen as listen_ws
 
 __all__ = ["AsrService", "ServiceStats", "listen", "run_asr_service", "serve_asr"]
 
@@ -285,7 +285,7 @@ async def serve_asr(
     pull: bool = True,
 ) -> None:
     """Load the engine, serve until ``stop`` (or SIGINT/SIGTERM), close everything."""
-    from voicebot.engines.asr_vllm import VllmAsrEngine, create_asr
+    from voicebot.engines.asr.vllm_whisper import VllmAsrEngine, create_asr
     from voicebot.provision import resolve_model
 
     backend = cfg.asr.remote.engine if cfg.asr.backend == "remote" else cfg.asr.backend

@@ -50,9 +50,10 @@ import numpy as np
 import websockets
 
 from voicebot.config import AsrConfig, RemoteAsrConfig
-from voicebot.engines.asr import AsrEngine, DecodeAbandoned, unless_abandoned
-from voicebot.engines.asr_queue import DecodeJob, Priority
-from voicebot.engines.service_wire import (
+from voicebot.engines.asr.engine import AsrEngine, DecodeAbandoned, unless_abandoned
+from voicebot.engines.asr.jobs import DecodeJob, Priority
+from voicebot.errors import EngineError
+from voicebot.services.wire import (
     CONNECT_ERRORS,
     ServiceClient,
     ServiceLost,
@@ -61,7 +62,6 @@ from voicebot.engines.service_wire import (
     samples_of,
     split_frame,
 )
-from voicebot.errors import EngineError
 
 __all__ = [
     "PROTOCOL",

@@ -36,9 +36,9 @@ import numpy as np
 
 from voicebot.audio import ASR_RATE
 from voicebot.config import AsrConfig
-from voicebot.engines.agreement import continuation_after
-from voicebot.engines.asr import AsrEngine, DecodeAbandoned, unless_abandoned
-from voicebot.engines.asr_queue import DecodeJob
+from voicebot.engines.asr.agreement import continuation_after
+from voicebot.engines.asr.engine import AsrEngine, DecodeAbandoned, unless_abandoned
+from voicebot.engines.asr.jobs import DecodeJob
 from voicebot.engines.vllm_shutdown import shut_down
 from voicebot.errors import EngineError, ModelError
 
@@ -174,7 +174,7 @@ class VllmWhisper:
             seed=0,
         )
         if s.window_pad_s is not None:
-            from voicebot.engines.whisper_vllm_window import hf_overrides
+            from voicebot.engines.asr.whisper_vllm_window import hf_overrides
 
             kwargs["hf_overrides"] = hf_overrides(s.window_pad_s, s.window_min_s, s.window_buckets_s)
         return kwargs
@@ -345,7 +345,7 @@ def create_asr(cfg: AsrConfig, model_path: str, *, settings: WhisperVllmSettings
         )
         return VllmAsrEngine(cfg, model_path, agreement_n=cfg.agreement_n, settings=settings)
     if cfg.backend == "remote":  # the shared ASR service (voicebot asr-serve)
-        from voicebot.engines.asr_remote import RemoteAsrEngine
+        from voicebot.engines.asr.remote import RemoteAsrEngine
 
         return RemoteAsrEngine(cfg, model_path, agreement_n=cfg.agreement_n)
     return AsrEngine(cfg, model_path, agreement_n=cfg.agreement_n)

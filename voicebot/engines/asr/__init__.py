@@ -1,0 +1,1 @@
+"""Speech recognition: the shared streaming engine, its per-call stream and its backends."""

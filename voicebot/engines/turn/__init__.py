@@ -1,0 +1,1 @@
+"""Voice activity (Silero VAD) and end of turn (Smart Turn)."""
