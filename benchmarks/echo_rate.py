@@ -292,7 +292,7 @@ async def run_pipeline(calls: list[list[Item]], args: argparse.Namespace) -> lis
 
 # ------------------------------------------------------------------------- text
 async def _text_call(llm: Any, cfg: Any, index: int, items: list[tuple[Item, str]], variant: dict[str, Any]) -> list[Turn]:
-    from voicebot.engines.llm.inprocess import GenerationStats, Lane
+    from voicebot.engines.contracts import GenerationStats, Lane
     from voicebot.session.clauses import ClauseChunker
     from voicebot.session.history import Conversation
 

@@ -25,8 +25,9 @@ import numpy as np
 from voicebot.audio import ASR_RATE, read_wav
 from voicebot.config import Config, load_config
 from voicebot.engines.asr.engine import AsrEngine
-from voicebot.engines.llm.inprocess import GenerationStats, Lane, LlmEngine
-from voicebot.engines.tts.pool import create_tts
+from voicebot.engines.contracts import GenerationStats, Lane
+from voicebot.engines.llm.inprocess import LlmEngine
+from voicebot.engines.registry import create_tts
 from voicebot.provision import resolve_model
 
 SHARED_AUDIO = Path(__file__).resolve().parents[1].parent / "shared" / "audio"

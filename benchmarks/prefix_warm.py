@@ -31,7 +31,8 @@ from pathlib import Path
 from bench_util import summarise  # same folder
 
 from voicebot.config import load_config
-from voicebot.engines.llm.inprocess import GenerationStats, Lane, LlmEngine
+from voicebot.engines.contracts import GenerationStats, Lane
+from voicebot.engines.llm.inprocess import LlmEngine
 from voicebot.provision import resolve_model
 from voicebot.session.history import Conversation
 

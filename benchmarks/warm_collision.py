@@ -32,7 +32,8 @@ from bench_util import summarise  # same folder
 from ttft_new_tokens import fresh_words  # same folder
 
 from voicebot.config import load_config
-from voicebot.engines.llm.inprocess import GenerationStats, Lane, LlmEngine
+from voicebot.engines.contracts import GenerationStats, Lane
+from voicebot.engines.llm.inprocess import LlmEngine
 from voicebot.provision import resolve_model
 
 

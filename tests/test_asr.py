@@ -21,8 +21,9 @@ import pytest_asyncio
 
 from voicebot.audio import ASR_RATE
 from voicebot.config import AsrConfig, ModelsConfig
-from voicebot.engines.asr.engine import AsrEngine, AsrStream, Partial, Transcript
+from voicebot.engines.asr.engine import AsrEngine
 from voicebot.engines.asr.jobs import JobQueue, Priority
+from voicebot.engines.contracts import AsrStream, Partial, Transcript
 from voicebot.errors import EngineError, VoicebotError
 from voicebot.provision import resolve_model
 

@@ -22,7 +22,8 @@ from fake_whisper import WAIT, WORDS, FakeWhisper, audio
 from voicebot.config import AsrConfig, RemoteAsrConfig
 from voicebot.engines.asr.jobs import Priority
 from voicebot.engines.asr.remote import RemoteAsrEngine, pack_decode, unpack_decode
-from voicebot.engines.asr.vllm_whisper import VllmAsrEngine, WhisperVllmSettings, create_asr
+from voicebot.engines.asr.vllm_whisper import VllmAsrEngine, WhisperVllmSettings
+from voicebot.engines.registry import create_asr
 from voicebot.errors import EngineError, ModelError
 from voicebot.services.asr_service import AsrService, listen
 

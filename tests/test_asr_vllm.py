@@ -24,8 +24,8 @@ from voicebot.engines.asr.vllm_whisper import (
     WHISPER_MAX_TARGET_TOKENS,
     VllmAsrEngine,
     WhisperVllmSettings,
-    create_asr,
 )
+from voicebot.engines.registry import create_asr
 from voicebot.errors import EngineError
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"

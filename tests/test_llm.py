@@ -12,7 +12,8 @@ import pytest
 from vllm_spy import assert_shut_down_off_the_loop, shutdown_threads
 
 from voicebot.config import ModelsConfig, load_config
-from voicebot.engines.llm.inprocess import GenerationStats, Lane, LlmEngine
+from voicebot.engines.contracts import GenerationStats, Lane
+from voicebot.engines.llm.inprocess import LlmEngine
 from voicebot.provision import resolve_model
 from voicebot.session.history import Conversation
 from voicebot.tools.grammar import constraint_for

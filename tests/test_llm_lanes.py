@@ -104,7 +104,7 @@ class PrefillLog(LlmEngine):
         return values
 
     async def _stream(self, rid, prompt_ids, lane, st, params):  # type: ignore[no-untyped-def]
-        from voicebot.engines.llm.inprocess import TextDelta
+        from voicebot.engines.contracts import TextDelta
 
         self.prompts.append(len(prompt_ids))
         await asyncio.sleep(self.step_s)

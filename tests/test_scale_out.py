@@ -33,7 +33,7 @@ from speech import Clip
 from voicebot.affinity import bind_session, current_session, rank_for
 from voicebot.audio import dbfs
 from voicebot.config import ModelsConfig, load_config
-from voicebot.engines.llm.inprocess import TextDelta
+from voicebot.engines.contracts import TextDelta
 from voicebot.engines.llm.remote import RemoteLlmEngine
 
 CPU_BLOCK = 128  # vLLM's KV block on CPU: only whole blocks are cached

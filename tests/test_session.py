@@ -21,8 +21,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from voicebot.config import Config
-from voicebot.engines.asr.engine import Partial, Transcript
-from voicebot.engines.llm.inprocess import GenerationStats, TextDelta
+from voicebot.engines.contracts import GenerationStats, Partial, TextDelta, Transcript
 from voicebot.engines.registry import Engines
 from voicebot.errors import BadAudio, BadMessage, EngineError
 from voicebot.metrics import Metrics

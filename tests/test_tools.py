@@ -21,7 +21,7 @@ from servers import serve_routes
 from transformers import AutoTokenizer
 
 from voicebot.config import Config, ServerToolConfig, load_config
-from voicebot.engines.llm.inprocess import TextDelta
+from voicebot.engines.contracts import TextDelta
 from voicebot.errors import ConfigError
 from voicebot.session import events as se
 from voicebot.session.response import Response, ResponseOptions

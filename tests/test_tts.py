@@ -24,7 +24,9 @@ import pytest
 
 from voicebot.audio import ASR_RATE, dbfs, resample
 from voicebot.config import AsrConfig, Config, TtsConfig
-from voicebot.engines.tts.pool import TtsEngine, clean_text, create_tts, split_sentences
+from voicebot.engines.contracts import Tts as TtsEngine
+from voicebot.engines.registry import create_tts
+from voicebot.engines.tts.text import clean_text, split_sentences
 from voicebot.errors import CapacityError, EngineError, ModelError
 
 pytestmark = pytest.mark.engines

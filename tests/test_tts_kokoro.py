@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 
 from voicebot.config import TtsConfig
+from voicebot.engines.registry import create_tts
 from voicebot.engines.tts.kokoro import MAX_TOKENS, EspeakG2P, KokoroTts, VoicePacks
 from voicebot.engines.tts.kokoro_batch import Clause
 from voicebot.engines.tts.kokoro_model import KOKORO_VOCAB
-from voicebot.engines.tts.pool import create_tts
 from voicebot.errors import CapacityError, EngineError
 
 SAMPLES_PER_ID = 240  # 10 ms of audio per phoneme

@@ -14,8 +14,8 @@ from kokoro_weights import VOICE, kokoro_int8_dir
 
 from voicebot.audio import ASR_RATE, dbfs, resample
 from voicebot.config import AsrConfig, Config, TtsConfig
+from voicebot.engines.registry import create_tts
 from voicebot.engines.tts.kokoro import KokoroTts
-from voicebot.engines.tts.pool import create_tts
 
 pytestmark = pytest.mark.engines
 

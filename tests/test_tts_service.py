@@ -19,7 +19,7 @@ import pytest
 import websockets
 
 from voicebot.config import RemoteTtsConfig, TtsConfig, load_config
-from voicebot.engines.tts.pool import create_tts
+from voicebot.engines.registry import create_tts
 from voicebot.engines.tts.remote import RemoteTts
 from voicebot.errors import CapacityError, ConfigError, EngineError, ModelError
 from voicebot.services.tts_service import TtsService, listen

@@ -28,7 +28,7 @@ from transformers import AutoTokenizer
 from voicebot.config import Config
 from voicebot.engines.asr.engine import AsrEngine
 from voicebot.engines.asr.jobs import DecodeJob
-from voicebot.engines.llm.inprocess import GenerationStats, TextDelta
+from voicebot.engines.contracts import GenerationStats, TextDelta
 from voicebot.engines.registry import Engines
 from voicebot.session import events as ev
 from voicebot.session.clock import VirtualClock

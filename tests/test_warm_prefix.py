@@ -24,8 +24,8 @@ from test_session import (
 from transformers import AutoTokenizer
 
 from voicebot.config import LlmConfig
-from voicebot.engines.asr.engine import Partial
-from voicebot.engines.llm.inprocess import GenerationStats, Lane, LlmEngine, TextDelta
+from voicebot.engines.contracts import GenerationStats, Lane, Partial, TextDelta
+from voicebot.engines.llm.inprocess import LlmEngine
 from voicebot.session import events as ev
 from voicebot.session.clock import REAL_CLOCK
 

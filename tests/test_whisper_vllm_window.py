@@ -32,18 +32,14 @@ from vllm_spy import assert_shut_down_off_the_loop, shutdown_threads
 
 from voicebot.audio import ASR_RATE
 from voicebot.config import AsrConfig, WhisperVllmConfig
-from voicebot.engines.asr.vllm_whisper import (
-    VllmAsrEngine,
-    VllmWhisper,
-    WhisperVllmSettings,
-    create_asr,
-)
+from voicebot.engines.asr.vllm_whisper import VllmAsrEngine, VllmWhisper, WhisperVllmSettings
 from voicebot.engines.asr.whisper_vllm_window import (
     ARCH,
     FULL_FRAMES,
     positions_of,
     window_frames_for,
 )
+from voicebot.engines.registry import create_asr
 
 ROOT = Path(__file__).resolve().parent.parent
 BUCKETS = WhisperVllmConfig().window_buckets_s

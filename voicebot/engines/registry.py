@@ -1,4 +1,12 @@
-"""The shared engines: one ASR, one LLM, one TTS and one VAD model serve every session."""
+"""The registry: which backend each stage runs, from the config, and the shared engines.
+
+One ASR, one LLM, one TTS and one VAD model serve every session. ``create_asr``,
+``create_llm`` and ``create_tts`` are the only places that read ``asr.backend``,
+``llm.backend`` and ``tts.engine`` / ``tts.backend``; each imports its backend's module
+only when that backend is chosen (vLLM, faster-whisper, Piper ... are heavy). To add a
+backend: implement the stage's contract (:mod:`voicebot.engines.contracts`), add its
+name to the config's ``Literal``, and a branch here.
+"""
 
 from __future__ import annotations
 
@@ -7,19 +15,77 @@ import contextlib
 import logging
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from voicebot.config import Config
-from voicebot.engines.asr.engine import AsrEngine
+from voicebot.config import AsrConfig, Config, LlmConfig, TtsConfig
+from voicebot.engines.contracts import Asr, EndOfTurn, Llm, Tts, Vad
 from voicebot.engines.health import EngineHealth
-from voicebot.engines.llm.inprocess import LlmEngine
 from voicebot.engines.startup import reap_children, start_all
-from voicebot.engines.tts.pool import TtsEngine, create_tts
-from voicebot.engines.turn.smart_turn import SmartTurn, load_smart_turn
+from voicebot.engines.turn.smart_turn import load_smart_turn
 from voicebot.engines.turn.vad import SileroVad
+from voicebot.errors import ModelError
+
+if TYPE_CHECKING:
+    from voicebot.engines.asr.engine import AsrEngine
+    from voicebot.engines.asr.vllm_whisper import WhisperVllmSettings
 
 log = logging.getLogger(__name__)
 
 ENGINE_NAMES = ("asr", "llm", "tts")
+
+
+def create_asr(cfg: AsrConfig, model_path: str, *, settings: WhisperVllmSettings | None = None) -> AsrEngine:
+    """The ASR engine ``cfg.backend`` names: faster-whisper (CPU, or CUDA 12), Whisper on vLLM,
+    or the shared ASR service (``model_path`` is then its URL). ``settings`` (benchmarks)
+    replaces everything the config says of the vLLM engine, the encoder window included."""
+    if cfg.backend == "vllm":
+        from voicebot.engines.asr.vllm_whisper import VllmAsrEngine, WhisperVllmSettings
+
+        settings = settings or WhisperVllmSettings(
+            **cfg.vllm.model_dump(), window_pad_s=cfg.encoder_pad_s, window_min_s=cfg.encoder_min_s
+        )
+        return VllmAsrEngine(cfg, model_path, agreement_n=cfg.agreement_n, settings=settings)
+    if cfg.backend == "remote":  # the shared ASR service (voicebot asr-serve)
+        from voicebot.engines.asr.remote import RemoteAsrEngine
+
+        return RemoteAsrEngine(cfg, model_path, agreement_n=cfg.agreement_n)
+    from voicebot.engines.asr.engine import AsrEngine
+
+    return AsrEngine(cfg, model_path, agreement_n=cfg.agreement_n)
+
+
+def create_llm(cfg: LlmConfig, model_path: str, tokenizer_path: str | None = None) -> Llm:
+    """The LLM ``cfg.backend`` names: vLLM in this process, or the remote tier over HTTP
+    (then only the tokenizer is loaded here: ``tokenizer_path``, else ``model_path``)."""
+    if cfg.backend == "remote":
+        from voicebot.engines.llm.remote import RemoteLlmEngine
+
+        return RemoteLlmEngine(cfg, tokenizer_path or model_path)
+    from voicebot.engines.llm.inprocess import LlmEngine
+
+    return LlmEngine(cfg, model_path, tokenizer_path)
+
+
+def create_tts(cfg: TtsConfig, voice_path: str | None) -> Tts:
+    """The TTS engine ``cfg.engine`` names; ``voice_path`` is the resolved Piper voice directory.
+    With ``cfg.backend: remote`` it is the client of the shared service that hosts that engine."""
+    if cfg.backend == "remote":
+        from voicebot.engines.tts.remote import RemoteTts
+
+        return RemoteTts(cfg)
+    if cfg.engine == "piper":
+        from voicebot.engines.tts.piper import PiperTts
+
+        if voice_path is None:
+            raise ModelError("tts.engine=piper needs a resolved voice directory (tts.voice)")
+        return PiperTts(cfg, voice_path)
+    if cfg.engine == "kokoro":
+        from voicebot.engines.tts.kokoro import KokoroTts
+
+        return KokoroTts(cfg)
+    from voicebot.engines.tts.espeak import EspeakTts
+
+    return EspeakTts(cfg)
 
 
 @dataclass(frozen=True)
@@ -32,35 +98,27 @@ class EngineSpecs:
     tokenizer_path: str | None
     voice_path: str | None
 
-    def asr(self) -> AsrEngine:
-        # asr.backend picks faster-whisper or Whisper on vLLM (imports vLLM only in start()).
-        from voicebot.engines.asr.vllm_whisper import create_asr
-
+    def asr(self) -> Asr:
         return create_asr(self.cfg.asr, self.asr_path)
 
-    def llm(self) -> LlmEngine:
-        if self.cfg.llm.backend == "remote":
-            # The tier over HTTP; llm_path is then the tokenizer (resolve_specs).
-            from voicebot.engines.llm.remote import RemoteLlmEngine
+    def llm(self) -> Llm:
+        return create_llm(self.cfg.llm, self.llm_path, self.tokenizer_path)
 
-            return RemoteLlmEngine(self.cfg.llm, self.tokenizer_path or self.llm_path)
-        return LlmEngine(self.cfg.llm, self.llm_path, self.tokenizer_path)
-
-    def tts(self) -> TtsEngine:
+    def tts(self) -> Tts:
         return create_tts(self.cfg.tts, self.voice_path)
 
 
 @dataclass
 class Engines:
     cfg: Config
-    asr: AsrEngine
-    llm: LlmEngine
-    tts: TtsEngine
-    vad: SileroVad
+    asr: Asr
+    llm: Llm
+    tts: Tts
+    vad: Vad
     # None when the engines were built by hand (tests): then they cannot be restarted.
     specs: EngineSpecs | None = None
     # The end-of-turn model (vad.turn_detector: smart_turn), else None.
-    turn_model: SmartTurn | None = None
+    turn_model: EndOfTurn | None = None
     # Kept current by the supervisor (voicebot/engines/supervisor.py).
     health: dict[str, EngineHealth] = field(default_factory=lambda: {n: EngineHealth(n) for n in ENGINE_NAMES})
 

@@ -285,7 +285,8 @@ async def serve_asr(
     pull: bool = True,
 ) -> None:
     """Load the engine, serve until ``stop`` (or SIGINT/SIGTERM), close everything."""
-    from voicebot.engines.asr.vllm_whisper import VllmAsrEngine, create_asr
+    from voicebot.engines.asr.vllm_whisper import VllmAsrEngine
+    from voicebot.engines.registry import create_asr
     from voicebot.provision import resolve_model
 
     backend = cfg.asr.remote.engine if cfg.asr.backend == "remote" else cfg.asr.backend

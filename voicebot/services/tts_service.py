@@ -33,7 +33,7 @@ import websockets
 from websockets.asyncio.server import ServerConnection, serve
 
 from voicebot.config import Config
-from voicebot.engines.tts.pool import TtsEngine
+from voicebot.engines.contracts import Tts
 from voicebot.engines.tts.remote import MAX_FRAME, PROTOCOL
 from voicebot.errors import EngineError, VoicebotError
 from voicebot.services.wire import ServiceConn, is_id, pack_frame, run_service, serve_until_stopped
@@ -112,7 +112,7 @@ def parse_synthesize(data: dict[str, Any]) -> tuple[int, str, str | None, float 
 class TtsService:
     """The clause tasks and the WebSocket handler around one started engine."""
 
-    def __init__(self, engine: TtsEngine, *, engine_name: str = "") -> None:
+    def __init__(self, engine: Tts, *, engine_name: str = "") -> None:
         self.engine = engine
         self.engine_name = engine_name
         self.stats = ServiceStats()
@@ -270,7 +270,7 @@ async def serve_tts(
     pull: bool = True,
 ) -> None:
     """Load the engine, serve until ``stop`` (or SIGINT/SIGTERM), close everything."""
-    from voicebot.engines.tts.pool import create_tts
+    from voicebot.engines.registry import create_tts
     from voicebot.provision import resolve_model
 
     tcfg = cfg.tts.model_copy(update={"backend": "local"})

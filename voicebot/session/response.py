@@ -28,8 +28,9 @@ from typing import Any
 import numpy as np
 
 from voicebot.audio import resample
-from voicebot.engines.llm.inprocess import GenerationStats, Lane, LlmEngine
-from voicebot.engines.tts.pool import TtsEngine
+from voicebot.engines.contracts import GenerationStats, Lane
+from voicebot.engines.contracts import Llm as LlmEngine
+from voicebot.engines.contracts import Tts as TtsEngine
 from voicebot.session.clauses import ClauseChunker
 from voicebot.session.clock import REAL_CLOCK, Clock
 from voicebot.session.events import ToolCallArgumentsDelta, ToolCallDone, ToolCallStarted

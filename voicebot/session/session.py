@@ -30,8 +30,7 @@ import numpy as np
 from voicebot.affinity import bind_session
 from voicebot.audio import ASR_RATE, Resampler, pcm16_to_float
 from voicebot.config import Config, VadConfig
-from voicebot.engines.asr.engine import AsrStream, Transcript
-from voicebot.engines.llm.inprocess import Lane
+from voicebot.engines.contracts import AsrStream, Lane, Transcript
 from voicebot.engines.registry import Engines
 from voicebot.engines.tokenizer_thread import run_tokenizer
 from voicebot.errors import BadAudio, BadMessage, VoicebotError

@@ -16,7 +16,6 @@ import itertools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
@@ -25,24 +24,13 @@ from voicebot.audio import ASR_RATE
 from voicebot.config import AsrConfig
 from voicebot.engines.asr.agreement import continuation_after, join_text
 from voicebot.engines.asr.jobs import DecodeJob, JobQueue, Priority
-from voicebot.engines.asr.stream import AsrStream, Partial, Transcript, as_mono_f32
+from voicebot.engines.asr.stream import AsrStream, as_mono_f32
+from voicebot.engines.contracts import AsrStats, Transcript
 from voicebot.errors import EngineError, ModelError
 
-__all__ = ["AsrEngine", "AsrStats", "AsrStream", "Partial", "Transcript"]
+__all__ = ["AsrEngine", "DecodeAbandoned", "unless_abandoned"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class AsrStats:
-    partial_decodes: int = 0
-    final_decodes: int = 0
-    dropped_partials: int = 0
-    failed_decodes: int = 0
-    # Partials stopped while running because the final superseded them (or their
-    # utterance or stream ended): the decode's remaining stages were skipped.
-    abandoned_partials: int = 0
-
 
 
 _T = TypeVar("_T")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -19,30 +18,13 @@ import numpy as np
 from voicebot.audio import ASR_RATE
 from voicebot.engines.asr.agreement import LocalAgreement, join_text, split_words
 from voicebot.engines.asr.jobs import DecodeJob, Priority
+from voicebot.engines.contracts import Partial, Transcript
 from voicebot.errors import EngineError
 
 if TYPE_CHECKING:
     from voicebot.engines.asr.engine import AsrEngine
 
 _PARTIALS_BUFFERED = 4  # per stream; a newer partial supersedes the oldest
-
-
-@dataclass(frozen=True)
-class Transcript:
-    text: str
-    audio_s: float
-    decode_s: float
-
-
-@dataclass(frozen=True)
-class Partial:
-    confirmed: str
-    tentative: str
-    audio_s: float
-
-    @property
-    def text(self) -> str:
-        return join_text(self.confirmed, self.tentative)
 
 
 def as_mono_f32(audio: np.ndarray) -> np.ndarray:

@@ -45,7 +45,7 @@ from voicebot.errors import EngineError, ModelError
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
 
-__all__ = ["VllmAsrEngine", "VllmWhisper", "WhisperRunner", "WhisperVllmSettings", "create_asr"]
+__all__ = ["VllmAsrEngine", "VllmWhisper", "WhisperRunner", "WhisperVllmSettings"]
 
 log = logging.getLogger(__name__)
 
@@ -333,19 +333,3 @@ class VllmAsrEngine(AsrEngine):
         superseded = self._superseded.get(job)
         if superseded is not None and not superseded.done():
             superseded.set_result(None)
-
-
-def create_asr(cfg: AsrConfig, model_path: str, *, settings: WhisperVllmSettings | None = None) -> AsrEngine:
-    """The ASR engine ``cfg.backend`` names (faster-whisper on CPU/CUDA 12, Whisper on vLLM,
-    or the shared ASR service). ``settings`` (benchmarks) replaces everything the config
-    says of the vLLM engine, the encoder window included."""
-    if cfg.backend == "vllm":
-        settings = settings or WhisperVllmSettings(
-            **cfg.vllm.model_dump(), window_pad_s=cfg.encoder_pad_s, window_min_s=cfg.encoder_min_s
-        )
-        return VllmAsrEngine(cfg, model_path, agreement_n=cfg.agreement_n, settings=settings)
-    if cfg.backend == "remote":  # the shared ASR service (voicebot asr-serve)
-        from voicebot.engines.asr.remote import RemoteAsrEngine
-
-        return RemoteAsrEngine(cfg, model_path, agreement_n=cfg.agreement_n)
-    return AsrEngine(cfg, model_path, agreement_n=cfg.agreement_n)

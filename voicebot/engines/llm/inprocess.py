@@ -17,18 +17,17 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import enum
 import itertools
 import logging
 import os
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from voicebot.affinity import current_session, rank_for
 from voicebot.config import LlmConfig
+from voicebot.engines.contracts import GenerationStats, Lane, TextDelta
 from voicebot.engines.llm.dtype import resolve_dtype
 from voicebot.engines.vllm_shutdown import shut_down
 from voicebot.errors import EngineError, ModelError
@@ -43,42 +42,6 @@ class BackgroundQueueFull(EngineError):
     """Too many background requests already wait for a slot; this one is refused."""
 
     code = "background_queue_full"
-
-
-class Lane(enum.Enum):
-    INTERACTIVE = "interactive"
-    BACKGROUND = "background"
-
-
-@dataclass
-class GenerationStats:
-    """What one request cost; filled in while it streams."""
-
-    request_id: str
-    lane: Lane
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    output_tokens: int = 0
-    submitted_at: float = field(default_factory=time.monotonic)
-    first_token_at: float | None = None
-    finished_at: float | None = None
-    finish_reason: str | None = None
-    # A prefill of the history (LlmEngine.warm): left out of the engine's totals (the
-    # replies' cache hit ratio), and a remote one is tried once and never counts
-    # towards the tier's failures.
-    best_effort: bool = False
-
-    @property
-    def ttft_s(self) -> float | None:
-        return None if self.first_token_at is None else self.first_token_at - self.submitted_at
-
-
-@dataclass(frozen=True)
-class TextDelta:
-    text: str
-    token_count: int
-    token_ids: tuple[int, ...] = ()
-
 
 
 def _no_del_after_shutdown(engine: AsyncLLM) -> None:
@@ -264,6 +227,11 @@ class LlmEngine:
         if self._engine is None:
             return 0
         return int(self._engine.output_processor.get_num_unfinished_requests())
+
+    @property
+    def keeps_prefills(self) -> bool:
+        """vLLM's prefix cache keeps a background prefill when it is on."""
+        return self.cfg.enable_prefix_caching
 
     @property
     def cache_hit_ratio(self) -> float:

@@ -41,7 +41,8 @@ import httpx
 
 from voicebot.affinity import current_session
 from voicebot.config import LlmConfig
-from voicebot.engines.llm.inprocess import GenerationStats, Lane, LlmEngine, TextDelta
+from voicebot.engines.contracts import GenerationStats, Lane, TextDelta
+from voicebot.engines.llm.inprocess import LlmEngine
 from voicebot.errors import EngineError, ModelError
 
 log = logging.getLogger(__name__)
@@ -160,6 +161,11 @@ class RemoteLlmEngine(LlmEngine):
                 f"last: {self._last_error}"
             )
         return None
+
+    @property
+    def keeps_prefills(self) -> bool:
+        """The tier's servers keep their own prefix cache (``--enable-prefix-caching``)."""
+        return True
 
     def unfinished_requests(self) -> int:
         """Streams open to the tier (the servers' own count is on their /metrics)."""

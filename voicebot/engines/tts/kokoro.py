@@ -27,7 +27,7 @@ import numpy as np
 
 from voicebot.config import TtsConfig
 from voicebot.engines.tts.kokoro_batch import KokoroBatcher, Runner
-from voicebot.engines.tts.pool import clean_text, resolve_speed, split_sentences
+from voicebot.engines.tts.text import clean_text, resolve_speed, split_sentences
 from voicebot.errors import EngineError, ModelError
 
 log = logging.getLogger(__name__)

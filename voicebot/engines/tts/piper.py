@@ -23,14 +23,8 @@ from piper import PiperVoice, SynthesisConfig
 
 from voicebot.audio import resample
 from voicebot.config import TtsConfig
-from voicebot.engines.tts.pool import (
-    PooledTts,
-    WorkerPool,
-    clean_text,
-    resolve_speed,
-    split_sentences,
-    stream_jobs,
-)
+from voicebot.engines.tts.pool import PooledTts, WorkerPool, stream_jobs
+from voicebot.engines.tts.text import clean_text, resolve_speed, split_sentences
 from voicebot.errors import EngineError, ModelError
 
 log = logging.getLogger(__name__)

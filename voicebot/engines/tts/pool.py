@@ -1,8 +1,8 @@
-"""Text-to-speech: the interface the session codes against, the factory, and the
-worker pool that every TTS engine instance uses to keep synthesis off the event loop.
+"""The worker pool that the local TTS engines (Piper, espeak-ng) use to keep synthesis off
+the event loop; the contract they implement is :class:`voicebot.engines.contracts.Tts`.
 
-Streaming model: text is cleaned (markdown, emoji ... removed), cut into sentences,
-and each sentence becomes one *job* in the engine's :class:`WorkerPool`. A stream
+Streaming model: text is cleaned (markdown, emoji ... removed, :mod:`.text`), cut into
+sentences, and each sentence becomes one *job* in the engine's :class:`WorkerPool`. A stream
 keeps at most one job in the pool at a time (the next sentence is submitted when the
 previous one's audio is handed over), so sessions interleave sentence by sentence
 and a stream's memory never grows beyond one sentence of look-ahead.
@@ -17,80 +17,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
-import unicodedata
 from collections import deque
 from collections.abc import AsyncGenerator, Callable, Iterable
 from concurrent.futures import Future as ThreadFuture
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
-from voicebot.config import TtsConfig
-from voicebot.errors import CapacityError, EngineError, ModelError
+from voicebot.errors import CapacityError, EngineError
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-class TtsEngine(Protocol):
-    sample_rate: int
-    """Native rate of the produced audio (Hz)."""
-
-    async def start(self) -> None:
-        """Load models (in a thread) and start the worker pool."""
-
-    async def aclose(self) -> None:
-        """Drop queued work, wait for running work, stop the worker threads."""
-
-    @property
-    def queue_depth(self) -> int:
-        """Jobs waiting for a synthesis thread."""
-
-    @property
-    def failure_streak(self) -> int:
-        """Syntheses that failed in a row (health: see voicebot/engines/health.py)."""
-
-    @property
-    def last_error(self) -> BaseException | None:
-        """The latest synthesis failure, if any."""
-
-    def voices(self) -> list[str]:
-        """Voice names accepted by ``synthesize(voice=...)``."""
-
-    def synthesize(
-        self, text: str, *, voice: str | None = None, speed: float | None = None
-    ) -> AsyncGenerator[np.ndarray, None]:
-        """Float32 mono chunks at ``sample_rate``, one per sentence, each as soon as it is ready.
-
-        Raises CapacityError when the pool's waiting queue is full, EngineError when
-        synthesis fails. Empty or unspeakable text yields nothing.
-        """
-
-
-def create_tts(cfg: TtsConfig, voice_path: str | None) -> TtsEngine:
-    """Build the engine ``cfg.engine`` names; ``voice_path`` is the resolved Piper voice directory.
-    With ``cfg.backend: remote`` it is the client of the shared service that hosts that engine."""
-    if cfg.backend == "remote":
-        from voicebot.engines.tts.remote import RemoteTts
-
-        return RemoteTts(cfg)
-    if cfg.engine == "piper":
-        from voicebot.engines.tts.piper import PiperTts
-
-        if voice_path is None:
-            raise ModelError("tts.engine=piper needs a resolved voice directory (tts.voice)")
-        return PiperTts(cfg, voice_path)
-    if cfg.engine == "kokoro":
-        from voicebot.engines.tts.kokoro import KokoroTts
-
-        return KokoroTts(cfg)
-    from voicebot.engines.tts.espeak import EspeakTts
-
-    return EspeakTts(cfg)
 
 
 # --- worker pool -------------------------------------------------------------------
@@ -255,54 +195,9 @@ async def stream_jobs(
             pool.cancel(pending)
 
 
-# --- text --------------------------------------------------------------------------
-
-_MD_IMAGE_OR_LINK = re.compile(r"!?\[([^\]]*)\]\([^)]*\)")
-_MD_BULLET = re.compile(r"^\s*(?:[-*+•]|#{1,6})\s+", re.MULTILINE)
-# Markup characters that would be read out ("asterisk") or that Piper treats as
-# syntax: "[[...]]" is Piper's raw-phoneme escape, so LLM text must never reach it.
-_MD_MARKS = re.compile(r"[*_`~#|<>\[\]{}\\^]+")
-_SPACES = re.compile(r"[ \t\r\f\v]+")
-_SENTENCE_END = re.compile(r"(?<=[.!?…])\s+|\n+")
-# Symbols, private-use, unassigned, format (zero-width joiners) and modifier
-# characters: emoji and friends, nothing a synthesiser can say.
-_UNSPEAKABLE = {"So", "Sk", "Cs", "Co", "Cn", "Cf", "Cc"}
-_VARIATION_SELECTORS = re.compile("[\ufe00-\ufe0f]")  # category Mn, but emoji-only
-
-
-def clean_text(text: str) -> str:
-    """Strip what cannot be spoken (markdown, emoji, control characters); keep line breaks.
-
-    Returns "" when nothing speakable (no letter or digit) is left.
-    """
-    text = _MD_IMAGE_OR_LINK.sub(r"\1", text)
-    text = _MD_BULLET.sub("", text)
-    text = _MD_MARKS.sub(" ", text)
-    text = _VARIATION_SELECTORS.sub("", text)
-    text = "".join(
-        ch if ch == "\n" or unicodedata.category(ch) not in _UNSPEAKABLE else " " for ch in text
-    )
-    lines = [_SPACES.sub(" ", line).strip() for line in text.split("\n")]
-    text = "\n".join(line for line in lines if line)
-    return text if any(ch.isalnum() for ch in text) else ""
-
-
-def split_sentences(text: str) -> list[str]:
-    """Cut cleaned text after sentence punctuation and at line breaks (list items)."""
-    parts = (p.strip() for p in _SENTENCE_END.split(text))
-    return [p for p in parts if any(ch.isalnum() for ch in p)]
-
-
-def resolve_speed(speed: float | None, default: float) -> float:
-    value = default if speed is None else speed
-    if not value > 0:
-        raise ValueError(f"speed must be positive, got {speed!r}")
-    # Same bounds as TtsConfig.speed: beyond them both engines turn to mush.
-    return min(max(value, 0.25), 4.0)
-
-
 class PooledTts:
-    """What both engines share: synthesis jobs run on one bounded :class:`WorkerPool`."""
+    """The views of its :class:`WorkerPool` that a pooled engine (Piper, espeak-ng) gives the
+    server: a mixin with no behaviour of its own."""
 
     _pool: WorkerPool
 

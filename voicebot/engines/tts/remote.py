@@ -51,7 +51,7 @@ import websockets
 from websockets.asyncio.client import ClientConnection
 
 from voicebot.config import RemoteTtsConfig, TtsConfig
-from voicebot.engines.tts.pool import clean_text
+from voicebot.engines.tts.text import clean_text
 from voicebot.errors import CapacityError, EngineError
 from voicebot.services.wire import (
     CONNECT_ERRORS,
