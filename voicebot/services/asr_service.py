@@ -33,8 +33,8 @@ import websockets
 from websockets.asyncio.server import ServerConnection, serve
 
 from voicebot.config import Config
-from voicebot.engines.asr.engine import AsrEngine, DecodeAbandoned
-from voicebot.engines.asr.jobs import DecodeJob, JobQueue, Priority
+from voicebot.engines.asr.engine import AsrEngine
+from voicebot.engines.asr.jobs import DecodeAbandoned, DecodeJob, JobQueue, Priority
 from voicebot.engines.asr.remote import MAX_FRAME, PROTOCOL, unpack_decode
 from voicebot.errors import VoicebotError
 from voicebot.services.wire import ServiceConn, is_id, run_service, serve_until_stopped
@@ -233,9 +233,9 @@ class AsrService:
             conn = job.owner
             if conn.closed or conn.jobs.get(job.id) is not job:
                 continue
-            # The engine's own decode (faster-whisper: its thread pool; vLLM: a request
-            # aborted when cancelled), without its queue: the queue is this one.
-            job.task = asyncio.ensure_future(self.engine._run_decode(job.decode))
+            # The engine's decoder (faster-whisper: its thread pool; vLLM: a request
+            # aborted when cancelled), without the engine's queue: the queue is this one.
+            job.task = asyncio.ensure_future(self.engine.decoder.decode(job.decode))
             self.running += 1
             try:
                 text, decode_s = await job.task
@@ -285,7 +285,6 @@ async def serve_asr(
     pull: bool = True,
 ) -> None:
     """Load the engine, serve until ``stop`` (or SIGINT/SIGTERM), close everything."""
-    from voicebot.engines.asr.vllm_whisper import VllmAsrEngine
     from voicebot.engines.registry import create_asr
     from voicebot.provision import resolve_model
 
@@ -297,7 +296,7 @@ async def serve_asr(
     t0 = time.perf_counter()
     engine = create_asr(acfg, path)
     await engine.start()
-    slots = engine.settings.concurrency if isinstance(engine, VllmAsrEngine) else acfg.workers
+    slots = engine.decoder.slots
     service = AsrService(engine, slots=slots, queue_size=acfg.queue_size, backend=backend)
     service.start()
 

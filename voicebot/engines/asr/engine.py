@@ -1,8 +1,12 @@
-"""Shared streaming ASR: one faster-whisper model serving every session.
+"""Shared streaming ASR: one engine serving every session's streams.
 
-``AsrEngine`` owns the model, a bounded priority queue of decode jobs (finals before
-partials, see :mod:`voicebot.engines.asr_queue`) and ``cfg.workers`` decode threads;
-``AsrStream`` (:mod:`voicebot.engines.asr_stream`) is one session's utterance.
+``AsrEngine`` owns a bounded priority queue of decode jobs (finals before partials, see
+:mod:`.jobs`) and as many decode slots as its :class:`~.jobs.Decoder` runs at once; an
+:class:`~.stream.Utterance` is one session's stream. The decoder is the backend:
+faster-whisper on threads (:mod:`.local`, the default), Whisper on vLLM
+(:mod:`.vllm_whisper`) or the shared ASR service (:mod:`.remote`); everything else --
+queueing, partial scheduling, LocalAgreement, reuse of the partial that saw the end of
+speech -- is this engine's and the stream's, whichever decodes.
 
 Every decode forces the confirmed words as Whisper's ``prefix``: hypotheses then start
 with them by construction, and so does the final transcript.
@@ -11,125 +15,78 @@ with them by construction, and so does the final transcript.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
-import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
 from voicebot.audio import ASR_RATE
 from voicebot.config import AsrConfig
-from voicebot.engines.asr.agreement import continuation_after, join_text
-from voicebot.engines.asr.jobs import DecodeJob, JobQueue, Priority
-from voicebot.engines.asr.stream import AsrStream, as_mono_f32
+from voicebot.engines.asr.agreement import join_text
+from voicebot.engines.asr.jobs import (
+    DecodeAbandoned,
+    DecodeDropped,
+    DecodeFailed,
+    DecodeJob,
+    Decoder,
+    JobOwner,
+    JobQueue,
+    Priority,
+)
+from voicebot.engines.asr.local import LocalWhisper
+from voicebot.engines.asr.stream import Utterance, as_mono_f32
 from voicebot.engines.contracts import AsrStats, Transcript
-from voicebot.errors import EngineError, ModelError
+from voicebot.errors import EngineError
 
-__all__ = ["AsrEngine", "DecodeAbandoned", "unless_abandoned"]
+__all__ = ["AsrEngine"]
 
 log = logging.getLogger(__name__)
 
 
-_T = TypeVar("_T")
-
-
-class DecodeAbandoned(Exception):
-    """A decode stopped because nobody waits for its result any more: nothing to report."""
-
-
-async def unless_abandoned(decode: asyncio.Future[_T], waiter: asyncio.Future[Any]) -> _T:
-    """A final's decode, raced against its waiter: the result, or -- when the waiter goes
-    first (the turn was cancelled) -- the decode cancelled, so the upstream work stops
-    (a vLLM request, the ASR service's job), and :class:`DecodeAbandoned`. Our own
-    cancellation cancels the decode as well and propagates."""
-    try:
-        await asyncio.wait({decode, waiter}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        decode.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await decode
-        raise
-    if not decode.done():
-        decode.cancel()
-        try:
-            with contextlib.suppress(Exception):
-                await decode  # its cleanup: a vLLM abort, a cancel sent to the ASR service
-        except asyncio.CancelledError:
-            # The decode ended cancelled, as asked -- or we were cancelled while it stopped
-            # (the engine closing): that must propagate, or the decode slot's task goes on
-            # and AsrEngine.aclose() waits for it forever.
-            task = asyncio.current_task()
-            if task is not None and task.cancelling():
-                raise
-        raise DecodeAbandoned
-    return decode.result()
-
-
 class AsrEngine:
-    def __init__(self, cfg: AsrConfig, model_path: str, *, agreement_n: int = 3) -> None:
+    """The :class:`~voicebot.engines.contracts.Asr` contract over a :class:`~.jobs.Decoder`
+    (faster-whisper on ``cfg.workers`` threads when none is given)."""
+
+    def __init__(
+        self, cfg: AsrConfig, model_path: str, *, agreement_n: int = 3, decoder: Decoder | None = None
+    ) -> None:
         self.cfg = cfg
         self.model_path = model_path
         # Consecutive partials that must agree before a word is confirmed. LocalAgreement-2
-        # locked in tiny.en's early guesses on 1.8-2.4 s of audio ("How do you marry" for
-        # "Had he married") and raised WER on the test clips from 6.7 % to 12 %; n = 3
-        # keeps WER at the one-shot level at the cost of ~0.6 s more confirmation lag.
+        # locks in a small model's early guesses on the first seconds of audio; n = 3 keeps
+        # WER at the one-shot level for about 0.6 s more confirmation lag.
         self.agreement_n = agreement_n
+        self.decoder: Decoder = decoder or LocalWhisper(cfg, model_path)
         self.stats = AsrStats()
-        self._model: Any = None
         self._queue: JobQueue[DecodeJob] = JobQueue(cfg.queue_size)
         self._work = asyncio.Event()  # queue may be non-empty
         self._space = asyncio.Event()  # a slot freed up (finals waiting on a full queue)
         self._workers: list[asyncio.Task[None]] = []
-        self._executor: ThreadPoolExecutor | None = None
         self._seq = itertools.count(1)
         self._closed = False
 
     async def start(self) -> None:
-        # heavy import (faster-whisper), only when serving
-        from voicebot.engines.asr.whisper_window import WindowedWhisper
-
-        cfg = self.cfg
-        t0 = time.perf_counter()
-        try:
-            self._model = await asyncio.to_thread(
-                WindowedWhisper,
-                self.model_path,
-                device=cfg.device,
-                compute_type=cfg.compute_type,
-                cpu_threads=cfg.cpu_threads,
-                num_workers=cfg.workers,
-            )
-        except Exception as exc:
-            raise ModelError(f"cannot load ASR model {self.model_path!r}: {exc}") from exc
-        # Own threads: decodes must not queue behind unrelated to_thread() work.
-        self._executor = ThreadPoolExecutor(cfg.workers, thread_name_prefix="asr")
+        await self.decoder.start()
+        # One task per decode slot: each takes the next job (finals first) and awaits
+        # the decoder. The decoder bounds nothing itself: this count does.
         self._workers = [
-            asyncio.create_task(self._worker(), name=f"asr-worker-{i}") for i in range(cfg.workers)
+            asyncio.create_task(self._worker(), name=f"{self.decoder.name}-{i}") for i in range(self.decoder.slots)
         ]
-        log.info(
-            "ASR model %s loaded in %.2f s (%d workers)",
-            self.model_path,
-            time.perf_counter() - t0,
-            cfg.workers,
-        )
 
     async def aclose(self) -> None:
         self._closed = True
         self._space.set()  # wake finals waiting for room; they see _closed
-        for task in self._workers:
-            task.cancel()
-        await asyncio.gather(*self._workers, return_exceptions=True)
-        self._workers = []
-        while (job := self._queue.pop()) is not None:
-            job.fail(EngineError("ASR engine closed"))
-        if self._executor is not None:
-            # Waits for at most the decodes already running (threads cannot be interrupted).
-            await asyncio.to_thread(self._executor.shutdown, wait=True)
-            self._executor = None
-        self._model = None
+        try:
+            for task in self._workers:
+                task.cancel()  # a vLLM request or a service decode in flight is aborted
+            await asyncio.gather(*self._workers, return_exceptions=True)
+            self._workers = []
+            while (job := self._queue.pop()) is not None:
+                job.fail(EngineError("ASR engine closed"))
+        finally:
+            await self.decoder.aclose()
 
     async def __aenter__(self) -> AsrEngine:
         await self.start()
@@ -142,20 +99,20 @@ class AsrEngine:
     def queue_depth(self) -> int:
         return len(self._queue)
 
-    def stream(self, *, language: str | None = None) -> AsrStream:
+    def stream(self, *, language: str | None = None) -> Utterance:
         """A new per-session stream; ``language=None`` means ``cfg.language``."""
-        return AsrStream(self, language or self.cfg.language)
+        return Utterance(self, language or self.cfg.language)
 
     async def transcribe(self, audio: np.ndarray, *, language: str | None = None) -> Transcript:
         """One-shot decode at final priority (no prefix, no stream state)."""
         audio = as_mono_f32(audio)
         job = DecodeJob(Priority.FINAL, None, audio=audio, language=language or self.cfg.language)
-        text, decode_s = await self._run_final(job)
+        text, decode_s = await self.run_final(job)
         return Transcript(text, audio.size / ASR_RATE, decode_s)
 
-    # -- internals used by AsrStream -------------------------------------------------
+    # -- what a stream asks of the engine (stream.DecodeScheduler) -------------------
 
-    def _offer_partial(self, job: DecodeJob) -> bool:
+    def offer_partial(self, job: DecodeJob) -> bool:
         if self._closed:
             return False
         if not self._queue.offer_partial(job):
@@ -164,7 +121,7 @@ class AsrEngine:
         self._work.set()
         return True
 
-    async def _run_final(self, job: DecodeJob) -> tuple[str, float]:
+    async def run_final(self, job: DecodeJob) -> tuple[str, float]:
         job.future = asyncio.get_running_loop().create_future()
         while True:
             if self._closed or not self._workers:
@@ -177,41 +134,55 @@ class AsrEngine:
         if evicted is not None:
             self.stats.dropped_partials += 1
             assert evicted.owner is not None
-            evicted.owner._partial_dropped(evicted)
+            evicted.owner.partial_dropped(evicted)
         self._work.set()
         try:
             return await job.future
         except asyncio.CancelledError:
-            # Still queued: take it out. Running: the decode thread stops at its next
-            # checkpoint, and the worker throws away whatever it returns.
+            # Still queued: take it out. Running: the decode stops at its next checkpoint
+            # (or its request is aborted), and the worker throws away whatever it returns.
             if self._queue.remove(job):
                 self._space.set()
             else:
                 job.stale = True
             raise
 
-    async def _run_decode(self, job: DecodeJob) -> tuple[str, float]:
-        """Decode one job: (text, seconds). Backends that decode asynchronously
-        (asr_vllm.py, asr_remote.py) override this; it may raise :class:`DecodeAbandoned`,
-        having done the job's bookkeeping."""
-        loop = asyncio.get_running_loop()
-        try:
-            return await loop.run_in_executor(self._executor, self._decode, job)
-        except DecodeAbandoned:
-            self._partial_abandoned(job)
-            raise
-
-    def _abandon(self, job: DecodeJob) -> None:
+    def abandon(self, job: DecodeJob) -> None:
         """Stop a running partial whose result nobody will use, at the decode's earliest
-        safe point (here: before the encoder or before the decoder; see whisper_window.py).
-        It may still finish: then its result counts as any partial's."""
+        safe point. It may still finish: then its result counts as any partial's."""
         job.stale = True
+        self.decoder.abandon(job)
 
-    def _partial_abandoned(self, job: DecodeJob) -> None:
-        """A running job stopped by :meth:`_abandon`: settle the stream's partial."""
-        if job.priority is Priority.PARTIAL and job.owner is not None:
-            self.stats.abandoned_partials += 1
-            job.owner._partial_done(job, None)
+    def withdraw(self, job: DecodeJob) -> bool:
+        return self._queue.remove(job)
+
+    def close_owner(self, owner: JobOwner) -> None:
+        for job in self._queue.remove_owner(owner):
+            job.fail(EngineError("ASR stream closed"))
+        self._space.set()
+
+    # -- the decode slots ------------------------------------------------------------
+
+    async def _run_decode(self, job: DecodeJob) -> tuple[str, float]:
+        """Decode one job: (text, seconds), or :class:`DecodeAbandoned` once the job's
+        bookkeeping is done (its stream's partial settled, the counters updated)."""
+        try:
+            return await self.decoder.decode(job)
+        except DecodeAbandoned:
+            if job.priority is Priority.PARTIAL and job.owner is not None:
+                self.stats.abandoned_partials += 1
+                job.owner.partial_done(job, None)
+            raise
+        except DecodeDropped:
+            self.stats.dropped_partials += 1
+            if job.owner is not None:
+                job.owner.partial_dropped(job)  # retried on the stream's next audio
+            raise DecodeAbandoned from None
+        except DecodeFailed:
+            self.stats.failed_decodes += 1
+            if job.owner is not None:
+                job.owner.partial_done(job, None)
+            raise DecodeAbandoned from None
 
     async def _worker(self) -> None:
         while True:
@@ -246,7 +217,7 @@ class AsrEngine:
             else:
                 self.stats.partial_decodes += 1
                 assert job.owner is not None
-                job.owner._partial_done(job, text)
+                job.owner.partial_done(job, text)
 
     def _dispatch(self, job: DecodeJob) -> None:
         """Fill in the job's audio and prefix at the last moment, from the stream's state."""
@@ -254,33 +225,29 @@ class AsrEngine:
         if job.owner is None:  # one-shot transcribe()
             return
         if job.priority is Priority.FINAL:
-            job.prefix = job.owner._final_prefix(job)
+            job.prefix = job.owner.final_prefix(job)
         else:
-            job.owner._prepare_partial(job)
+            job.owner.prepare_partial(job)
 
-    def _decode(self, job: DecodeJob) -> tuple[str, float]:
-        """Runs in a decode thread; returns the text after the prefix and the decode time."""
-        cfg = self.cfg
-        t0 = time.perf_counter()
+    # -- faster-whisper's model and threads, which tests that stage a decode set ------
 
-        def checkpoint() -> None:
-            if job.stale:  # set on the event loop; a bool read needs no lock
-                raise DecodeAbandoned
+    @property
+    def _model(self) -> Any:
+        return self._local().model
 
-        text = self._model.transcribe_text(
-            job.audio,
-            pad_s=cfg.encoder_pad_s,
-            min_s=cfg.encoder_min_s,
-            language=job.language,
-            beam_size=cfg.beam_size if job.priority is Priority.FINAL else cfg.partial_beam_size,
-            best_of=1,
-            # One temperature: no fallback re-decodes, whose cost is unbounded on short audio.
-            temperature=0.0,
-            condition_on_previous_text=False,
-            without_timestamps=True,
-            vad_filter=False,  # our VAD runs upstream
-            suppress_blank=True,
-            prefix=job.prefix or None,
-            checkpoint=checkpoint,
-        )
-        return continuation_after(text, job.prefix), time.perf_counter() - t0
+    @_model.setter
+    def _model(self, model: Any) -> None:
+        self._local().model = model
+
+    @property
+    def _executor(self) -> ThreadPoolExecutor | None:
+        return self._local().executor
+
+    @_executor.setter
+    def _executor(self, executor: ThreadPoolExecutor | None) -> None:
+        self._local().executor = executor
+
+    def _local(self) -> LocalWhisper:
+        if not isinstance(self.decoder, LocalWhisper):
+            raise AttributeError(f"{type(self.decoder).__name__} is not faster-whisper on threads")
+        return self.decoder

@@ -5,10 +5,11 @@ One GPU serves more callers when ONE Whisper engine batches every frontend's str
 time-sliced the GPU). ``voicebot asr-serve`` (:mod:`voicebot.asr_service`) hosts that
 engine; this module is what a frontend runs instead of a local one.
 
-The split: everything per call stays here. :class:`RemoteAsrEngine` *is* an
-:class:`~voicebot.engines.asr.AsrEngine` with the same :class:`~voicebot.engines.asr_stream.AsrStream`
-(partials every ``partial_interval_ms``, LocalAgreement, the forced prefix, reuse of the
-partial that saw the end of speech, the bounded finals-first queue). Only a decode --
+The split: everything per call stays here. :class:`RemoteAsrEngine` is the shared
+:class:`~voicebot.engines.asr.engine.AsrEngine` with the same streams (partials every
+``partial_interval_ms``, LocalAgreement, the forced prefix, reuse of the partial that saw
+the end of speech, the bounded finals-first queue), built with :class:`RemoteDecoder`.
+Only a decode --
 audio, forced prefix, language, priority in; the text after the prefix out -- goes to
 the service, over one multiplexed WebSocket per frontend (:class:`AsrServiceClient`).
 
@@ -50,8 +51,15 @@ import numpy as np
 import websockets
 
 from voicebot.config import AsrConfig, RemoteAsrConfig
-from voicebot.engines.asr.engine import AsrEngine, DecodeAbandoned, unless_abandoned
-from voicebot.engines.asr.jobs import DecodeJob, Priority
+from voicebot.engines.asr.engine import AsrEngine
+from voicebot.engines.asr.jobs import (
+    DecodeAbandoned,
+    DecodeDropped,
+    DecodeFailed,
+    DecodeJob,
+    Priority,
+    unless_abandoned,
+)
 from voicebot.errors import EngineError
 from voicebot.services.wire import (
     CONNECT_ERRORS,
@@ -68,6 +76,7 @@ __all__ = [
     "AsrServiceClient",
     "PartialDropped",
     "RemoteAsrEngine",
+    "RemoteDecoder",
     "ServiceLost",
     "pack_decode",
     "unpack_decode",
@@ -185,53 +194,50 @@ class AsrServiceClient(ServiceClient):
             self._pending.pop(job_id, None)
 
 
-class RemoteAsrEngine(AsrEngine):
-    """:class:`AsrEngine` whose decodes run on the shared ASR service (module docstring)."""
+class RemoteDecoder:
+    """A :class:`~voicebot.engines.asr.jobs.Decoder`: each decode goes to the shared ASR
+    service over one multiplexed connection (:class:`AsrServiceClient`)."""
 
-    def __init__(
-        self,
-        cfg: AsrConfig,
-        model_path: str = "",
-        *,
-        agreement_n: int = 3,
-        client: AsrServiceClient | None = None,
-    ) -> None:
-        super().__init__(cfg, model_path or cfg.remote.url, agreement_n=agreement_n)
-        self.client = client or AsrServiceClient(cfg.remote)
+    name = "asr-remote"
+
+    def __init__(self, cfg: RemoteAsrConfig, client: AsrServiceClient) -> None:
+        self.cfg = cfg
+        self.client = client
         self.in_flight = 0  # decodes sent to the service and not answered
         self._running: dict[DecodeJob, asyncio.Task[tuple[str, float]]] = {}
         self._last_partial_warning = -1e9  # monotonic time of the last failed-partial log line
 
+    @property
+    def slots(self) -> int:
+        # As for vLLM, one slot per decode in flight: the service bounds its own queue,
+        # this count bounds ours.
+        return self.cfg.concurrency
+
     async def start(self) -> None:
-        rcfg = self.cfg.remote
-        took = await connect_at_start(self.client, rcfg.startup_timeout_s)
-        # One task per decode slot, as for vLLM: each takes the next job (finals first)
-        # and awaits the service. The service bounds its own queue; this count bounds ours.
-        self._workers = [
-            asyncio.create_task(self._worker(), name=f"asr-remote-{i}") for i in range(rcfg.concurrency)
-        ]
-        log.info(
-            "ASR: the shared service at %s (%s, %s) in %.1f s, %d decode slots",
-            rcfg.url,
-            (self.client.hello or {}).get("backend"),
-            (self.client.hello or {}).get("model"),
-            took,
-            rcfg.concurrency,
-        )
+        cfg = self.cfg
+        took = await connect_at_start(self.client, cfg.startup_timeout_s)
+        hello = self.client.hello or {}
+        log.info("ASR: the shared service at %s (%s, %s) in %.1f s, %d decode slots",
+                 cfg.url, hello.get("backend"), hello.get("model"), took, cfg.concurrency)
 
     async def aclose(self) -> None:
-        try:
-            await super().aclose()  # cancels the workers: their decodes are cancelled at the service
-        finally:
-            await self.client.aclose()
+        await self.client.aclose()
 
-    def _abandon(self, job: DecodeJob) -> None:
-        """Stop a superseded partial at the service (AsrStream calls this on finalize,
-        reset and close): its decode is cancelled there."""
-        super()._abandon(job)
+    def abandon(self, job: DecodeJob) -> None:
+        """A superseded partial (finalize, reset, close): its decode is cancelled at the service."""
         task = self._running.get(job)
         if task is not None:
             task.cancel()
+
+    async def decode(self, job: DecodeJob) -> tuple[str, float]:
+        decode = asyncio.ensure_future(self._decode_remote(job))
+        self._running[job] = decode
+        try:
+            if job.future is None:
+                return await self._partial(decode)
+            return await self._final(job, decode)
+        finally:
+            self._running.pop(job, None)
 
     async def _decode_remote(self, job: DecodeJob) -> tuple[str, float]:
         assert job.audio is not None
@@ -241,41 +247,25 @@ class RemoteAsrEngine(AsrEngine):
         finally:
             self.in_flight -= 1
 
-    async def _run_decode(self, job: DecodeJob) -> tuple[str, float]:
-        decode = asyncio.ensure_future(self._decode_remote(job))
-        self._running[job] = decode
-        try:
-            if job.future is None:
-                return await self._partial(job, decode)
-            return await self._final(job, decode)
-        finally:
-            self._running.pop(job, None)
-
-    async def _partial(self, job: DecodeJob, decode: asyncio.Future[tuple[str, float]]) -> tuple[str, float]:
-        assert job.owner is not None
+    async def _partial(self, decode: asyncio.Future[tuple[str, float]]) -> tuple[str, float]:
         try:
             return await decode
         except PartialDropped:
-            self.stats.dropped_partials += 1
-            job.owner._partial_dropped(job)  # retried on the stream's next audio
-            raise DecodeAbandoned from None
+            raise DecodeDropped from None
         except EngineError as exc:
-            # Counted as the base worker would (the supervisor's failure streak), but with
-            # the service down every caller's partials fail: one log line per 10 s, not a
+            # Counted as any failed decode (the supervisor's failure streak), but with the
+            # service down every caller's partials fail: one log line per 10 s, not a
             # traceback per decode. A final's failure still goes to its waiter.
-            self.stats.failed_decodes += 1
             now = time.monotonic()
             if now - self._last_partial_warning >= 10.0:
                 self._last_partial_warning = now
                 log.warning("ASR partial decodes failing: %s", exc)
-            job.owner._partial_done(job, None)
-            raise DecodeAbandoned from None
+            raise DecodeFailed from None
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if task is not None and task.cancelling():
                 raise  # the engine is closing
-            self._partial_abandoned(job)  # superseded (_abandon): nothing to report
-            raise DecodeAbandoned from None
+            raise DecodeAbandoned from None  # superseded (abandon): nothing to report
 
     async def _final(self, job: DecodeJob, decode: asyncio.Future[tuple[str, float]]) -> tuple[str, float]:
         assert job.future is not None
@@ -283,3 +273,28 @@ class RemoteAsrEngine(AsrEngine):
             return await unless_abandoned(decode, job.future)
         except PartialDropped:  # the service never drops finals; be safe all the same
             raise EngineError("ASR service dropped a final decode", code="asr_unavailable") from None
+
+
+class RemoteAsrEngine(AsrEngine):
+    """The shared :class:`~voicebot.engines.asr.engine.AsrEngine` with a :class:`RemoteDecoder`:
+    it adds nothing to the engine but the decoder it is built with, and views of it."""
+
+    def __init__(
+        self,
+        cfg: AsrConfig,
+        model_path: str = "",
+        *,
+        agreement_n: int = 3,
+        client: AsrServiceClient | None = None,
+    ) -> None:
+        self._remote = RemoteDecoder(cfg.remote, client or AsrServiceClient(cfg.remote))
+        super().__init__(cfg, model_path or cfg.remote.url, agreement_n=agreement_n, decoder=self._remote)
+
+    @property
+    def client(self) -> AsrServiceClient:
+        return self._remote.client
+
+    @property
+    def in_flight(self) -> int:
+        """Decodes sent to the service and not answered."""
+        return self._remote.in_flight

@@ -1,28 +1,29 @@
-"""One session's streaming utterance on the shared :class:`~voicebot.engines.asr.AsrEngine`.
+"""One session's streaming utterance on the shared ASR engine (:mod:`.engine`).
 
-``AsrStream`` buffers audio, asks the engine for a partial decode every
+:class:`Utterance` is the :class:`~voicebot.engines.contracts.AsrStream` every ASR backend
+hands out: it buffers audio, asks the engine for a partial decode every
 ``partial_interval_ms`` of new audio (at most one queued or running per stream, which
 is what keeps the engine's partial queue fair), stabilises partials with
-LocalAgreement-n and decodes the final on demand. All of it runs on the event loop; the
-engine calls the ``_``-methods below when it dispatches or finishes this stream's jobs.
+LocalAgreement-n and decodes the final on demand. All of it runs on the event loop.
+
+The two sides meet through declared seams only: the stream asks the engine for what
+:class:`DecodeScheduler` lists, and the engine calls the stream back through
+:class:`~voicebot.engines.asr.jobs.JobOwner` when it dispatches or finishes its jobs.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from voicebot.audio import ASR_RATE
+from voicebot.config import AsrConfig
 from voicebot.engines.asr.agreement import LocalAgreement, join_text, split_words
 from voicebot.engines.asr.jobs import DecodeJob, Priority
 from voicebot.engines.contracts import Partial, Transcript
-from voicebot.errors import EngineError
-
-if TYPE_CHECKING:
-    from voicebot.engines.asr.engine import AsrEngine
 
 _PARTIALS_BUFFERED = 4  # per stream; a newer partial supersedes the oldest
 
@@ -34,10 +35,37 @@ def as_mono_f32(audio: np.ndarray) -> np.ndarray:
     return audio
 
 
-class AsrStream:
+class DecodeScheduler(Protocol):
+    """What a stream asks of its engine (:class:`~voicebot.engines.asr.engine.AsrEngine`)."""
+
+    cfg: AsrConfig
+    agreement_n: int
+
+    def offer_partial(self, job: DecodeJob) -> bool:
+        """Queue a partial if there is room (False: dropped, ask again later)."""
+        ...
+
+    async def run_final(self, job: DecodeJob) -> tuple[str, float]:
+        """Decode a final before anyone's partials: (the whole text, seconds)."""
+        ...
+
+    def abandon(self, job: DecodeJob) -> None:
+        """Stop a running partial whose result nobody will use."""
+        ...
+
+    def withdraw(self, job: DecodeJob) -> bool:
+        """Take a job out of the queue if it is still there (True if it was)."""
+        ...
+
+    def close_owner(self, owner: Utterance) -> None:
+        """Fail every queued job of a closing stream."""
+        ...
+
+
+class Utterance:
     """One session's utterance. Not thread-safe: use it from the event loop only."""
 
-    def __init__(self, engine: AsrEngine, language: str | None) -> None:
+    def __init__(self, engine: DecodeScheduler, language: str | None) -> None:
         self.engine = engine
         self.language = language
         cfg = engine.cfg
@@ -68,7 +96,7 @@ class AsrStream:
 
     def push(self, audio: np.ndarray) -> None:
         if self._closed:
-            raise RuntimeError("push() on a closed AsrStream")
+            raise RuntimeError("push() on a closed ASR stream")
         audio = as_mono_f32(audio)
         if audio.size == 0:
             return
@@ -114,7 +142,7 @@ class AsrStream:
         the largest part of the time between the end of speech and the reply.
         """
         if self._closed:
-            raise RuntimeError("finalize() on a closed AsrStream")
+            raise RuntimeError("finalize() on a closed ASR stream")
         if covering_s is not None and self._stop_stale(covering_s):
             self._new_samples = 0  # no partial in its place: what follows is the final's decode
         if covering_s is not None and self.engine.cfg.partial_beam_size >= self.engine.cfg.beam_size:
@@ -130,7 +158,7 @@ class AsrStream:
                     break  # nothing decoding: a final decode it is
                 await self._partial_settled.wait()
         queued = self._partial_job
-        if queued is not None and queued.audio is None and self.engine._queue.remove(queued):
+        if queued is not None and queued.audio is None and self.engine.withdraw(queued):
             # Not started yet: the final supersedes it, and it would only compete.
             self._partial_job = None
             self._partial_settled.set()
@@ -143,7 +171,7 @@ class AsrStream:
             language=self.language,
             generation=self._generation,
         )
-        text, decode_s = await self.engine._run_final(job)
+        text, decode_s = await self.engine.run_final(job)
         assert job.audio is not None
         return Transcript(text, job.audio.size / ASR_RATE, decode_s)
 
@@ -160,7 +188,7 @@ class AsrStream:
         running = self._partial_job
         if running is None or running.audio is None or running.audio.size / ASR_RATE >= covering_s:
             return False
-        self.engine._abandon(running)
+        self.engine.abandon(running)
         return True
 
     def _covers(self, covering_s: float) -> bool:
@@ -181,11 +209,11 @@ class AsrStream:
         self._agreement.reset()
         self._latest = None
         running = self._partial_job
-        if running is not None and self.engine._queue.remove(running):
+        if running is not None and self.engine.withdraw(running):
             self._partial_job = None
             self._partial_settled.set()
         elif running is not None and running.audio is not None:
-            self.engine._abandon(running)  # its audio belongs to the old utterance
+            self.engine.abandon(running)  # its audio belongs to the old utterance
         while not self._partials.empty():  # previews of the old utterance are stale
             self._partials.get_nowait()
 
@@ -193,17 +221,15 @@ class AsrStream:
         if self._closed:
             return
         self._closed = True
-        for job in self.engine._queue.remove_owner(self):
-            job.fail(EngineError("ASR stream closed"))
-        self.engine._space.set()
+        self.engine.close_owner(self)
         running = self._partial_job
         if running is not None and running.audio is not None:
-            self.engine._abandon(running)  # the call ended
+            self.engine.abandon(running)  # the call ended
         self._partial_job = None
         self._partial_settled.set()
         self._emit(None)
 
-    def __aiter__(self) -> AsrStream:
+    def __aiter__(self) -> Utterance:
         return self
 
     async def __anext__(self) -> Partial:
@@ -213,13 +239,13 @@ class AsrStream:
             raise StopAsyncIteration
         return item
 
-    async def __aenter__(self) -> AsrStream:
+    async def __aenter__(self) -> Utterance:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    # -- called by the engine, on the event loop -------------------------------------
+    # -- the engine's side (JobOwner), on the event loop ---------------------------------
 
     def _snapshot(self) -> np.ndarray:
         if not self._chunks:
@@ -230,19 +256,19 @@ class AsrStream:
         if self._partial_job is not None or self._new_samples < self._interval or self._closed:
             return
         job = DecodeJob(Priority.PARTIAL, self, language=self.language)
-        if self.engine._offer_partial(job):
+        if self.engine.offer_partial(job):
             self._partial_job = job
             self._partial_settled.clear()
             self._new_samples = 0
 
-    def _prepare_partial(self, job: DecodeJob) -> None:
+    def prepare_partial(self, job: DecodeJob) -> None:
         if self._closed or job is not self._partial_job:
             return  # job.audio stays None: the worker skips it
         job.audio = self._snapshot()
         job.prefix = self._agreement.confirmed_text
         job.generation = self._generation
 
-    def _final_prefix(self, job: DecodeJob) -> str:
+    def final_prefix(self, job: DecodeJob) -> str:
         if job.generation != self._generation:
             return job.prefix
         # Partials dispatched before now saw less audio than this final: drop their
@@ -250,7 +276,7 @@ class AsrStream:
         self._last_final_seq = job.seq
         return self._agreement.confirmed_text
 
-    def _partial_done(self, job: DecodeJob, text: str | None) -> None:
+    def partial_done(self, job: DecodeJob, text: str | None) -> None:
         if job is self._partial_job:
             self._partial_job = None
             self._partial_settled.set()
@@ -267,7 +293,7 @@ class AsrStream:
             )
         self._maybe_schedule_partial()
 
-    def _partial_dropped(self, job: DecodeJob) -> None:
+    def partial_dropped(self, job: DecodeJob) -> None:
         if job is self._partial_job:
             self._partial_job = None
             self._partial_settled.set()

@@ -4,13 +4,12 @@ faster-whisper's CTranslate2 needs cuBLAS 12; GPU machines with only CUDA 13 can
 it there. vLLM serves Whisper (``WhisperForConditionalGeneration``) on torch's own CUDA
 with continuous batching, so every session's decodes share one batched encoder/decoder.
 
-Same streaming interface as the faster-whisper engine: :class:`VllmAsrEngine` *is* an
-:class:`~voicebot.engines.asr.AsrEngine` (same ``stream()``/``transcribe()``, the same
-:class:`~voicebot.engines.asr_stream.AsrStream` with partials, LocalAgreement and reuse
-of the partial that saw the end of speech, the same bounded finals-first queue). Only
-how a job is decoded differs: instead of a few threads each running a blocking
-CTranslate2 decode, up to ``concurrency`` jobs are in flight in vLLM at once, and vLLM's
-priority scheduler keeps finals ahead of partials inside the engine as well.
+The same shared :class:`~voicebot.engines.asr.engine.AsrEngine` as for faster-whisper (the
+same streams with partials, LocalAgreement and reuse of the partial that saw the end of
+speech, the same bounded finals-first queue), built with another decoder,
+:class:`VllmDecoder`: instead of a few threads each running a blocking CTranslate2
+decode, up to ``concurrency`` jobs are in flight in vLLM at once, and vLLM's priority
+scheduler keeps finals ahead of partials inside the engine as well.
 
 The confirmed words are forced as decoder prompt tokens after
 ``<|startoftranscript|><|lang|><|transcribe|><|notimestamps|>``, as faster-whisper's
@@ -29,6 +28,7 @@ import itertools
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -37,15 +37,15 @@ import numpy as np
 from voicebot.audio import ASR_RATE
 from voicebot.config import AsrConfig
 from voicebot.engines.asr.agreement import continuation_after
-from voicebot.engines.asr.engine import AsrEngine, DecodeAbandoned, unless_abandoned
-from voicebot.engines.asr.jobs import DecodeJob
+from voicebot.engines.asr.engine import AsrEngine
+from voicebot.engines.asr.jobs import DecodeJob, unless_abandoned
 from voicebot.engines.vllm_shutdown import shut_down
 from voicebot.errors import EngineError, ModelError
 
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
 
-__all__ = ["VllmAsrEngine", "VllmWhisper", "WhisperRunner", "WhisperVllmSettings"]
+__all__ = ["VllmAsrEngine", "VllmDecoder", "VllmWhisper", "WhisperRunner", "WhisperVllmSettings"]
 
 log = logging.getLogger(__name__)
 
@@ -241,33 +241,34 @@ class VllmWhisper:
         return text
 
 
-class VllmAsrEngine(AsrEngine):
-    """:class:`AsrEngine` whose decodes run batched in vLLM (see the module docstring)."""
+class VllmDecoder:
+    """A :class:`~.jobs.Decoder`: up to ``settings.concurrency`` decodes in flight in a
+    :class:`WhisperRunner` (vLLM), each aborted as soon as its result is not wanted."""
+
+    name = "asr-vllm"
 
     def __init__(
         self,
-        cfg: AsrConfig,
-        model_path: str,
-        *,
-        agreement_n: int = 3,
-        settings: WhisperVllmSettings | None = None,
-        runner: WhisperRunner | None = None,
+        runner: WhisperRunner,
+        settings: WhisperVllmSettings,
+        budget: Callable[[DecodeJob, int], tuple[int, int]],
+        model_path: str = "",
     ) -> None:
-        super().__init__(cfg, model_path, agreement_n=agreement_n)
-        self.settings = settings or WhisperVllmSettings()
-        self.runner: WhisperRunner = runner or VllmWhisper(model_path, self.settings)
+        self.runner = runner
+        self.settings = settings
+        self.model_path = model_path
+        self._budget = budget
         self._rids = itertools.count(1)
         self.in_flight = 0  # decodes submitted to the runner and not finished
-        self._superseded: dict[DecodeJob, asyncio.Future[None]] = {}  # running partials: set by _abandon
+        self._superseded: dict[DecodeJob, asyncio.Future[None]] = {}  # running partials: set by abandon
+
+    @property
+    def slots(self) -> int:
+        return self.settings.concurrency
 
     async def start(self) -> None:
         t0 = time.perf_counter()
         await self.runner.start()
-        # One task per decode slot: each takes the next job (finals first) and awaits
-        # the runner; no threads. The runner bounds nothing itself: this count does.
-        self._workers = [
-            asyncio.create_task(self._worker(), name=f"asr-vllm-{i}") for i in range(self.settings.concurrency)
-        ]
         log.info(
             "ASR (vLLM) %s ready in %.1f s (%d decode slots)",
             self.model_path,
@@ -276,26 +277,30 @@ class VllmAsrEngine(AsrEngine):
         )
 
     async def aclose(self) -> None:
+        await self.runner.aclose()
+
+    async def decode(self, job: DecodeJob) -> tuple[str, float]:
+        """Decode; abort the request as soon as a final's waiter is cancelled or a partial
+        is superseded (:meth:`abandon`)."""
+        if job.future is not None:
+            return await unless_abandoned(asyncio.ensure_future(self._decode(job)), job.future)
+        superseded = self._superseded[job] = asyncio.get_running_loop().create_future()
         try:
-            await super().aclose()  # cancels the workers: their requests are aborted
+            return await unless_abandoned(asyncio.ensure_future(self._decode(job)), superseded)
         finally:
-            await self.runner.aclose()
+            del self._superseded[job]
 
-    def token_budget(self, job: DecodeJob, prompt_len: int) -> tuple[int, int]:
-        """``(min_tokens, max_tokens)`` for a job (benchmarks with random weights override it)."""
-        assert job.audio is not None
-        room = WHISPER_MAX_TARGET_TOKENS - prompt_len - 1
-        if room < 1:
-            raise EngineError("forced prefix fills Whisper's 448-token window")
-        guard = int(job.audio.size / ASR_RATE * self.settings.max_tokens_per_s) + 16
-        return 0, max(1, min(room, guard))
+    def abandon(self, job: DecodeJob) -> None:
+        superseded = self._superseded.get(job)
+        if superseded is not None and not superseded.done():
+            superseded.set_result(None)
 
-    async def _decode_async(self, job: DecodeJob) -> tuple[str, float]:
+    async def _decode(self, job: DecodeJob) -> tuple[str, float]:
         """Text after the job's prefix, and the decode time."""
         assert job.audio is not None
         t0 = time.perf_counter()
         prompt = self.runner.prompt_ids(job.language, job.prefix)
-        min_tokens, max_tokens = self.token_budget(job, len(prompt))
+        min_tokens, max_tokens = self._budget(job, len(prompt))
         self.in_flight += 1
         try:
             text = await self.runner.decode(
@@ -314,22 +319,45 @@ class VllmAsrEngine(AsrEngine):
         decoded = f"{prefix}{text}" if prefix else text
         return continuation_after(decoded, job.prefix), time.perf_counter() - t0
 
-    async def _run_decode(self, job: DecodeJob) -> tuple[str, float]:
-        """Decode; abort the request as soon as a final's waiter is cancelled or a partial
-        is superseded (:meth:`_abandon`)."""
-        if job.future is not None:
-            return await unless_abandoned(asyncio.ensure_future(self._decode_async(job)), job.future)
-        superseded = self._superseded[job] = asyncio.get_running_loop().create_future()
-        try:
-            return await unless_abandoned(asyncio.ensure_future(self._decode_async(job)), superseded)
-        except DecodeAbandoned:
-            self._partial_abandoned(job)
-            raise
-        finally:
-            del self._superseded[job]
 
-    def _abandon(self, job: DecodeJob) -> None:
-        super()._abandon(job)
-        superseded = self._superseded.get(job)
-        if superseded is not None and not superseded.done():
-            superseded.set_result(None)
+class VllmAsrEngine(AsrEngine):
+    """The shared :class:`~.engine.AsrEngine` with a :class:`VllmDecoder`: it adds nothing
+    to the engine but the decoder it is built with, and views of it."""
+
+    def __init__(
+        self,
+        cfg: AsrConfig,
+        model_path: str,
+        *,
+        agreement_n: int = 3,
+        settings: WhisperVllmSettings | None = None,
+        runner: WhisperRunner | None = None,
+    ) -> None:
+        self.settings = settings or WhisperVllmSettings()
+        decoder = VllmDecoder(
+            runner or VllmWhisper(model_path, self.settings),
+            self.settings,
+            # Looked up at each decode: a benchmark with random weights replaces it.
+            lambda job, prompt_len: self.token_budget(job, prompt_len),
+            model_path,
+        )
+        self._vllm = decoder
+        super().__init__(cfg, model_path, agreement_n=agreement_n, decoder=decoder)
+
+    @property
+    def runner(self) -> WhisperRunner:
+        return self._vllm.runner
+
+    @property
+    def in_flight(self) -> int:
+        """Decodes submitted to the runner and not finished."""
+        return self._vllm.in_flight
+
+    def token_budget(self, job: DecodeJob, prompt_len: int) -> tuple[int, int]:
+        """``(min_tokens, max_tokens)`` for a job."""
+        assert job.audio is not None
+        room = WHISPER_MAX_TARGET_TOKENS - prompt_len - 1
+        if room < 1:
+            raise EngineError("forced prefix fills Whisper's 448-token window")
+        guard = int(job.audio.size / ASR_RATE * self.settings.max_tokens_per_s) + 16
+        return 0, max(1, min(room, guard))
