@@ -21,10 +21,11 @@ from fake_whisper import WAIT, WORDS, FakeWhisper, audio
 
 from voicebot.config import AsrConfig, RemoteAsrConfig
 from voicebot.engines.asr.jobs import Priority
-from voicebot.engines.asr.remote import RemoteAsrEngine, pack_decode, unpack_decode
+from voicebot.engines.asr.remote import RemoteAsrEngine
 from voicebot.engines.asr.vllm_whisper import VllmAsrEngine, WhisperVllmSettings
 from voicebot.engines.registry import create_asr
 from voicebot.errors import EngineError, ModelError
+from voicebot.services.asr_client import pack_decode, unpack_decode
 from voicebot.services.asr_service import AsrService, listen
 
 
@@ -315,7 +316,7 @@ async def test_decodes_waiting_on_a_connect_that_fails_fail_with_it_not_one_time
     """A service host that accepts TCP but never answers (hung, black-holed): 20 decodes
     waiting on the same connect must fail together after one connect timeout, not after 20
     connect timeouts one by one (a final would hang for minutes)."""
-    from voicebot.engines.asr.remote import AsrServiceClient
+    from voicebot.services.asr_client import AsrServiceClient
 
     async def mute(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.read()  # never answers the handshake

@@ -403,7 +403,7 @@ async def test_a_busy_service_is_a_capacity_error_that_does_not_count_toward_hea
 
 
 async def test_a_sentence_longer_than_a_frame_comes_in_several_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
-    import voicebot.engines.tts.remote as tts_remote
+    import voicebot.services.tts_client as tts_remote
     import voicebot.services.tts_service as tts_service
 
     # 4096-byte frames hold 960 samples: each 1600-sample sentence needs two.

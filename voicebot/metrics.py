@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client import (
     CollectorRegistry,
@@ -19,7 +19,28 @@ from prometheus_client import (
     generate_latest,
 )
 
-from voicebot.session.events import TurnTimings
+
+class StageLatencies(Protocol):
+    """A turn's stage latencies in milliseconds, None where a stage did not happen (the
+    session's ``TurnTimings``; declared here so that metrics import no session module)."""
+
+    @property
+    def endpointing_ms(self) -> float | None: ...
+
+    @property
+    def asr_final_ms(self) -> float | None: ...
+
+    @property
+    def llm_ttft_ms(self) -> float | None: ...
+
+    @property
+    def first_clause_ms(self) -> float | None: ...
+
+    @property
+    def tts_first_audio_ms(self) -> float | None: ...
+
+    @property
+    def voice_to_voice_ms(self) -> float | None: ...
 
 _LATENCY_BUCKETS = (0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0)
 
@@ -58,7 +79,7 @@ class Metrics:
         self.loop_stalls = Counter("voicebot_event_loop_stalls", "Times the event loop did not run for server.loop_stall_s or longer.", registry=r)
         ProcessCollector(registry=r)
 
-    def observe_turn(self, t: TurnTimings) -> None:
+    def observe_turn(self, t: StageLatencies) -> None:
         pairs = (
             (self.endpointing, t.endpointing_ms),
             (self.asr_final, t.asr_final_ms),

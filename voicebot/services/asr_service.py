@@ -35,10 +35,11 @@ from websockets.asyncio.server import ServerConnection, serve
 from voicebot.config import Config
 from voicebot.engines.asr.engine import AsrEngine
 from voicebot.engines.asr.jobs import DecodeAbandoned, DecodeJob, JobQueue, Priority
-from voicebot.engines.asr.remote import MAX_FRAME, PROTOCOL, unpack_decode
 from voicebot.errors import VoicebotError
-from voicebot.services.wire import ServiceConn, is_id, run_service, serve_until_stopped
-from voicebot.services.wire import listen as listen_ws
+from voicebot.services.asr_client import MAX_FRAME, PROTOCOL, unpack_decode
+from voicebot.services.serve import listen as listen_ws
+from voicebot.services.serve import run_service, serve_until_stopped
+from voicebot.services.wire import ServiceConn, is_id
 
 __all__ = ["AsrService", "ServiceStats", "listen", "run_asr_service", "serve_asr"]
 

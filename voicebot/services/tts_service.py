@@ -34,10 +34,11 @@ from websockets.asyncio.server import ServerConnection, serve
 
 from voicebot.config import Config
 from voicebot.engines.contracts import Tts
-from voicebot.engines.tts.remote import MAX_FRAME, PROTOCOL
 from voicebot.errors import EngineError, VoicebotError
-from voicebot.services.wire import ServiceConn, is_id, pack_frame, run_service, serve_until_stopped
-from voicebot.services.wire import listen as listen_ws
+from voicebot.services.serve import listen as listen_ws
+from voicebot.services.serve import run_service, serve_until_stopped
+from voicebot.services.tts_client import MAX_FRAME, PROTOCOL
+from voicebot.services.wire import ServiceConn, is_id, pack_frame
 
 __all__ = ["ServiceStats", "TtsService", "listen", "run_tts_service", "serve_tts"]
 

@@ -1,12 +1,16 @@
 """What the shared engine services and their frontend clients have in common on the wire.
 
-``voicebot asr-serve`` (:mod:`voicebot.asr_service`, client :mod:`voicebot.engines.asr_remote`)
-and ``voicebot tts-serve`` (:mod:`voicebot.tts_service`, client :mod:`voicebot.engines.tts_remote`)
+``voicebot asr-serve`` (:mod:`.asr_service`, client :mod:`.asr_client`) and ``voicebot
+tts-serve`` (:mod:`.tts_service`, client :mod:`.tts_client`)
 each speak their own protocol over one multiplexed WebSocket per frontend, with the same
 conventions: the service says ``{"type": "hello", "service": "asr" | "tts", "protocol": N, ...}``
 first and a client finding another service or protocol number hangs up (:class:`ServiceMismatch`); control messages are JSON text; audio travels as
 binary frames of a 4-byte big-endian header length, a JSON header, then little-endian
 float32 samples; pings find a dead peer even while nothing else is sent.
+
+Both sides' frames and the clients' connection live here; the serving process's helpers
+(listener, signals, the frozen heap) are in :mod:`.serve`, so a frontend's engines
+import no server module.
 """
 
 from __future__ import annotations
@@ -16,24 +20,17 @@ import contextlib
 import itertools
 import json
 import logging
-import signal
 import struct
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeGuard, TypeVar
+from typing import Any, ClassVar, Generic, Protocol, TypeGuard, TypeVar
 
 import numpy as np
 import websockets
 from websockets.asyncio.client import ClientConnection, connect
-from websockets.asyncio.server import ServerConnection, serve
+from websockets.asyncio.server import ServerConnection
 
 from voicebot.errors import EngineError, ModelError
-from voicebot.server.gc_freeze import frozen_heap
-from voicebot.server.loop_watch import watching_loop
-
-if TYPE_CHECKING:
-    from voicebot.config import ServerConfig
 
 __all__ = [
     "CONNECT_ERRORS",
@@ -44,15 +41,10 @@ __all__ = [
     "ServiceLost",
     "ServiceMismatch",
     "connect_at_start",
-    "listen",
     "open_service",
     "pack_frame",
-    "quiet_server_log",
-    "run_service",
     "samples_of",
-    "serve_until_stopped",
     "split_frame",
-    "stop_on_signals",
 ]
 
 # A dead peer (service killed, host gone) is noticed within PING_INTERVAL_S + PING_TIMEOUT_S
@@ -308,81 +300,6 @@ async def connect_at_start(client: ServiceClient, startup_timeout_s: float) -> f
             if time.monotonic() - t0 >= startup_timeout_s:
                 raise ModelError(f"{what} {url} not reachable after {startup_timeout_s:g} s: {exc}") from exc
             await asyncio.sleep(min(1.0, startup_timeout_s / 10 or 0.1))
-
-
-def listen(handler: Callable[[ServerConnection], Awaitable[None]], host: str, port: int, *, max_size: int) -> serve:
-    """A service's WebSocket server (use as ``async with``)."""
-    return serve(
-        handler,
-        host,
-        port,
-        max_size=max_size,
-        compression=None,
-        ping_interval=PING_INTERVAL_S,
-        ping_timeout=PING_TIMEOUT_S,
-    )
-
-
-async def serve_until_stopped(server: serve, stop: asyncio.Event, on_ready: Callable[[str], None], *,
-                              close: Sequence[Callable[[], Awaitable[None]]] = (),
-                              loop_stall_s: float = 0.0) -> None:
-    """Run a service's listener (``listen(...)``) until ``stop`` is set or SIGINT / SIGTERM
-    comes; ``on_ready`` gets its URL once it listens; then ``close`` in order (the service,
-    then its engine). With ``loop_stall_s`` the loop every frontend's requests share is
-    watched as the server's is (voicebot/server/loop_watch.py), closing included: the
-    engine is loaded by then (its start holds the GIL in long stretches no request sees)."""
-    # The heap the engine loaded is frozen out of the garbage collector while serving
-    # (voicebot/server/gc_freeze.py): a full collection of it stalls every frontend.
-    with frozen_heap():
-        async with watching_loop(loop_stall_s):
-            try:
-                with stop_on_signals(stop):
-                    async with server as running:
-                        bound = next(iter(running.sockets)).getsockname()
-                        on_ready(f"ws://{bound[0]}:{bound[1]}")
-                        await stop.wait()
-            finally:
-                for step in close:
-                    await step()
-
-
-@contextlib.contextmanager
-def stop_on_signals(stop: asyncio.Event) -> Iterator[None]:
-    """SIGINT and SIGTERM set ``stop`` while inside (the service closes its engine cleanly)."""
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, stop.set)
-    try:
-        yield
-    finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.remove_signal_handler(sig)
-
-
-def quiet_server_log() -> None:
-    """websockets logs "connection open/closed" at INFO, one pair per stats probe."""
-    ws_log = logging.getLogger("websockets.server")
-    if ws_log.level == logging.NOTSET:
-        ws_log.setLevel(logging.WARNING)
-
-
-def run_service(
-    kind: str, server: ServerConfig, main: Callable[[Callable[[str], None]], Coroutine[Any, Any, None]]
-) -> int:
-    """``voicebot asr-serve`` / ``tts-serve``: runs ``main(ready)``, whose ``ready(url)`` prints
-    one JSON line ``{"<kind>_service": URL}`` once it listens."""
-    from voicebot.server.process import apply_process_settings
-
-    def ready(url: str) -> None:
-        print(json.dumps({f"{kind}_service": url}), flush=True)
-
-    quiet_server_log()
-    # Process-wide settings, as `voicebot serve` makes them, before the engine starts its threads.
-    apply_process_settings(server)
-    asyncio.run(main(ready))
-    return 0
 
 
 def is_id(value: object) -> TypeGuard[int]:

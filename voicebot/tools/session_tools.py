@@ -20,7 +20,7 @@ import collections
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from voicebot.config import Config
 from voicebot.tools.grammar import Constraint, constraint_for
@@ -28,8 +28,16 @@ from voicebot.tools.parser import ToolCallStream
 from voicebot.tools.spec import ToolCall, ToolChoice, ToolSpec
 from voicebot.tools.webhook import WebhookTools
 
-if TYPE_CHECKING:
-    from voicebot.session.response import ResponseOptions
+
+class ToolOptions(Protocol):
+    """A reply's own tool settings, None where the session's apply (the session's
+    ``ResponseOptions``; declared here so that tools import no session module)."""
+
+    @property
+    def tools(self) -> list[ToolSpec] | None: ...
+
+    @property
+    def tool_choice(self) -> ToolChoice | None: ...
 
 _CONSTRAINTS = 8  # distinct (tools, choice) constraints kept per session: each is a few kB of JSON
 
@@ -73,7 +81,7 @@ class SessionTools:
         return self._cfg.max_result_chars
 
     # ------------------------------------------------------------------- plans
-    def plan(self, options: ResponseOptions, tool_round: int = 0, after_result: bool = False) -> ReplyPlan:
+    def plan(self, options: ToolOptions, tool_round: int = 0, after_result: bool = False) -> ReplyPlan:
         """``after_result``: the history ends with a tool result (the reply is its answer)."""
         tools = self.tools if options.tools is None else options.tools
         choice = options.tool_choice or self.choice
