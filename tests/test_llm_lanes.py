@@ -8,7 +8,8 @@ import threading
 import pytest
 
 from voicebot.config import LlmConfig
-from voicebot.engines.llm.inprocess import BackgroundQueueFull, LlmEngine
+from voicebot.engines.llm.inprocess import LlmEngine
+from voicebot.engines.llm.lanes import BackgroundQueueFull
 
 
 def engine(limit: int) -> LlmEngine:

@@ -1,9 +1,9 @@
 """The LLM engine over HTTP: vLLM's OpenAI-compatible server, usually several behind vllm-router.
 
-``llm.backend: remote`` swaps this in for the in-process engine; the session core sees
-the same :class:`~voicebot.engines.llm.LlmEngine` (this is a subclass: the priority
-lanes, the background cap and the generate/complete contract are inherited, only the
-transport differs). What crosses the wire, and why:
+``llm.backend: remote`` swaps this in for the in-process engine; the session sees the same
+:class:`~voicebot.engines.contracts.Llm` (the priority lanes, the background cap and
+generate/warm/complete are the shared :class:`~voicebot.engines.llm.lanes.LaneEngine`; only
+the transport differs). What crosses the wire, and why:
 
 - ``POST /v1/completions`` with ``prompt`` = the token ids the session built (vLLM
   accepts a token-id list): the frontend's chat template and history stay the only
@@ -35,14 +35,14 @@ import logging
 import os
 import time
 from collections.abc import AsyncGenerator
-from typing import Any, cast
+from typing import Any
 
 import httpx
 
 from voicebot.affinity import current_session
 from voicebot.config import LlmConfig
 from voicebot.engines.contracts import GenerationStats, Lane, TextDelta
-from voicebot.engines.llm.inprocess import LlmEngine
+from voicebot.engines.llm.lanes import LaneEngine
 from voicebot.errors import EngineError, ModelError
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ def _plain(value: Any) -> Any:
     return value
 
 
-class RemoteLlmEngine(LlmEngine):
+class RemoteLlmEngine(LaneEngine):
     """One HTTP client to the LLM tier, shared by every session of this frontend."""
 
     def __init__(self, cfg: LlmConfig, tokenizer_path: str) -> None:
@@ -93,7 +93,7 @@ class RemoteLlmEngine(LlmEngine):
         self.retries_total = 0
 
     # ----------------------------------------------------------------- lifecycle
-    async def start(self) -> None:  # type: ignore[override]  # no build thread to cancel
+    async def start(self) -> None:
         self._tokenizer = await asyncio.to_thread(load_tokenizer, self.tokenizer_path)
         r = self.remote
         headers = {}
@@ -114,8 +114,7 @@ class RemoteLlmEngine(LlmEngine):
             await client.aclose()
             raise
         self._client = client
-        # LlmEngine.generate checks this for "started"; nothing else of AsyncLLM's is used here.
-        self._engine = cast(Any, client)
+        self._engine = client  # the backend's handle: LaneEngine.generate checks it for "started"
         log.info("LLM ready: remote tier %s, model %s", r.url, self._model)
 
     async def _wait_ready(self, client: httpx.AsyncClient) -> str:
@@ -177,7 +176,7 @@ class RemoteLlmEngine(LlmEngine):
 
     # --------------------------------------------------------------- generation
     def _params(self, values: dict[str, Any]) -> dict[str, Any]:
-        """The remote form of LlmEngine._sampling's values: the /v1/completions body fields
+        """The remote form of LaneEngine._sampling's values: the /v1/completions body fields
         of the same names (vLLM's CompletionRequest), unset ones left out."""
         body = {k: v for k, v in values.items() if v not in (None, [], {})}
         if "structured_outputs" in body:
