@@ -7,8 +7,8 @@ engine -- faster-whisper on a CPU, Whisper on vLLM on a GPU (``asr.backend``, or
 share it, as the LLM tier shares one vLLM server.
 
 It keeps no per-call state: frontends run the streams (partials, agreement, the forced
-prefix) and send decodes (:mod:`voicebot.engines.asr_remote` has the wire format).
-Here they meet in one bounded finals-first queue (:class:`~voicebot.engines.asr_queue.JobQueue`,
+prefix) and send decodes (:mod:`voicebot.services.asr_client` has the wire format).
+Here they meet in one bounded finals-first queue (:class:`~voicebot.engines.asr.jobs.JobQueue`,
 the same policy as in-process: a final evicts the newest queued partial when full; a
 partial finding it full is answered ``dropped``) in front of the engine's decode slots
 (``asr.workers`` threads for faster-whisper, ``WhisperVllmSettings.concurrency`` requests

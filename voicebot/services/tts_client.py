@@ -3,7 +3,7 @@ its wire format: what a frontend's :class:`~voicebot.engines.tts.remote.RemoteTt
 each clause over.
 
 Wire format (protocol 1), over one multiplexed WebSocket per frontend
-(:mod:`voicebot.engines.service_wire` has the conventions):
+(:mod:`voicebot.services.wire` has the conventions):
 
 - service -> frontend, text, once: ``{"type": "hello", "service": "tts", "protocol", "engine", "sample_rate",
   "voices"}``;

@@ -8,7 +8,7 @@ on the GPU, whose batcher puts every frontend's clauses into one forward, or Pip
 host's cores -- as ``voicebot asr-serve`` hosts the one Whisper.
 
 It keeps no per-call state: a frontend sends a clause (text, voice, speed) and gets its
-sentences' audio back as they are synthesised (:mod:`voicebot.engines.tts_remote` has the wire
+sentences' audio back as they are synthesised (:mod:`voicebot.services.tts_client` has the wire
 format). Each clause is one task iterating the engine's ``synthesize``, so the engine's own
 queue, batching and deadlines apply unchanged; the task sends at most ``window`` chunks the
 frontend has not acknowledged, then waits (the engine holds one sentence of look-ahead beyond

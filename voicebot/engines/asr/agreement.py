@@ -1,6 +1,6 @@
 """LocalAgreement-n: which words of a streaming ASR hypothesis are stable.
 
-Pure and synchronous (no I/O); :mod:`voicebot.engines.asr_stream` feeds it one
+Pure and synchronous (no I/O); :mod:`voicebot.engines.asr.stream` feeds it one
 hypothesis per partial decode. A word becomes *confirmed* once n consecutive hypotheses
 agree on it (and on every word before it); confirmed words are never changed or withdrawn.
 

@@ -1,4 +1,4 @@
-"""The windowed Whisper model for vLLM (see voicebot/engines/whisper_vllm_window.py).
+"""The windowed Whisper model for vLLM (see voicebot/engines/asr/whisper_vllm_window.py).
 
 Imported only by vLLM, when a config names ``VoicebotWindowedWhisper`` (registered lazily
 by :func:`voicebot.vllm_plugin.register`): it needs vLLM and torch.

@@ -1,5 +1,5 @@
 """One Kokoro model shared by every session: clauses from many sessions meet in one
-bounded queue and are synthesised in batches (``voicebot/engines/kokoro_model.py``).
+bounded queue and are synthesised in batches (``voicebot/engines/tts/kokoro_model.py``).
 
 - :class:`ClauseQueue` (plain, synchronous): at most ``size`` waiting clauses, handed out
   earliest deadline first. A session's first clause is due at once; a later clause is due
