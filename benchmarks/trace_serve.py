@@ -56,14 +56,14 @@ def install(path: str) -> None:
     global _out
     _out = open(path, "a", buffering=1)  # noqa: SIM115 - open for the process's life
 
-    from voicebot.engines.asr import engine as asr
+    from voicebot.engines.asr import local as asr
     from voicebot.engines.llm import inprocess as llm
     from voicebot.engines.tts import piper as tts_piper
     from voicebot.engines.turn import smart_turn
     from voicebot.session import session
 
-    asr.AsrEngine._decode = _span(  # type: ignore[method-assign]
-        "asr", asr.AsrEngine._decode,
+    asr.LocalWhisper._decode = _span(  # type: ignore[method-assign]
+        "asr", asr.LocalWhisper._decode,
         lambda self, job: {"priority": job.priority.name.lower(), "audio_s": round(job.audio.size / 16000, 3)},
     )
 
