@@ -15,8 +15,7 @@ stateless per request.
 - :class:`Vad` / :class:`VadStream`: speech probabilities per 32 ms window.
 - :class:`EndOfTurn`: whether a turn's audio sounds finished (Smart Turn).
 
-This module imports no engine (only the pure word-joining rule of ``asr.agreement``):
-every backend imports it, never the other way round.
+This module imports no engine: every backend imports it, never the other way round.
 """
 
 from __future__ import annotations
@@ -30,9 +29,22 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from voicebot.engines.asr.agreement import join_text
-
 # --- speech recognition ---------------------------------------------------------------
+
+# Tokens Whisper glues to the previous word without a space ("man." "John's" "to-").
+_GLUE_START = frozenset(".,?!:;%)]}'\"-…")
+
+
+def join_text(left: str, right: str) -> str:
+    """Join two pieces of transcript, gluing leading punctuation to the left piece."""
+    left, right = left.strip(), right.strip()
+    if not left or not right:
+        return left or right
+    if right[0] in _GLUE_START:
+        return left + right
+    return f"{left} {right}"
+
+
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import string
 
-# Tokens Whisper glues to the previous word without a space ("man." "John's" "to-").
-_GLUE_START = frozenset(".,?!:;%)]}'\"-…")
+from voicebot.engines.contracts import join_text
+
 _STRIP = string.punctuation + "“”‘’…–—"
 
 
@@ -33,16 +33,6 @@ def _same(a: str, b: str) -> bool:
 def split_words(text: str) -> list[str]:
     """Whitespace-separated words, punctuation kept (it is shown to the user)."""
     return text.split()
-
-
-def join_text(left: str, right: str) -> str:
-    """Join two pieces of transcript, gluing leading punctuation to the left piece."""
-    left, right = left.strip(), right.strip()
-    if not left or not right:
-        return left or right
-    if right[0] in _GLUE_START:
-        return left + right
-    return f"{left} {right}"
 
 
 class LocalAgreement:
