@@ -849,7 +849,7 @@ def run_main(args: argparse.Namespace) -> int:
         "llm": "remote: one vLLM OpenAI server" if args.remote_llm else "in-process",
         "asr": "remote: one shared ASR service (voicebot asr-serve)" if args.remote_asr else "in each frontend",
         "tts": "remote: one shared TTS service (voicebot tts-serve)" if args.remote_tts else "in each frontend",
-        # gpu_suite.sh PIPE_MPS=1: the servers started here join that NVIDIA MPS daemon (OUT/mps/status.log)
+        # set when this run was started under an NVIDIA MPS daemon: its servers are MPS clients
         "cuda_mps_pipe_directory": os.environ.get("CUDA_MPS_PIPE_DIRECTORY"),
     }
     summary.setdefault("runs", []).append(run_info)
