@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_util import write_result  # noqa: E402
 from serverproc import SERVER_SET, ServerProcess, http_get, require_loopback  # noqa: E402
 
 from voicebot.probe.client import ProbeConfig, run_level  # noqa: E402
@@ -523,8 +524,7 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= args.messages <= 100_000:
         p.error("--messages must be 1..100000")
     result = asyncio.run(run(args))
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(result, indent=1, default=str))
+    write_result(args.json, "fuzz_live", args, result)
     print_summary(result)
     print(f"JSON: {args.json}")
     return 0 if all(v is not False for v in result["pass"].values()) else 1

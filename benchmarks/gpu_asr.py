@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from bench_util import bare_engines_package  # same folder
+from bench_util import bare_engines_package, write_result  # same folder
 
 # voicebot/engines/__init__.py imports every engine (faster-whisper, piper, onnx VAD ...),
 # which a GPU machine running only this benchmark lacks: load the package's modules
@@ -263,8 +263,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
 
     def dump() -> None:
         if args.json:
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps(report, indent=2, default=str))
+            write_result(args.json, "gpu_asr", args, report)
 
     t0 = time.monotonic()
     await eng.start()

@@ -118,7 +118,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             t = s["ttft_ms"]
             print(f"{name:13s} N={n:4d} TTFT p50 {t.get('p50')} p95 {t.get('p95')} ms  hit {s['prefix_hit_rate']}  "
                   f"errors {s['errors']}  per server {s['per_server']}", flush=True)
-            rl.write(args.json, report)
+            rl.write(args.json, report, "gpu_remote_tier", args)
 
     try:
         a = server("vllmA")
@@ -143,7 +143,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             with contextlib.suppress(Exception):
                 p.stop()
         report["logdir"] = str(logdir)
-        rl.write(args.json, report)
+        rl.write(args.json, report, "gpu_remote_tier", args)
     return report
 
 

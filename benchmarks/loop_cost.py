@@ -38,6 +38,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench_util import write_result  # noqa: E402
 from serverproc import ServerProcess  # noqa: E402  (benchmarks/, beside this file)
 
 from voicebot.probe.base import ClientClosed, ConnectOptions  # noqa: E402
@@ -177,7 +178,7 @@ def main() -> None:
             time.sleep(2.0)  # the calls' teardown
     finally:
         server.stop()
-    args.out.write_text(json.dumps({"config": args.config, "set": args.set, "levels": rows}, indent=1))
+    write_result(args.out, "loop_cost", args, {"levels": rows})
     print(f"wrote {args.out}")
 
 

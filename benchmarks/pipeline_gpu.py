@@ -85,6 +85,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from bench_util import results_of, write_result  # benchmarks/, beside this file
+
 ROOT = Path(__file__).resolve().parent.parent
 PATCH_ENV = "PIPELINE_BENCH_PATCHES"
 # One word per generated token: two clauses, ~5-6 s of speech at 24 tokens.
@@ -839,7 +841,7 @@ def run_main(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.monotonic()
     summary_path = out / "pipeline.json"
-    summary: dict[str, Any] = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    summary: dict[str, Any] = results_of(json.loads(summary_path.read_text())) if summary_path.exists() else {}
     summary.setdefault("levels", [])
     run_info: dict[str, Any] = {
         "argv": sys.argv, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -985,9 +987,9 @@ def run_main(args: argparse.Namespace) -> int:
             row["fails"] = level_fails(row, args)
             summary["levels"] = [lv for lv in summary["levels"]
                                  if (lv["sessions"], lv.get("frontends", 1)) != (n, len(urls))] + [row]
-            (out / f"level_{n}.json").write_text(json.dumps(
-                {"summary": row, "turns": [asdict(r) for r in result.records]}, indent=1) + "\n")
-            summary_path.write_text(json.dumps(summary, indent=2) + "\n")
+            write_result(out / f"level_{n}.json", "pipeline_gpu", args,
+                         {"summary": row, "turns": [asdict(r) for r in result.records]})
+            write_result(summary_path, "pipeline_gpu", args, summary)
             v, st = row["v2v_ms"], row["stage_p95_ms"]
             print(f"N={n:4d} K={len(urls)} ok {row['turns']['ok']}/{row['turns']['turns']} "
                   f"dropped {row['dropped_sessions']}  "
@@ -1012,7 +1014,7 @@ def run_main(args: argparse.Namespace) -> int:
     finally:
         passing = [lv["sessions"] for lv in summary["levels"] if not lv.get("fails")]
         summary["sessions_per_gpu"] = max(passing) if passing else 0
-        summary_path.write_text(json.dumps(summary, indent=2) + "\n")
+        write_result(summary_path, "pipeline_gpu", args, summary)
         if not args.detach:
             for server in frontends:
                 server.stop()
@@ -1065,7 +1067,7 @@ def plot_main(args: argparse.Namespace) -> int:
     runs = []
     for item in args.summary:
         label, _, path = item.rpartition("=")
-        summary = json.loads(Path(path).read_text())
+        summary = results_of(json.loads(Path(path).read_text()))
         levels = [lv for lv in sorted(summary["levels"], key=lambda lv: lv["sessions"]) if lv["v2v_ms"]["n"]]
         runs.append((label or Path(path).parent.name, levels))
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.6))

@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench_util import write_result  # benchmarks/, beside this file
+
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_AUDIO = ("goforward.wav", "librivox_0880.wav", "librivox_0930.wav")
 
@@ -204,9 +206,7 @@ def main() -> int:
             proc.join(5)
             with contextlib.suppress(Exception):
                 proc.kill()
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=2) + "\n")
+    write_result(args.json, "pipeline_probe_cost", args, out)
     return 0
 
 
