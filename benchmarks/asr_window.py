@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from bench_util import pct, summarise_ms, write_result  # benchmarks/, beside this file
+from bench_util import JSON_EPILOG, pct, summarise_ms, write_result  # benchmarks/, beside this file
 
 from voicebot.audio import ASR_RATE, read_wav
 from voicebot.config import load_config
@@ -173,7 +173,7 @@ class TimedModel:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=JSON_EPILOG)
     parser.add_argument("--config", default="configs/default.yaml")
     parser.add_argument("--model", action="append", help="Whisper model instead of asr.model: a CTranslate2 directory "
                         "or bundle:NAME; repeat it to compare models clip by clip in one run (interleaved, so "

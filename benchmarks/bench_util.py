@@ -32,6 +32,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+# The end of every benchmark's --help: what its --json file holds.
+JSON_EPILOG = ("Results (the --json file, or the .json files of --out): the one shape of benchmarks/bench_util.py, "
+               "{benchmark, date, host, config, args, results}, every latency in results as "
+               "{n, p50, p95, p99, mean, max} in ms. benchmarks/README.md lists every benchmark and its command.")
 
 
 def bare_engines_package() -> None:

@@ -1,4 +1,4 @@
-"""Reply quality (issue 12 §3): how often the bot echoes the caller instead of answering.
+"""Reply quality: how often the bot echoes the caller instead of answering.
 
     .venv/bin/python benchmarks/echo_rate.py --json artifacts/echo/pipeline.json
     .venv/bin/python benchmarks/echo_rate.py --mode text --json artifacts/echo/text.json
@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_util import results_of, summarise_ms, write_result  # noqa: E402  (benchmarks/, beside this file)
+from bench_util import JSON_EPILOG, results_of, summarise_ms, write_result  # noqa: E402  (benchmarks/, beside this file)
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED_AUDIO = ROOT.parent / "shared" / "audio"
@@ -385,7 +385,7 @@ def print_report(summary: dict[str, Any], turns: list[Turn], show: int) -> None:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=JSON_EPILOG)
     p.add_argument("--mode", choices=("pipeline", "text"), default="pipeline")
     p.add_argument("--config", default="configs/default.yaml")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")

@@ -5,7 +5,7 @@
 ASR: final latency (finalize() right after the last chunk of speech) and real-time
 factor over the test clips; LLM: time to first token with and without a cached
 prefix, decode tokens/s at batch 1 and 8; TTS: time to first audio and real-time
-factor. Prints a table and writes JSON (medians, p95, p99, n).
+factor. Prints a table and writes --json.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import uuid
 from pathlib import Path
 
 import numpy as np
-from bench_util import summarise_ms, write_result  # benchmarks/, beside this file
+from bench_util import JSON_EPILOG, summarise_ms, write_result  # benchmarks/, beside this file
 
 from voicebot.audio import ASR_RATE, read_wav
 from voicebot.config import Config, load_config
@@ -151,7 +151,7 @@ async def bench_tts(cfg: Config, rounds: int) -> dict:
 
 
 async def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=JSON_EPILOG)
     parser.add_argument("--config", default="configs/default.yaml")
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--audio", type=Path, default=SHARED_AUDIO, help="folder of 16 kHz WAV clips")
@@ -163,7 +163,7 @@ async def main() -> int:
     cfg = load_config(args.config, args.overrides)
     parts = args.only or ["asr", "llm", "tts"]
     result: dict = {}
-    # One engine at a time: each is measured alone, as the issue asks.
+    # One engine at a time: each is measured alone, with the cores to itself.
     if "asr" in parts:
         result["asr"] = await bench_asr(cfg, clips(args.audio), args.rounds)
         print("ASR", json.dumps(result["asr"]))

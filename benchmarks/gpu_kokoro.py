@@ -47,7 +47,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from bench_util import bare_engines_package, run_with_deadline, write_result  # noqa: E402  (same folder)
+from bench_util import JSON_EPILOG, bare_engines_package, run_with_deadline, write_result  # noqa: E402  (same folder)
 
 bare_engines_package()
 
@@ -367,8 +367,7 @@ def count_table(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=JSON_EPILOG)
     p.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (a CPU smoke run: tiny --sessions)")
     p.add_argument("--sessions", type=int, nargs="+", default=[64, 128, 256, 512, 1024])
     p.add_argument("--modes", nargs="+", choices=["batched", "streams"], default=["batched", "streams"])

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_util import bare_engines_package, write_result  # same folder
+from bench_util import JSON_EPILOG, bare_engines_package, write_result  # same folder
 
 bare_engines_package()
 
@@ -117,8 +117,7 @@ def table(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=JSON_EPILOG)
     p.add_argument("--voice", type=Path, required=True, help="Piper voice directory (.onnx + .onnx.json)")
     p.add_argument("--sessions", type=int, nargs="+", default=[32, 64, 128])
     p.add_argument("--workers", type=int, nargs="+", default=[8], help="tts.workers values to run")

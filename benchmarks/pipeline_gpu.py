@@ -21,12 +21,12 @@ LLM TTFT, first clause, TTS first audio), dropped sessions (any turn failed, tim
 never connected), reply delivery RTF (reply audio / its arrival span; under 1 the caller
 heard it stall), the probe's own cost, and /healthz queues sampled during the level.
 Levels stop at the first one over ``--p95-limit-ms`` / ``--p99-limit-ms`` or with a
-dropped session (the issue's criteria), or when ``--max-wall-s`` leaves no room for the
+dropped session (the capacity criteria: v2v p95 <= 800 ms, p99 <= 1,200 ms, reply RTF p5 >= 0.95), or when ``--max-wall-s`` leaves no room for the
 next one. ``--url`` drives a server that is already up; ``--detach`` leaves the started
 server running (its pid in OUT/server.pid) for a later ``run --url`` (device calls are
 10 minutes at most).
 
-Scale-out (``--remote-llm``, issue 9 after issue 10): the LLM runs in ONE ``vllm serve``
+Scale-out (``--remote-llm``): the LLM runs in ONE ``vllm serve``
 process (vLLM's OpenAI API server: prefix caching, priority scheduling, cached-token
 counts; ``load_format dummy`` with ``--gpu-dummy``), started here or named by
 ``--llm-url`` (``llm-server`` starts one detached, so its start-up can overlap a
@@ -36,7 +36,7 @@ cores) start one after the other (vLLM sizes its memory from what is free). The 
 spreads the N sessions over the K frontends (session i calls frontend i mod K), and the
 level rows carry each frontend's loop lag and cores and the LLM server's cores.
 
-Shared ASR (``--remote-asr``, issue 9 after the third GPU session): ONE ``voicebot asr-serve``
+Shared ASR (``--remote-asr``): ONE ``voicebot asr-serve``
 (this file's ``asr-serve`` mode: the real CLI path with the Whisper patches below) hosts a
 single Whisper engine on vLLM that batches every frontend's streams, as the LLM server
 does for replies; the frontends run ``asr.backend: remote`` (their streams, partials and
@@ -45,7 +45,7 @@ a GPU engine. It starts after the LLM server and before the frontends, or is nam
 ``--asr-url`` (``asr-server`` starts one detached). Level rows add the service's cores,
 its decode counts in the level and its peak queue / decodes running.
 
-Shared TTS (``--remote-tts``, issue 9 after stop 20): ONE ``voicebot tts-serve`` hosts the tts
+Shared TTS (``--remote-tts``): ONE ``voicebot tts-serve`` hosts the tts
 section's engine (Kokoro on the GPU with ``--set tts.engine=kokoro``: one CUDA context batching
 every frontend's clauses, its launches off the frontends' GILs) and the frontends run
 ``tts.backend: remote``. It starts after the ASR service, or is named by ``--tts-url``
@@ -85,7 +85,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from bench_util import results_of, write_result  # benchmarks/, beside this file
+from bench_util import JSON_EPILOG, results_of, write_result  # benchmarks/, beside this file
 
 ROOT = Path(__file__).resolve().parent.parent
 PATCH_ENV = "PIPELINE_BENCH_PATCHES"
@@ -1129,7 +1129,7 @@ def add_whisper_args(r: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=JSON_EPILOG)
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="start the server (or use --url) and drive the levels")
     add_model_args(r)

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_util import write_result  # benchmarks/, beside this file
+from bench_util import JSON_EPILOG, write_result  # benchmarks/, beside this file
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_AUDIO = ("goforward.wav", "librivox_0880.wav", "librivox_0930.wav")
@@ -149,7 +149,7 @@ def summarize(records: list[Any]) -> dict[str, Any]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=JSON_EPILOG)
     p.add_argument("--sessions", type=int, nargs="+", default=[16, 64, 128])
     p.add_argument("--workers", type=int, default=0, help="probe processes; 0: the probe's auto rule")
     p.add_argument("--server-procs", type=int, default=2)

@@ -53,7 +53,7 @@ for p in (ROOT, ROOT / "tests"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from bench_util import summarise_ms, write_result  # noqa: E402
+from bench_util import JSON_EPILOG, summarise_ms, write_result  # noqa: E402
 from llm_load import load_engine_module  # noqa: E402  (same folder)
 from llm_tier import llm_tier  # noqa: E402  (tests/llm_tier.py: starts and stops the tier)
 
@@ -391,7 +391,7 @@ def table(report: dict[str, Any]) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=JSON_EPILOG)
     sub = ap.add_subparsers(dest="part", required=True)
     h = sub.add_parser("hop", help="CPU: in-process vs HTTP hop vs router, same machine")
     h.add_argument("--config", default="configs/default.yaml")

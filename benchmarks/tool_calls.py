@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_util import summarise_ms, write_result  # benchmarks/, beside this file
+from bench_util import JSON_EPILOG, summarise_ms, write_result  # benchmarks/, beside this file
 
 from voicebot.config import load_config
 from voicebot.engines.llm import GenerationStats, Lane, LlmEngine
@@ -128,7 +128,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=JSON_EPILOG)
     ap.add_argument("--config", default="configs/default.yaml")
     ap.add_argument("--override", action="append", default=[], help="section.key=value (repeatable)")
     ap.add_argument("--grammar", nargs="+", default=["always", "off"], choices=["always", "forced", "off"])

@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench_util import summarise, write_result  # same folder
+from bench_util import JSON_EPILOG, summarise, write_result  # same folder
 
 from voicebot.config import load_config
 from voicebot.engines.llm import GenerationStats, Lane, LlmEngine
@@ -78,7 +78,7 @@ async def run(args: argparse.Namespace) -> dict:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=JSON_EPILOG)
     p.add_argument("--config", default="configs/default.yaml")
     p.add_argument("--set", dest="overrides", action="append", default=[], help="config override KEY=VALUE")
     p.add_argument("--cached", type=int, default=512, help="tokens of cached prefix")

@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
-from bench_util import summarise_ms, write_result  # benchmarks/, beside this file
+from bench_util import JSON_EPILOG, summarise_ms, write_result  # benchmarks/, beside this file
 
 from voicebot.audio import ASR_RATE, read_wav
 from voicebot.config import ModelsConfig, VadConfig
@@ -215,7 +215,7 @@ def summarise(name: str, outcomes: list[Outcome]) -> dict[str, object]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=JSON_EPILOG)
     ap.add_argument("--audio", type=Path, default=SHARED_AUDIO, help="folder of the recordings")
     ap.add_argument("--json", type=Path, default=Path("artifacts/turn_eval.json"))
     ap.add_argument("--pauses", default="0.5,0.75,1.0", help="inserted pause lengths, seconds")

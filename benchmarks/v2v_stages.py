@@ -33,7 +33,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench_util import pct, write_result  # benchmarks/, beside this file
+from bench_util import JSON_EPILOG, pct, write_result  # benchmarks/, beside this file
 
 COLUMNS = ("v2v", "asr", "ttft", "clause", "tts", "pause+rest", "uncached")
 
@@ -67,7 +67,7 @@ def table(rows: list[dict[str, float]], title: str = "") -> dict[str, Any]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=JSON_EPILOG)
     p.add_argument("probe_json", type=Path, nargs="+", help="one report, or several to pool")
     p.add_argument("--json", type=Path)
     p.add_argument("--uncapped", type=float, metavar="MS", help="also: only turns whose endpointing took < MS")
