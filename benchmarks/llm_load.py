@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
+import importlib
 import json
 import logging
 import os
@@ -55,12 +55,17 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench_util import pct, run_with_deadline, summarise  # noqa: E402, F401  (gpu_asr/gpu_tts import them from here too)
+from bench_util import (  # noqa: E402, F401  (gpu_asr/gpu_tts import them from here too)
+    JSON_EPILOG,
+    bare_engines_package,
+    pct,
+    run_with_deadline,
+    summarise,
+    write_result,
+)
 
 from voicebot.config import LlmConfig, load_config  # noqa: E402  (pydantic, pyyaml)
 from voicebot.session.history import Conversation  # noqa: E402  (no dependencies)
-
-_ENGINE_DEPS = {"llm": ("dtype",), "llm_remote": ("llm",)}
 
 
 def load_engine_module(stem: str = "llm") -> Any:
@@ -68,22 +73,11 @@ def load_engine_module(stem: str = "llm") -> Any:
 
     The package's ``__init__`` imports the ASR, TTS and VAD engines (faster-whisper,
     piper, onnxruntime ...), which a GPU machine that only runs this benchmark lacks.
-    llm.py and llm_remote.py need only voicebot.config, voicebot.errors, voicebot.affinity
-    (and httpx).
+    The LLM modules and what they import from the package load without it
+    (``bench_util.bare_engines_package``).
     """
-    name = f"voicebot.engines.{stem}"
-    if name in sys.modules:
-        return sys.modules[name]
-    # What the module imports from the package, loaded the same way first: an import that
-    # finds its module in sys.modules never runs the package's __init__.
-    for dep in _ENGINE_DEPS.get(stem, ()):
-        load_engine_module(dep)
-    spec = importlib.util.spec_from_file_location(name, ROOT / "voicebot" / "engines" / f"{stem}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
+    bare_engines_package()
+    return importlib.import_module(f"voicebot.engines.{stem}")
 
 
 _llm = load_engine_module("llm")
@@ -606,8 +600,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
 
     def dump() -> None:
         if args.json:
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps(report, indent=2, default=str))
+            write_result(args.json, "llm_load", args, report)
 
     engine: Any = None
 
@@ -683,8 +676,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=JSON_EPILOG)
     p.add_argument("--model-dir", required=True, type=Path, help="config.json + tokenizer (weights not needed with dummy)")
     p.add_argument("--config", default=str(ROOT / "configs" / "gpu.yaml"), help="YAML whose llm section is used")
     p.add_argument("--load-format", default="dummy")

@@ -137,7 +137,7 @@ def test_deep_json_is_a_bad_message_not_a_recursion_error() -> None:
 
 def test_json_with_too_many_objects_and_arrays_is_refused_before_it_is_parsed() -> None:
     # Parsing builds a Python object per container on the loop every session shares: 300k
-    # empty arrays in 1 MiB held it ~0.24 s (benchmarks/inline_cost.py). Refused after the
+    # empty arrays in 1 MiB held it ~0.24 s (docs/benchmarks.md). Refused after the
     # bracket scan, unparsed.
     wide = json.dumps({"type": "x", "items": [[] for _ in range(300_000)]})
     with pytest.raises(BadMessage, match="more than 10000 objects and arrays"):

@@ -367,7 +367,7 @@ async def test_health_and_metrics(server: RunningServer) -> None:
 
 async def test_the_loaded_engines_are_out_of_the_garbage_collectors_reach(server: RunningServer) -> None:
     # A full collection walks every tracked object: ~620k after the CPU default's load,
-    # 620-665 ms on the loop (benchmarks/gc_pause.py). The server freezes what loading
+    # 620-665 ms on the loop (docs/reliability.md). The server freezes what loading
     # left before its first call (voicebot/server/gc_freeze.py), so a collection while
     # serving walks only what the calls made since.
     frozen = gc.get_freeze_count()
