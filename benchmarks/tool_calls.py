@@ -1,6 +1,6 @@
 """How reliably the CPU default LLM calls tools, and what the tool grammar costs.
 
-Runs the configured LLM (configs/default.yaml: Qwen2.5-0.5B-Instruct on vLLM CPU) on a
+Runs the configured LLM (configs/default.yaml: Qwen2.5-Coder-0.5B-Instruct on vLLM CPU) on a
 set of spoken-style questions with a ``get_weather`` and a ``get_time`` tool, through
 the same code the server uses (Conversation rendering, vLLM's hermes parser, the
 structural tag of voicebot/tools/grammar.py), for each ``llm.tool_grammar`` mode and
