@@ -29,9 +29,9 @@ from starlette.staticfiles import StaticFiles
 from voicebot.config import Config
 from voicebot.engines import load_engines
 from voicebot.engines.supervisor import Supervisor
+from voicebot.runtime.gc_freeze import freeze_loaded_heap
+from voicebot.runtime.loop_watch import LoopWatch
 from voicebot.server import edge
-from voicebot.server.gc_freeze import freeze_loaded_heap
-from voicebot.server.loop_watch import LoopWatch
 from voicebot.server.state import ServerState
 
 log = logging.getLogger(__name__)

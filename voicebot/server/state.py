@@ -15,8 +15,8 @@ from voicebot.config import Config
 from voicebot.engines import Engines
 from voicebot.errors import AuthError, CapacityError, VoicebotError
 from voicebot.metrics import Metrics
+from voicebot.runtime.heap import HeapTrimmer
 from voicebot.server import edge
-from voicebot.server.heap import HeapTrimmer
 from voicebot.session.session import Session
 from voicebot.session.settings import SessionSettings
 
@@ -51,7 +51,7 @@ class ServerState:
     # Open sessions per client address (edge.check_admission's per-client limit).
     client_sessions: dict[str, int] = field(default_factory=dict)
 
-    # Gives freed native memory back after calls end (voicebot/server/heap.py).
+    # Gives freed native memory back after calls end (voicebot/runtime/heap.py).
     heap: HeapTrimmer = field(init=False)
 
     def __post_init__(self) -> None:
