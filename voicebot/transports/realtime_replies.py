@@ -25,9 +25,9 @@ import numpy as np
 from voicebot.audio import Resampler, float_to_pcm16
 from voicebot.session import events as se
 from voicebot.tools.spec import ToolCall
-from voicebot.transports import g711
 from voicebot.transports import realtime_events as rt
 from voicebot.transports.realtime_tools import function_call_item
+from voicebot.wire import g711
 
 _MEMO = 8  # finished replies remembered: their late events are dropped, truncate is checked
 

@@ -35,6 +35,7 @@ from voicebot.session import events as ev
 from voicebot.session.session import Session
 from voicebot.transports import twilio_protocol as tp
 from voicebot.transports.tasks import close_quietly, run_until_first_ends
+from voicebot.wire import twilio_media as tm
 
 log = logging.getLogger(__name__)
 
@@ -210,7 +211,7 @@ class _Call:
         self.out = tp.Outbound(start.stream_id, start.dialect)
         self.fmt = start.encoding
         self.marks = tp.PlayoutMarks(self.cfg.mark_interval_ms)
-        self.framer = tp.Framer()
+        self.framer = tm.Framer()
         self.keypad = tp.DtmfCollector(self.cfg)
         self._keypad_wake = asyncio.Event()
         # The session's own lead (playout_lead_ms) waits in our queue; the pacer adds
@@ -264,12 +265,12 @@ class _Call:
             case tp.Media(payload, track):
                 if track in ("inbound", "inbound_track") and payload:
                     try:
-                        self.gate.check(len(payload), tp.RATE)  # G.711: one byte a sample
+                        self.gate.check(len(payload), tm.RATE)  # G.711: one byte a sample
                     except VoicebotError as exc:
                         if self.gate.report_due():
                             self.session.log.warning("carrier audio refused: %s", exc)
                         return False
-                    self.session.push_audio(tp.decode_audio(self.fmt, payload), tp.RATE)
+                    self.session.push_audio(tm.decode_audio(self.fmt, payload), tm.RATE)
             case tp.MarkEcho(name):
                 heard = self.marks.echoed(name)
                 if heard is not None:
@@ -335,7 +336,7 @@ class _Call:
     def _play(self, event: ev.ResponseAudio) -> None:
         if event.response_id != self._playing:
             self._playing = event.response_id
-            self._resampler = Resampler(event.sample_rate, tp.RATE)
+            self._resampler = Resampler(event.sample_rate, tm.RATE)
             self.framer.reset()
             # Nothing of this reply is confirmed heard yet; also clears a stale value
             # left by late marks of the previous reply.
@@ -346,7 +347,7 @@ class _Call:
 
     def _enqueue(self, frames: list[np.ndarray]) -> None:
         for frame in frames:
-            self._queue.append((True, self.out.media(tp.encode_audio(self.fmt, frame))))
+            self._queue.append((True, self.out.media(tm.encode_audio(self.fmt, frame))))
             self._enqueue_mark(self.marks.sent_samples(frame.size))
         self._more.set()
 

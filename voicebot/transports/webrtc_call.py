@@ -35,7 +35,8 @@ from voicebot.session import events as ev
 from voicebot.session.session import Session
 from voicebot.transports import realtime_events as rt
 from voicebot.transports.realtime_session import RealtimeTranslator
-from voicebot.transports.webrtc_tracks import RATE, ReplyTrack, frame_to_mono
+from voicebot.transports.webrtc_tracks import RATE, ReplyTrack
+from voicebot.wire.av_frames import frame_to_mono
 
 log = logging.getLogger(__name__)
 

@@ -25,6 +25,7 @@ import numpy as np
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 
 from voicebot.audio import Resampler
+from voicebot.wire.av_frames import pcm16_frame
 
 log = logging.getLogger(__name__)
 
@@ -43,28 +44,6 @@ class TrackListener(Protocol):
     def audio_sent(self, response_id: str, ms: int) -> None: ...
 
     def audio_stopped(self, response_id: str) -> None: ...
-
-
-def frame_to_mono(frame: av.AudioFrame) -> np.ndarray:
-    """A decoded frame (any layout, s16 or float, packed or planar) -> mono float32."""
-    arr = frame.to_ndarray()
-    channels = len(frame.layout.channels)
-    if frame.format.is_planar:
-        mono = arr.reshape(channels, -1).mean(axis=0) if channels > 1 else arr.reshape(-1)
-    else:
-        mono = arr.reshape(-1, channels).mean(axis=1) if channels > 1 else arr.reshape(-1)
-    if arr.dtype.kind == "i":  # s16 from Opus; s32 in principle
-        return (mono / float(2 ** (8 * arr.dtype.itemsize - 1))).astype(np.float32)
-    return mono.astype(np.float32, copy=False)
-
-
-def pcm16_frame(samples: np.ndarray, rate: int, pts: int) -> av.AudioFrame:
-    """int16 mono samples -> an aiortc-ready AudioFrame stamped on a 1/rate clock."""
-    frame = av.AudioFrame.from_ndarray(samples.reshape(1, -1), format="s16", layout="mono")
-    frame.sample_rate = rate
-    frame.pts = pts
-    frame.time_base = fractions.Fraction(1, rate)
-    return frame
 
 
 def _to_int16(audio: np.ndarray) -> np.ndarray:
