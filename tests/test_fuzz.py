@@ -743,7 +743,7 @@ async def _twilio_once(engines: Engines, texts: list[str]) -> None:
     state = ServerState(engines.cfg, engines=engines)
     start = tp.Start("MZ1", "CA1", "audio/pcmu", {}, "twilio")
     async with open_session(engines) as session:
-        call = _Call(None, session, state, start)  # type: ignore[arg-type]  # _handle never sends
+        call = _Call(None, Connection(state, "twilio"), session, state, start)  # type: ignore[arg-type]  # _handle never sends
         for text in texts:
             try:
                 if call._handle(tp.parse_message(text)):
