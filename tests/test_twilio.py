@@ -36,6 +36,7 @@ from voicebot.session import events as ev
 from voicebot.session.session import Session
 from voicebot.session.settings import SessionSettings
 from voicebot.transports import twilio_protocol as tp
+from voicebot.transports.pacing import Pacer
 from voicebot.wire import twilio_media as tm
 
 PACER_LEAD_MS = 40  # what the transport sends ahead of real time (twilio._PACER_LEAD_S)
@@ -156,7 +157,7 @@ def test_playout_marks_track_what_was_heard() -> None:
 
 
 def test_pacer_sends_in_real_time_without_catch_up_bursts() -> None:
-    pacer = tp.Pacer(lead_s=0.06)
+    pacer = Pacer(lead_s=0.06)
     sent: list[float] = []
     now = 100.0
     for _ in range(20):  # frames all queued at once: the lead goes at once, then 20 ms each

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.routing import BaseRoute, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from voicebot.audio import Resampler, float_to_pcm16
+from voicebot.audio import ReplyResampler, float_to_pcm16
 from voicebot.config import VadConfig
 from voicebot.errors import BadAudio, BadMessage, VoicebotError
 from voicebot.server import edge
@@ -266,14 +266,11 @@ async def _run(ws: WebSocket, conn: Connection, session: Session, in_rate: int, 
                 session.error(exc.code, str(exc), event_id=event_id, fatal=exc.fatal)
 
     async def writer() -> None:
-        resamplers: dict[str, Resampler] = {}
+        reply_audio = ReplyResampler(out_rate)  # the call speaks at out_rate: a pass-through
         async for event in session.events():
             if isinstance(event, ev.ResponseAudio):
-                rs = resamplers.get(event.response_id)
-                if rs is None:
-                    resamplers.clear()  # one reply plays at a time
-                    rs = resamplers[event.response_id] = Resampler(event.sample_rate, out_rate)
-                await ws.send_bytes(float_to_pcm16(rs.process(event.audio)))
+                audio = reply_audio.process(event.response_id, event.audio, event.sample_rate)
+                await ws.send_bytes(float_to_pcm16(audio))
                 continue
             body = render_event(event)
             if body is not None:

@@ -4,9 +4,9 @@
                                       back: {event: media|mark|clear}
 
 Inbound μ-law 8 kHz goes to the session as float32 at 8 kHz (the session resamples it
-to 16 kHz with a stateful soxr stream). Reply audio is resampled to 8 kHz per reply,
-re-cut into exact 160-byte frames and re-paced one per 20 ms (soxr emits blocks of
-3-4 frames), with a mark every ``telephony.mark_interval_ms``; the echoed
+to 16 kHz with a stateful soxr stream). The call speaks at 8 kHz (it resamples each
+sentence once); reply audio is cut into exact 160-byte frames and sent one per 20 ms
+by the pacer, with a mark every ``telephony.mark_interval_ms``; the echoed
 marks keep ``session.set_played`` current, so a barge-in cuts the history at what
 the caller really heard. Parsing and bookkeeping live in :mod:`.twilio_protocol`.
 """
@@ -27,7 +27,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from voicebot.audio import Resampler
+from voicebot.audio import ReplyResampler
 from voicebot.errors import AuthError, BadMessage, VoicebotError
 from voicebot.server import edge
 from voicebot.server.connection import Connection
@@ -35,6 +35,7 @@ from voicebot.server.state import ServerState
 from voicebot.session import events as ev
 from voicebot.session.session import Session
 from voicebot.transports import twilio_protocol as tp
+from voicebot.transports.pacing import Pacer
 from voicebot.transports.tasks import close_quietly, run_until_first_ends
 from voicebot.wire import twilio_media as tm
 
@@ -141,6 +142,7 @@ def _stream_endpoint(state: ServerState):  # type: ignore[no-untyped-def]
                     raise AuthError("missing credentials: pass the key as customParameter 'token' or ?token=")
                 conn.authenticate(token)  # no header came (else authed): only this token
             settings = tp.call_settings(state.default_settings(), start.custom)
+            settings.output_sample_rate = tm.RATE  # the call speaks at the wire's rate
             async with conn.session(settings) as session:
                 session.log.info("call %s stream %s (%s, %s)", start.call_id, start.stream_id, start.dialect, start.encoding)
                 await _Call(ws, conn, session, state, start).run()
@@ -218,8 +220,8 @@ class _Call:
         self.keypad = tp.DtmfCollector(self.cfg)
         self._keypad_wake = asyncio.Event()
         # The session's own lead (playout_lead_ms) waits in our queue; the pacer adds
-        # only this much, so frames leave one per 20 ms instead of in soxr's blocks.
-        self._pacer = tp.Pacer(_PACER_LEAD_S)
+        # only this much, so frames leave one per 20 ms, marks right after their audio.
+        self._pacer = Pacer(_PACER_LEAD_S)
         # (is media, message) waiting for the pacer. The session produces reply audio
         # in real time and the pacer sends it in real time, so this holds about the
         # lead plus one resampler block; _MAX_QUEUED only trips if the socket stalls.
@@ -227,7 +229,7 @@ class _Call:
         self._more = asyncio.Event()
         self._send_lock = asyncio.Lock()
         self._playing: str | None = None  # reply whose audio is going out
-        self._resampler: Resampler | None = None
+        self._audio = ReplyResampler(tm.RATE)
         self._bad = 0
 
     async def run(self) -> None:
@@ -339,14 +341,12 @@ class _Call:
     def _play(self, event: ev.ResponseAudio) -> None:
         if event.response_id != self._playing:
             self._playing = event.response_id
-            self._resampler = Resampler(event.sample_rate, tm.RATE)
             self.framer.reset()
             # Nothing of this reply is confirmed heard yet; also clears a stale value
             # left by late marks of the previous reply.
             self.session.set_played(0)
             self._enqueue_mark(self.marks.begin(event.response_id))
-        assert self._resampler is not None
-        self._enqueue(self.framer.push(self._resampler.process(event.audio)))
+        self._enqueue(self.framer.push(self._audio.process(event.response_id, event.audio, event.sample_rate)))
 
     def _enqueue(self, frames: list[np.ndarray]) -> None:
         for frame in frames:
@@ -360,11 +360,11 @@ class _Call:
             self._more.set()
 
     def _end(self, response_id: str) -> None:
-        if response_id != self._playing or self._resampler is None:
+        if response_id != self._playing:
             return
-        self._enqueue(self.framer.push(self._resampler.flush()) + self.framer.flush())
+        self._enqueue(self.framer.push(self._audio.flush()) + self.framer.flush())
         self._enqueue_mark(self.marks.end())
-        self._playing, self._resampler = None, None
+        self._playing = None
 
     async def _cut(self, response_id: str) -> None:
         if response_id != self._playing:
@@ -373,7 +373,8 @@ class _Call:
         self.session.log.info("reply %s cut after %d ms heard (by marks)", response_id, heard)
         self._queue.clear()  # never sent, so never heard
         self._pacer.reset()
-        self._playing, self._resampler = None, None
+        self._playing = None
+        self._audio.reset()
         self.framer.reset()
         await self._send(self.out.clear())
 

@@ -169,32 +169,6 @@ class Outbound:
         return json.dumps({"event": "clear", **self._to})
 
 
-class Pacer:
-    """When the next 20 ms frame may go: real time, ``lead_s`` ahead, no catch-up.
-
-    The session already paces reply audio, but a soxr stream gives its output in
-    blocks of ~3-4 frames, so the transport re-paces. After an underrun (TTS slower
-    than real time) the clock restarts instead of bursting to catch up.
-    """
-
-    def __init__(self, lead_s: float, frame_s: float = 0.02) -> None:
-        self.lead_s, self.frame_s = lead_s, frame_s
-        self._base: float | None = None
-        self._count = 0  # frames sent since _base
-
-    def delay(self, now: float) -> float:
-        """Seconds to wait before sending the next frame (0: send now)."""
-        if self._base is None or now - self._base > self._count * self.frame_s:
-            self._base, self._count = now, 0  # idle or behind: restart the clock
-        return max(0.0, self._base + self._count * self.frame_s - self.lead_s - now)
-
-    def sent(self) -> None:
-        self._count += 1
-
-    def reset(self) -> None:
-        self._base = None
-
-
 class PlayoutMarks:
     """What the caller heard of the reply now playing, from the marks echoed back.
 
