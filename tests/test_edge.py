@@ -404,3 +404,30 @@ async def test_read_body_refuses_a_non_ascii_content_length() -> None:
     scope = {"type": "http", "method": "POST", "path": "/", "headers": [(b"content-length", b"\xb2")]}
     request = await edge.read_body(Request(scope, receive), 1024)
     assert await request.body() == b"v=0"
+
+
+# -------------------------------------------------------------------- connection
+def test_a_connection_authenticates_counts_refusals_once_and_keeps_the_first_reason() -> None:
+    from starlette.requests import Request
+
+    state = ServerState(Config(server=ServerConfig(api_key="sk-k", api_keys_env="VB_TEST_UNSET_VAR")))
+    scope = {"type": "http", "method": "GET", "path": "/", "query_string": b"token=sk-k",
+             "headers": [(b"authorization", b"Bearer nope")], "client": ("10.0.0.9", 5000)}
+    conn = Connection(state, "native", Request(scope))
+    assert conn.bearer() == "nope" and conn.client == "10.0.0.9"
+    with pytest.raises(AuthError):  # a Bearer header is what is checked, not the token beside it
+        conn.authenticate(conn.query.get("token"))
+    assert Connection(state, "twilio", Request(scope), per_client=False).client is None
+
+    def counted(code: str) -> float | None:
+        return state.metrics.registry.get_sample_value("voicebot_errors_total", {"code": code})
+
+    assert conn.refuse(AuthError("x")) == 1008 and counted("unauthorized") == 1
+    assert conn.refuse_http(CapacityError("x")) == 429 and counted("capacity_exceeded") == 1
+    conn.count_error("invalid_event")
+    assert counted("invalid_event") == 1
+
+    assert conn.reason is None and conn.close_code == 1000
+    conn.end("hangup digit")
+    conn.end("call ended")  # the first reason given stands
+    assert conn.reason == "hangup digit"

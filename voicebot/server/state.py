@@ -172,6 +172,13 @@ class ServerState:
         await asyncio.gather(*(hook() for hook in self.shutdown_hooks), return_exceptions=True)
         await self.heap.aclose()
 
+    def voices(self) -> frozenset[str] | None:
+        """The voices the TTS engine offers, for checking a session's choice (None: any)."""
+        try:
+            return frozenset(self.engines.tts.voices()) if self.engines is not None else None
+        except Exception:  # an engine that cannot list its voices accepts any name
+            return None
+
     def engine_failure(self) -> str | None:
         """Why sessions cannot be served now that the engines are loaded (an engine down), or None."""
         return None if self.engines is None else self.engines.failure()

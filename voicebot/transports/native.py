@@ -31,7 +31,7 @@ from voicebot.server.state import ServerState
 from voicebot.session import events as ev
 from voicebot.session.session import Session
 from voicebot.session.settings import SessionSettings
-from voicebot.transports.tasks import close_quietly, run_until_first_ends
+from voicebot.transports.tasks import close_quietly, refused_origin, run_until_first_ends
 
 log = logging.getLogger(__name__)
 
@@ -178,10 +178,7 @@ def routes(state: ServerState) -> list[BaseRoute]:
 def endpoint(state: ServerState):  # type: ignore[no-untyped-def]
     async def handle(ws: WebSocket) -> None:
         conn = Connection(state, "native", ws)
-        try:
-            conn.check_origin()
-        except VoicebotError as exc:  # a foreign page: refused at the handshake (HTTP 403)
-            await close_quietly(ws, conn.refuse(exc))
+        if await refused_origin(ws, conn):
             return
         await ws.accept()
         try:

@@ -30,7 +30,7 @@ from voicebot.session import events as se
 from voicebot.session.session import Session
 from voicebot.transports import realtime_events as rt
 from voicebot.transports.realtime_session import RealtimeTranslator
-from voicebot.transports.tasks import close_quietly, run_until_first_ends
+from voicebot.transports.tasks import close_quietly, refused_origin, run_until_first_ends
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +58,7 @@ def _auth(ws: WebSocket) -> tuple[str | None, str | None, bool]:
 def endpoint(state: ServerState):  # type: ignore[no-untyped-def]
     async def handle(ws: WebSocket) -> None:
         conn = Connection(state, "realtime", ws)
-        try:
-            conn.check_origin()
-        except VoicebotError as exc:  # a foreign page: refused at the handshake (HTTP 403)
-            await close_quietly(ws, conn.refuse(exc))
+        if await refused_origin(ws, conn):
             return
         subprotocol, key, beta = _auth(ws)
         await ws.accept(subprotocol=subprotocol)
@@ -72,7 +69,7 @@ def endpoint(state: ServerState):  # type: ignore[no-untyped-def]
                 # GA transcription sessions connect with ?intent=transcription.
                 transcription = conn.query.get("intent") == "transcription"
                 translator = RealtimeTranslator(session, session_id=session.id, model=model, beta=beta,
-                                                voices=_voices(state), audio_gate=conn.audio_gate(),
+                                                voices=state.voices(), audio_gate=conn.audio_gate(),
                                                 control_gate=conn.control_gate(),
                                                 transcription_only=transcription)
                 await _run(ws, conn, session, translator)
@@ -82,13 +79,6 @@ def endpoint(state: ServerState):  # type: ignore[no-untyped-def]
             await _refuse(ws, exc, conn.refuse(exc))
 
     return handle
-
-
-def _voices(state: ServerState) -> frozenset[str] | None:
-    try:
-        return frozenset(state.engines.tts.voices()) if state.engines is not None else None
-    except Exception:  # an engine that cannot list its voices accepts any name
-        return None
 
 
 async def _refuse(ws: WebSocket, exc: VoicebotError, code: int) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketDisconnected
 
+from voicebot.errors import VoicebotError
 from voicebot.server.connection import Connection
 
 # What a send or receive raises once the client is gone: WebSocketDisconnect (the
@@ -41,6 +42,17 @@ async def run_until_first_ends(
             task.cancel()
         await asyncio.wait(tasks)
         conn.end(reason)
+
+
+async def refused_origin(ws: WebSocket, conn: Connection) -> bool:
+    """A WebSocket from a browser page we do not serve is refused at the handshake (a
+    close before accept: HTTP 403), counted; True when it was."""
+    try:
+        conn.check_origin()
+    except VoicebotError as exc:
+        await close_quietly(ws, conn.refuse(exc))
+        return True
+    return False
 
 
 async def close_quietly(ws: WebSocket, code: int = 1000, reason: str = "") -> None:

@@ -31,7 +31,6 @@ from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 from voicebot.errors import BadMessage, VoicebotError
 from voicebot.server import edge
 from voicebot.server.connection import Connection
-from voicebot.server.state import ServerState
 from voicebot.session import events as ev
 from voicebot.session.session import Session
 from voicebot.transports import realtime_events as rt
@@ -51,13 +50,6 @@ _EARLY_EVENTS = 64  # server events held until the data channel opens
 # reply) because its count of audio sent is what conversation.item.truncate is checked
 # against; it has no audio-on-a-media-track mode yet.
 _AUDIO_EVENTS = frozenset({rt.GA.audio_delta, rt.BETA.audio_delta})
-
-
-def _voices(state: ServerState) -> frozenset[str] | None:
-    try:
-        return frozenset(state.engines.tts.voices()) if state.engines is not None else None
-    except Exception:  # an engine that cannot list its voices accepts any name
-        return None
 
 
 class Call:
@@ -111,7 +103,7 @@ class Call:
                     session_id=session.id,
                     model=str(self.session_config.get("model") or self.state.cfg.llm.model),
                     beta=self.beta,
-                    voices=_voices(self.state),
+                    voices=self.state.voices(),
                     control_gate=self.conn.control_gate(),
                 )
                 await self._negotiate()
