@@ -25,7 +25,7 @@ from bench_util import summarise  # same folder
 
 from voicebot.config import load_config
 from voicebot.engines import load_engines
-from voicebot.runtime.gc_freeze import freeze_loaded_heap
+from voicebot.server.gc_freeze import freeze_loaded_heap
 
 
 def pauses_s(reps: int) -> list[float]:
