@@ -29,8 +29,8 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.asyncio.server import ServerConnection, serve
 
 from voicebot.errors import EngineError, ModelError
-from voicebot.server.gc_freeze import frozen_heap
-from voicebot.server.loop_watch import watching_loop
+from voicebot.runtime.gc_freeze import frozen_heap
+from voicebot.runtime.loop_watch import watching_loop
 
 if TYPE_CHECKING:
     from voicebot.config import ServerConfig
@@ -373,7 +373,7 @@ def run_service(
 ) -> int:
     """``voicebot asr-serve`` / ``tts-serve``: runs ``main(ready)``, whose ``ready(url)`` prints
     one JSON line ``{"<kind>_service": URL}`` once it listens."""
-    from voicebot.server.process import apply_process_settings
+    from voicebot.runtime.process import apply_process_settings
 
     def ready(url: str) -> None:
         print(json.dumps({f"{kind}_service": url}), flush=True)
