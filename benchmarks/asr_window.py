@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import re
-import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from bench_util import JSON_EPILOG, pct, summarise_ms, write_result  # benchmarks/, beside this file
 
 from voicebot.audio import ASR_RATE, read_wav
 from voicebot.config import load_config
@@ -65,10 +64,6 @@ def with_model(cfg: Any, model: str | None) -> Any:
     if not model:
         return cfg
     return cfg.model_copy(update={"asr": cfg.asr.model_copy(update={"model": model})})
-
-
-def p95(values: list[float]) -> float:
-    return float(np.percentile(values, 95))
 
 
 def label(window: tuple[float, float] | None) -> str:
@@ -130,7 +125,7 @@ async def run_streamed(cfg: Any, windows: list[tuple[float, float] | None], sets
                 continue
             errors, n = sum(r["errors"] for r in sel), sum(r["ref_words"] for r in sel)
             finals = [r["final_ms"] for r in sel]
-            print(f"{name:9} {label(window):18} {len(sel):3} {statistics.median(finals):8.0f} / {p95(finals):4.0f}"
+            print(f"{name:9} {label(window):18} {len(sel):3} {pct(finals, 50):8.0f} / {pct(finals, 95):4.0f}"
                   f"  {100 * errors / n:5.1f}% ({errors}/{n}) {sum(r['looped'] for r in sel)}")
     return rows
 
@@ -178,7 +173,7 @@ class TimedModel:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=JSON_EPILOG)
     parser.add_argument("--config", default="configs/default.yaml")
     parser.add_argument("--model", action="append", help="Whisper model instead of asr.model: a CTranslate2 directory "
                         "or bundle:NAME; repeat it to compare models clip by clip in one run (interleaved, so "
@@ -203,8 +198,7 @@ def main() -> int:
     sets = load_set()
     if args.streamed:
         streamed = [{"model": cfg.asr.model, **row} for cfg in cfgs for row in asyncio.run(run_streamed(cfg, windows, sets))]
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"streamed": streamed}, indent=1))
+        write_result(args.json, "asr_window", args, {"streamed": streamed})
         return 0
     models = [TimedModel(cfg) for cfg in cfgs]
 
@@ -245,15 +239,13 @@ def main() -> int:
                 errors, n = sum(r["errors"] for r in sel), sum(r["ref_words"] for r in sel)
                 loops = sum(r["looped"] for r in sel)
                 summary.append({"model": cfg.asr.model, "set": name, "window": label(pad), "n": len(sel),
-                                "total_p50_ms": statistics.median(total), "total_p95_ms": p95(total),
-                                "encode_p50_ms": statistics.median(enc), "encode_p95_ms": p95(enc),
-                                "decoder_p50_ms": statistics.median(dec), "decoder_p95_ms": p95(dec),
+                                "total_ms": summarise_ms(total), "encode_ms": summarise_ms(enc),
+                                "decoder_ms": summarise_ms(dec),
                                 "errors": errors, "ref_words": n, "wer": round(errors / n, 4), "looped": loops})
-                print(f"{name:9} {label(pad):18} {len(sel):3} {statistics.median(total):8.0f} / {p95(total):4.0f}"
-                      f" {statistics.median(enc):9.0f} / {p95(enc):4.0f} {statistics.median(dec):10.0f} / {p95(dec):4.0f}"
+                print(f"{name:9} {label(pad):18} {len(sel):3} {pct(total, 50):8.0f} / {pct(total, 95):4.0f}"
+                      f" {pct(enc, 50):9.0f} / {pct(enc, 95):4.0f} {pct(dec, 50):10.0f} / {pct(dec, 95):4.0f}"
                       f"  {100 * errors / n:5.1f}% ({errors}/{n}) {loops}")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"summary": summary, "rows": rows}, indent=1))
+    write_result(args.json, "asr_window", args, {"summary": summary, "rows": rows})
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Reply quality (issue 12 §3): how often the bot echoes the caller instead of answering.
+"""Reply quality: how often the bot echoes the caller instead of answering.
 
     .venv/bin/python benchmarks/echo_rate.py --json artifacts/echo/pipeline.json
     .venv/bin/python benchmarks/echo_rate.py --mode text --json artifacts/echo/text.json
@@ -44,6 +44,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_util import JSON_EPILOG, results_of, summarise_ms, write_result  # noqa: E402  (benchmarks/, beside this file)
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED_AUDIO = ROOT.parent / "shared" / "audio"
@@ -163,13 +166,6 @@ class Turn:
         self.answered = self.status == "ok" and is_answer(self.reply, self.heard)
 
 
-def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    values = sorted(values)
-    return round(values[min(len(values) - 1, int(q * len(values)))], 1)
-
-
 def summarise(turns: list[Turn]) -> dict[str, Any]:
     n = len(turns)
     replied = [t for t in turns if t.reply.strip()]
@@ -191,13 +187,12 @@ def summarise(turns: list[Turn]) -> dict[str, Any]:
         "answered": sum(t.answered for t in turns),
         "answer_rate": round(sum(t.answered for t in turns) / n, 3) if n else None,
         "reply_words_p50": statistics.median(words) if words else None,
-        "ttft_ms_p50": _pct(ttft, 0.5),
-        "ttft_ms_p95": _pct(ttft, 0.95),
-        "ttft_ms_first_turn_p50": _pct(first_ttft, 0.5),
-        "ttft_ms_later_turns_p50": _pct(later_ttft, 0.5),
-        "voice_to_voice_ms_p50": _pct(v2v, 0.5),
-        "first_clause_tokens_p50": _pct(clause_tokens, 0.5),
-        "first_clause_tokens_p95": _pct(clause_tokens, 0.95),
+        "ttft_ms": summarise_ms(ttft),
+        "ttft_ms_first_turn": summarise_ms(first_ttft),
+        "ttft_ms_later_turns": summarise_ms(later_ttft),
+        "voice_to_voice_ms": summarise_ms(v2v),
+        # a count of tokens, not milliseconds: the same summary
+        "first_clause_tokens": summarise_ms(clause_tokens),
     }
 
 
@@ -390,7 +385,7 @@ def print_report(summary: dict[str, Any], turns: list[Turn], show: int) -> None:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=JSON_EPILOG)
     p.add_argument("--mode", choices=("pipeline", "text"), default="pipeline")
     p.add_argument("--config", default="configs/default.yaml")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
@@ -423,7 +418,7 @@ def main() -> int:
     else:
         heard = {it.clip.name: it.reference for it in items}
         if args.transcripts:
-            for t in json.loads(args.transcripts.read_text())["turns"]:
+            for t in results_of(json.loads(args.transcripts.read_text()))["turns"]:
                 heard[t["clip"]] = t["heard"]
         pairs = [(it, heard[it.clip.name]) for it in items]
         variants = json.loads(args.variants.read_text()) if args.variants else [default]
@@ -439,9 +434,8 @@ def main() -> int:
         results.append({"variant": variant, "summary": summary, "turns": [asdict(t) for t in turns]})
     print(f"{time.monotonic() - t0:.0f} s", file=sys.stderr)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
         out = {"config": config, **results[0]} if len(results) == 1 else {"config": config, "variants": results}
-        args.json.write_text(json.dumps(out, indent=2) + "\n")
+        write_result(args.json, "echo_rate", args, out)
     return 0
 
 

@@ -5,7 +5,7 @@
 ASR: final latency (finalize() right after the last chunk of speech) and real-time
 factor over the test clips; LLM: time to first token with and without a cached
 prefix, decode tokens/s at batch 1 and 8; TTS: time to first audio and real-time
-factor. Prints a table and writes JSON (medians, p95, p99, n).
+factor. Prints a table and writes --json.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import uuid
 from pathlib import Path
 
 import numpy as np
+from bench_util import JSON_EPILOG, summarise_ms, write_result  # benchmarks/, beside this file
 
 from voicebot.audio import ASR_RATE, read_wav
 from voicebot.config import Config, load_config
@@ -35,17 +36,6 @@ SYSTEM = (
     "You are a friendly voice assistant for a regional rail company. You answer questions about "
     "timetables, tickets, delays, accessibility, bicycles on trains, lost property and refunds. "
 ) * 6
-
-
-def summary(values: list[float]) -> dict[str, float]:
-    v = sorted(values)
-    if not v:
-        return {"n": 0}
-
-    def pct(p: float) -> float:
-        return round(float(np.percentile(v, p)), 1)
-
-    return {"n": len(v), "p50": pct(50), "p95": pct(95), "p99": pct(99), "mean": round(statistics.fmean(v), 1), "min": round(v[0], 1), "max": round(v[-1], 1)}
 
 
 def clips(folder: Path) -> list[tuple[str, np.ndarray]]:
@@ -84,8 +74,8 @@ async def bench_asr(cfg: Config, audio: list[tuple[str, np.ndarray]], rounds: in
     finally:
         await engine.aclose()
     return {
-        "final_latency_ms": summary(fresh),
-        "final_latency_reusing_partial_ms": summary(reused),
+        "final_latency_ms": summarise_ms(fresh),
+        "final_latency_reusing_partial_ms": summarise_ms(reused),
         "rtf": {"p50": round(float(np.median(rtfs)), 3), "n": len(rtfs)},
     }
 
@@ -127,8 +117,8 @@ async def bench_llm(cfg: Config, rounds: int) -> dict:
         await engine.aclose()
     return {
         "prompt_tokens": len(prompt(SYSTEM, "Question 0 cold: when is the next train?")),
-        "ttft_cold_ms": summary(cold),
-        "ttft_cached_prefix_ms": summary(warm),
+        "ttft_cold_ms": summarise_ms(cold),
+        "ttft_cached_prefix_ms": summarise_ms(warm),
         "cached_fraction_p50": round(float(np.median(cached)), 3),
         "decode": decode,
     }
@@ -157,12 +147,12 @@ async def bench_tts(cfg: Config, rounds: int) -> dict:
                     rtfs.append(total / (samples / tts.sample_rate))
         finally:
             await tts.aclose()
-        out[engine_name] = {"first_audio_ms": summary(firsts), "rtf": {"p50": round(float(np.median(rtfs)), 3), "n": len(rtfs)}}
+        out[engine_name] = {"first_audio_ms": summarise_ms(firsts), "rtf": {"p50": round(float(np.median(rtfs)), 3), "n": len(rtfs)}}
     return out
 
 
 async def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=JSON_EPILOG)
     parser.add_argument("--config", default="configs/default.yaml")
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--audio", type=Path, default=SHARED_AUDIO, help="folder of 16 kHz WAV clips")
@@ -173,8 +163,8 @@ async def main() -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     cfg = load_config(args.config, args.overrides)
     parts = args.only or ["asr", "llm", "tts"]
-    result: dict = {"config": args.config, "overrides": args.overrides, "cpu_count": os.cpu_count(), "rounds": args.rounds}
-    # One engine at a time: each is measured alone, as the issue asks.
+    result: dict = {}
+    # One engine at a time: each is measured alone, with the cores to itself.
     if "asr" in parts:
         result["asr"] = await bench_asr(cfg, clips(args.audio), args.rounds)
         print("ASR", json.dumps(result["asr"]))
@@ -184,8 +174,7 @@ async def main() -> int:
     if "tts" in parts:
         result["tts"] = await bench_tts(cfg, args.rounds)
         print("TTS", json.dumps(result["tts"]))
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2))
+    write_result(args.json, "engines", args, result)
     print(f"wrote {args.json}")
     return 0
 

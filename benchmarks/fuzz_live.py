@@ -1,4 +1,4 @@
-"""Live fuzz (issue 8, part 3): 10,000 malformed messages at a running server, then a
+"""Live fuzz: 10,000 malformed messages at a running server, then a
 normal call on every protocol, then the leak and log checks.
 
     .venv/bin/python benchmarks/fuzz_live.py --json artifacts/fuzz_live.json
@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_util import JSON_EPILOG, write_result  # noqa: E402
 from serverproc import SERVER_SET, ServerProcess, http_get, require_loopback  # noqa: E402
 
 from voicebot.probe.client import ProbeConfig, run_level  # noqa: E402
@@ -506,7 +507,7 @@ def print_summary(result: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     shared = Path(__file__).resolve().parent.parent.parent / "shared" / "audio" / "goforward.wav"
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=JSON_EPILOG)
     p.add_argument("--url", help="a running server (http://127.0.0.1:PORT); default: start one")
     p.add_argument("--config", default="configs/test.yaml")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -523,8 +524,7 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= args.messages <= 100_000:
         p.error("--messages must be 1..100000")
     result = asyncio.run(run(args))
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(result, indent=1, default=str))
+    write_result(args.json, "fuzz_live", args, result)
     print_summary(result)
     print(f"JSON: {args.json}")
     return 0 if all(v is not False for v in result["pass"].values()) else 1

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from bench_util import bare_engines_package  # same folder
+from bench_util import JSON_EPILOG, bare_engines_package, write_result  # same folder
 
 # voicebot/engines/__init__.py imports every engine (faster-whisper, piper, onnx VAD ...),
 # which a GPU machine running only this benchmark lacks: load the package's modules
@@ -263,8 +263,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
 
     def dump() -> None:
         if args.json:
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps(report, indent=2, default=str))
+            write_result(args.json, "gpu_asr", args, report)
 
     t0 = time.monotonic()
     await eng.start()
@@ -307,8 +306,7 @@ def table(report: dict[str, Any]) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=JSON_EPILOG)
     p.add_argument("--model-dir", type=Path, required=True, help="Whisper HF directory (gpu_whisper_files.py)")
     p.add_argument("--clips", type=Path, required=True, help="folder of 16 kHz mono PCM16 .wav speech clips")
     p.add_argument("--load-format", default="dummy")

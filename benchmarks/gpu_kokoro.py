@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import random
@@ -48,7 +47,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from bench_util import bare_engines_package, run_with_deadline  # noqa: E402  (same folder)
+from bench_util import JSON_EPILOG, bare_engines_package, run_with_deadline, write_result  # noqa: E402  (same folder)
 
 bare_engines_package()
 
@@ -148,9 +147,8 @@ async def scenario(eng: Any, args: argparse.Namespace, n: int, styles: Any) -> d
     )
 
 
-def dump(path: str | None, report: dict[str, Any]) -> None:
-    if path:
-        Path(path).write_text(json.dumps(report, indent=2))
+def dump(args: argparse.Namespace, report: dict[str, Any]) -> None:
+    write_result(args.json, "gpu_kokoro", args, report)
 
 
 async def warm_up(eng: Any, styles: Any, max_batch: int) -> float:
@@ -310,11 +308,11 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
     if args.profile:
         out = Path(args.json).with_suffix(".profile.txt") if args.json else None
         report["profile"] = profile_forward(model, args.profile, styles, out)
-        dump(args.json, report)
+        dump(args, report)
     if args.count:
         report["op_counts"] = count_forward(model, args.count, styles, args)
         report["op_counts_workload"] = "tiny (4 phonemes x 2 frames)" if args.count_tiny else "replies"
-        dump(args.json, report)
+        dump(args, report)
     if args.profile_only or args.count:
         return report
     plans: list[tuple[str, int, int, list[int]]] = []
@@ -343,7 +341,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
                       f"stalled {res['stalled_fraction']} audio/wall {res['audio_s_per_wall_s']} batch mean "
                       f"{res['batch_mean']} busy {res['forward_busy']} gpu {res.get('gpu_util_mean')}% "
                       f"cpu {res['process_cpu']}", flush=True)
-                dump(args.json, report)
+                dump(args, report)
         finally:
             await eng.aclose()
     return report
@@ -369,8 +367,7 @@ def count_table(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=JSON_EPILOG)
     p.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (a CPU smoke run: tiny --sessions)")
     p.add_argument("--sessions", type=int, nargs="+", default=[64, 128, 256, 512, 1024])
     p.add_argument("--modes", nargs="+", choices=["batched", "streams"], default=["batched", "streams"])

@@ -1,4 +1,4 @@
-"""Issue 10's GPU half on ONE GPU: two vLLM servers sharing it behind vllm-router against
+"""The remote LLM tier on ONE GPU: two vLLM servers sharing it behind vllm-router against
 one, session affinity on against off.
 
     python benchmarks/gpu_remote_tier.py --model-dir DIR --json OUT [--sessions 64 256] [--duration-s 20]
@@ -38,6 +38,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import remote_llm as rl  # noqa: E402  (benchmarks/remote_llm.py: the load and its summary)
+from bench_util import JSON_EPILOG  # noqa: E402
 from llm_tier import Proc, metrics, start_router, start_vllm, wait_ready  # noqa: E402  (tests/llm_tier.py)
 
 from voicebot.config import load_config  # noqa: E402
@@ -118,7 +119,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             t = s["ttft_ms"]
             print(f"{name:13s} N={n:4d} TTFT p50 {t.get('p50')} p95 {t.get('p95')} ms  hit {s['prefix_hit_rate']}  "
                   f"errors {s['errors']}  per server {s['per_server']}", flush=True)
-            rl.write(args.json, report)
+            rl.write(args.json, report, "gpu_remote_tier", args)
 
     try:
         a = server("vllmA")
@@ -143,12 +144,12 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             with contextlib.suppress(Exception):
                 p.stop()
         report["logdir"] = str(logdir)
-        rl.write(args.json, report)
+        rl.write(args.json, report, "gpu_remote_tier", args)
     return report
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=JSON_EPILOG)
     ap.add_argument("--config", default="configs/gpu.yaml")
     ap.add_argument("--set", action="append", default=[], help="config override of the frontend's llm section")
     ap.add_argument("--model-dir", required=True, help="a model directory (config.json of the real shape suffices)")

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import random
@@ -30,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_util import bare_engines_package  # same folder
+from bench_util import JSON_EPILOG, bare_engines_package, write_result  # same folder
 
 bare_engines_package()
 
@@ -77,9 +76,8 @@ def patch_intra_op(threads: int) -> None:
     onnxruntime.SessionOptions = options  # type: ignore[misc]
 
 
-def dump(path: str | None, report: dict[str, Any]) -> None:
-    if path:
-        Path(path).write_text(json.dumps(report, indent=2))
+def dump(args: argparse.Namespace, report: dict[str, Any]) -> None:
+    write_result(args.json, "gpu_tts", args, report)
 
 
 async def amain(args: argparse.Namespace) -> dict[str, Any]:
@@ -103,7 +101,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
                     print(f"[gpu_tts] workers {workers} intra-op {intra} sessions {n}: first audio "
                           f"{res['first_audio_ms']} stalled {res['stalled_fraction']} audio/wall "
                           f"{res['audio_s_per_wall_s']} cpu {res['process_cpu']}", flush=True)
-                    dump(args.json, report)
+                    dump(args, report)
             finally:
                 await eng.aclose()
     return report
@@ -119,8 +117,7 @@ def table(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=JSON_EPILOG)
     p.add_argument("--voice", type=Path, required=True, help="Piper voice directory (.onnx + .onnx.json)")
     p.add_argument("--sessions", type=int, nargs="+", default=[32, 64, 128])
     p.add_argument("--workers", type=int, nargs="+", default=[8], help="tts.workers values to run")

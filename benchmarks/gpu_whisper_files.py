@@ -163,7 +163,7 @@ def write(out: Path, shape: str, tokenizer_json: Path) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokenizer-json", type=Path, required=True, help="multilingual Whisper tokenizer.json (v1/v2 layout)")
     p.add_argument("--shape", choices=sorted(SHAPES), default="large-v3-turbo")
     p.add_argument("--out", type=Path, required=True)

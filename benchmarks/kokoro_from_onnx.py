@@ -154,7 +154,7 @@ def convert(onnx_path: Path) -> tuple[dict[str, Any], list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--onnx", type=Path, required=True)
     p.add_argument("--voices", type=Path, help="kokoro-js voices directory (*.bin)")
     p.add_argument("--out", type=Path, required=True)

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
+import importlib
 import json
 import logging
 import os
@@ -55,7 +55,14 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench_util import pct, run_with_deadline, summarise  # noqa: E402, F401  (gpu_asr/gpu_tts import them from here too)
+from bench_util import (  # noqa: E402, F401  (gpu_asr/gpu_tts import them from here too)
+    JSON_EPILOG,
+    bare_engines_package,
+    pct,
+    run_with_deadline,
+    summarise,
+    write_result,
+)
 
 from voicebot.config import LlmConfig, load_config  # noqa: E402  (pydantic, pyyaml)
 from voicebot.session.history import Conversation  # noqa: E402  (no dependencies)
@@ -590,8 +597,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
 
     def dump() -> None:
         if args.json:
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps(report, indent=2, default=str))
+            write_result(args.json, "llm_load", args, report)
 
     engine: Any = None
 
@@ -667,8 +673,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=JSON_EPILOG)
     p.add_argument("--model-dir", required=True, type=Path, help="config.json + tokenizer (weights not needed with dummy)")
     p.add_argument("--config", default=str(ROOT / "configs" / "gpu.yaml"), help="YAML whose llm section is used")
     p.add_argument("--load-format", default="dummy")

@@ -1,4 +1,4 @@
-"""What one caller costs the frontend's event loop, per second of call (issue 9).
+"""What one caller costs the frontend's event loop, per second of call.
 
 On the GPU machine a frontend's loop thread was the first CPU limit: 0.62 cores at 32
 callers, 0.77 at 48 (docs/gpu-results.md), i.e. ~20 ms of one core per caller-second.
@@ -38,6 +38,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench_util import JSON_EPILOG, write_result  # noqa: E402
 from serverproc import ServerProcess  # noqa: E402  (benchmarks/, beside this file)
 
 from voicebot.probe.base import ClientClosed, ConnectOptions  # noqa: E402
@@ -147,13 +148,13 @@ def top_functions(raw: Path, n: int = 12) -> dict[str, list[tuple[str, float]]]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=JSON_EPILOG)
     ap.add_argument("--config", default="configs/default.yaml")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override for the server")
     ap.add_argument("--sessions", type=int, nargs="+", default=[8, 16, 32])
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--py-spy", action="store_true", help="record the loop with py-spy (on PATH)")
-    ap.add_argument("--out", type=Path, default=Path("artifacts/loop_cost.json"))
+    ap.add_argument("--json", "--out", dest="out", type=Path, default=Path("artifacts/loop_cost.json"))
     args = ap.parse_args()
     if args.py_spy and shutil.which("py-spy") is None:
         raise SystemExit("--py-spy: py-spy is not on PATH (pip install py-spy)")
@@ -177,7 +178,7 @@ def main() -> None:
             time.sleep(2.0)  # the calls' teardown
     finally:
         server.stop()
-    args.out.write_text(json.dumps({"config": args.config, "set": args.set, "levels": rows}, indent=1))
+    write_result(args.out, "loop_cost", args, {"levels": rows})
     print(f"wrote {args.out}")
 
 

@@ -21,12 +21,12 @@ LLM TTFT, first clause, TTS first audio), dropped sessions (any turn failed, tim
 never connected), reply delivery RTF (reply audio / its arrival span; under 1 the caller
 heard it stall), the probe's own cost, and /healthz queues sampled during the level.
 Levels stop at the first one over ``--p95-limit-ms`` / ``--p99-limit-ms`` or with a
-dropped session (the issue's criteria), or when ``--max-wall-s`` leaves no room for the
+dropped session (the capacity criteria: v2v p95 <= 800 ms, p99 <= 1,200 ms, reply RTF p5 >= 0.95), or when ``--max-wall-s`` leaves no room for the
 next one. ``--url`` drives a server that is already up; ``--detach`` leaves the started
 server running (its pid in OUT/server.pid) for a later ``run --url`` (device calls are
 10 minutes at most).
 
-Scale-out (``--remote-llm``, issue 9 after issue 10): the LLM runs in ONE ``vllm serve``
+Scale-out (``--remote-llm``): the LLM runs in ONE ``vllm serve``
 process (vLLM's OpenAI API server: prefix caching, priority scheduling, cached-token
 counts; ``load_format dummy`` with ``--gpu-dummy``), started here or named by
 ``--llm-url`` (``llm-server`` starts one detached, so its start-up can overlap a
@@ -36,7 +36,7 @@ cores) start one after the other (vLLM sizes its memory from what is free). The 
 spreads the N sessions over the K frontends (session i calls frontend i mod K), and the
 level rows carry each frontend's loop lag and cores and the LLM server's cores.
 
-Shared ASR (``--remote-asr``, issue 9 after the third GPU session): ONE ``voicebot asr-serve``
+Shared ASR (``--remote-asr``): ONE ``voicebot asr-serve``
 (this file's ``asr-serve`` mode: the real CLI path with the Whisper patches below) hosts a
 single Whisper engine on vLLM that batches every frontend's streams, as the LLM server
 does for replies; the frontends run ``asr.backend: remote`` (their streams, partials and
@@ -45,7 +45,7 @@ a GPU engine. It starts after the LLM server and before the frontends, or is nam
 ``--asr-url`` (``asr-server`` starts one detached). Level rows add the service's cores,
 its decode counts in the level and its peak queue / decodes running.
 
-Shared TTS (``--remote-tts``, issue 9 after stop 20): ONE ``voicebot tts-serve`` hosts the tts
+Shared TTS (``--remote-tts``): ONE ``voicebot tts-serve`` hosts the tts
 section's engine (Kokoro on the GPU with ``--set tts.engine=kokoro``: one CUDA context batching
 every frontend's clauses, its launches off the frontends' GILs) and the frontends run
 ``tts.backend: remote``. It starts after the ASR service, or is named by ``--tts-url``
@@ -84,6 +84,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+from bench_util import JSON_EPILOG, results_of, write_result  # benchmarks/, beside this file
 
 ROOT = Path(__file__).resolve().parent.parent
 PATCH_ENV = "PIPELINE_BENCH_PATCHES"
@@ -839,7 +841,7 @@ def run_main(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.monotonic()
     summary_path = out / "pipeline.json"
-    summary: dict[str, Any] = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    summary: dict[str, Any] = results_of(json.loads(summary_path.read_text())) if summary_path.exists() else {}
     summary.setdefault("levels", [])
     run_info: dict[str, Any] = {
         "argv": sys.argv, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -849,7 +851,7 @@ def run_main(args: argparse.Namespace) -> int:
         "llm": "remote: one vLLM OpenAI server" if args.remote_llm else "in-process",
         "asr": "remote: one shared ASR service (voicebot asr-serve)" if args.remote_asr else "in each frontend",
         "tts": "remote: one shared TTS service (voicebot tts-serve)" if args.remote_tts else "in each frontend",
-        # gpu_suite.sh PIPE_MPS=1: the servers started here join that NVIDIA MPS daemon (OUT/mps/status.log)
+        # set when this run was started under an NVIDIA MPS daemon: its servers are MPS clients
         "cuda_mps_pipe_directory": os.environ.get("CUDA_MPS_PIPE_DIRECTORY"),
     }
     summary.setdefault("runs", []).append(run_info)
@@ -985,9 +987,9 @@ def run_main(args: argparse.Namespace) -> int:
             row["fails"] = level_fails(row, args)
             summary["levels"] = [lv for lv in summary["levels"]
                                  if (lv["sessions"], lv.get("frontends", 1)) != (n, len(urls))] + [row]
-            (out / f"level_{n}.json").write_text(json.dumps(
-                {"summary": row, "turns": [asdict(r) for r in result.records]}, indent=1) + "\n")
-            summary_path.write_text(json.dumps(summary, indent=2) + "\n")
+            write_result(out / f"level_{n}.json", "pipeline_gpu", args,
+                         {"summary": row, "turns": [asdict(r) for r in result.records]})
+            write_result(summary_path, "pipeline_gpu", args, summary)
             v, st = row["v2v_ms"], row["stage_p95_ms"]
             print(f"N={n:4d} K={len(urls)} ok {row['turns']['ok']}/{row['turns']['turns']} "
                   f"dropped {row['dropped_sessions']}  "
@@ -1012,7 +1014,7 @@ def run_main(args: argparse.Namespace) -> int:
     finally:
         passing = [lv["sessions"] for lv in summary["levels"] if not lv.get("fails")]
         summary["sessions_per_gpu"] = max(passing) if passing else 0
-        summary_path.write_text(json.dumps(summary, indent=2) + "\n")
+        write_result(summary_path, "pipeline_gpu", args, summary)
         if not args.detach:
             for server in frontends:
                 server.stop()
@@ -1065,7 +1067,7 @@ def plot_main(args: argparse.Namespace) -> int:
     runs = []
     for item in args.summary:
         label, _, path = item.rpartition("=")
-        summary = json.loads(Path(path).read_text())
+        summary = results_of(json.loads(Path(path).read_text()))
         levels = [lv for lv in sorted(summary["levels"], key=lambda lv: lv["sessions"]) if lv["v2v_ms"]["n"]]
         runs.append((label or Path(path).parent.name, levels))
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.6))
@@ -1127,7 +1129,7 @@ def add_whisper_args(r: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=JSON_EPILOG)
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="start the server (or use --url) and drive the levels")
     add_model_args(r)

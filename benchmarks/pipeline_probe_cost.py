@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench_util import JSON_EPILOG, write_result  # benchmarks/, beside this file
+
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_AUDIO = ("goforward.wav", "librivox_0880.wav", "librivox_0930.wav")
 
@@ -147,7 +149,7 @@ def summarize(records: list[Any]) -> dict[str, Any]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=JSON_EPILOG)
     p.add_argument("--sessions", type=int, nargs="+", default=[16, 64, 128])
     p.add_argument("--workers", type=int, default=0, help="probe processes; 0: the probe's auto rule")
     p.add_argument("--server-procs", type=int, default=2)
@@ -204,9 +206,7 @@ def main() -> int:
             proc.join(5)
             with contextlib.suppress(Exception):
                 proc.kill()
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=2) + "\n")
+    write_result(args.json, "pipeline_probe_cost", args, out)
     return 0
 
 

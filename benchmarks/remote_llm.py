@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import platform
 import random
@@ -54,7 +53,8 @@ for p in (ROOT, ROOT / "tests"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from llm_load import load_engine_module, summarise  # noqa: E402  (same folder)
+from bench_util import JSON_EPILOG, summarise_ms, write_result  # noqa: E402
+from llm_load import load_engine_module  # noqa: E402  (same folder)
 from llm_tier import llm_tier  # noqa: E402  (tests/llm_tier.py: starts and stops the tier)
 
 from voicebot.affinity import bind_session  # noqa: E402
@@ -83,20 +83,15 @@ UTTERANCES = [
 ]
 
 
-def summary_ms(values_ms: list[float]) -> dict[str, Any]:
-    return summarise([v / 1000.0 for v in values_ms])
-
-
-def write(path: str | None, report: dict[str, Any]) -> None:
-    if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(report, indent=2))
+def write(path: str | None, report: dict[str, Any], benchmark: str = "remote_llm",
+          args: argparse.Namespace | None = None) -> None:
+    write_result(path, benchmark, args, report)
 
 
 def saver(args: argparse.Namespace, report: dict[str, Any], side: str) -> Callable[[dict[str, Any]], None]:
     def save(summary: dict[str, Any]) -> None:
         report["voice_to_voice"][side] = summary
-        write(args.json, report)
+        write(args.json, report, args=args)
     return save
 
 
@@ -168,9 +163,9 @@ def stage_summary(records: list[dict[str, Any]], skip_first: bool = True) -> dic
     prompt = sum(r["prompt_tokens"] for r in ok)
     return {
         "turns": len(records), "errors": len(records) - len(ok),
-        "ttft_ms": summary_ms([r["ttft_ms"] for r in timed if r["ttft_ms"] is not None]),
-        "ttft_later_turns_ms": summary_ms([r["ttft_ms"] for r in later if r["ttft_ms"] is not None]),
-        "total_ms": summary_ms([r["total_ms"] for r in timed]),
+        "ttft_ms": summarise_ms([r["ttft_ms"] for r in timed if r["ttft_ms"] is not None]),
+        "ttft_later_turns_ms": summarise_ms([r["ttft_ms"] for r in later if r["ttft_ms"] is not None]),
+        "total_ms": summarise_ms([r["total_ms"] for r in timed]),
         "prefix_hit_rate": round(sum(r["cached_tokens"] for r in ok) / prompt, 3) if prompt else None,
     }
 
@@ -196,7 +191,7 @@ async def hop(args: argparse.Namespace) -> dict[str, Any]:
             await eng.aclose()
         report["llm_stage"]["inprocess"] = {**stage_summary(recs), "turns_detail": recs}
         print("inprocess", report["llm_stage"]["inprocess"]["ttft_ms"], flush=True)
-        write(args.json, report)
+        write(args.json, report, args=args)
 
     # The server gets the same vLLM knobs as the in-process engine of this config.
     c = cfg.llm
@@ -229,14 +224,14 @@ async def hop(args: argparse.Namespace) -> dict[str, Any]:
                     await remote.aclose()
                 report["llm_stage"][name] = {**stage_summary(recs), "turns_detail": recs}
                 print(name, report["llm_stage"][name]["ttft_ms"], flush=True)
-                write(args.json, report)
+                write(args.json, report, args=args)
             if args.v2v_turns and "router" in sides:
                 report["voice_to_voice"]["router"] = await voice_turns(
                     args, [f"llm.remote.url={tier.url}", "llm.backend=remote"], saver(args, report, "router"))
-                write(args.json, report)
+                write(args.json, report, args=args)
     if args.v2v_turns and "inprocess" in sides:
         report["voice_to_voice"]["inprocess"] = await voice_turns(args, [], saver(args, report, "inprocess"))
-    write(args.json, report)
+    write(args.json, report, args=args)
     return report
 
 
@@ -272,9 +267,9 @@ def v2v_summary(turns: list[dict[str, Any]], dones: list[dict[str, Any]]) -> dic
 
     keys = ("voice_to_voice_ms", "llm_ttft_ms", "asr_final_ms", "first_clause_ms", "tts_first_audio_ms")
     timings = [t["timings"] for t in turns]
-    out: dict[str, Any] = {k: summary_ms([t[k] for t in timings if t.get(k) is not None]) for k in keys}
+    out: dict[str, Any] = {k: summarise_ms([t[k] for t in timings if t.get(k) is not None]) for k in keys}
     rows = [r for r in (stages(t) for t in turns) if r is not None]
-    out["stages_ms"] = {c: summary_ms([r[c] for r in rows]) for c in COLUMNS}
+    out["stages_ms"] = {c: summarise_ms([r[c] for r in rows]) for c in COLUMNS}
     window = sum(t["window_s"] for t in turns)
     out["cpu_cores_busy"] = {k: round(sum(t["cpu_s"][k] for t in turns) / window, 2) for k in turns[0]["cpu_s"]} if turns else {}
     prompt = sum(d.get("input_tokens", 0) for d in dones)
@@ -370,7 +365,7 @@ async def gpu(args: argparse.Namespace) -> dict[str, Any]:
                 s["startup_s"] = tier.startup_s
                 report["scenarios"][f"{name}@{sessions}"] = s
                 print(name, sessions, s["ttft_ms"], s["prefix_hit_rate"], flush=True)
-                write(args.json, report)
+                write(args.json, report, args=args)
 
     await run("one", 1, False, "round_robin")
     await run("two-affinity", 2, True, "sticky_least_loaded")
@@ -396,7 +391,7 @@ def table(report: dict[str, Any]) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=JSON_EPILOG)
     sub = ap.add_subparsers(dest="part", required=True)
     h = sub.add_parser("hop", help="CPU: in-process vs HTTP hop vs router, same machine")
     h.add_argument("--config", default="configs/default.yaml")

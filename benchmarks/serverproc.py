@@ -40,7 +40,7 @@ HEAP_PATH = "/_bench/heap"
 # On top of configs/test.yaml: its random-weight LLM says 24 tokens of CJK that espeak
 # spells out for a minute; a small instruct model gives replies of a few seconds.
 # The CPU tuning of configs/default.yaml comes along (both cores for vLLM, 32-token blocks).
-SERVER_SET = ("llm.model=bundle:qwen2.5-0.5b-instruct", "llm.max_tokens=32",
+SERVER_SET = ("llm.model=bundle:qwen2.5-coder-0.5b-instruct", "llm.max_tokens=32",
               "llm.cpu_threads_bind=0-1", "llm.block_size=32")
 _SESSION_ID = re.compile(r"(sess|rtc|item|resp)_[0-9a-f]{6,}")
 

@@ -1,4 +1,4 @@
-"""Soak and leak figures (issue 8, part 4): N callers for M minutes, then overload.
+"""Soak and leak figures: N callers for M minutes, then overload.
 
     .venv/bin/python benchmarks/soak.py --sessions 2 --minutes 2 --json artifacts/soak.json
 
@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_util import JSON_EPILOG, write_result  # noqa: E402
 from serverproc import ROOT, SERVER_SET, ServerProcess  # noqa: E402
 
 from voicebot.probe.client import ProbeConfig, _Session, run_level  # noqa: E402
@@ -450,7 +451,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=JSON_EPILOG)
     p.add_argument("--config", default="configs/test.yaml", help="server config (default: %(default)s)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="server config override, after " + " ".join(SERVER_SET))
@@ -490,8 +491,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"soak: unknown protocols {bad}" if bad else "soak: no --audio clips found", file=sys.stderr)
         return 2
     result = asyncio.run(run(args))
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(result, indent=1, default=str))
+    write_result(args.json, "soak", args, result)
     print_table(result)
     print(f"\nJSON: {args.json}; server log: {args.server_log}")
     return 1 if args.strict and not all(result["targets"].values()) else 0

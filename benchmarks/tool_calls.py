@@ -1,6 +1,6 @@
 """How reliably the CPU default LLM calls tools, and what the tool grammar costs.
 
-Runs the configured LLM (configs/default.yaml: Qwen2.5-0.5B-Instruct on vLLM CPU) on a
+Runs the configured LLM (configs/default.yaml: Qwen2.5-Coder-0.5B-Instruct on vLLM CPU) on a
 set of spoken-style questions with a ``get_weather`` and a ``get_time`` tool, through
 the same code the server uses (Conversation rendering, vLLM's hermes parser, the
 structural tag of voicebot/tools/grammar.py), for each ``llm.tool_grammar`` mode and
@@ -21,10 +21,11 @@ import argparse
 import asyncio
 import contextlib
 import json
-import statistics
 import time
 from pathlib import Path
 from typing import Any
+
+from bench_util import JSON_EPILOG, summarise_ms, write_result  # benchmarks/, beside this file
 
 from voicebot.config import load_config
 from voicebot.engines.contracts import GenerationStats, Lane
@@ -118,7 +119,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 report["modes"][key] = {
                     "called_right": f"{right}/{len(ASK)}", "valid_json": f"{valid}/{len(ASK)}",
                     "answer_uses_result": f"{uses}/{len(ASK)}", "chatter_calls": f"{chatter}/{len(CHAT)}",
-                    "ttft_ms_p50": round(statistics.median(ttft)), "reply_ms_p50": round(statistics.median(total)),
+                    "ttft_ms": summarise_ms(ttft), "reply_ms": summarise_ms(total),
                     "cached_after_result_min": min(cached) if cached else None, "rows": rows,
                 }
                 print(key, {k: v for k, v in report["modes"][key].items() if k != "rows"}, flush=True)
@@ -128,7 +129,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=JSON_EPILOG)
     ap.add_argument("--config", default="configs/default.yaml")
     ap.add_argument("--override", action="append", default=[], help="section.key=value (repeatable)")
     ap.add_argument("--grammar", nargs="+", default=["always", "off"], choices=["always", "forced", "off"])
@@ -136,9 +137,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="write the report here")
     args = ap.parse_args()
     report = asyncio.run(run(args))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=1, default=str))
+    write_result(args.json, "tool_calls", args, report)
 
 
 if __name__ == "__main__":

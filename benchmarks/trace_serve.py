@@ -36,7 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench_util import summarise  # same folder
+from bench_util import JSON_EPILOG, summarise, summarise_ms, write_result  # same folder
 
 _lock = threading.Lock()
 _out: Any = None
@@ -210,9 +210,8 @@ def report(path: Path) -> int:
     smart = smart_turn_cost(events)
     for k, v in smart.items():
         print(f"smart turn: {k}: {v}")
-    out = path.with_suffix(".report.json")
-    out.write_text(json.dumps(rows, indent=1) + "\n")
-    path.with_suffix(".smart_turn.json").write_text(json.dumps(smart, indent=1) + "\n")
+    write_result(path.with_suffix(".report.json"), "trace_serve", {"report": str(path)},
+                 {"ttft_ms": summarise_ms(r["ttft_ms"] for r in rows), "requests": rows, "smart_turn": smart})
     return 0
 
 
@@ -244,9 +243,12 @@ def smart_turn_cost(events: list[dict]) -> dict[str, dict[str, Any]]:
 
 
 def main() -> int:
-    if len(sys.argv) > 2 and sys.argv[1] == "--report":
-        p = argparse.ArgumentParser()
-        p.add_argument("--report", type=Path, required=True)
+    if len(sys.argv) > 1 and sys.argv[1] in ("--report", "-h", "--help"):
+        p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                    epilog=JSON_EPILOG)
+        p.add_argument("--report", type=Path, required=True,
+                       help="a trace.jsonl: print each interactive TTFT with what overlapped it, and write "
+                            "TRACE.report.json (without --report: `voicebot` with the same arguments, traced)")
         return report(p.parse_args().report)
     target = os.environ.get("TRACE_OUT")
     if target:

@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import sys
 import time
 from pathlib import Path
 
-from bench_util import summarise  # same folder
+from bench_util import JSON_EPILOG, summarise, write_result  # same folder
 
 from voicebot.config import load_config
 from voicebot.engines.contracts import GenerationStats, Lane
@@ -80,7 +79,7 @@ async def run(args: argparse.Namespace) -> dict:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=JSON_EPILOG)
     p.add_argument("--config", default="configs/default.yaml")
     p.add_argument("--set", dest="overrides", action="append", default=[], help="config override KEY=VALUE")
     p.add_argument("--cached", type=int, default=512, help="tokens of cached prefix")
@@ -95,9 +94,7 @@ def main() -> int:
         print(f"{n:>11} {row['p50']:>8.0f} {row['p95']:>8.0f}")
     fit = report["fit_ms"]
     print(f"fit through the medians: {fit['intercept']:.0f} ms + {fit['per_token']:.1f} ms per new token")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    write_result(args.json, "ttft_new_tokens", args, report)
     return 0
 
 

@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+from bench_util import JSON_EPILOG, summarise_ms, write_result  # benchmarks/, beside this file
 
 from voicebot.audio import ASR_RATE, read_wav
 from voicebot.config import ModelsConfig, VadConfig
@@ -192,10 +193,6 @@ def run_one(det: TurnDetector, utt: Utterance, probs: np.ndarray, model: TimedMo
     return out
 
 
-def pct(values: list[float], q: float) -> float | None:
-    return round(float(np.percentile(values, q)), 0) if values else None
-
-
 def summarise(name: str, outcomes: list[Outcome]) -> dict[str, object]:
     paused = [o for o in outcomes if o.kind == "paused"]
     complete = [o for o in outcomes if o.kind == "complete"]
@@ -209,10 +206,8 @@ def summarise(name: str, outcomes: list[Outcome]) -> dict[str, object]:
         "false_end_complete": round(sum(o.false_end for o in complete) / max(1, len(complete)), 3),
         "n_paused": len(paused),
         "n_complete": len(complete),
-        "delay_complete_ms_p50": pct(dc, 50),
-        "delay_complete_ms_mean": round(statistics.fmean(dc), 0) if dc else None,
-        "delay_complete_ms_max": max(dc) if dc else None,
-        "delay_paused_ms_p50": pct(dp, 50),
+        "delay_complete_ms": summarise_ms(dc, 0),
+        "delay_paused_ms": summarise_ms(dp, 0),
         "n_delay_paused": len(dp),
         "no_end": sum(1 for o in outcomes if not o.ends_s),
         "checks_per_utterance": round(statistics.fmean(o.checks for o in outcomes), 2),
@@ -220,7 +215,7 @@ def summarise(name: str, outcomes: list[Outcome]) -> dict[str, object]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=JSON_EPILOG)
     ap.add_argument("--audio", type=Path, default=SHARED_AUDIO, help="folder of the recordings")
     ap.add_argument("--json", type=Path, default=Path("artifacts/turn_eval.json"))
     ap.add_argument("--pauses", default="0.5,0.75,1.0", help="inserted pause lengths, seconds")
@@ -274,21 +269,22 @@ def main() -> None:
     print(f"{'detector':<36} {'false EOT':>9} {'false EOT':>9} {'delay, complete':>17} {'delay, paused':>14}")
     print(f"{'':<36} {'paused':>9} {'complete':>9} {'p50/mean/max ms':>17} {'p50 ms (n)':>14}")
     for r in rows:
+        dc = r["delay_complete_ms"]  # type: ignore[assignment]
         print(f"{r['detector']:<36} {100 * float(r['false_end_paused']):>8.0f}% {100 * float(r['false_end_complete']):>8.0f}% "  # type: ignore[arg-type]
-              f"{r['delay_complete_ms_p50']!s:>5}/{r['delay_complete_ms_mean']!s:>5}/{r['delay_complete_ms_max']!s:>5} "
-              f"{r['delay_paused_ms_p50']!s:>8} ({r['n_delay_paused']})")
-    print(f"\nSmart Turn inference: {len(lat)} runs, p50 {pct(lat, 50)} ms, p95 {pct(lat, 95)} ms (one thread)")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({
-        "command": " ".join(sys.argv),
+              f"{dc.get('p50')!s:>5}/{dc.get('mean')!s:>5}/{dc.get('max')!s:>5} "
+              f"{r['delay_paused_ms'].get('p50')!s:>8} ({r['n_delay_paused']})")  # type: ignore[union-attr]
+    inference = summarise_ms(lat)
+    print(f"\nSmart Turn inference: {len(lat)} runs, p50 {inference.get('p50')} ms, p95 {inference.get('p95')} ms (one thread)")
+    results = json.loads(json.dumps({
         "utterances": [{"name": u.name, "kind": u.kind, "seconds": round(u.audio.size / ASR_RATE, 2),
                         "speech_end_s": round(u.speech_end_s, 3), "pause_at_s": u.pause_at_s, "pause_s": u.pause_s}
                        for u in utterances],
-        "inference_ms": {"n": len(lat), "p50": pct(lat, 50), "p95": pct(lat, 95)},
+        "inference_ms": inference,
         "summary": rows,
         "outcomes": details,
         "probability_note": "delays include the model's inference time, rounded up to the next 32 ms VAD window",
-    }, indent=1, default=lambda x: None if isinstance(x, float) and math.isnan(x) else x))
+    }, default=lambda x: None if isinstance(x, float) and math.isnan(x) else x))
+    write_result(args.json, "turn_eval", args, results)
     print(f"wrote {args.json}")
 
 

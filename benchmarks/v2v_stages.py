@@ -33,6 +33,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from bench_util import JSON_EPILOG, pct, write_result  # benchmarks/, beside this file
+
 COLUMNS = ("v2v", "asr", "ttft", "clause", "tts", "pause+rest", "uncached")
 
 
@@ -54,23 +56,18 @@ def stages(turn: dict[str, Any]) -> dict[str, float] | None:
     return row
 
 
-def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
-
-
 def table(rows: list[dict[str, float]], title: str = "") -> dict[str, Any]:
     print(f"{'':>5}" + "".join(f"{c:>11}" for c in COLUMNS) + f"   (ms; uncached: tokens; n={len(rows)}{title})")
     out: dict[str, Any] = {"n": len(rows)}
-    for q, name in ((0.5, "p50"), (0.95, "p95")):
-        values = {c: round(pct([r[c] for r in rows], q), 1) for c in COLUMNS}
+    for q, name in ((50, "p50"), (95, "p95")):
+        values = {c: round(pct([r[c] for r in rows], q) or 0.0, 1) for c in COLUMNS}
         out[name] = values
         print(f"{name:>5}" + "".join(f"{values[c]:>11.0f}" for c in COLUMNS))
     return out
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=JSON_EPILOG)
     p.add_argument("probe_json", type=Path, nargs="+", help="one report, or several to pool")
     p.add_argument("--json", type=Path)
     p.add_argument("--uncapped", type=float, metavar="MS", help="also: only turns whose endpointing took < MS")
@@ -94,8 +91,7 @@ def main() -> int:
         ]
         if kept:
             out["uncapped"] = table(kept, f", endpointing < {args.uncapped:g} ms")
-    if args.json:
-        args.json.write_text(json.dumps(out, indent=2) + "\n")
+    write_result(args.json, "v2v_stages", args, out)
     return 0
 
 

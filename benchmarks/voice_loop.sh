@@ -10,7 +10,16 @@
 # PROTOCOL: native (default), realtime, twilio or webrtc.
 # TRACE=1: serve through benchmarks/trace_serve.py, which writes $OUT/trace.jsonl (what ran
 #   on the cores when; `benchmarks/trace_serve.py --report $OUT/trace.jsonl` splits each TTFT).
+# PORT: the server's port (8090).
+#
+# Output, in OUT_DIR: probe.json (the probe's report: every turn, voice-to-voice p50/p90/p95/p99
+# measured from the audio, the server's turn.timings), probe.png, stages.json (where the
+# milliseconds went, benchmarks/v2v_stages.py, in the one JSON shape of benchmarks/bench_util.py),
+# server.log and metrics.txt (/metrics after the run).
 set -euo pipefail
+if [ "${1:-}" = -h ] || [ "${1:-}" = --help ]; then
+  sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0
+fi
 cd "$(dirname "$0")/.."
 CONFIG=${1:-configs/default.yaml}; OUT=${2:-artifacts/v2v}; shift $(( $# > 2 ? 2 : $# ))
 PORT=${PORT:-8090}
@@ -43,3 +52,4 @@ esac
 .venv/bin/voicebot probe --protocol "$PROTOCOL" --url "$URL" --audio $AUDIO \
   --json "$OUT/probe.json" --plot "$OUT/probe.png" --timeout-s 60 "$@"
 curl -s "http://127.0.0.1:$PORT/metrics" > "$OUT/metrics.txt"
+.venv/bin/python benchmarks/v2v_stages.py "$OUT/probe.json" --json "$OUT/stages.json" || true

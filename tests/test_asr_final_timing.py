@@ -1,9 +1,9 @@
 """``TurnTimings.asr_final_ms`` is the ASR's time, not the wait for the end of turn.
 
-Issue 12 §4's stage split (benchmarks/v2v_stages.py over the probe's ``turn.timings``)
+The stage split (benchmarks/v2v_stages.py over the probe's ``turn.timings``)
 gave the ASR final on the CPU default a p95 of ~1380 ms against a p50 of ~300 ms.
-Traced (benchmarks/asr_final_trace.py, docs/benchmarks.md "Where the ASR final's p95
-goes"), every one of those ~1380 ms values was a turn that Smart Turn held for its
+Traced (``TRACE=1 benchmarks/voice_loop.sh``, then ``benchmarks/trace_serve.py --report``),
+every one of those ~1380 ms values was a turn that Smart Turn held for its
 1.5 s cap (an unfinished sentence): the speculative final had been ready for over a
 second, and the reply's LLM request had gone out with it, but ``asr_done`` was stamped
 only when the committed turn read the transcript, after END. The stage then reported

@@ -10,7 +10,7 @@ includes a barge-in (the caller talking over the reply):
 - LiveKit's ``openai.realtime.RealtimeModel`` in an ``AgentSession`` with no LiveKit
   server (WAV input, a sink for output), replying to ``generate_reply``.
 
-One server for all three, on the CPU default (configs/default.yaml: Qwen2.5-0.5B-Instruct,
+One server for all three, on the CPU default (configs/default.yaml: Qwen2.5-Coder-0.5B-Instruct,
 whisper tiny.en, Piper), real engines: a server start is most of this module's time.
 What the tests look at is what the client's user sees (its events, its errors) and what
 our server sent (clients.harness.WireLog). The client glue is in tests/clients/.

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from starlette.websockets import WebSocketDisconnect, WebSocketDisconnected
@@ -20,6 +19,7 @@ from voicebot.errors import (
     ProtocolError,
 )
 from voicebot.server import edge
+from voicebot.server.connection import Connection
 from voicebot.server.state import NotReady, ServerState
 from voicebot.transports.tasks import run_until_first_ends
 
@@ -137,7 +137,7 @@ def test_deep_json_is_a_bad_message_not_a_recursion_error() -> None:
 
 def test_json_with_too_many_objects_and_arrays_is_refused_before_it_is_parsed() -> None:
     # Parsing builds a Python object per container on the loop every session shares: 300k
-    # empty arrays in 1 MiB held it ~0.24 s (benchmarks/inline_cost.py). Refused after the
+    # empty arrays in 1 MiB held it ~0.24 s (docs/benchmarks.md). Refused after the
     # bracket scan, unparsed.
     wide = json.dumps({"type": "x", "items": [[] for _ in range(300_000)]})
     with pytest.raises(BadMessage, match="more than 10000 objects and arrays"):
@@ -257,26 +257,26 @@ class _Engines:
 def test_admission_ready_capacity_per_client_and_draining() -> None:
     state = ServerState(Config(server=ServerConfig(max_sessions=3, max_sessions_per_client=2)))
     with pytest.raises(NotReady):
-        edge.check_admission(state, "10.0.0.1")
+        state.check_admission("10.0.0.1")
     state.engines = _Engines()  # type: ignore[assignment]
-    edge.check_admission(state, "10.0.0.1")
+    state.check_admission("10.0.0.1")
     state.client_sessions["10.0.0.1"] = 2
     with pytest.raises(CapacityError, match="one address"):
-        edge.check_admission(state, "10.0.0.1")
-    edge.check_admission(state, "10.0.0.2")
-    edge.check_admission(state, None)  # not counted per client (Twilio)
+        state.check_admission("10.0.0.1")
+    state.check_admission("10.0.0.2")
+    state.check_admission(None)  # not counted per client (Twilio)
     state.sessions.update({f"s{i}": None for i in range(3)})  # type: ignore[misc]
     with pytest.raises(CapacityError, match="capacity"):
-        edge.check_admission(state, "10.0.0.2")
+        state.check_admission("10.0.0.2")
     state.sessions.clear()
     if hasattr(state, "engine_failure"):  # the engines' health (lifecycle work)
         state.engines.down = "llm: engine core died"  # type: ignore[union-attr]
         with pytest.raises(NotReady, match="engine core died"):
-            edge.check_admission(state, None)
+            state.check_admission(None)
         state.engines.down = None  # type: ignore[union-attr]
     state.draining = True  # type: ignore[attr-defined]
     with pytest.raises(NotReady) as err:
-        edge.check_admission(state, None)
+        state.check_admission(None)
     assert err.value.code == "draining"
 
 
@@ -335,13 +335,13 @@ def test_config_has_the_edge_fields() -> None:
 
 def test_admin_details_need_a_long_lived_key() -> None:
     state = ServerState(Config(server=ServerConfig(api_keys_env="VB_TEST_UNSET_VAR")))
-    assert edge.admin_allowed(state, None)  # no keys: open, like everything else
+    assert state.admin_allowed(None)  # no keys: open, like everything else
     state.cfg.server.api_key = "sk-admin"
-    assert edge.admin_allowed(state, "Bearer sk-admin")
-    assert not edge.admin_allowed(state, None)
-    assert not edge.admin_allowed(state, "Bearer sk-admi")
+    assert state.admin_allowed("Bearer sk-admin")
+    assert not state.admin_allowed(None)
+    assert not state.admin_allowed("Bearer sk-admi")
     secret, _ = state.mint_secret(60)
-    assert not edge.admin_allowed(state, f"Bearer {secret}")
+    assert not state.admin_allowed(f"Bearer {secret}")
 
 
 def test_clip_bounds_echoed_values() -> None:
@@ -378,20 +378,19 @@ async def test_a_send_to_a_gone_client_ends_the_connection_quietly() -> None:
         raise WebSocketDisconnected('Cannot call "send" once a close message has been sent.')
 
     for coros in ({"a": gone, "b": closed}, {"a": closed, "b": gone}, {"a": closed}):
-        session = SimpleNamespace(id="sess_x", closed_reason=None)
-        await run_until_first_ends(session, {k: f() for k, f in coros.items()},  # type: ignore[arg-type]
-                                   reason="client closed")
-        assert session.closed_reason == "client closed"
+        conn = Connection(ServerState(Config()), "native")
+        await run_until_first_ends(conn, {k: f() for k, f in coros.items()}, reason="client closed")
+        assert conn.reason == "client closed"
 
 
 async def test_a_task_error_that_is_not_a_hang_up_still_surfaces() -> None:
     async def broken() -> None:
         raise RuntimeError("a bug")
 
-    session = SimpleNamespace(id="sess_x", closed_reason=None)
+    conn = Connection(ServerState(Config()), "native")
     with pytest.raises(RuntimeError, match="a bug"):
-        await run_until_first_ends(session, {"a": broken()}, reason="client closed")  # type: ignore[arg-type]
-    assert session.closed_reason == "client closed"
+        await run_until_first_ends(conn, {"a": broken()}, reason="client closed")
+    assert conn.reason == "client closed"
 
 
 async def test_read_body_refuses_a_non_ascii_content_length() -> None:
@@ -405,3 +404,30 @@ async def test_read_body_refuses_a_non_ascii_content_length() -> None:
     scope = {"type": "http", "method": "POST", "path": "/", "headers": [(b"content-length", b"\xb2")]}
     request = await edge.read_body(Request(scope, receive), 1024)
     assert await request.body() == b"v=0"
+
+
+# -------------------------------------------------------------------- connection
+def test_a_connection_authenticates_counts_refusals_once_and_keeps_the_first_reason() -> None:
+    from starlette.requests import Request
+
+    state = ServerState(Config(server=ServerConfig(api_key="sk-k", api_keys_env="VB_TEST_UNSET_VAR")))
+    scope = {"type": "http", "method": "GET", "path": "/", "query_string": b"token=sk-k",
+             "headers": [(b"authorization", b"Bearer nope")], "client": ("10.0.0.9", 5000)}
+    conn = Connection(state, "native", Request(scope))
+    assert conn.bearer() == "nope" and conn.client == "10.0.0.9"
+    with pytest.raises(AuthError):  # a Bearer header is what is checked, not the token beside it
+        conn.authenticate(conn.query.get("token"))
+    assert Connection(state, "twilio", Request(scope), per_client=False).client is None
+
+    def counted(code: str) -> float | None:
+        return state.metrics.registry.get_sample_value("voicebot_errors_total", {"code": code})
+
+    assert conn.refuse(AuthError("x")) == 1008 and counted("unauthorized") == 1
+    assert conn.refuse_http(CapacityError("x")) == 429 and counted("capacity_exceeded") == 1
+    conn.count_error("invalid_event")
+    assert counted("invalid_event") == 1
+
+    assert conn.reason is None and conn.close_code == 1000
+    conn.end("hangup digit")
+    conn.end("call ended")  # the first reason given stands
+    assert conn.reason == "hangup digit"

@@ -43,6 +43,7 @@ from transformers import AutoTokenizer
 from voicebot.config import Config
 from voicebot.engines.registry import Engines
 from voicebot.errors import ProtocolError, VoicebotError
+from voicebot.server.connection import Connection
 from voicebot.server.state import ServerState
 from voicebot.session import events as ev
 from voicebot.session.response import ResponseOptions
@@ -641,7 +642,7 @@ async def _datachannel_once(engines: Engines, messages: list[str | bytes]) -> No
 
     state = ServerState(engines.cfg, engines=engines)
     async with open_session(engines) as session:
-        call = Call(state, "v=0\r\n", {})
+        call = Call(Connection(state, "webrtc"), "v=0\r\n", {})
         call.session = session
         call._tr = RealtimeTranslator(session, session_id=session.id, model="m", voices=set(engines.tts.voices()))
         channel = call._channel = FakeChannel()  # type: ignore[assignment]
@@ -677,7 +678,7 @@ def test_webrtc_data_channel_message_over_the_limit_is_refused(loop: asyncio.Run
         cfg = engines.cfg.model_copy(deep=True)
         cfg.server.max_message_bytes = 4096
         state = ServerState(cfg, engines=engines)
-        call = Call(state, "v=0\r\n", {})
+        call = Call(Connection(state, "webrtc"), "v=0\r\n", {})
         channel = call._channel = FakeChannel()  # type: ignore[assignment]
         call._on_message(json.dumps({"type": "conversation.item.create", "item": {
             "role": "user", "content": [{"type": "input_text", "text": "x" * 10_000}]}}))
@@ -742,7 +743,7 @@ async def _twilio_once(engines: Engines, texts: list[str]) -> None:
     state = ServerState(engines.cfg, engines=engines)
     start = tp.Start("MZ1", "CA1", "audio/pcmu", {}, "twilio")
     async with open_session(engines) as session:
-        call = _Call(None, session, state, start)  # type: ignore[arg-type]  # _handle never sends
+        call = _Call(None, Connection(state, "twilio"), session, state, start)  # type: ignore[arg-type]  # _handle never sends
         for text in texts:
             try:
                 if call._handle(tp.parse_message(text)):

@@ -1,4 +1,4 @@
-"""The loaded heap frozen out of the garbage collector (voicebot/server/gc_freeze.py).
+"""The loaded heap frozen out of the garbage collector (voicebot/runtime/gc_freeze.py).
 That a real server freezes its engines before the first call: tests/test_voice_loop.py."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import gc
 import weakref
 
-from voicebot.server.gc_freeze import frozen_heap
+from voicebot.runtime.gc_freeze import frozen_heap
 
 
 class Cycle:

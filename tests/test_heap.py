@@ -1,12 +1,12 @@
-"""voicebot/server/heap.py: calls ending give the heap's free pages back, at a bounded rate."""
+"""voicebot/runtime/heap.py: calls ending give the heap's free pages back, at a bounded rate."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
 
-from voicebot.server import heap
-from voicebot.server.heap import HeapTrimmer
+from voicebot.runtime import heap
+from voicebot.runtime.heap import HeapTrimmer
 
 
 class Clock:

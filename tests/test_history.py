@@ -247,7 +247,7 @@ WEATHER_TOOL = {"type": "function", "function": {
 CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 
-@pytest.fixture(scope="module", params=["qwen3-tokenizer", "qwen2.5-0.5b-instruct"])
+@pytest.fixture(scope="module", params=["qwen3-tokenizer", "qwen2.5-coder-0.5b-instruct"])
 def any_tokenizer(request, bundle_dir: Callable[[str], str]):  # type: ignore[no-untyped-def]
     return AutoTokenizer.from_pretrained(bundle_dir(request.param))
 

@@ -1,4 +1,4 @@
-"""The event-loop watch (voicebot/server/loop_watch.py): a blocked loop is reported with
+"""The event-loop watch (voicebot/runtime/loop_watch.py): a blocked loop is reported with
 the stack it is blocked at, while it is blocked; a loop that runs is not."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from voicebot.server.loop_watch import LoopWatch, watching_loop
+from voicebot.runtime.loop_watch import LoopWatch, watching_loop
 
-WATCH_LOG = "voicebot.server.loop_watch"
+WATCH_LOG = "voicebot.runtime.loop_watch"
 
 
 def block_the_loop_for(seconds: float) -> None:

@@ -216,7 +216,7 @@ def test_resolve_bundle_without_pull_names_the_fix(models):
 
 def test_bundle_names_for_config():
     config = Config()
-    assert bundle_names_for(config) == ["whisper-tiny.en", "qwen2.5-0.5b-instruct", "piper-en_US-joe-medium"]
+    assert bundle_names_for(config) == ["whisper-tiny.en", "qwen2.5-coder-0.5b-instruct", "piper-en_US-joe-medium"]
     config.llm.model = "bundle:qwen3-tiny-random"
     config.llm.tokenizer = "bundle:qwen3-tiny-random"
     config.tts.engine = "espeak"
@@ -235,17 +235,26 @@ def test_a_frontend_pulls_only_what_it_loads():
     config.llm.tokenizer = "bundle:qwen3-tokenizer"
     assert bundle_names_for(config, frontend=True) == ["qwen3-tokenizer", "piper-en_US-joe-medium"]
     assert bundle_names_for(config) == [
-        "whisper-tiny.en", "qwen2.5-0.5b-instruct", "qwen3-tokenizer", "piper-en_US-joe-medium"
+        "whisper-tiny.en", "qwen2.5-coder-0.5b-instruct", "qwen3-tokenizer", "piper-en_US-joe-medium"
     ]
     config.llm.tokenizer = None  # the tokenizer comes from llm.model then
-    assert bundle_names_for(config, frontend=True) == ["qwen2.5-0.5b-instruct", "piper-en_US-joe-medium"]
+    assert bundle_names_for(config, frontend=True) == ["qwen2.5-coder-0.5b-instruct", "piper-en_US-joe-medium"]
     config.asr.backend = "faster-whisper"
     assert bundle_names_for(config, frontend=True)[0] == "whisper-tiny.en"
 
 
+def test_a_renamed_entry_resolves_to_its_new_name(caplog):
+    # The default LLM's entry was named for a model it does not hold (Qwen2.5-Instruct,
+    # not -Coder-): configs naming the old entry still resolve, with a warning.
+    with caplog.at_level("WARNING", logger="voicebot.provision.bundle"):
+        entry = load_bundle().get("qwen2.5-0.5b-instruct")
+    assert entry.name == "qwen2.5-coder-0.5b-instruct"
+    assert "qwen2.5-coder-0.5b-instruct" in caplog.text
+
+
 def test_real_recipe_is_complete():
     bundle = load_bundle()
-    assert {"whisper-tiny.en", "whisper-base", "qwen2.5-0.5b-instruct", "qwen3-tokenizer",
+    assert {"whisper-tiny.en", "whisper-base", "qwen2.5-coder-0.5b-instruct", "qwen3-tokenizer",
             "qwen3-tiny-random", "piper-en_US-joe-medium", "smollm2-135m-instruct"} <= set(bundle.entries)
     for entry in bundle.entries.values():
         assert entry.files, entry.name

@@ -34,8 +34,8 @@ from voicebot.server import edge
 from voicebot.server.state import ServerState
 from voicebot.session import events as se
 from voicebot.session.settings import SessionSettings
-from voicebot.transports import g711
 from voicebot.transports.realtime_session import RealtimeTranslator
+from voicebot.wire import g711
 
 KEY = "sk-test-realtime"
 TIMEOUT = 60.0  # per exchange; the CPU is shared with other test runs

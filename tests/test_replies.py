@@ -80,7 +80,7 @@ def test_the_turn_set_is_large_enough() -> None:
 # ------------------------------------------------- prompt building vs the template
 @pytest.fixture(scope="module")
 def default_tokenizer(bundle_dir: Callable[[str], str]):  # type: ignore[no-untyped-def]
-    return AutoTokenizer.from_pretrained(bundle_dir("qwen2.5-0.5b-instruct"))
+    return AutoTokenizer.from_pretrained(bundle_dir("qwen2.5-coder-0.5b-instruct"))
 
 
 def _template_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:  # type: ignore[no-untyped-def]
@@ -115,7 +115,7 @@ def test_prompts_are_token_identical_to_the_default_models_chat_template(default
 
 # --------------------------------------------------------------- the echo fix
 def test_default_config_penalises_repetition_and_the_engine_passes_it() -> None:
-    """Qwen2.5-0.5B echoed the caller in ~20% of replies (issue 12: 15 of 16 short phone
+    """Qwen2.5-Coder-0.5B echoed the caller in ~20% of replies (issue 12: 15 of 16 short phone
     prompts); prompts alone did not fix it, vLLM's repetition_penalty did (the rate is
     benchmarks/echo_rate.py's figure). Off with tools: a call repeats the tool's name."""
     from voicebot.engines.llm.inprocess import LlmEngine

@@ -27,7 +27,7 @@ from voicebot.probe.client import ProbeConfig, run_level
 from voicebot.probe.clips import load_clip
 from voicebot.probe.turn import TurnRecord
 from voicebot.session.turns import Signal, SilenceTurnDetector
-from voicebot.transports import g711
+from voicebot.wire import g711
 
 pytestmark = [pytest.mark.engines, pytest.mark.timeout(400)]  # a hang guard; the module's server load counts to its first test
 

@@ -43,7 +43,7 @@ def test_two_minute_soak_leaks_nothing(speech_clips: list[Clip], tmp_path: Path,
     ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0 and out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+    result = json.loads(out.read_text())["results"]  # benchmarks/bench_util.py: the one JSON shape
     targets, leaks = result["targets"], result["leaks"]
     report = proc.stdout[-4000:]
     # The first call of caller 0 barges in, caller 1's is dropped mid-turn (soak.py).

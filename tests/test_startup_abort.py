@@ -6,7 +6,7 @@ ERROR
 
     ERROR asyncio: Task exception was never retrieved
     future: <Task finished name='start-llm' ... exception=ModelError("vLLM could not load
-    .../qwen2.5-0.5b-instruct: Engine core initialization failed ... {'EngineCore': -9}")>
+    .../qwen2.5-coder-0.5b-instruct: Engine core initialization failed ... {'EngineCore': -9}")>
     Traceback ...
 
 i.e. a traceback that says the model could not load, when the user only pressed Ctrl-C.

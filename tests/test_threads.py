@@ -12,7 +12,7 @@ import pytest
 
 from voicebot.config import load_config
 from voicebot.errors import ConfigError
-from voicebot.server import process, threads
+from voicebot.runtime import process, threads
 from voicebot.services import asr_service
 
 CHILD = "import os, torch; print(os.environ.get('OMP_NUM_THREADS'), torch.get_num_threads())"
@@ -53,7 +53,7 @@ def test_zero_leaves_the_environment_alone(monkeypatch: pytest.MonkeyPatch) -> N
 def test_engine_children_inherit_the_cap() -> None:
     # The vLLM engine core is a child process: it must start with one OpenMP thread.
     code = (
-        "import subprocess, sys; from voicebot.server.threads import limit_omp_threads; limit_omp_threads(1); "
+        "import subprocess, sys; from voicebot.runtime.threads import limit_omp_threads; limit_omp_threads(1); "
         f"print(subprocess.run([sys.executable, '-c', {CHILD!r}], capture_output=True, text=True).stdout.strip())"
     )
     assert _run(code) == "1 1"
@@ -61,7 +61,7 @@ def test_engine_children_inherit_the_cap() -> None:
 
 def test_torch_imported_before_is_resized() -> None:
     code = (
-        "import torch; before = torch.get_num_threads(); from voicebot.server.threads import limit_omp_threads; "
+        "import torch; before = torch.get_num_threads(); from voicebot.runtime.threads import limit_omp_threads; "
         "limit_omp_threads(1); print(before, torch.get_num_threads())"
     )
     before, after = _run(code).split()
@@ -89,7 +89,7 @@ def test_passive_reaches_both_openmp_runtimes_of_the_engines() -> None:
     # read the policy, so it is set before either loads.
     engines = "import torch, ctranslate2"
     assert _spincounts(engines) == ["300000", "300000"]  # the default: idle workers spin
-    setting = "from voicebot.server.threads import set_omp_wait_policy; set_omp_wait_policy('passive'); "
+    setting = "from voicebot.runtime.threads import set_omp_wait_policy; set_omp_wait_policy('passive'); "
     assert _spincounts(setting + engines) == ["0", "0"]
     # Engine processes (the vLLM engine core) inherit it.
     child = "import subprocess, sys; subprocess.run([sys.executable, '-c', 'import torch'], check=True)"
@@ -99,7 +99,7 @@ def test_passive_reaches_both_openmp_runtimes_of_the_engines() -> None:
 def test_a_policy_set_after_an_engine_loaded_is_said(caplog: pytest.LogCaptureFixture) -> None:
     code = (
         "import logging, torch; logging.basicConfig(level=logging.INFO); "
-        "from voicebot.server.threads import set_omp_wait_policy; set_omp_wait_policy('passive')"
+        "from voicebot.runtime.threads import set_omp_wait_policy; set_omp_wait_policy('passive')"
     )
     out = _python(code, _fresh_env())
     assert "comes too late for this process (libgomp" in out.stderr

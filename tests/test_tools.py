@@ -160,7 +160,7 @@ def test_constraints_per_tool_choice(tok: Any) -> None:
 
 
 def test_auto_grammar_takes_calls_only_with_their_tag(tok: Any) -> None:
-    """Qwen2.5-0.5B wrote calls as bare JSON (no <tool_call>): never parsed as a call,
+    """Qwen2.5-Coder-0.5B wrote calls as bare JSON (no <tool_call>): never parsed as a call,
     read out loud instead. The auto grammar now refuses a reply opening like JSON."""
     import xgrammar as xgr
 

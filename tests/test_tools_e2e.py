@@ -1,6 +1,6 @@
 """Function tools end to end: real server, real engines, the CPU default LLM.
 
-The LLM is the offline bundle's Qwen2.5-0.5B-Instruct (the random test model cannot
+The LLM is the offline bundle's Qwen2.5-Coder-0.5B-Instruct (the random test model cannot
 pick a tool from a question); speech in and out is Piper, ASR is whisper-tiny. One
 server serves both tests:
 
@@ -63,7 +63,7 @@ async def webhook() -> AsyncIterator[Webhook]:
 async def server(models_config: ModelsConfig, webhook: Webhook) -> AsyncIterator[RunningServer]:
     cfg = load_config("configs/test.yaml", [
         f"models.cache_dir={models_config.cache_dir}",
-        "llm.model=bundle:qwen2.5-0.5b-instruct",
+        "llm.model=bundle:qwen2.5-coder-0.5b-instruct",
         "llm.max_tokens=48",
         "tts.engine=piper",
         "tts.voice=bundle:piper-en_US-joe-medium",

@@ -36,6 +36,8 @@ from voicebot.session import events as ev
 from voicebot.session.session import Session
 from voicebot.session.settings import SessionSettings
 from voicebot.transports import twilio_protocol as tp
+from voicebot.transports.pacing import Pacer
+from voicebot.wire import twilio_media as tm
 
 PACER_LEAD_MS = 40  # what the transport sends ahead of real time (twilio._PACER_LEAD_S)
 
@@ -110,7 +112,7 @@ def test_outbound_twilio_messages() -> None:
 
 
 def test_framer_cuts_exact_frames_and_keeps_every_sample() -> None:
-    framer = tp.Framer()
+    framer = tm.Framer()
     audio = _sine(1234)
     frames: list[np.ndarray] = []
     for size in (7, 300, 1, 160, 500, 266):  # sums to 1234
@@ -126,13 +128,13 @@ def test_framer_cuts_exact_frames_and_keeps_every_sample() -> None:
 def test_g711_codecs_round_trip() -> None:
     audio = _sine(8000)
     for fmt in ("audio/pcmu", "audio/pcma"):
-        data = tp.encode_audio(fmt, audio)
+        data = tm.encode_audio(fmt, audio)
         assert isinstance(data, bytes) and len(data) == audio.size  # one byte per sample
-        back = tp.decode_audio(fmt, data)
+        back = tm.decode_audio(fmt, data)
         assert back.dtype == np.float32
         snr = 10 * np.log10(np.sum(audio**2) / np.sum((audio - back) ** 2))
         assert snr > 30, snr  # G.711 gives ~38 dB on a loud tone
-    assert tp.encode_audio("audio/pcmu", np.zeros(4, dtype=np.float32)) == b"\xff" * 4  # μ-law silence
+    assert tm.encode_audio("audio/pcmu", np.zeros(4, dtype=np.float32)) == b"\xff" * 4  # μ-law silence
 
 
 def test_playout_marks_track_what_was_heard() -> None:
@@ -149,13 +151,13 @@ def test_playout_marks_track_what_was_heard() -> None:
     marks.begin("resp_2")
     marks.sent_samples(400)
     assert marks.end() == "resp_2:50:end"
-    assert tp.parse_mark("resp_2:50:end") == ("resp_2", 50, True)
-    assert tp.parse_mark("a:b:c") is None
-    assert tp.parse_mark("resp_2:\u00b2") is None  # superscript two: isdigit(), yet no int
+    assert tm.parse_mark("resp_2:50:end") == ("resp_2", 50, True)
+    assert tm.parse_mark("a:b:c") is None
+    assert tm.parse_mark("resp_2:\u00b2") is None  # superscript two: isdigit(), yet no int
 
 
 def test_pacer_sends_in_real_time_without_catch_up_bursts() -> None:
-    pacer = tp.Pacer(lead_s=0.06)
+    pacer = Pacer(lead_s=0.06)
     sent: list[float] = []
     now = 100.0
     for _ in range(20):  # frames all queued at once: the lead goes at once, then 20 ms each
@@ -303,7 +305,7 @@ class FakeTwilio:
             n = min(160, self.speech.size)
             frame[:n], self.speech = self.speech[:n], self.speech[n:]
             chunk += 1
-            payload = base64.b64encode(tp.encode_audio("audio/pcmu", frame)).decode()
+            payload = base64.b64encode(tm.encode_audio("audio/pcmu", frame)).decode()
             await self.send("media", media={"track": "inbound", "chunk": str(chunk), "timestamp": str(20 * chunk), "payload": payload})
             now = time.monotonic()
             while self._echoes and self._echoes[0][0] <= now:  # marks whose audio has played
@@ -335,7 +337,7 @@ class FakeTwilio:
         out, inside = [], False
         for r in self.log:
             if r.data["event"] == "mark":
-                parsed = tp.parse_mark(r.data["mark"]["name"])
+                parsed = tm.parse_mark(r.data["mark"]["name"])
                 if parsed and parsed[0] == rid:
                     inside = not parsed[2]
                 elif parsed:
@@ -347,7 +349,7 @@ class FakeTwilio:
         return out
 
     def replies(self, *, ended: bool) -> list[str]:
-        names = [tp.parse_mark(r.data["mark"]["name"]) for r in self.log if r.data["event"] == "mark"]
+        names = [tm.parse_mark(r.data["mark"]["name"]) for r in self.log if r.data["event"] == "mark"]
         return list(dict.fromkeys(p[0] for p in names if p and (p[2] if ended else p[1] == 0)))
 
 
@@ -405,7 +407,7 @@ def check_paced_mulaw(frames: list[Received]) -> None:
     payloads = [base64.b64decode(r.data["media"]["payload"]) for r in frames]
     assert len(payloads) >= 25, f"reply too short to judge pacing: {len(payloads)} frames"
     assert {len(p) for p in payloads} == {160}
-    audio = tp.decode_audio("audio/pcmu", b"".join(payloads))
+    audio = tm.decode_audio("audio/pcmu", b"".join(payloads))
     assert dbfs(audio) > -40, "reply audio is silent"
     assert np.abs(audio).max() < 1.0
     t = np.array([r.t for r in frames])
@@ -447,7 +449,7 @@ async def test_full_call_barge_in_dtmf_hangup(server: RunningServer, speech_clip
         await wait_for(lambda: any(r.data["event"] == "clear" for r in call.log), 20, "clear")
         barge = next(e for e in events if isinstance(e, ev.BargeIn))
         assert barge.response_id == first
-        heard = [(t, p[1]) for t, n in call.echoed if n.startswith(first + ":") and (p := tp.parse_mark(n))]
+        heard = [(t, p[1]) for t, n in call.echoed if n.startswith(first + ":") and (p := tm.parse_mark(n))]
         heard_ms = sorted({ms for _t, ms in heard})
         assert barge.played_ms in heard_ms or barge.played_ms == 0, (barge.played_ms, heard_ms)
         # Marks echoed before the barge-in (later ones are the caller playing on until the

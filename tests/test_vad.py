@@ -80,5 +80,5 @@ def test_streams_are_independent_and_reset_restores_a_fresh_state(
     np.testing.assert_allclose(sa.process(b), expect_b, atol=1e-4)
 
 
-# What a window costs the event loop is measured in benchmarks/inline_cost.py (~0.15 ms on an
-# idle core), not asserted here: a test's wall clock on a loaded machine says nothing.
+# What a window costs the event loop is measured (docs/benchmarks.md, ~0.15 ms on an idle
+# core), not asserted here: a test's wall clock on a loaded machine says nothing.

@@ -1,6 +1,6 @@
 """The voice loop end to end: real engines, real sockets, the native protocol.
 
-The LLM here is the real Qwen2.5-0.5B of the offline bundle (the random test model's
+The LLM here is the real Qwen2.5-Coder-0.5B of the offline bundle (the random test model's
 nonsense would make the reply-transcript checks meaningless); TTS is espeak-ng.
 """
 
@@ -38,7 +38,7 @@ async def server(models_config: ModelsConfig) -> AsyncIterator[RunningServer]:
         "configs/test.yaml",
         [
             f"models.cache_dir={models_config.cache_dir}",
-            "llm.model=bundle:qwen2.5-0.5b-instruct",
+            "llm.model=bundle:qwen2.5-coder-0.5b-instruct",
             "llm.max_tokens=48",
             "llm.max_num_seqs=4",
             "server.max_sessions=3",
@@ -367,7 +367,7 @@ async def test_health_and_metrics(server: RunningServer) -> None:
 
 async def test_the_loaded_engines_are_out_of_the_garbage_collectors_reach(server: RunningServer) -> None:
     # A full collection walks every tracked object: ~620k after the CPU default's load,
-    # 620-665 ms on the loop (benchmarks/gc_pause.py). The server freezes what loading
+    # 620-665 ms on the loop (docs/reliability.md). The server freezes what loading
     # left before its first call (voicebot/server/gc_freeze.py), so a collection while
     # serving walks only what the calls made since.
     frozen = gc.get_freeze_count()

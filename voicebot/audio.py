@@ -58,6 +58,37 @@ class Resampler:
         return self.process(np.zeros(0, dtype=np.float32), last=True)
 
 
+class ReplyResampler:
+    """Reply audio to a transport's wire rate: the one convention every transport follows.
+
+    A transport asks its call for reply audio at the wire rate
+    (``SessionSettings.output_sample_rate``), so the call resamples each synthesised
+    sentence once, whole, and this is a pass-through. It converts only audio that comes
+    at another rate (the Realtime wire's output format can change during a call): one
+    stateful stream per reply, so chunk borders carry no clicks, started afresh by a
+    new reply and emptied by :meth:`flush` at the reply's end.
+    """
+
+    def __init__(self, out_rate: int) -> None:
+        self.out_rate = out_rate
+        self.response_id: str | None = None  # the reply being converted
+        self._stream: Resampler | None = None
+
+    def process(self, response_id: str, audio: np.ndarray, sample_rate: int) -> np.ndarray:
+        if response_id != self.response_id or self._stream is None or self._stream.in_rate != sample_rate:
+            self.response_id, self._stream = response_id, Resampler(sample_rate, self.out_rate)
+        return self._stream.process(audio)
+
+    def flush(self) -> np.ndarray:
+        """The current reply's tail (empty if none); the next audio starts a new stream."""
+        stream, self.response_id, self._stream = self._stream, None, None
+        return stream.flush() if stream is not None else np.zeros(0, dtype=np.float32)
+
+    def reset(self) -> None:
+        """Drop the current reply (cut): its tail is never sent."""
+        self.response_id, self._stream = None, None
+
+
 def resample(audio: np.ndarray, in_rate: int, out_rate: int) -> np.ndarray:
     """One-shot resampling of a whole signal."""
     if in_rate == out_rate:

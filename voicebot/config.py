@@ -167,7 +167,7 @@ class RemoteLlmConfig(_Section):
 
 class LlmConfig(_Section):
     backend: Literal["inprocess", "remote"] = Field("inprocess", description="inprocess: vLLM's AsyncLLM in this process; remote: a vLLM server / vllm-router tier over HTTP (llm.remote; only the tokenizer is loaded here).")
-    model: str = Field("bundle:qwen2.5-0.5b-instruct", description="Model directory, hub id or bundle:NAME.")
+    model: str = Field("bundle:qwen2.5-coder-0.5b-instruct", description="Model directory, hub id or bundle:NAME.")
     tokenizer: str | None = Field(None, description="Tokenizer reference if it differs from the model (backend remote: the tokenizer is all that is loaded, from here or llm.model).")
     data_parallel_size: int = Field(1, ge=1, le=64, description="In-process engine replicas, one per GPU (vLLM data parallel); each call is pinned to one by its session id.")
     remote: RemoteLlmConfig = Field(default_factory=RemoteLlmConfig, description="The remote tier (backend remote).")
@@ -320,7 +320,7 @@ class ToolsConfig(_Section):
     transports: list[TransportName] = Field(default_factory=lambda: list[TransportName](["native", "twilio"]), description="Transports whose sessions get the server tools (Realtime clients bring their own).")
     tool_choice: Literal["auto", "none", "required"] = Field("auto", description="tool_choice of server-tool sessions' replies (the follow-up after a tool result is always 'auto').")
     max_rounds: int = Field(3, ge=1, le=16, description="Server tool calls in a row before the model must answer without one.")
-    answer_after_result: bool = Field(True, description="The reply right after a tool result may not call a tool (tool_choice none; Qwen2.5-0.5B calls the same tool again instead of answering); a response.create tool_choice overrides it.")
+    answer_after_result: bool = Field(True, description="The reply right after a tool result may not call a tool (tool_choice none; Qwen2.5-Coder-0.5B calls the same tool again instead of answering); a response.create tool_choice overrides it.")
     max_result_chars: int = Field(4000, ge=64, le=100_000, description="Longest tool result given to the model (server tools and Realtime function_call_output).")
     filler: str = Field("Let me check.", max_length=200, description="Said while a slow server tool runs, if the model said nothing before its call ('' for none).")
     filler_after_ms: int = Field(700, ge=0, le=60_000, description="How long a server tool may run before the filler is said.")

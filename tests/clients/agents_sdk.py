@@ -22,7 +22,7 @@ set_tracing_disabled(True)
 
 # What get_weather returns (with the city): a value the model cannot guess (it made up
 # "sunny, 22 degrees" when it answered without calling), so an answer holding it used the
-# result. JSON, not a sentence: given "It is foggy and 13 degrees in Paris." Qwen2.5-0.5B
+# result. JSON, not a sentence: given "It is foggy and 13 degrees in Paris." Qwen2.5-Coder-0.5B
 # answered "tool_response" (the template's tag for the result, as words).
 FORECAST = {"temperature_c": 13, "sky": "foggy"}
 INSTRUCTIONS = ("You are a friendly voice assistant. Use the tools for weather questions, "

@@ -2,7 +2,7 @@
 
 ``AsyncLLM.shutdown()`` joins the engine-core process: vLLM waits for it to exit, then
 kills it (~5 s on the CPU default). Called on the loop, that stalled every call and
-``/healthz`` at each exit and each supervised restart (voicebot/server/loop_watch.py
+``/healthz`` at each exit and each supervised restart (voicebot/runtime/loop_watch.py
 caught it: 4.91 s). vLLM is built to be shut down from a thread: its liveness monitor
 shuts its engine client down from one (``MPClient.shutdown``), and what lives on the loop
 (the output handler task, the zmq sockets, the output-queue task) it closes there with

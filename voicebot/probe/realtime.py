@@ -23,7 +23,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketExce
 from voicebot.audio import Resampler, float_to_pcm16, pcm16_to_float
 from voicebot.probe.base import Audio, ClientError, ConnectOptions, Event, Incoming
 from voicebot.probe.native import _closed
-from voicebot.transports import g711
+from voicebot.wire import g711
 
 _PCM_RATE = 24_000
 

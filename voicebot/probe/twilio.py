@@ -32,7 +32,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketExce
 from voicebot.audio import Resampler, float_to_pcm16, pcm16_to_float
 from voicebot.probe.base import Audio, ClientError, ConnectOptions, Event, Incoming
 from voicebot.probe.native import _closed
-from voicebot.transports import twilio_protocol as tp
+from voicebot.wire import twilio_media as tp
 
 _REFUSAL_WAIT_S = 0.25  # a refused stream is closed right after 'start'; nothing is sent back
 

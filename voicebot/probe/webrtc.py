@@ -30,7 +30,7 @@ from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 
 from voicebot.audio import Resampler, float_to_pcm16
 from voicebot.probe.base import Audio, ClientClosed, ClientError, ConnectOptions, Event, Incoming
-from voicebot.transports.webrtc_tracks import frame_to_mono, pcm16_frame
+from voicebot.wire.av_frames import frame_to_mono, pcm16_frame
 
 log = logging.getLogger(__name__)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -23,6 +24,11 @@ DEFAULT_RECIPE = Path(__file__).resolve().parents[2] / "models" / "bundle.toml"
 # Bump when the builders change what they write: built directories whose manifest
 # carries another value are rebuilt.
 BUILDER_VERSION = 1
+
+log = logging.getLogger(__name__)
+
+# Entries renamed to say what they hold: a config naming the old one still resolves.
+RENAMED = {"qwen2.5-0.5b-instruct": "qwen2.5-coder-0.5b-instruct"}
 
 BuildKind = Literal["files", "gguf", "random"]
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -105,6 +111,9 @@ class Bundle:
     path: Path
 
     def get(self, name: str) -> Entry:
+        if name in RENAMED:
+            log.warning("bundle entry %r is now called %r", name, RENAMED[name])
+            name = RENAMED[name]
         try:
             return self.entries[name]
         except KeyError:

@@ -61,7 +61,7 @@ def _resolve_bundle(name: str, models: ModelsConfig, *, build: bool) -> Path:
         raise BundleError(
             f"bundle:{name} is {problem} in {store.root}: run `voicebot models pull {name}`"
         )
-    return store.path(name)
+    return store.path(entry.name)
 
 
 @dataclass(frozen=True)

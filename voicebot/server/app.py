@@ -29,9 +29,8 @@ from starlette.staticfiles import StaticFiles
 from voicebot.config import Config
 from voicebot.engines.registry import load_engines
 from voicebot.engines.supervisor import Supervisor
-from voicebot.server import edge
-from voicebot.server.gc_freeze import freeze_loaded_heap
-from voicebot.server.loop_watch import LoopWatch
+from voicebot.runtime.gc_freeze import freeze_loaded_heap
+from voicebot.runtime.loop_watch import LoopWatch
 from voicebot.server.state import ServerState
 
 log = logging.getLogger(__name__)
@@ -71,7 +70,7 @@ def create_app(cfg: Config, *, load: bool = True, state: ServerState | None = No
     state = state or ServerState(cfg)
 
     async def metrics(request: Request) -> Response:
-        if not edge.admin_allowed(state, request.headers.get("authorization")):
+        if not state.admin_allowed(request.headers.get("authorization")):
             return Response("unauthorized", 401, {"WWW-Authenticate": "Bearer"})
         state.update_gauges()
         state.metrics.update_process(state.engines.health if state.engines else None)
@@ -80,7 +79,7 @@ def create_app(cfg: Config, *, load: bool = True, state: ServerState | None = No
     async def healthz(request: Request) -> Response:
         body = state.health()
         code = 200 if body["status"] == "ok" else 503
-        if not edge.admin_allowed(state, request.headers.get("authorization")):
+        if not state.admin_allowed(request.headers.get("authorization")):
             # Readiness stays open to load balancers; the details (reasons, queues) need a key.
             body = {"ready": body["ready"], "status": body["status"]}
         return JSONResponse(body, status_code=code)

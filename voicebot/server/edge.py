@@ -9,12 +9,13 @@ One place for each of these, so the four wire protocols cannot drift apart:
 - JSON: bounded in size and nesting depth before the parser sees it;
 - caller audio: one message's length and the sustained rate (a token bucket);
 - control messages (everything else a client sends): a rate per session (a token bucket);
-- admission: ready, not draining, a free slot, under the per-client limit;
 - errors on the wire: one mapping of error code to WebSocket close code and HTTP status;
 - start-up: no unauthenticated server on a non-loopback address by accident.
 
 Pure functions and small classes; the only I/O is reading the key file once and
-reading a bounded HTTP body.
+reading a bounded HTTP body. What needs the server's state (keys, admission) is
+:class:`~voicebot.server.state.ServerState`'s; :mod:`voicebot.server.connection` puts
+both together for one connection.
 """
 
 from __future__ import annotations
@@ -46,7 +47,6 @@ from voicebot.errors import (
 
 if TYPE_CHECKING:
     from voicebot.config import Config, ServerConfig
-    from voicebot.server.state import ServerState
 
 log = logging.getLogger(__name__)
 
@@ -92,14 +92,6 @@ def key_matches(supplied: str, keys: Iterable[str]) -> bool:
     for key in keys:
         found |= hmac.compare_digest(given, key.encode())
     return found
-
-
-def admin_allowed(state: ServerState, authorization: str | None) -> bool:
-    """May this request see /metrics and the details of /healthz? Only with a long-lived
-    API key when keys are configured (ephemeral secrets are for browsers, not operators);
-    a bare liveness answer stays open to everyone."""
-    keys = state.keys()
-    return not keys or key_matches(bearer(authorization) or "", keys)
 
 
 # ---------------------------------------------------------------------- origins
@@ -352,29 +344,6 @@ class ControlGate:
                 "(server.control_rate, control_burst); this one was dropped",
                 code="message_rate_exceeded",
             )
-
-
-# --------------------------------------------------------------------- admission
-def check_admission(state: ServerState, client: str | None = None) -> None:
-    """Raise NotReady / CapacityError unless a new session may start now.
-
-    ``client`` is the caller's address (None: not limited per client, e.g. Twilio, whose
-    calls all come from Twilio's media servers)."""
-    from voicebot.server.state import NotReady
-
-    if state.engines is None:
-        raise NotReady(state.load_error or "the server is still loading its models; retry shortly")
-    if getattr(state, "draining", False):
-        raise NotReady("the server is shutting down; retry on another instance", code="draining")
-    failure = state.engine_failure() if hasattr(state, "engine_failure") else None
-    if failure:  # an engine is down: say why instead of admitting a session that cannot work
-        raise NotReady(f"engine unavailable: {failure}")
-    cfg = state.cfg.server
-    if len(state.sessions) >= cfg.max_sessions:
-        raise CapacityError(f"server at capacity ({cfg.max_sessions} sessions)")
-    limit = cfg.max_sessions_per_client
-    if client is not None and limit is not None and state.client_sessions.get(client, 0) >= limit:
-        raise CapacityError(f"too many sessions from one address ({limit}); close one first")
 
 
 # ------------------------------------------------------------------ errors on wire

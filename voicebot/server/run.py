@@ -14,8 +14,8 @@ import uvicorn
 from voicebot.config import Config
 from voicebot.errors import ConfigError
 from voicebot.provision import bundle_names_for, pull, resolve_model
+from voicebot.runtime.process import apply_process_settings
 from voicebot.server.drain import drain
-from voicebot.server.process import apply_process_settings
 from voicebot.server.state import ServerState
 
 log = logging.getLogger(__name__)

@@ -15,8 +15,8 @@ from voicebot.config import Config
 from voicebot.engines.registry import Engines
 from voicebot.errors import AuthError, CapacityError, VoicebotError
 from voicebot.metrics import Metrics
+from voicebot.runtime.heap import HeapTrimmer
 from voicebot.server import edge
-from voicebot.server.heap import HeapTrimmer
 from voicebot.session.session import Session
 from voicebot.session.settings import SessionSettings
 
@@ -48,10 +48,10 @@ class ServerState:
 
     # Keys from the environment / key file, read once (server.api_key is read per request).
     api_keys: tuple[str, ...] = ()
-    # Open sessions per client address (edge.check_admission's per-client limit).
+    # Open sessions per client address (check_admission's per-client limit).
     client_sessions: dict[str, int] = field(default_factory=dict)
 
-    # Gives freed native memory back after calls end (voicebot/server/heap.py).
+    # Gives freed native memory back after calls end (voicebot/runtime/heap.py).
     heap: HeapTrimmer = field(init=False)
 
     def __post_init__(self) -> None:
@@ -86,6 +86,13 @@ class ServerState:
             return
         raise AuthError("invalid credentials")
 
+    def admin_allowed(self, authorization: str | None) -> bool:
+        """May this request see /metrics and the details of /healthz? Only with a long-lived
+        API key when keys are configured (ephemeral secrets are for browsers, not operators);
+        a bare liveness answer stays open to everyone."""
+        keys = self.keys()
+        return not keys or edge.key_matches(edge.bearer(authorization) or "", keys)
+
     def check_api_key(self, authorization: str | None) -> None:
         """Only a long-lived key (minting ephemeral secrets needs one)."""
         keys = self.keys()
@@ -105,6 +112,31 @@ class ServerState:
         for k in [k for k, exp in self.ephemeral.items() if exp < now]:
             del self.ephemeral[k]
 
+    # ------------------------------------------------------------- admission
+    def check_admission(self, client: str | None = None) -> None:
+        """Raise NotReady / CapacityError unless a new session may start now.
+
+        ``client`` is the caller's address (None: not limited per client, e.g. Twilio, whose
+        calls all come from Twilio's media servers)."""
+        if self.engines is None:
+            raise NotReady(self.load_error or "the server is still loading its models; retry shortly")
+        if self.draining:
+            raise NotReady("the server is shutting down; retry on another instance", code="draining")
+        failure = self.engine_failure()
+        if failure:  # an engine is down: say why instead of admitting a session that cannot work
+            raise NotReady(f"engine unavailable: {failure}")
+        cfg = self.cfg.server
+        if len(self.sessions) >= cfg.max_sessions:
+            raise CapacityError(f"server at capacity ({cfg.max_sessions} sessions)")
+        limit = cfg.max_sessions_per_client
+        if client is not None and limit is not None and self.client_sessions.get(client, 0) >= limit:
+            raise CapacityError(f"too many sessions from one address ({limit}); close one first")
+
+    def count_error(self, code: str) -> None:
+        """The one place the edge counts an error it answered with (a refused connection,
+        an error event of a transport's own); a session counts those it raises itself."""
+        self.metrics.errors.labels(code).inc()
+
     # -------------------------------------------------------------- sessions
     def default_settings(self) -> SessionSettings:
         return SessionSettings.from_config(self.cfg)
@@ -116,7 +148,7 @@ class ServerState:
         """Admit a session (or raise CapacityError / NotReady) and close it however it ends.
 
         ``client``: the caller's address, for ``server.max_sessions_per_client``."""
-        edge.check_admission(self, client)
+        self.check_admission(client)
         assert self.engines is not None  # check_admission raised otherwise
         session = Session(self.engines, settings or self.default_settings(), metrics=self.metrics, transport=transport)
         self.sessions[session.id] = session
@@ -139,6 +171,13 @@ class ServerState:
         await asyncio.gather(*(s.aclose("server shutdown") for s in list(self.sessions.values())), return_exceptions=True)
         await asyncio.gather(*(hook() for hook in self.shutdown_hooks), return_exceptions=True)
         await self.heap.aclose()
+
+    def voices(self) -> frozenset[str] | None:
+        """The voices the TTS engine offers, for checking a session's choice (None: any)."""
+        try:
+            return frozenset(self.engines.tts.voices()) if self.engines is not None else None
+        except Exception:  # an engine that cannot list its voices accepts any name
+            return None
 
     def engine_failure(self) -> str | None:
         """Why sessions cannot be served now that the engines are loaded (an engine down), or None."""

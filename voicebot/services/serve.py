@@ -1,5 +1,6 @@
 """What ``voicebot asr-serve`` and ``tts-serve`` share as processes: the listener, the
-run until SIGINT / SIGTERM, the frozen heap and the watched loop while serving."""
+run until SIGINT / SIGTERM, the frozen heap and the watched loop while serving
+(:mod:`voicebot.runtime`)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 from websockets.asyncio.server import ServerConnection, serve
 
-from voicebot.server.gc_freeze import frozen_heap
-from voicebot.server.loop_watch import watching_loop
+from voicebot.runtime.gc_freeze import frozen_heap
+from voicebot.runtime.loop_watch import watching_loop
 from voicebot.services.wire import PING_INTERVAL_S, PING_TIMEOUT_S
 
 if TYPE_CHECKING:
@@ -42,10 +43,10 @@ async def serve_until_stopped(server: serve, stop: asyncio.Event, on_ready: Call
     """Run a service's listener (``listen(...)``) until ``stop`` is set or SIGINT / SIGTERM
     comes; ``on_ready`` gets its URL once it listens; then ``close`` in order (the service,
     then its engine). With ``loop_stall_s`` the loop every frontend's requests share is
-    watched as the server's is (voicebot/server/loop_watch.py), closing included: the
+    watched as the server's is (voicebot/runtime/loop_watch.py), closing included: the
     engine is loaded by then (its start holds the GIL in long stretches no request sees)."""
     # The heap the engine loaded is frozen out of the garbage collector while serving
-    # (voicebot/server/gc_freeze.py): a full collection of it stalls every frontend.
+    # (voicebot/runtime/gc_freeze.py): a full collection of it stalls every frontend.
     with frozen_heap():
         async with watching_loop(loop_stall_s):
             try:
@@ -86,7 +87,7 @@ def run_service(
 ) -> int:
     """``voicebot asr-serve`` / ``tts-serve``: runs ``main(ready)``, whose ``ready(url)`` prints
     one JSON line ``{"<kind>_service": URL}`` once it listens."""
-    from voicebot.server.process import apply_process_settings
+    from voicebot.runtime.process import apply_process_settings
 
     def ready(url: str) -> None:
         print(json.dumps({f"{kind}_service": url}), flush=True)

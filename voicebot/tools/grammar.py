@@ -100,7 +100,7 @@ def structural_tag(parser: str, tools: Sequence[ToolSpec], choice: ToolChoice) -
 
 def _no_bare_calls(fmt: Any) -> Any:
     """``auto``: the reply is a call opened by its start tag, or text that does not open
-    like one. Qwen2.5-0.5B often writes a call as bare JSON (``{"name": ...}`` without
+    like one. Qwen2.5-Coder-0.5B often writes a call as bare JSON (``{"name": ...}`` without
     ``<tool_call>``): no parser sees that as a call, the grammar's trigger never fires,
     and the caller would hear the JSON read out. Masking ``{`` / ``[`` / ``<`` (and
     leading whitespace) as a reply's first character leaves the model the start tag
@@ -131,7 +131,7 @@ def spoken_text_tag() -> str:
 
 
 _FIRST_CHAR = r"[^\s{}\[\]<>`*#|]"  # a spoken reply does not open with markup
-# Text a spoken reply never contains; Qwen2.5-0.5B wrapped calls in them ("```json {...}").
+# Text a spoken reply never contains; Qwen2.5-Coder-0.5B wrapped calls in them ("```json {...}").
 _NOT_SPOKEN = ["{", "}", "```"]
 
 

@@ -22,15 +22,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.routing import BaseRoute, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from voicebot.audio import Resampler, float_to_pcm16
+from voicebot.audio import ReplyResampler, float_to_pcm16
 from voicebot.config import VadConfig
 from voicebot.errors import BadAudio, BadMessage, VoicebotError
 from voicebot.server import edge
+from voicebot.server.connection import Connection
 from voicebot.server.state import ServerState
 from voicebot.session import events as ev
 from voicebot.session.session import Session
 from voicebot.session.settings import SessionSettings
-from voicebot.transports.tasks import close_quietly, run_until_first_ends
+from voicebot.transports.tasks import close_quietly, refused_origin, run_until_first_ends
 
 log = logging.getLogger(__name__)
 
@@ -176,21 +177,17 @@ def routes(state: ServerState) -> list[BaseRoute]:
 
 def endpoint(state: ServerState):  # type: ignore[no-untyped-def]
     async def handle(ws: WebSocket) -> None:
-        try:
-            edge.check_origin(ws.headers, state.cfg.server)
-        except VoicebotError as exc:  # a foreign page: refused at the handshake (HTTP 403)
-            state.metrics.errors.labels(exc.code).inc()
-            await close_quietly(ws, edge.close_code(exc.code))
+        conn = Connection(state, "native", ws)
+        if await refused_origin(ws, conn):
             return
         await ws.accept()
         try:
-            state.check_auth(ws.headers.get("authorization"), ws.query_params.get("token"))
-            start = await _read_start(ws, state.cfg.server.max_message_bytes)
+            conn.authenticate(conn.query.get("token"))
+            start = await _read_start(ws, conn)
             settings = settings_from_start(state.default_settings(), start)
             out_rate = start.output_sample_rate or state.cfg.session.output_sample_rate
             settings.output_sample_rate = out_rate
-            client = ws.client.host if ws.client else None
-            async with state.open_session("native", settings, client=client) as session:
+            async with conn.session(settings) as session:
                 await ws.send_json(
                     {
                         "type": "session.started",
@@ -199,24 +196,23 @@ def endpoint(state: ServerState):  # type: ignore[no-untyped-def]
                         "output_sample_rate": out_rate,
                     }
                 )
-                await _run(ws, session, state, start.sample_rate, out_rate)
+                await _run(ws, conn, session, start.sample_rate, out_rate)
         except WebSocketDisconnect:
             return
         except VoicebotError as exc:
-            state.metrics.errors.labels(exc.code).inc()
-            await _send_error_and_close(ws, exc)
+            await _send_error_and_close(ws, exc, conn.refuse(exc))
 
     return handle
 
 
-async def _read_start(ws: WebSocket, max_bytes: int) -> StartMessage:
+async def _read_start(ws: WebSocket, conn: Connection) -> StartMessage:
     try:
         text = await asyncio.wait_for(ws.receive_text(), timeout=10.0)
     except TimeoutError:
         raise BadMessage("no session.start within 10 s") from None
     except KeyError:
         raise BadMessage("the first message must be a JSON session.start") from None
-    edge.check_size(len(text), max_bytes)
+    conn.check_size(len(text))
     try:
         msg = StartMessage.model_validate(parse_json(text))
     except ValidationError as exc:
@@ -228,16 +224,15 @@ async def _read_start(ws: WebSocket, max_bytes: int) -> StartMessage:
     return msg
 
 
-async def _send_error_and_close(ws: WebSocket, exc: VoicebotError) -> None:
+async def _send_error_and_close(ws: WebSocket, exc: VoicebotError, code: int) -> None:
     with contextlib.suppress(WebSocketDisconnect, RuntimeError, OSError):
         await ws.send_json({"type": "error", "code": exc.code, "message": str(exc), "fatal": True})
-    await close_quietly(ws, edge.close_code(exc.code))
+    await close_quietly(ws, code)
 
 
-async def _run(ws: WebSocket, session: Session, state: ServerState, in_rate: int, out_rate: int) -> None:
-    max_bytes = state.cfg.server.max_message_bytes
-    gate = edge.AudioGate.from_config(state.cfg.server)
-    control = edge.ControlGate.from_config(state.cfg.server)
+async def _run(ws: WebSocket, conn: Connection, session: Session, in_rate: int, out_rate: int) -> None:
+    gate = conn.audio_gate()
+    control = conn.control_gate()
 
     async def reader() -> None:
         while True:
@@ -248,14 +243,14 @@ async def _run(ws: WebSocket, session: Session, state: ServerState, in_rate: int
             try:
                 if msg.get("bytes") is not None:
                     data = msg["bytes"]
-                    edge.check_size(len(data), max_bytes, "audio frame")
+                    conn.check_size(len(data), "audio frame")
                     if len(data) % 2:
                         raise BadAudio("PCM16 frames need an even number of bytes")
                     gate.check(len(data) // 2, in_rate)  # length and rate: refused, not queued
                     session.push_audio(data, in_rate)
                 elif msg.get("text") is not None:
                     control.check()  # before parsing: a flood is refused at the cost of a counter
-                    edge.check_size(len(msg["text"]), max_bytes)
+                    conn.check_size(len(msg["text"]))
                     data = parse_json(msg["text"])
                     event_id = data.get("event_id") if isinstance(data.get("event_id"), str) else None
                     reply = apply_command(session, data)
@@ -268,14 +263,11 @@ async def _run(ws: WebSocket, session: Session, state: ServerState, in_rate: int
                 session.error(exc.code, str(exc), event_id=event_id, fatal=exc.fatal)
 
     async def writer() -> None:
-        resamplers: dict[str, Resampler] = {}
+        reply_audio = ReplyResampler(out_rate)  # the call speaks at out_rate: a pass-through
         async for event in session.events():
             if isinstance(event, ev.ResponseAudio):
-                rs = resamplers.get(event.response_id)
-                if rs is None:
-                    resamplers.clear()  # one reply plays at a time
-                    rs = resamplers[event.response_id] = Resampler(event.sample_rate, out_rate)
-                await ws.send_bytes(float_to_pcm16(rs.process(event.audio)))
+                audio = reply_audio.process(event.response_id, event.audio, event.sample_rate)
+                await ws.send_bytes(float_to_pcm16(audio))
                 continue
             body = render_event(event)
             if body is not None:
@@ -283,6 +275,5 @@ async def _run(ws: WebSocket, session: Session, state: ServerState, in_rate: int
             if isinstance(event, ev.ErrorEvent) and event.fatal:
                 return
 
-    await run_until_first_ends(session, {"ws-in": reader(), "ws-out": writer()}, reason="client closed")
-    # The session's reason picks the close code: 1001 at shutdown, 1011 for a dead engine.
-    await close_quietly(ws, edge.close_code(session.closed_reason or ""))
+    await run_until_first_ends(conn, {"ws-in": reader(), "ws-out": writer()}, reason="client closed")
+    await close_quietly(ws, conn.close_code)

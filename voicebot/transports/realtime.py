@@ -24,13 +24,13 @@ from starlette.routing import BaseRoute, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from voicebot.errors import AuthError, BadMessage, MessageTooLarge, ProtocolError, VoicebotError
-from voicebot.server import edge
+from voicebot.server.connection import Connection
 from voicebot.server.state import ServerState
 from voicebot.session import events as se
 from voicebot.session.session import Session
 from voicebot.transports import realtime_events as rt
 from voicebot.transports.realtime_session import RealtimeTranslator
-from voicebot.transports.tasks import close_quietly, run_until_first_ends
+from voicebot.transports.tasks import close_quietly, refused_origin, run_until_first_ends
 
 log = logging.getLogger(__name__)
 
@@ -57,53 +57,40 @@ def _auth(ws: WebSocket) -> tuple[str | None, str | None, bool]:
 
 def endpoint(state: ServerState):  # type: ignore[no-untyped-def]
     async def handle(ws: WebSocket) -> None:
-        try:
-            edge.check_origin(ws.headers, state.cfg.server)
-        except VoicebotError as exc:  # a foreign page: refused at the handshake (HTTP 403)
-            state.metrics.errors.labels(exc.code).inc()
-            await close_quietly(ws, edge.close_code(exc.code))
+        conn = Connection(state, "realtime", ws)
+        if await refused_origin(ws, conn):
             return
         subprotocol, key, beta = _auth(ws)
         await ws.accept(subprotocol=subprotocol)
         try:
-            state.check_auth(ws.headers.get("authorization"), key)
-            client = ws.client.host if ws.client else None
-            async with state.open_session("realtime", client=client) as session:
-                model = ws.query_params.get("model") or state.cfg.llm.model
-                server = state.cfg.server
+            conn.authenticate(key)
+            async with conn.session() as session:
+                model = conn.query.get("model") or state.cfg.llm.model
                 # GA transcription sessions connect with ?intent=transcription.
-                transcription = ws.query_params.get("intent") == "transcription"
+                transcription = conn.query.get("intent") == "transcription"
                 translator = RealtimeTranslator(session, session_id=session.id, model=model, beta=beta,
-                                                voices=_voices(state), audio_gate=edge.AudioGate.from_config(server),
-                                                control_gate=edge.ControlGate.from_config(server),
+                                                voices=state.voices(), audio_gate=conn.audio_gate(),
+                                                control_gate=conn.control_gate(),
                                                 transcription_only=transcription)
-                await _run(ws, session, translator, state)
+                await _run(ws, conn, session, translator)
         except WebSocketDisconnect:
             return
         except VoicebotError as exc:  # refused before the session began: fatal
-            state.metrics.errors.labels(exc.code).inc()
-            await _refuse(ws, exc)
+            await _refuse(ws, exc, conn.refuse(exc))
 
     return handle
 
 
-def _voices(state: ServerState) -> frozenset[str] | None:
-    try:
-        return frozenset(state.engines.tts.voices()) if state.engines is not None else None
-    except Exception:  # an engine that cannot list its voices accepts any name
-        return None
-
-
-async def _refuse(ws: WebSocket, exc: VoicebotError) -> None:
+async def _refuse(ws: WebSocket, exc: VoicebotError, code: int) -> None:
     kind = "invalid_request_error" if isinstance(exc, AuthError | ProtocolError) else "server_error"
     body = {"type": "error", "event_id": "event_0", **rt.error(exc.code, str(exc), kind=kind)}
     with contextlib.suppress(WebSocketDisconnect, RuntimeError, OSError):
         await ws.send_text(json.dumps(body))
-    await close_quietly(ws, edge.close_code(exc.code))
+    await close_quietly(ws, code)
 
 
-async def _run(ws: WebSocket, session: Session, tr: RealtimeTranslator, state: ServerState) -> None:
-    max_bytes = state.cfg.server.max_message_bytes
+async def _run(ws: WebSocket, conn: Connection, session: Session, tr: RealtimeTranslator) -> None:
+    max_bytes = conn.max_bytes
     # One lock around "translate, then send": the translator's state is shared by both
     # directions, and a reply (input_audio_buffer.committed) must reach the client before
     # the events it causes (the transcription of that item).
@@ -131,7 +118,7 @@ async def _run(ws: WebSocket, session: Session, tr: RealtimeTranslator, state: S
                     out = tr.client_message(text)
                 for body in out:  # the session counts its own errors; these are the client's
                     if body["type"] == "error":
-                        state.metrics.errors.labels(body["error"]["code"]).inc()
+                        conn.count_error(body["error"]["code"])
                 await send(out)
 
     async def writer() -> None:
@@ -152,7 +139,6 @@ async def _run(ws: WebSocket, session: Session, tr: RealtimeTranslator, state: S
                     await send(tr.idle_check())
 
     await send(tr.opening())
-    await run_until_first_ends(session, {"rt-reader": reader(), "rt-writer": writer(), "rt-idle": idle()},
+    await run_until_first_ends(conn, {"rt-reader": reader(), "rt-writer": writer(), "rt-idle": idle()},
                                reason="client closed")
-    # The session's reason picks the close code: 1001 at shutdown, 1011 for a dead engine.
-    await close_quietly(ws, edge.close_code(session.closed_reason or ""))
+    await close_quietly(ws, conn.close_code)

@@ -22,12 +22,12 @@ from typing import Any
 
 import numpy as np
 
-from voicebot.audio import Resampler, float_to_pcm16
+from voicebot.audio import ReplyResampler, float_to_pcm16
 from voicebot.session import events as se
 from voicebot.tools.spec import ToolCall
-from voicebot.transports import g711
 from voicebot.transports import realtime_events as rt
 from voicebot.transports.realtime_tools import function_call_item
+from voicebot.wire import g711
 
 _MEMO = 8  # finished replies remembered: their late events are dropped, truncate is checked
 
@@ -72,7 +72,7 @@ class Reply:
     item_id: str
     deltas: list[str] = field(default_factory=list)
     audio_ms: float = 0.0
-    resampler: Resampler | None = None
+    resampler: ReplyResampler | None = None
     opened: bool = False  # its message item was announced
     calls: dict[str, Call] = field(default_factory=dict)  # call_id -> call, in order
 
@@ -183,9 +183,9 @@ class Replies:
         reply, fmt = self.current, self.wire.out_fmt
         assert reply is not None
         out_rate = rt.format_rate(fmt)
-        if reply.resampler is None:  # one stateful converter per reply: no clicks at frame edges
-            reply.resampler = Resampler(rate, out_rate)
-        samples = reply.resampler.flush() if audio is None else reply.resampler.process(audio)
+        if reply.resampler is None:  # the wire's rate when the reply's audio began
+            reply.resampler = ReplyResampler(out_rate)
+        samples = reply.resampler.flush() if audio is None else reply.resampler.process(reply.id, audio, rate)
         if samples.size == 0:
             return []
         reply.audio_ms += 1000.0 * samples.size / out_rate

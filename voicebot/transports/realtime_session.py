@@ -25,9 +25,10 @@ from voicebot.session import events as se
 from voicebot.session.response import ResponseOptions
 from voicebot.session.settings import SessionSettings
 from voicebot.tools.spec import ToolChoice, ToolError, ToolSpec
-from voicebot.transports import g711, realtime_tools
 from voicebot.transports import realtime_events as rt
+from voicebot.transports import realtime_tools
 from voicebot.transports.realtime_replies import Replies, Wire
+from voicebot.wire import g711
 
 _MIN_COMMIT_MS = 100.0  # OpenAI refuses to commit less audio than this
 _SERVER_ERRORS = frozenset({"internal_error", "engine_error", "capacity_exceeded", "not_ready", "draining",

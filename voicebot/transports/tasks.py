@@ -9,7 +9,8 @@ from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketDisconnected
 
-from voicebot.session.session import Session
+from voicebot.errors import VoicebotError
+from voicebot.server.connection import Connection
 
 # What a send or receive raises once the client is gone: WebSocketDisconnect (the
 # server's ClientDisconnected, or the peer's close frame) for the first call to find
@@ -18,18 +19,19 @@ CLIENT_GONE = (WebSocketDisconnect, WebSocketDisconnected)
 
 
 async def run_until_first_ends(
-    session: Session, coros: dict[str, Coroutine[Any, Any, None]], *, reason: str
+    conn: Connection, coros: dict[str, Coroutine[Any, Any, None]], *, reason: str
 ) -> None:
     """Run a connection's tasks (reader, writer, ...) until any one ends.
 
     The rest are cancelled and awaited (nothing outlives the connection), a task's
-    error is raised, and the session learns why it is closing unless it already knows.
+    error is raised, and the connection ends with ``reason`` unless a task gave another.
     A task that found the client gone (a send after it closed) ends the connection as
     a hang-up does: the client may close whenever it likes, so that is no error. Two
     tasks can find it in one step (the second gets WebSocketDisconnected), hence every
     done task is looked at, whichever comes first.
     """
-    tasks = {asyncio.create_task(coro, name=f"{session.id}-{name}") for name, coro in coros.items()}
+    prefix = conn.call.id if conn.call is not None else conn.transport
+    tasks = {asyncio.create_task(coro, name=f"{prefix}-{name}") for name, coro in coros.items()}
     try:
         done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         for task in done:
@@ -39,8 +41,18 @@ async def run_until_first_ends(
         for task in tasks:
             task.cancel()
         await asyncio.wait(tasks)
-        if session.closed_reason is None:
-            session.closed_reason = reason
+        conn.end(reason)
+
+
+async def refused_origin(ws: WebSocket, conn: Connection) -> bool:
+    """A WebSocket from a browser page we do not serve is refused at the handshake (a
+    close before accept: HTTP 403), counted; True when it was."""
+    try:
+        conn.check_origin()
+    except VoicebotError as exc:
+        await close_quietly(ws, conn.refuse(exc))
+        return True
+    return False
 
 
 async def close_quietly(ws: WebSocket, code: int = 1000, reason: str = "") -> None:

@@ -4,9 +4,9 @@
                                       back: {event: media|mark|clear}
 
 Inbound μ-law 8 kHz goes to the session as float32 at 8 kHz (the session resamples it
-to 16 kHz with a stateful soxr stream). Reply audio is resampled to 8 kHz per reply,
-re-cut into exact 160-byte frames and re-paced one per 20 ms (soxr emits blocks of
-3-4 frames), with a mark every ``telephony.mark_interval_ms``; the echoed
+to 16 kHz with a stateful soxr stream). The call speaks at 8 kHz (it resamples each
+sentence once); reply audio is cut into exact 160-byte frames and sent one per 20 ms
+by the pacer, with a mark every ``telephony.mark_interval_ms``; the echoed
 marks keep ``session.set_played`` current, so a barge-in cuts the history at what
 the caller really heard. Parsing and bookkeeping live in :mod:`.twilio_protocol`.
 """
@@ -27,14 +27,17 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from voicebot.audio import Resampler
+from voicebot.audio import ReplyResampler
 from voicebot.errors import AuthError, BadMessage, VoicebotError
 from voicebot.server import edge
+from voicebot.server.connection import Connection
 from voicebot.server.state import ServerState
 from voicebot.session import events as ev
 from voicebot.session.session import Session
 from voicebot.transports import twilio_protocol as tp
+from voicebot.transports.pacing import Pacer
 from voicebot.transports.tasks import close_quietly, run_until_first_ends
+from voicebot.wire import twilio_media as tm
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +80,7 @@ def _signed_url(state: ServerState, scope_scheme: str, headers: dict[str, str], 
 
 def _voice_webhook(state: ServerState):  # type: ignore[no-untyped-def]
     async def voice(request: Request) -> Response:
+        conn = Connection(state, "twilio", request, per_client=False)
         auth = request.headers.get("authorization")
         headers = {k.lower(): v for k, v in request.headers.items()}
         host = request.headers.get("host") or f"{request.url.hostname}:{request.url.port}"
@@ -93,20 +97,19 @@ def _voice_webhook(state: ServerState):  # type: ignore[no-untyped-def]
                 if not tp.signature_valid(token, url, form, request.headers.get("x-twilio-signature")):
                     raise AuthError("missing or invalid X-Twilio-Signature")
             else:
-                bearer = auth if auth and auth.lower().startswith("bearer ") else None
-                state.check_auth(bearer, request.query_params.get("token") or _basic_password(auth))
+                conn.authenticate(conn.query.get("token") or _basic_password(auth))
         except AuthError as exc:
-            state.metrics.errors.labels(exc.code).inc()
+            conn.refuse(exc)
             log.warning("twilio webhook refused: %s", exc)
             if token:  # a bad signature: credentials would not help
                 return Response(str(exc), 403)
             return Response(str(exc), 401, {"WWW-Authenticate": 'Basic realm="voicebot"'})
         except VoicebotError as exc:
-            return Response(str(exc), edge.http_status(exc))
+            return Response(str(exc), conn.refuse_http(exc))
         try:
-            edge.check_admission(state)  # calls come from Twilio's servers: not per client
+            conn.check_admission()  # calls come from Twilio's servers: not per client
         except VoicebotError as exc:
-            state.metrics.errors.labels(exc.code).inc()
+            conn.refuse(exc)
             log.warning("twilio call refused: %s: %s", exc.code, exc)
             return Response(tp.twiml_busy(state.cfg.telephony.busy_message), media_type="application/xml")
         params = {k: v for k, v in request.query_params.items() if k in tp.CALL_FIELDS}
@@ -116,6 +119,7 @@ def _voice_webhook(state: ServerState):  # type: ignore[no-untyped-def]
             try:
                 params["token"], _ = state.mint_secret(ttl_s=120.0)
             except VoicebotError as exc:
+                conn.refuse(exc)
                 return Response(str(exc), 503)
         url = tp.stream_url(state.cfg.telephony.public_url, headers, request.url.scheme, host)
         return Response(tp.twiml_connect(url, params), media_type="application/xml")
@@ -126,33 +130,36 @@ def _voice_webhook(state: ServerState):  # type: ignore[no-untyped-def]
 # --------------------------------------------------------------- media stream
 def _stream_endpoint(state: ServerState):  # type: ignore[no-untyped-def]
     async def handle(ws: WebSocket) -> None:
+        # Calls come from the carrier's media servers: no per-client limit.
+        conn = Connection(state, "twilio", ws, per_client=False)
         await ws.accept()
         try:
-            authed = _header_auth(state, ws)
-            start = await _read_start(ws, state.cfg.server.max_message_bytes)
+            authed = _header_auth(state, conn, ws)
+            start = await _read_start(ws, conn)
             if not authed:
                 token = start.custom.get("token")
                 if not token:
                     raise AuthError("missing credentials: pass the key as customParameter 'token' or ?token=")
-                state.check_auth(None, token)
+                conn.authenticate(token)  # no header came (else authed): only this token
             settings = tp.call_settings(state.default_settings(), start.custom)
-            async with state.open_session("twilio", settings) as session:
+            settings.output_sample_rate = tm.RATE  # the call speaks at the wire's rate
+            async with conn.session(settings) as session:
                 session.log.info("call %s stream %s (%s, %s)", start.call_id, start.stream_id, start.dialect, start.encoding)
-                await _Call(ws, session, state, start).run()
+                await _Call(ws, conn, session, state, start).run()
         except WebSocketDisconnect:
             return  # the caller (or Twilio) hung up: nothing to close
         except VoicebotError as exc:
             # Twilio has no error message: log it, count it, close with the code as reason.
-            state.metrics.errors.labels(exc.code).inc()
+            code = conn.refuse(exc)
             log.warning("twilio stream refused: %s: %s", exc.code, exc)
-            await close_quietly(ws, edge.close_code(exc.code), f"{exc.code}: {exc}")
+            await close_quietly(ws, code, f"{exc.code}: {exc}")
             return
         await close_quietly(ws)  # a hang-up while we close is not an error
 
     return handle
 
 
-def _header_auth(state: ServerState, ws: WebSocket) -> bool:
+def _header_auth(state: ServerState, conn: Connection, ws: WebSocket) -> bool:
     """True if authenticated at the upgrade: by Twilio's signature, a header or ?token=
     (Telnyx, tests); False: wait for the token in the start message's parameters."""
     token = _auth_token(state)
@@ -168,14 +175,14 @@ def _header_auth(state: ServerState, ws: WebSocket) -> bool:
         if token is not None:  # only Twilio's signature can authenticate this server's calls
             raise AuthError("missing X-Twilio-Signature")
         return True
-    auth, query_token = ws.headers.get("authorization"), ws.query_params.get("token")
-    if not auth and not query_token:
+    query_token = conn.query.get("token")
+    if not conn.headers.get("authorization") and not query_token:
         return False
-    state.check_auth(auth, query_token)
+    conn.authenticate(query_token)
     return True
 
 
-async def _read_start(ws: WebSocket, max_bytes: int) -> tp.Start:
+async def _read_start(ws: WebSocket, conn: Connection) -> tp.Start:
     """Skip ``connected`` (and anything else) until ``start``, within 10 s."""
     try:
         async with asyncio.timeout(_START_TIMEOUT_S):
@@ -185,7 +192,7 @@ async def _read_start(ws: WebSocket, max_bytes: int) -> tp.Start:
                     raise WebSocketDisconnect(msg.get("code", 1000))
                 if msg.get("text") is None:
                     continue
-                edge.check_size(len(msg["text"]), max_bytes)
+                conn.check_size(len(msg["text"]))
                 parsed = tp.parse_message(msg["text"])
                 if isinstance(parsed, tp.Start):
                     return parsed
@@ -198,24 +205,23 @@ async def _read_start(ws: WebSocket, max_bytes: int) -> tp.Start:
 class _Call:
     """One call: reader, writer, pacer and keypad timer, all ended together."""
 
-    def __init__(self, ws: WebSocket, session: Session, state: ServerState, start: tp.Start) -> None:
-        self.ws, self.session = ws, session
+    def __init__(self, ws: WebSocket, conn: Connection, session: Session, state: ServerState,
+                 start: tp.Start) -> None:
+        self.ws, self.conn, self.session = ws, conn, session
         self.cfg = state.cfg.telephony
-        self.max_bytes = state.cfg.server.max_message_bytes
-        self.gate = edge.AudioGate.from_config(state.cfg.server)
+        self.gate = conn.audio_gate()
         # Marks, keys, the rest; plus the echoes of our own marks (one per mark_interval_ms
         # while a reply plays), which a carrier sends back as fast as we send them.
-        server = state.cfg.server
-        self.control = edge.ControlGate(server.control_rate + 1000 / self.cfg.mark_interval_ms, server.control_burst)
+        self.control = conn.control_gate(extra_rate=1000 / self.cfg.mark_interval_ms)
         self.out = tp.Outbound(start.stream_id, start.dialect)
         self.fmt = start.encoding
         self.marks = tp.PlayoutMarks(self.cfg.mark_interval_ms)
-        self.framer = tp.Framer()
+        self.framer = tm.Framer()
         self.keypad = tp.DtmfCollector(self.cfg)
         self._keypad_wake = asyncio.Event()
         # The session's own lead (playout_lead_ms) waits in our queue; the pacer adds
-        # only this much, so frames leave one per 20 ms instead of in soxr's blocks.
-        self._pacer = tp.Pacer(_PACER_LEAD_S)
+        # only this much, so frames leave one per 20 ms, marks right after their audio.
+        self._pacer = Pacer(_PACER_LEAD_S)
         # (is media, message) waiting for the pacer. The session produces reply audio
         # in real time and the pacer sends it in real time, so this holds about the
         # lead plus one resampler block; _MAX_QUEUED only trips if the socket stalls.
@@ -223,12 +229,12 @@ class _Call:
         self._more = asyncio.Event()
         self._send_lock = asyncio.Lock()
         self._playing: str | None = None  # reply whose audio is going out
-        self._resampler: Resampler | None = None
+        self._audio = ReplyResampler(tm.RATE)
         self._bad = 0
 
     async def run(self) -> None:
         await run_until_first_ends(
-            self.session,
+            self.conn,
             {
                 "twilio-in": self._reader(),
                 "twilio-out": self._writer(),
@@ -248,7 +254,7 @@ class _Call:
             if text is None:
                 continue  # Twilio sends no binary frames
             try:
-                edge.check_size(len(text), self.max_bytes)
+                self.conn.check_size(len(text))
                 if self._handle(tp.parse_message(text)):
                     return
             except VoicebotError as exc:
@@ -264,12 +270,12 @@ class _Call:
             case tp.Media(payload, track):
                 if track in ("inbound", "inbound_track") and payload:
                     try:
-                        self.gate.check(len(payload), tp.RATE)  # G.711: one byte a sample
+                        self.gate.check(len(payload), tm.RATE)  # G.711: one byte a sample
                     except VoicebotError as exc:
                         if self.gate.report_due():
                             self.session.log.warning("carrier audio refused: %s", exc)
                         return False
-                    self.session.push_audio(tp.decode_audio(self.fmt, payload), tp.RATE)
+                    self.session.push_audio(tm.decode_audio(self.fmt, payload), tm.RATE)
             case tp.MarkEcho(name):
                 heard = self.marks.echoed(name)
                 if heard is not None:
@@ -280,13 +286,13 @@ class _Call:
                 action = self.keypad.press(digit, time.monotonic())
                 if isinstance(action, tp.Hangup):
                     self.session.log.info("caller pressed %s: hanging up", digit)
-                    self.session.closed_reason = "hangup digit"
+                    self.conn.end("hangup digit")
                     return True
                 if isinstance(action, tp.KeypadEntry):
                     self._to_assistant(action)
                 self._keypad_wake.set()
             case tp.Stop():
-                self.session.closed_reason = "call ended"
+                self.conn.end("call ended")
                 return True
             case tp.Start():
                 self.session.log.warning("second 'start' on one stream ignored")
@@ -329,24 +335,22 @@ class _Call:
                         return
             if len(self._queue) > _MAX_QUEUED:
                 self.session.log.warning("carrier is not taking audio; ending the call")
-                self.session.closed_reason = "slow_consumer"
+                self.conn.end("slow_consumer")
                 return
 
     def _play(self, event: ev.ResponseAudio) -> None:
         if event.response_id != self._playing:
             self._playing = event.response_id
-            self._resampler = Resampler(event.sample_rate, tp.RATE)
             self.framer.reset()
             # Nothing of this reply is confirmed heard yet; also clears a stale value
             # left by late marks of the previous reply.
             self.session.set_played(0)
             self._enqueue_mark(self.marks.begin(event.response_id))
-        assert self._resampler is not None
-        self._enqueue(self.framer.push(self._resampler.process(event.audio)))
+        self._enqueue(self.framer.push(self._audio.process(event.response_id, event.audio, event.sample_rate)))
 
     def _enqueue(self, frames: list[np.ndarray]) -> None:
         for frame in frames:
-            self._queue.append((True, self.out.media(tp.encode_audio(self.fmt, frame))))
+            self._queue.append((True, self.out.media(tm.encode_audio(self.fmt, frame))))
             self._enqueue_mark(self.marks.sent_samples(frame.size))
         self._more.set()
 
@@ -356,11 +360,11 @@ class _Call:
             self._more.set()
 
     def _end(self, response_id: str) -> None:
-        if response_id != self._playing or self._resampler is None:
+        if response_id != self._playing:
             return
-        self._enqueue(self.framer.push(self._resampler.flush()) + self.framer.flush())
+        self._enqueue(self.framer.push(self._audio.flush()) + self.framer.flush())
         self._enqueue_mark(self.marks.end())
-        self._playing, self._resampler = None, None
+        self._playing = None
 
     async def _cut(self, response_id: str) -> None:
         if response_id != self._playing:
@@ -369,7 +373,8 @@ class _Call:
         self.session.log.info("reply %s cut after %d ms heard (by marks)", response_id, heard)
         self._queue.clear()  # never sent, so never heard
         self._pacer.reset()
-        self._playing, self._resampler = None, None
+        self._playing = None
+        self._audio.reset()
         self.framer.reset()
         await self._send(self.out.clear())
 

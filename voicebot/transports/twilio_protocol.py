@@ -1,13 +1,12 @@
 """Twilio Media Streams, and Telnyx's near-identical dialect: pure, synchronous parts.
 
-No I/O here: parsing inbound messages, building outbound ones, cutting reply audio
-into 20 ms frames, the mark bookkeeping that says how much of a reply the caller
+No I/O here: parsing inbound messages, building outbound ones, the mark bookkeeping that says how much of a reply the caller
 really heard, keypad (DTMF) entry, per-call settings from ``customParameters`` and
 the TwiML for the voice webhook. :mod:`voicebot.transports.twilio` moves data
 between these and the session.
 
-Wire format (docs/telephony.md): JSON text frames with an ``event`` field; audio is
-base64 G.711 (μ-law, or A-law on Telnyx) at 8 kHz, 160 bytes per 20 ms frame.
+Wire format (docs/telephony.md): JSON text frames with an ``event`` field; the audio
+and mark codecs the probe shares are in :mod:`voicebot.wire.twilio_media`.
 """
 
 from __future__ import annotations
@@ -24,18 +23,14 @@ from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 from xml.sax.saxutils import escape
 
-import numpy as np
 from pydantic import ValidationError
 
-from voicebot.audio import float_to_pcm16, pcm16_to_float
 from voicebot.config import TelephonyConfig
 from voicebot.errors import BadAudio, BadMessage
 from voicebot.server import edge
 from voicebot.session.settings import SessionSettings
-from voicebot.transports import g711
-
-RATE = g711.RATE
-FRAME = 160  # samples (= G.711 bytes) in 20 ms at 8 kHz
+from voicebot.wire import g711
+from voicebot.wire.twilio_media import RATE, mark_name, parse_mark
 
 Dialect = Literal["twilio", "telnyx"]
 
@@ -155,16 +150,6 @@ def parse_message(text: str) -> Inbound:
     return Other(event)
 
 
-def decode_audio(fmt: g711.G711, payload: bytes) -> np.ndarray:
-    """G.711 bytes -> float32 samples at 8 kHz."""
-    return pcm16_to_float(g711.decode(fmt, payload))
-
-
-def encode_audio(fmt: g711.G711, audio: np.ndarray) -> bytes:
-    """float32 samples at 8 kHz -> G.711 bytes (clipped)."""
-    return g711.encode(fmt, float_to_pcm16(audio))
-
-
 # -------------------------------------------------------------------- outbound
 class Outbound:
     """Builds what we send: media, mark and clear, addressed to the stream."""
@@ -182,71 +167,6 @@ class Outbound:
 
     def clear(self) -> str:
         return json.dumps({"event": "clear", **self._to})
-
-
-class Framer:
-    """Re-cuts 8 kHz audio into exact 160-sample frames; a partial tail waits for more."""
-
-    def __init__(self, size: int = FRAME) -> None:
-        self.size = size
-        self._tail = np.zeros(0, dtype=np.float32)  # always shorter than one frame
-
-    def push(self, audio: np.ndarray) -> list[np.ndarray]:
-        buf = np.concatenate([self._tail, audio.astype(np.float32, copy=False)])
-        whole = buf.size - buf.size % self.size
-        self._tail = buf[whole:]
-        return [buf[i : i + self.size] for i in range(0, whole, self.size)]
-
-    def flush(self) -> list[np.ndarray]:
-        """The tail padded with silence to a whole frame (end of a reply)."""
-        if self._tail.size == 0:
-            return []
-        frame = np.zeros(self.size, dtype=np.float32)
-        frame[: self._tail.size] = self._tail
-        self._tail = np.zeros(0, dtype=np.float32)
-        return [frame]
-
-    def reset(self) -> None:
-        self._tail = np.zeros(0, dtype=np.float32)
-
-
-class Pacer:
-    """When the next 20 ms frame may go: real time, ``lead_s`` ahead, no catch-up.
-
-    The session already paces reply audio, but a soxr stream gives its output in
-    blocks of ~3-4 frames, so the transport re-paces. After an underrun (TTS slower
-    than real time) the clock restarts instead of bursting to catch up.
-    """
-
-    def __init__(self, lead_s: float, frame_s: float = 0.02) -> None:
-        self.lead_s, self.frame_s = lead_s, frame_s
-        self._base: float | None = None
-        self._count = 0  # frames sent since _base
-
-    def delay(self, now: float) -> float:
-        """Seconds to wait before sending the next frame (0: send now)."""
-        if self._base is None or now - self._base > self._count * self.frame_s:
-            self._base, self._count = now, 0  # idle or behind: restart the clock
-        return max(0.0, self._base + self._count * self.frame_s - self.lead_s - now)
-
-    def sent(self) -> None:
-        self._count += 1
-
-    def reset(self) -> None:
-        self._base = None
-
-
-# ----------------------------------------------------------------------- marks
-def mark_name(response_id: str, ms: int, end: bool = False) -> str:
-    return f"{response_id}:{ms}" + (":end" if end else "")
-
-
-def parse_mark(name: str) -> tuple[str, int, bool] | None:
-    """(response id, ms of that reply played up to the mark, end of reply?) or None."""
-    parts = name.split(":")
-    if len(parts) not in (2, 3) or not (parts[1].isascii() and parts[1].isdigit()) or (len(parts) == 3 and parts[2] != "end"):
-        return None
-    return parts[0], int(parts[1]), len(parts) == 3
 
 
 class PlayoutMarks:

@@ -33,6 +33,7 @@ from starlette.routing import BaseRoute, Route
 
 from voicebot.errors import AuthError, BadMessage, ProtocolError, VoicebotError
 from voicebot.server import edge
+from voicebot.server.connection import Connection
 from voicebot.server.state import ServerState
 from voicebot.transports.webrtc_call import Call
 
@@ -52,9 +53,9 @@ def error_response(status: int, type_: str, code: str, message: str) -> JSONResp
     )
 
 
-def _from_exception(exc: VoicebotError) -> JSONResponse:
-    """A VoicebotError -> the HTTP status (edge.http_status) and OpenAI error type."""
-    status = edge.http_status(exc)
+def _refused(conn: Connection, exc: VoicebotError) -> JSONResponse:
+    """A refusal, counted once: the HTTP status (edge.http_status) and OpenAI error type."""
+    status = conn.refuse_http(exc)
     kind = "rate_limit_error" if status == 429 else "server_error" if status >= 500 else "invalid_request_error"
     return error_response(status, kind, exc.code, str(exc))
 
@@ -104,11 +105,6 @@ class Calls:
         return dict(self.secret_sessions.get(secret or "", {}))
 
 
-def _bearer(request: Request) -> str | None:
-    auth = request.headers.get("authorization")
-    return auth[7:].strip() if auth and auth.lower().startswith("bearer ") else None
-
-
 async def _read_offer(request: Request) -> tuple[str, dict[str, Any]]:
     """The SDP offer and the optional Realtime session config of a calls request."""
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
@@ -147,26 +143,26 @@ def routes(state: ServerState) -> list[BaseRoute]:
     state.shutdown_hooks.append(calls.aclose)
 
     async def create_call(request: Request) -> Response:
+        conn = Connection(state, "webrtc", request)
         try:
             # Before anything else: a foreign page's text/plain POST needs no CORS
             # preflight, so the origin is the only thing that stops it opening calls.
-            edge.check_origin(request.headers, state.cfg.server)
-            state.check_auth(request.headers.get("authorization"))
-            client = request.client.host if request.client else None
+            conn.check_origin()
+            conn.authenticate()
             # Fail fast with a clear status before the body is read or WebRTC work done.
-            edge.check_admission(state, client)
+            conn.check_admission()
             sdp, config = await _read_offer(request)
             if not sdp.lstrip().startswith("v=0"):
                 raise BadMessage(
                     "the body is not an SDP offer (it must start with 'v=0')", code="invalid_sdp"
                 )
-            session_config = {**calls.session_for(_bearer(request)), **config}
+            session_config = {**calls.session_for(conn.bearer()), **config}
             # The beta flow (POST /v1/realtime) gets the beta event names, as on OpenAI.
             beta = (
                 request.url.path == "/v1/realtime"
                 or request.headers.get("openai-beta", "").lower() == "realtime=v1"
             )
-            call = Call(state, sdp, session_config, beta=beta, client=client)
+            call = Call(conn, sdp, session_config, beta=beta)
             calls.start(call)
             try:
                 answer = await asyncio.wait_for(asyncio.shield(call.answer), _ANSWER_TIMEOUT_S)
@@ -174,8 +170,7 @@ def routes(state: ServerState) -> list[BaseRoute]:
                 call.end("answer timed out")
                 raise VoicebotError("could not answer the offer in time") from None
         except VoicebotError as exc:
-            state.metrics.errors.labels(exc.code).inc()
-            return _from_exception(exc)
+            return _refused(conn, exc)
         return Response(
             answer,
             status_code=201,
@@ -184,11 +179,12 @@ def routes(state: ServerState) -> list[BaseRoute]:
         )
 
     async def hangup(request: Request) -> Response:
+        conn = Connection(state, "webrtc", request)
         try:
-            edge.check_origin(request.headers, state.cfg.server)
-            state.check_api_key(request.headers.get("authorization"))
+            conn.check_origin()
+            conn.authenticate_api_key()
         except AuthError as exc:
-            return _from_exception(exc)
+            return _refused(conn, exc)
         call = calls.live.get(request.path_params["call_id"])
         if call is None:
             return error_response(404, "invalid_request_error", "call_not_found", "no such call")
@@ -196,9 +192,10 @@ def routes(state: ServerState) -> list[BaseRoute]:
         return Response(status_code=200)
 
     async def client_secret(request: Request) -> Response:
+        conn = Connection(state, "webrtc", request)
         try:
-            edge.check_origin(request.headers, state.cfg.server)
-            state.check_api_key(request.headers.get("authorization"))
+            conn.check_origin()
+            conn.authenticate_api_key()
             body = await _json_body(await edge.read_body(request, _MAX_SECRET_BODY))
             ttl = _ttl(body.get("expires_after"))
             session = body.get("session") or {}
@@ -206,8 +203,7 @@ def routes(state: ServerState) -> list[BaseRoute]:
                 raise BadMessage("'session' must be an object")
             value, expires_at = state.mint_secret(ttl)
         except VoicebotError as exc:
-            state.metrics.errors.labels(exc.code).inc()
-            return _from_exception(exc)
+            return _refused(conn, exc)
         if session:
             calls.secret_sessions[value] = session
         effective = {"type": "realtime", "object": "realtime.session", **session}

@@ -30,12 +30,13 @@ from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 
 from voicebot.errors import BadMessage, VoicebotError
 from voicebot.server import edge
-from voicebot.server.state import ServerState
+from voicebot.server.connection import Connection
 from voicebot.session import events as ev
 from voicebot.session.session import Session
 from voicebot.transports import realtime_events as rt
 from voicebot.transports.realtime_session import RealtimeTranslator
-from voicebot.transports.webrtc_tracks import RATE, ReplyTrack, frame_to_mono
+from voicebot.transports.webrtc_tracks import RATE, ReplyTrack
+from voicebot.wire.av_frames import frame_to_mono
 
 log = logging.getLogger(__name__)
 
@@ -51,28 +52,19 @@ _EARLY_EVENTS = 64  # server events held until the data channel opens
 _AUDIO_EVENTS = frozenset({rt.GA.audio_delta, rt.BETA.audio_delta})
 
 
-def _voices(state: ServerState) -> frozenset[str] | None:
-    try:
-        return frozenset(state.engines.tts.voices()) if state.engines is not None else None
-    except Exception:  # an engine that cannot list its voices accepts any name
-        return None
-
-
 class Call:
     def __init__(
         self,
-        state: ServerState,
+        conn: Connection,
         offer_sdp: str,
         session_config: dict[str, Any],
         *,
         beta: bool = False,
-        client: str | None = None,
     ) -> None:
-        self.state = state
-        self.client = client  # the caller's address, for the per-client session limit
-        server = state.cfg.server
-        self.max_bytes = server.max_message_bytes
-        self.gate = edge.AudioGate.from_config(server)
+        self.conn = conn  # the request that offered the call: the call's way through the edge
+        self.state = conn.state
+        self.max_bytes = conn.max_bytes
+        self.gate = conn.audio_gate()
         self.beta = beta  # the beta flow (POST /v1/realtime) gets the beta event names
         self.id = f"rtc_{uuid.uuid4().hex[:20]}"
         self.offer_sdp = offer_sdp
@@ -104,21 +96,21 @@ class Call:
         try:
             settings = self.state.default_settings()
             settings.output_sample_rate = RATE  # the session resamples replies once, to Opus' rate
-            async with self.state.open_session("webrtc", settings, client=self.client) as session:
+            async with self.conn.session(settings) as session:
                 self.session = session
                 self._tr = RealtimeTranslator(
                     session,
                     session_id=session.id,
                     model=str(self.session_config.get("model") or self.state.cfg.llm.model),
                     beta=self.beta,
-                    voices=_voices(self.state),
-                    control_gate=edge.ControlGate.from_config(self.state.cfg.server),
+                    voices=self.state.voices(),
+                    control_gate=self.conn.control_gate(),
                 )
                 await self._negotiate()
                 self._configure()
                 await self._serve(session)
-                if session.closed_reason is None:
-                    session.closed_reason = self.end_reason
+                if self.end_reason is not None:
+                    self.conn.end(self.end_reason)
         except VoicebotError as exc:
             if not self.answer.done():
                 self.answer.set_exception(exc)
@@ -314,7 +306,7 @@ class Call:
             if event["type"] in _AUDIO_EVENTS:
                 continue
             if event["type"] == "error":
-                self.state.metrics.errors.labels(str(event["error"].get("code"))).inc()
+                self.conn.count_error(str(event["error"].get("code")))
             self._send(event)
 
     def _send(self, event: dict[str, Any]) -> None:

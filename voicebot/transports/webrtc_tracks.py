@@ -7,8 +7,12 @@ bounded queue that the session's already-paced ``ResponseAudio`` fills, and sile
 when the queue is empty, so the RTP timestamps stay continuous between replies.
 
 The call asks its session for replies at 48 kHz (Opus' native rate), so the session's
-one resampling step already lands there and the track's per-reply resampler is a
-pass-through; it only converts if a session sends another rate.
+one resampling step already lands there and the track's ReplyResampler (the convention
+every transport follows, voicebot/audio.py) is a pass-through.
+
+The track's clock in :meth:`ReplyTrack.recv` is RTP media clocking (aiortc pulls one
+frame per 20 ms, silence included, and the timestamps must stay continuous), not the
+pacing of voicebot/transports/pacing.py, and stays here.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ import av
 import numpy as np
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 
-from voicebot.audio import Resampler
+from voicebot.audio import ReplyResampler
+from voicebot.wire.av_frames import pcm16_frame
 
 log = logging.getLogger(__name__)
 
@@ -45,28 +50,6 @@ class TrackListener(Protocol):
     def audio_stopped(self, response_id: str) -> None: ...
 
 
-def frame_to_mono(frame: av.AudioFrame) -> np.ndarray:
-    """A decoded frame (any layout, s16 or float, packed or planar) -> mono float32."""
-    arr = frame.to_ndarray()
-    channels = len(frame.layout.channels)
-    if frame.format.is_planar:
-        mono = arr.reshape(channels, -1).mean(axis=0) if channels > 1 else arr.reshape(-1)
-    else:
-        mono = arr.reshape(-1, channels).mean(axis=1) if channels > 1 else arr.reshape(-1)
-    if arr.dtype.kind == "i":  # s16 from Opus; s32 in principle
-        return (mono / float(2 ** (8 * arr.dtype.itemsize - 1))).astype(np.float32)
-    return mono.astype(np.float32, copy=False)
-
-
-def pcm16_frame(samples: np.ndarray, rate: int, pts: int) -> av.AudioFrame:
-    """int16 mono samples -> an aiortc-ready AudioFrame stamped on a 1/rate clock."""
-    frame = av.AudioFrame.from_ndarray(samples.reshape(1, -1), format="s16", layout="mono")
-    frame.sample_rate = rate
-    frame.pts = pts
-    frame.time_base = fractions.Fraction(1, rate)
-    return frame
-
-
 def _to_int16(audio: np.ndarray) -> np.ndarray:
     return (np.clip(audio, -1.0, 32767.0 / 32768.0) * 32768.0).astype(np.int16)
 
@@ -82,8 +65,8 @@ class ReplyTrack(MediaStreamTrack):
         # Bounded: the session paces replies only ``playout_lead_ms`` ahead, so a full
         # queue means the peer stopped pulling; the oldest (stalest) frames go first.
         self._queue: deque[tuple[str, np.ndarray]] = deque(maxlen=max(1, max_queue_ms // 20))
-        self._rid: str | None = None  # the reply being resampled
-        self._resampler: Resampler | None = None
+        self._rid: str | None = None  # the reply being cut into frames
+        self._audio = ReplyResampler(RATE)
         self._pending = np.zeros(0, dtype=np.float32)  # < one frame, waiting for more
         self._finished: set[str] = set()  # replies whose last sample is queued
         self._dead: deque[str] = deque(maxlen=8)  # flushed replies: late audio is dropped
@@ -101,9 +84,7 @@ class ReplyTrack(MediaStreamTrack):
         if response_id != self._rid:
             self._close_reply()  # one reply plays at a time; a new one ends the last
             self._rid = response_id
-            self._resampler = Resampler(sample_rate, RATE)
-        assert self._resampler is not None
-        self._append(self._resampler.process(audio))
+        self._append(self._audio.process(response_id, audio, sample_rate))
 
     def finish(self, response_id: str) -> None:
         """The reply is complete: queue its resampler tail, padded to a whole frame."""
@@ -121,7 +102,8 @@ class ReplyTrack(MediaStreamTrack):
         if self._rid is not None:
             self._dead.append(self._rid)
         self._queue.clear()
-        self._rid, self._resampler = None, None
+        self._rid = None
+        self._audio.reset()
         self._pending = np.zeros(0, dtype=np.float32)
         self._finished.clear()
         self._sent.clear()
@@ -133,15 +115,15 @@ class ReplyTrack(MediaStreamTrack):
         return len(self._queue) * 20
 
     def _close_reply(self) -> None:
-        if self._rid is None or self._resampler is None:
+        if self._rid is None:
             return
-        tail = self._resampler.flush()
+        tail = self._audio.flush()
         rest = np.concatenate([self._pending, tail])
         if rest.size % FRAME:
             rest = np.concatenate([rest, np.zeros(FRAME - rest.size % FRAME, dtype=np.float32)])
         self._pending = rest
         self._cut_frames(self._rid)
-        self._rid, self._resampler = None, None
+        self._rid = None
 
     def _append(self, audio: np.ndarray) -> None:
         self._pending = np.concatenate([self._pending, audio]) if self._pending.size else audio

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from voicebot.server.heap import limit_arenas
-from voicebot.server.threads import limit_omp_threads, set_omp_wait_policy
+from voicebot.runtime.heap import limit_arenas
+from voicebot.runtime.threads import limit_omp_threads, set_omp_wait_policy
 
 if TYPE_CHECKING:
     from voicebot.config import ServerConfig
