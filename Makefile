@@ -12,7 +12,7 @@ ARGS   ?=
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml constraints/cpu.txt 2>/dev/null | sha256sum | cut -c1-12)
 
 
-.PHONY: run test install system-deps models lint typecheck check bench-engines clean which-python
+.PHONY: run test test-fast install system-deps models lint typecheck imports check bench-engines clean which-python
 
 run: install
 	$(BIN)/voicebot models pull --config $(CONFIG)
@@ -21,6 +21,11 @@ run: install
 test: install
 	$(BIN)/voicebot models pull --config configs/test.yaml
 	$(BIN)/python -m pytest $(ARGS)
+
+# The quick loop: no real engine, no server (marker `engines` left out).
+test-fast: install
+	$(BIN)/voicebot models pull --config configs/test.yaml
+	$(BIN)/python -m pytest -m "not engines" $(ARGS)
 
 install: $(STAMP) system-deps
 
@@ -63,8 +68,12 @@ lint: install
 typecheck: install
 	$(BIN)/mypy voicebot
 
+# The import contracts of pyproject's [tool.importlinter]: the layers and what may not import what.
+imports: install
+	$(BIN)/lint-imports
+
 # What CI runs besides the tests.
-check: lint typecheck
+check: lint typecheck imports
 
 which-python:
 	@echo $(PYTHON)
