@@ -24,6 +24,8 @@ from speech import Clip
 from voicebot.config import ModelsConfig, load_config
 from voicebot.probe.base import ClientClosed
 
+pytestmark = pytest.mark.engines  # real engines or a server: not in make test-fast
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

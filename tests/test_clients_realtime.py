@@ -43,6 +43,8 @@ from voicebot.session import events as se
 from voicebot.session.settings import SessionSettings
 from voicebot.transports.realtime_session import RealtimeTranslator
 
+pytestmark = pytest.mark.engines  # real engines or a server: not in make test-fast
+
 QUESTION = "What's the weather in Paris?"
 
 

@@ -15,6 +15,8 @@ import torch
 
 from voicebot.engines.tts import kokoro_model as km
 
+pytestmark = pytest.mark.engines  # real engines or a server: not in make test-fast
+
 SMALL = {
     **km.KOKORO_82M_SHAPE,
     "hidden_dim": 512,  # the decoder hard-codes 512 (asr_res)

@@ -20,6 +20,8 @@ from voicebot.tools.grammar import constraint_for
 from voicebot.tools.parser import ToolCallStream
 from voicebot.tools.spec import ToolChoice, ToolSpec
 
+pytestmark = pytest.mark.engines  # real engines or a server: not in make test-fast
+
 
 @pytest.fixture(scope="module")
 async def llm_engine(models_config: ModelsConfig) -> AsyncIterator[LlmEngine]:

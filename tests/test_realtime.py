@@ -580,6 +580,7 @@ def reply_audio(events: list[Any], delta_type: str = "response.output_audio.delt
     return b"".join(base64.b64decode(e.delta) for e in events if kind(e) == delta_type)
 
 
+@pytest.mark.engines
 async def test_sdk_spoken_exchange_with_server_vad(server: Running, clip: Clip) -> None:
     async with server.client().realtime.connect(model="gpt-realtime") as conn:
         events: list[Any] = []
@@ -624,6 +625,7 @@ async def test_sdk_spoken_exchange_with_server_vad(server: Running, clip: Clip) 
         assert all(m.item_id != item_id for m in session.item_history())
 
 
+@pytest.mark.engines
 async def test_sdk_manual_commit_cancel_and_truncate(server: Running, clip: Clip) -> None:
     async with server.client().realtime.connect(model="gpt-realtime") as conn:
         events: list[Any] = []
@@ -658,6 +660,7 @@ async def test_sdk_manual_commit_cancel_and_truncate(server: Running, clip: Clip
         assert [e.response.id for e in events if kind(e) == "response.created"] == [done.response.id]
 
 
+@pytest.mark.engines
 async def test_barge_in_reports_speech_then_the_cancelled_reply(server: Running, clip: Clip) -> None:
     async with server.client().realtime.connect(model="gpt-realtime") as conn:
         events: list[Any] = []
@@ -695,6 +698,7 @@ async def next_of(ws: Any, *types: str) -> dict[str, Any]:
                 return event  # type: ignore[no-any-return]
 
 
+@pytest.mark.engines
 async def test_bad_input_gets_openai_shaped_errors_and_the_session_goes_on(server: Running) -> None:
     cases: list[tuple[str | bytes, str, str | None, str | None]] = [
         ("{not json", "invalid_event", None, None),
@@ -742,6 +746,7 @@ async def test_bad_input_gets_openai_shaped_errors_and_the_session_goes_on(serve
         assert (await next_of(ws, "input_audio_buffer.cleared", "error"))["type"] == "input_audio_buffer.cleared"
 
 
+@pytest.mark.engines
 async def test_client_closing_while_errors_are_sent_logs_no_traceback(server: Running) -> None:
     # The live fuzzer's find: the client closes while the server still sends its replies;
     # a send to a gone client is the end of the session, never "Exception in ASGI application".
@@ -767,6 +772,7 @@ async def test_client_closing_while_errors_are_sent_logs_no_traceback(server: Ru
     assert not errors, [f"{r.name}: {r.getMessage()}" for r in errors]
 
 
+@pytest.mark.engines
 async def test_auth_header_or_subprotocol_and_refusal(server: Running) -> None:
     async with await raw(server, headers={"X": "y"}) as ws:
         event = json.loads(await ws.recv())
@@ -780,6 +786,7 @@ async def test_auth_header_or_subprotocol_and_refusal(server: Running) -> None:
         assert json.loads(await ws.recv())["type"] == "session.created"
 
 
+@pytest.mark.engines
 async def test_beta_client_with_g711_both_ways(server: Running, clip: Clip) -> None:
     headers = {"Authorization": f"Bearer {KEY}", "OpenAI-Beta": "realtime=v1"}
     async with await raw(server, headers=headers) as ws:
@@ -818,6 +825,7 @@ async def test_beta_client_with_g711_both_ways(server: Running, clip: Clip) -> N
         assert pcm.size > 800 and dbfs(pcm) > -40
 
 
+@pytest.mark.engines
 async def test_transcription_session_and_text_only_replies(server: Running, clip: Clip) -> None:
     # ?intent=transcription: speech in, transcripts out, never a reply.
     async with websockets.connect(server.url() + "?intent=transcription",
@@ -853,6 +861,7 @@ async def test_transcription_session_and_text_only_replies(server: Running, clip
         assert seen[-1]["response"]["output"][0]["content"][0]["type"] == "output_text"
 
 
+@pytest.mark.engines
 async def test_probe_speaks_realtime(server: Running, clip: Clip) -> None:
     probe_clip = load_clip(clip.path, 16000)
     started = time.monotonic()
@@ -881,6 +890,7 @@ def test_events_beyond_the_control_rate_are_refused_and_audio_is_not_counted() -
     assert fake.calls.count(("clear",)) == 4  # a refused event does nothing
 
 
+@pytest.mark.engines
 async def test_audio_faster_than_real_time_is_refused(server: Running) -> None:
     cfg = server.state.cfg.server
     old, cfg.input_burst_ms = cfg.input_burst_ms, 2000
@@ -904,6 +914,7 @@ async def test_audio_faster_than_real_time_is_refused(server: Running) -> None:
         cfg.input_burst_ms = old
 
 
+@pytest.mark.engines
 async def test_capacity_refusal_and_foreign_origin(server: Running) -> None:
     cfg = server.state.cfg.server
     old, cfg.max_sessions = cfg.max_sessions, 1

@@ -204,6 +204,7 @@ def force_long_replies(llm: RemoteLlmEngine, monkeypatch: pytest.MonkeyPatch) ->
 
 
 # -------------------------------------------------------------------- e2e tests
+@pytest.mark.engines
 async def test_calls_get_spoken_replies_each_pinned_to_its_server_and_hit_its_prefix_cache(
     server: RunningServer, tier: Tier, speech_clips: list[Clip]
 ) -> None:
@@ -239,6 +240,7 @@ async def test_calls_get_spoken_replies_each_pinned_to_its_server_and_hit_its_pr
         await asyncio.gather(*(c.close() for c in calls.values()))
 
 
+@pytest.mark.engines
 async def test_a_barge_in_and_a_hang_up_abort_the_reply_on_the_server(
     server: RunningServer, tier: Tier, speech_clips: list[Clip], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -290,6 +292,7 @@ async def cut_twice(server: RunningServer, tier: Tier, clip: np.ndarray) -> None
     )
 
 
+@pytest.mark.engines
 async def test_a_server_killed_mid_reply_fails_that_reply_and_the_call_goes_on_through_the_other(
     server: RunningServer, tier: Tier, speech_clips: list[Clip], monkeypatch: pytest.MonkeyPatch
 ) -> None:

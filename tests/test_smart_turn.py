@@ -16,6 +16,8 @@ from voicebot.engines.turn.smart_turn import SmartTurn
 from voicebot.engines.turn.vad import WINDOW, SileroVad
 from voicebot.session.turns import SemanticTurnDetector, Signal
 
+pytestmark = pytest.mark.engines  # real engines or a server: not in make test-fast
+
 # "and mister john dashwood had then leisure to consider how much there might be
 # prudently in his power to do for them": a whole sentence, and the same recording
 # stopped at the word gap after "... how much" (CUT_S).

@@ -15,6 +15,8 @@ from voicebot.errors import ConfigError
 from voicebot.runtime import process, threads
 from voicebot.services import asr_service
 
+pytestmark = pytest.mark.engines  # real engines or a server: not in make test-fast
+
 CHILD = "import os, torch; print(os.environ.get('OMP_NUM_THREADS'), torch.get_num_threads())"
 
 

@@ -30,6 +30,8 @@ from servers import RunningServer, running_server, serve_routes, server_errors
 
 from voicebot.config import ModelsConfig, ServerToolConfig, load_config
 
+pytestmark = pytest.mark.engines  # real engines or a server: not in make test-fast
+
 KEY = "sk-test-tools"
 TIMEOUT = 90.0  # one exchange on the shared 2-core CPU
 SYSTEM = "You are a friendly voice assistant. Answer in one short sentence. Use the tools for weather questions."

@@ -435,6 +435,7 @@ def check_paced_mulaw(frames: list[Received]) -> None:
     assert span > 0.8 * 0.02 * len(t) - 0.4, f"{len(t)} frames in {span:.2f} s"
 
 
+@pytest.mark.engines
 async def test_full_call_barge_in_dtmf_hangup(server: RunningServer, speech_clips: list[Clip]) -> None:
     clips = {c.name[-4:]: c for c in speech_clips}
     async with twilio_call(server, system_prompt="You are a phone assistant.", max_tokens="20") as (call, session):
@@ -481,6 +482,7 @@ async def test_full_call_barge_in_dtmf_hangup(server: RunningServer, speech_clip
         await asyncio.wait_for(call.ws.wait_closed(), 10)
 
 
+@pytest.mark.engines
 async def test_stop_ends_the_session(server: RunningServer) -> None:
     async with twilio_call(server) as (call, session):
         await asyncio.sleep(0.3)
@@ -490,6 +492,7 @@ async def test_stop_ends_the_session(server: RunningServer) -> None:
     assert session.closed_reason == "call ended"
 
 
+@pytest.mark.engines
 async def test_carrier_messages_beyond_the_control_rate_are_dropped(
     server: RunningServer, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -507,6 +510,7 @@ async def test_carrier_messages_beyond_the_control_rate_are_dropped(
     assert session.closed_reason == "call ended"
 
 
+@pytest.mark.engines
 async def test_bad_custom_parameters_refuse_the_call(server: RunningServer) -> None:
     for custom, code in (({"voice": "klingon"}, "invalid_voice"), ({"voice": "/etc/passwd"}, "invalid_voice"), ({"speed": "warp"}, "invalid_value")):
         async with websockets.connect(server.ws("/twilio")) as ws:
@@ -517,6 +521,7 @@ async def test_bad_custom_parameters_refuse_the_call(server: RunningServer) -> N
         assert (await http.get(server.http + "/healthz")).json()["ready"]
 
 
+@pytest.mark.engines
 async def test_voice_webhook_and_auth(server: RunningServer) -> None:
     server_cfg = server.state.cfg.server
     async with httpx.AsyncClient(base_url=server.http) as http:
@@ -544,6 +549,7 @@ async def test_voice_webhook_and_auth(server: RunningServer) -> None:
             server_cfg.api_key = None
 
 
+@pytest.mark.engines
 async def test_probe_speaks_twilio(server: RunningServer, speech_clips: list[Clip]) -> None:
     clip = next(c for c in speech_clips if c.name.endswith("0880"))
     cfg = ProbeConfig(
@@ -560,6 +566,7 @@ async def test_probe_speaks_twilio(server: RunningServer, speech_clips: list[Cli
     assert record.replies and record.replies[0]["status"] == "completed"
 
 
+@pytest.mark.engines
 async def test_caller_hanging_up_logs_no_traceback(server: RunningServer) -> None:
     with server_errors() as errors:
         for _ in range(3):
@@ -571,6 +578,7 @@ async def test_caller_hanging_up_logs_no_traceback(server: RunningServer) -> Non
     assert not errors, [f"{r.name}: {r.getMessage()}" for r in errors]
 
 
+@pytest.mark.engines
 async def test_twilio_signature_on_webhook_and_stream(server: RunningServer) -> None:
     tel = server.state.cfg.telephony
     token = "tw-auth-token-test"
@@ -612,6 +620,7 @@ async def test_twilio_signature_on_webhook_and_stream(server: RunningServer) -> 
         tel.auth_token = None
 
 
+@pytest.mark.engines
 async def test_no_free_line_says_so_and_hangs_up(server: RunningServer) -> None:
     cfg = server.state.cfg.server
     old, cfg.max_sessions = cfg.max_sessions, 1

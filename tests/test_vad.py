@@ -8,6 +8,8 @@ import pytest
 from voicebot.audio import ASR_RATE
 from voicebot.engines.turn.vad import WINDOW, SileroVad, default_model_path
 
+pytestmark = pytest.mark.engines  # real engines or a server: not in make test-fast
+
 
 @pytest.fixture(scope="module")
 def vad() -> SileroVad:

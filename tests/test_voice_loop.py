@@ -23,6 +23,8 @@ from speech import Clip
 from voicebot.audio import dbfs, resample
 from voicebot.config import ModelsConfig, load_config
 
+pytestmark = pytest.mark.engines  # real engines or a server: not in make test-fast
+
 
 def norm(text: str) -> str:
     return re.sub(r"[^a-z0-9' ]+", " ", text.lower()).strip()

@@ -41,6 +41,8 @@ from voicebot.engines.asr.whisper_vllm_window import (
 )
 from voicebot.engines.registry import create_asr
 
+pytestmark = pytest.mark.engines  # real engines or a server: not in make test-fast
+
 ROOT = Path(__file__).resolve().parent.parent
 BUCKETS = WhisperVllmConfig().window_buckets_s
 TOKENS = 10
