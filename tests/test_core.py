@@ -200,8 +200,8 @@ def test_create_reply_replaces_the_live_one_and_tool_results_start_the_next_roun
     assert c.handle(ev.ReplyEnded(first.reply_id, "cancelled", "")) == [ev.ReportReply(first.reply_id, "cancelled")]
     assert c.handle(ev.ReplyEnded(second.reply_id, "completed", "calling", computed=())) == [
         ev.ReportReply(second.reply_id, "completed")]
-    tools = c.handle(ev.ToolResults(second.reply_id, (("c1", "clock", "noon"),), "opts", 0))
-    assert kinds(tools) == ["ReportToolResult", "StartReply"]
+    tools = c.handle(ev.ToolResults(second.reply_id, "opts", 0))
+    assert kinds(tools) == ["StartReply"]
     third = tools[-1]
     assert isinstance(third, ev.StartReply) and third.tool_round == 1 and third.options == "opts"
 

@@ -80,13 +80,15 @@ class _Summary:
 
 
 class Background:
-    def __init__(self, history: History, *, prefills: bool, summaries: bool, block_size: int,
+    def __init__(self, history: History, *, prefills: bool, summaries: bool, block_size: int | Callable[[], int],
                  reply_live: Callable[[], bool] = lambda: False,
                  log: logging.Logger | logging.LoggerAdapter[Any] | None = None) -> None:
         self.history = history
         self.prefills = prefills  # background prefills on, and a prefix cache keeps them
         self.summaries = summaries  # a background lane to write summaries on
-        self.block_size = block_size  # the prefix cache holds whole blocks only
+        # The prefix cache holds whole blocks only (read when needed: an engine knows it
+        # once started).
+        self._block_size = block_size
         self.log = log or logging.getLogger(__name__)
         self.started = False
         self.closed = False
@@ -97,6 +99,10 @@ class Background:
         self.compaction: Compaction | None = None
         self.unsummarised: list[Any] = []  # dropped from the history, not yet summarised
         self._serial = 0
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size() if callable(self._block_size) else self._block_size
 
     def _next(self) -> int:
         self._serial += 1

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,7 +56,7 @@ class CallCore:
         warm_turn: bool = False,
         prefills: bool = False,
         summaries: bool = False,
-        block_size: int = 16,
+        block_size: int | Callable[[], int] = 16,
         log: logging.Logger | logging.LoggerAdapter[Any] | None = None,
     ) -> None:
         self.history = history
@@ -112,14 +113,10 @@ class CallCore:
                 return self._transcribed(item_id, text)
             case ev.ReplyEnded():
                 return self._reply_ended(event)
-            case ev.ToolResults(_, results, options, tool_round):
-                actions = []
-                for call_id, name, output in results:
-                    actions += self._append("tool", output, self.new_item_id(), call_id=call_id)
-                    actions.append(ev.ReportToolResult(call_id, name, output))
-                if self.reply is None and not self.closed:
-                    actions += self._start_reply(gated=False, turn=None, options=options, tool_round=tool_round + 1)
-                return actions
+            case ev.ToolResults(_, options, tool_round):
+                if self.reply is not None or self.closed:
+                    return []
+                return self._start_reply(gated=False, turn=None, options=options, tool_round=tool_round + 1)
             case ev.Commit(item_id):
                 self.turn_seq += 1
                 self.turns[item_id] = _Turn(item_id, self.turn_seq)

@@ -81,10 +81,10 @@ class ReplyEnded:
 
 @dataclass(frozen=True)
 class ToolResults:
-    """A completed reply's server tools ran: (call_id, name, output) each."""
+    """A completed reply's server tools ran and their results are in the history: the
+    next round answers them."""
 
     reply_id: str
-    results: tuple[tuple[str, str, str], ...]
     options: Any = None
     tool_round: int = 0
 
@@ -249,13 +249,6 @@ class ReportReply:
 
 
 @dataclass(frozen=True)
-class ReportToolResult:
-    call_id: str
-    name: str
-    output: str
-
-
-@dataclass(frozen=True)
 class StartPrefill:
     """Prefill ``ids`` at background priority; the first ``cached`` are cached."""
 
@@ -285,6 +278,6 @@ class CancelSummary:
 
 Action = (
     OpenTurn | RequestPartial | EmitPartial | StartFinal | CancelFinal | EndTurn | CommitTurn | ResetInput
-    | TurnTranscribed | StartReply | ReleaseReply | StopReply | ReportReply | ReportToolResult | StartPrefill
+    | TurnTranscribed | StartReply | ReleaseReply | StopReply | ReportReply | StartPrefill
     | CancelPrefill | StartSummary | CancelSummary
 )

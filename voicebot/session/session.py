@@ -18,24 +18,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import uuid
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from voicebot.affinity import bind_session
 from voicebot.audio import ASR_RATE, Resampler, pcm16_to_float
 from voicebot.config import Config, VadConfig
+from voicebot.core import CallCore
+from voicebot.core import events as ce
 from voicebot.engines import Engines
 from voicebot.engines.asr import AsrStream, Transcript
 from voicebot.engines.llm import Lane
 from voicebot.engines.tokenizer_thread import run_tokenizer
 from voicebot.errors import BadAudio, BadMessage, VoicebotError
 from voicebot.metrics import Metrics
+from voicebot.session.capabilities import keeps_background_prefills
 from voicebot.session.clock import REAL_CLOCK, Clock
 from voicebot.session.events import (
     BargeIn,
@@ -70,22 +72,18 @@ _VAD_WINDOW_MS = 32.0
 # Largest piece of input processed in one go (resample + VAD of 100 ms: well under a
 # millisecond), so a big push never holds the loop for long.
 _SLICE_MS = 100
-# Dropped messages waiting for the summariser; beyond this the oldest are forgotten.
-_MAX_UNSUMMARISED = 200
+_SIGNALS: dict[Signal, ce.Event] = {
+    Signal.SPEECH_START: ce.SpeechStart(),
+    Signal.QUIET: ce.Quiet(),
+    Signal.PAUSE: ce.Pause(),
+    Signal.RESUME: ce.Resume(),
+    Signal.END: ce.TurnEnd(),
+}
 
 
 class SessionLog(logging.LoggerAdapter):
     def process(self, msg, kwargs):  # type: ignore[no-untyped-def]
         return f"[{self.extra['session']}] {msg}", kwargs  # type: ignore[index]
-
-
-def _common_prefix(a: list[int], b: list[int]) -> list[int]:
-    n = 0
-    for x, y in zip(a, b, strict=False):  # the shorter one ends it
-        if x != y:
-            break
-        n += 1
-    return a[:n]
 
 
 def _first_leaf(exc: BaseException) -> BaseException:
@@ -99,24 +97,12 @@ class _Turn:
     """A user turn whose transcript is being (or has been) decoded."""
 
     item_id: str
-    seq: int
     final: asyncio.Task[Transcript]
     asr_started: float
     asr_done: float | None = None
     speech_end: float | None = None  # wall clock of the last speech audio
     committed_at: float | None = None
     response: Response | None = None
-
-
-@dataclass
-class _Compaction:
-    """The oldest turns being folded into the summary ahead of the budget: the history
-    keeps them (and its cached prefix) until the history without them is prefilled."""
-
-    head: list[Message]  # the messages to drop, as they were (compared by identity)
-    summary: str | None = None  # the summary that replaces them, once written
-    written: bool = False
-    warmed: list[int] = field(default_factory=list)  # of the history after it, prefilled so far
 
 
 class Session:
@@ -153,7 +139,7 @@ class Session:
         self._resamplers: dict[int, Resampler] = {}
         # Input waiting to be processed: audio slices and, in order with them, the
         # commits/clears that came after them. Bounded by max_input_backlog_s.
-        self._backlog: deque[tuple[np.ndarray, int] | Callable[[], None]] = deque()
+        self._backlog: deque[tuple[np.ndarray, int] | Callable[[], object]] = deque()
         self._backlog_s = 0.0
         self._drain_task: asyncio.Task[None] | None = None
         self._turn_streams: set[AsrStream] = set()  # committed turns' streams, still decoding
@@ -170,16 +156,27 @@ class Session:
         # Realtime client's own; rendered into the system message by the chat template.
         self.tools = SessionTools(cfg, engines.llm.tokenizer, transport)
         self.conversation.set_tools(self.tools.chat_tools())
-        self._ids = itertools.count(1)
-        self._turn_seq = 0
-        self._item_id: str | None = None  # the open user turn
+        # The call's decisions (turns, the live reply, the budget, background work):
+        # this class runs what it decides (voicebot/core).
+        self.core = CallCore(
+            self.conversation,
+            tag=self.id[5:],
+            create_response=self.settings.create_response,
+            interrupt_response=self.settings.interrupt_response,
+            warm_turn=cfg.llm.warm_turn,
+            prefills=keeps_background_prefills(cfg.llm),
+            summaries=cfg.llm.background_concurrency > 0,
+            block_size=lambda: self.engines.llm.block_size,
+            log=self.log,
+        )
         self._turn_open_at = 0.0
         self._last_speech_wall: float | None = None
         self._speech_end_asr_s: float | None = None
-        self._pending: _Turn | None = None  # decoded speculatively, not yet committed
-        self._response: Response | None = None
-        self._response_turn: _Turn | None = None
-        self._response_task: asyncio.Task[None] | None = None
+        self._turns_decoding: dict[str, _Turn] = {}  # by item id, until their transcript is in
+        self._replies: dict[str, Response] = {}  # the live reply, and one being stopped
+        self._reply_tasks: dict[str, asyncio.Task[None]] = {}
+        self._reply_turns: dict[str, _Turn] = {}  # the user turn each reply answers
+        self._reply_ends: dict[str, tuple[int, str]] = {}  # played ms and heard text, until reported
         self._wake = asyncio.Event()  # pacer: a response was released or got audio
         self._tasks: set[asyncio.Task[object]] = set()
         self._tg: asyncio.TaskGroup | None = None
@@ -191,13 +188,9 @@ class Session:
         self._played_override: int | None = None
         # Playouts of recent replies, so a client can still truncate them to what it heard.
         self._heard: dict[str, Playout] = {}
-        self._unsummarised: list[Message] = []  # dropped from the history, not yet summarised
-        self._summariser: asyncio.Task[None] | None = None
-        self._compaction: _Compaction | None = None
-        self._compactor: asyncio.Task[None] | None = None  # writing its summary
-        self._warmer: asyncio.Task[None] | None = None  # prefilling the history (llm.warm_prefix)
-        self._warmed: list[int] = []  # the history last prefilled, whole cache blocks
-        self._warming: list[int] = []  # what the prefill in flight covers
+        # The one background LLM job of each kind the core started, by its number.
+        self._prefill: tuple[int, asyncio.Task[None]] | None = None
+        self._summary: tuple[int, asyncio.Task[None]] | None = None
         self.input_ms = 0.0
         self._last_input = self._clock.monotonic()
         self.closed_reason: str | None = None
@@ -233,19 +226,19 @@ class Session:
                 self._spawn(self._pace(), "pacer")
                 self._spawn(self._forward_partials(), "partials")
                 self._spawn(self._watch_idle(), "idle")
-                self._warm_prefix()
+                self._feed(ce.Started())
                 self._ready.set()
                 await self._closing.wait()
                 for task in list(self._tasks):
                     task.cancel()
         finally:
-            self._closing.set()  # events() ends even if the group failed
+            self._end()  # events() ends even if the group failed
             await self._teardown()
 
     async def aclose(self, reason: str = "closed") -> None:
         """End the session (if it is not over already) and wait for its teardown."""
         self.closed_reason = self.closed_reason or reason
-        self._closing.set()
+        self._end()
         if self._main is not None and not self._main.done():
             await self._main
         await self._teardown()  # a no-op when _run did it; here if it never ran
@@ -255,7 +248,7 @@ class Session:
             return
         self._torn_down = True
         try:
-            self._cancel_response(status="cancelled", emit=False)
+            self._feed(ce.CancelReply(report=False))
             for stream in [self._asr, *self._turn_streams]:
                 await stream.aclose()
             self._turn_streams.clear()
@@ -263,6 +256,19 @@ class Session:
             if self._counted and self.metrics:
                 self.metrics.active_sessions.labels(self.transport).dec()
             self.log.info("session closed (%s)", self.closed_reason)
+
+    def _end(self) -> None:
+        """The call is ending: nothing new starts."""
+        if not self._closing.is_set():
+            self._closing.set()
+            self.core.handle(ce.Closing(), self._clock.monotonic())
+
+    def _feed(self, event: ce.Event) -> list[ce.Action]:
+        """Tell the core what happened and run what it decides, in order."""
+        actions = self.core.handle(event, self._clock.monotonic())
+        for action in actions:
+            self._act(action)
+        return actions
 
     def _spawn(self, coro, name: str) -> asyncio.Task:  # type: ignore[no-untyped-def]
         assert self._tg is not None, "session not started"
@@ -317,7 +323,7 @@ class Session:
             if self.closed_reason is None:
                 self.log.warning("client is not reading events; closing")
                 self.closed_reason = "slow_consumer"
-            self._closing.set()
+            self._end()
 
     def error(self, code: str, message: str, *, event_id: str | None = None, fatal: bool = False) -> None:
         if self.metrics:
@@ -325,7 +331,7 @@ class Session:
         self.emit(ErrorEvent(code=code, message=message, event_id=event_id, fatal=fatal))
         if fatal:
             self.closed_reason = code
-            self._closing.set()
+            self._end()
 
     # --------------------------------------------------------------------- input
     def push_audio(self, audio: bytes | np.ndarray, sample_rate: int) -> None:
@@ -402,9 +408,9 @@ class Session:
         self._remember(audio)
         self._turns.feed(audio)  # a semantic detector hears the turn's audio at pauses
         pushed = False
-        bot_speaking = self._response is not None and self._response.released.is_set()
+        bot_speaking = self.core.replying
         for i, prob in enumerate(self._vad.process(audio)):
-            if prob >= self.settings.vad.threshold and self._item_id is not None:
+            if prob >= self.settings.vad.threshold and self.core.open_item is not None:
                 self._last_speech_wall = self._clock.monotonic()
                 # Where speech ends in the ASR buffer (up to one window late: safe).
                 self._speech_end_asr_s = self._asr.buffered_s + (i + 1) * _VAD_WINDOW_MS / 1000
@@ -415,7 +421,7 @@ class Session:
         self._arm_turn_timer()
         # During a pause the speculative final already has the audio; decoding the
         # silence as partials would only compete with it and the LLM for the cores.
-        if self._item_id is not None and not pushed and not self._turns.paused:
+        if self.core.open_item is not None and not pushed and not self._turns.paused:
             self._asr.push(audio)
             if self._clock.monotonic() - self._turn_open_at > self.cfg.session.max_turn_s:
                 for sig in self._turns.force_end():
@@ -488,27 +494,10 @@ class Session:
 
     def _on_signal(self, sig: Signal) -> bool:
         """Act on a turn signal; True if the current chunk went to ASR already."""
-        if sig is Signal.SPEECH_START:
-            self._start_user_turn()
-            return True
-        if sig is Signal.QUIET:
-            # Decode now, unless a partial that saw the speech to its end is decoded or
-            # decoding: it becomes the final, and another decode would only run beside
-            # the reply's LLM prefill (tests/test_turns_partials.py).
-            self._asr.request_partial(self._speech_end_asr_s)
-        elif sig is Signal.PAUSE:
-            self._speculate()
-        elif sig is Signal.RESUME:
-            self._drop_speculation()
-        elif sig is Signal.END:
-            self._end_user_turn()
-        return False
+        self._feed(_SIGNALS[sig])
+        return sig is Signal.SPEECH_START
 
-    def _start_user_turn(self) -> None:
-        if self._response is not None and self.settings.interrupt_response:
-            self._cancel_response(status="interrupted")
-        self._turn_seq += 1
-        self._item_id = f"item_{self.id[5:]}_{next(self._ids)}"
+    def _open_turn(self, item_id: str) -> None:
         self._turn_open_at = self._clock.monotonic()
         self._last_speech_wall = self._clock.monotonic()
         self._asr.reset()
@@ -516,44 +505,21 @@ class Session:
         # Speech lasted at least to here (the window that started the turn is not counted
         # below): never a stale end of the previous turn's speech.
         self._speech_end_asr_s = self._asr.buffered_s
-        self.emit(SpeechStarted(audio_ms=int(self.input_ms), item_id=self._item_id))
+        self.emit(SpeechStarted(audio_ms=int(self.input_ms), item_id=item_id))
 
-    def _speculate(self) -> None:
-        if self._item_id is None or not self.settings.create_response:
-            return
-        if self._response is not None and self._response.released.is_set():
-            # Speech over a reply that it did not interrupt (interrupt_response off):
-            # that reply plays on. A speculation would take its place unfinished (no
-            # ResponseDone, nothing in the history); the turn is transcribed as usual.
-            return
-        turn = self._new_turn(self._item_id, self._spawn_final(self._speech_end_asr_s))
-        turn.response = self._start_response(gated=True, turn=turn)
-        self._pending = turn
-
-    def _drop_speculation(self) -> None:
-        turn, self._pending = self._pending, None
-        if turn is None:
-            return
-        turn.final.cancel()
-        if turn.response is not None and turn.response is self._response:
-            self._cancel_response(status="cancelled", emit=False)
-
-    def _end_user_turn(self) -> None:
-        if self._item_id is None:
-            return
-        turn = self._pending or self._new_turn(self._item_id, self._spawn_final(self._speech_end_asr_s))
-        self._pending = None
+    def _end_turn(self, item_id: str) -> None:
+        turn = self._turns_decoding[item_id]
         turn.speech_end = self._last_speech_wall
         turn.committed_at = self._clock.monotonic()
-        self.emit(SpeechStopped(audio_ms=int(self.input_ms), item_id=self._item_id))
-        self._item_id = None
+        self.emit(SpeechStopped(audio_ms=int(self.input_ms), item_id=item_id))
         self._spawn(self._complete_turn(turn), "turn")
 
     def _new_turn(self, item_id: str, final: asyncio.Task[Transcript]) -> _Turn:
-        turn = _Turn(item_id, self._turn_seq, final, asr_started=self._clock.monotonic())
+        turn = _Turn(item_id, final, asr_started=self._clock.monotonic())
         # When the transcript is ready, not when the committed turn reads it (after END:
         # a speculative final may wait there for Smart Turn's cap; tests/test_asr_final_timing.py).
         final.add_done_callback(lambda _: setattr(turn, "asr_done", self._clock.monotonic()))
+        self._turns_decoding[item_id] = turn
         return turn
 
     def _spawn_final(self, covering_s: float | None = None, stream: AsrStream | None = None) -> asyncio.Task[Transcript]:
@@ -583,22 +549,15 @@ class Session:
 
     async def _complete_turn(self, turn: _Turn) -> None:
         transcript = await turn.final
-        text = transcript.text.strip()
-        self.emit(TranscriptFinal(item_id=turn.item_id, text=text))
-        if not text:  # a noise the VAD took for speech
-            if turn.response is not None and turn.response is self._response:
-                self._cancel_response(status="cancelled", emit=False)
-            return
-        self.conversation.append("user", text, turn.item_id)
-        self._trim_history()
-        if self.metrics:
+        try:
+            self._feed(ce.Transcribed(turn.item_id, transcript.text))
+        finally:
+            self._turns_decoding.pop(turn.item_id, None)
+
+    def _transcribed(self, item_id: str, text: str) -> None:
+        self.emit(TranscriptFinal(item_id=item_id, text=text))
+        if text and self.metrics:
             self.metrics.turns.inc()
-        if turn.seq != self._turn_seq:
-            return  # the caller is already speaking again: no reply to this turn
-        if turn.response is not None and turn.response is self._response:
-            self._release(turn.response)
-        elif self.settings.create_response and self._response is None:
-            self._start_response(gated=False, turn=turn)
 
     # ----------------------------------------------------------------- commands
     def commit_input(self) -> str:
@@ -607,15 +566,14 @@ class Session:
         The turn takes the audio sent before the commit; what is sent after it, even
         while this turn is still being transcribed, is the start of the next turn.
         """
-        item_id = f"item_{self.id[5:]}_{next(self._ids)}"
+        item_id = self.core.new_item_id()
         if self._backlog:  # audio sent before the commit is still being processed
-            self._backlog.append(lambda: self._commit(item_id))
+            self._backlog.append(lambda: self._feed(ce.Commit(item_id)))
         else:
-            self._commit(item_id)
+            self._feed(ce.Commit(item_id))
         return item_id
 
     def _commit(self, item_id: str) -> None:
-        self._turn_seq += 1
         # The turn's audio leaves with its own stream; a fresh one takes what follows.
         stream, self._asr = self._asr, self.engines.asr.stream(language=self.settings.language)
         self._turn_streams.add(stream)  # closed by its final, or at teardown
@@ -629,16 +587,12 @@ class Session:
             audio, rate = self._backlog.pop()  # type: ignore[misc]
             self._backlog_s = max(0.0, self._backlog_s - audio.size / rate)
         if self._backlog:
-            self._backlog.append(self._clear)
+            self._backlog.append(lambda: self._feed(ce.Clear()))
         else:
-            self._clear()
-
-    def _clear(self) -> None:
-        self._asr.reset()
-        self._drop_speculation()
+            self._feed(ce.Clear())
 
     def add_text(self, role: str, text: str, item_id: str | None = None) -> str:
-        item_id = item_id or f"item_{self.id[5:]}_{next(self._ids)}"
+        item_id = item_id or self.core.new_item_id()
         if role not in ("user", "assistant", "system"):
             raise BadMessage(f"unsupported role {role!r}", code="invalid_value")
         limit = self.cfg.session.max_text_chars
@@ -647,8 +601,7 @@ class Session:
                 f"text of {len(text)} characters is longer than session.max_text_chars ({limit})",
                 code="text_too_long",
             )
-        self.conversation.append(role, text, item_id)  # type: ignore[arg-type]
-        self._trim_history()
+        self._feed(ce.AddItem(role, text, item_id))
         return item_id
 
     def create_response(self, options: ResponseOptions | None = None) -> str:
@@ -656,36 +609,33 @@ class Session:
         max_tokens (a Realtime ``response.create`` override)."""
         if options is not None:
             self.tools.plan(options)  # a tool_choice naming no declared tool: refused here
-        if self._response is not None:
-            self._cancel_response(status="cancelled")
-        return self._start_response(gated=False, turn=None, options=options).id
+        started = self._feed(ce.CreateReply(options))[-1]
+        assert isinstance(started, ce.StartReply)
+        return started.reply_id
 
     # -------------------------------------------------------------------- tools
     def set_tools(self, tools: list[ToolSpec] | None = None, choice: ToolChoice | None = None) -> None:
         """A client's ``session.tools`` / ``tool_choice`` (None: unchanged)."""
         self.tools.set(tools, choice)
         self.conversation.set_tools(self.tools.chat_tools())
-        self._warm_prefix()
+        self._feed(ce.ContextChanged())
 
     def add_tool_result(self, call_id: str, output: str, item_id: str | None = None) -> str:
         """A client's result of a function call (Realtime ``function_call_output``)."""
-        item_id = item_id or f"item_{self.id[5:]}_{next(self._ids)}"
-        self.conversation.append("tool", self.tools.clip(output), item_id, call_id=call_id)
-        self._trim_history()
+        item_id = item_id or self.core.new_item_id()
+        self._feed(ce.AddItem("tool", self.tools.clip(output), item_id, call_id=call_id))
         return item_id
 
     def add_tool_call(self, call_id: str, name: str, arguments: dict[str, object], item_id: str | None = None) -> str:
         """A function call a client adds to the history itself (Realtime ``function_call`` item)."""
-        item_id = item_id or f"item_{self.id[5:]}_{next(self._ids)}"
-        self.conversation.append("assistant", "", item_id, tool_calls=[{"name": name, "arguments": arguments}],
-                                 call_id=call_id)
-        self._trim_history()
+        item_id = item_id or self.core.new_item_id()
+        self._feed(ce.AddItem("assistant", "", item_id, call_id, ({"name": name, "arguments": arguments},)))
         return item_id
 
     def cancel_response(self) -> bool:
-        if self._response is None:
+        if self.core.reply is None:
             return False
-        self._cancel_response(status="cancelled")
+        self._feed(ce.CancelReply())
         return True
 
     def truncate(self, item_id: str, audio_end_ms: int) -> str | None:
@@ -722,7 +672,7 @@ class Session:
         # at the start: an update was acknowledged and the ASR kept the old padding).
         self._ring_max = self._ring_size(new.vad)
         self.conversation.reply_tokens = new.max_tokens
-        self._warm_prefix()
+        self._feed(ce.SettingsChanged(new.create_response, new.interrupt_response))
 
     @staticmethod
     def _ring_size(vad: VadConfig) -> int:
@@ -734,24 +684,74 @@ class Session:
     def replying(self) -> bool:
         """A reply is being spoken: released to the caller and not finished (a drain
         lets it finish)."""
-        return self._response is not None and self._response.released.is_set()
+        return self.core.replying
 
     def item_history(self) -> list[Message]:
         return list(self.conversation.messages)
 
+    # ------------------------------------------------------------------ actions
+    def _act(self, action: ce.Action) -> None:  # noqa: C901 (one case per action)
+        match action:
+            case ce.OpenTurn(item_id):
+                self._open_turn(item_id)
+            case ce.RequestPartial():
+                # Decode now, unless a partial that saw the speech to its end is decoded
+                # or decoding: it becomes the final (tests/test_turns_partials.py).
+                self._asr.request_partial(self._speech_end_asr_s)
+            case ce.EmitPartial(item_id, confirmed, tentative):
+                self.emit(TranscriptPartial(item_id, confirmed, tentative))
+            case ce.StartFinal(item_id):
+                self._new_turn(item_id, self._spawn_final(self._speech_end_asr_s))
+            case ce.CancelFinal(item_id):
+                turn = self._turns_decoding.pop(item_id, None)
+                if turn is not None:
+                    turn.final.cancel()
+            case ce.EndTurn(item_id):
+                self._end_turn(item_id)
+            case ce.CommitTurn(item_id):
+                self._commit(item_id)
+            case ce.ResetInput():
+                self._asr.reset()
+            case ce.TurnTranscribed(item_id, text):
+                self._transcribed(item_id, text)
+            case ce.StartReply():
+                self._start_response(action)
+            case ce.ReleaseReply(reply_id):
+                self._release(self._replies[reply_id])
+            case ce.StopReply(reply_id, status, report):
+                self._stop_response(reply_id, status, report)
+            case ce.ReportReply(reply_id, status):
+                self._report_done(reply_id, status)
+            case ce.StartPrefill():
+                self._prefill = (action.prefill, self._spawn(self._warm(action), "warm"))
+            case ce.CancelPrefill(pid):
+                if self._prefill is not None and self._prefill[0] == pid:
+                    self._prefill[1].cancel()
+                    self._prefill = None
+            case ce.StartSummary():
+                self._summary = (action.summary, self._spawn(self._summarise(action), "summary"))
+            case ce.CancelSummary(sid):
+                if self._summary is not None and self._summary[0] == sid:
+                    self._summary[1].cancel()
+                    self._summary = None
+
     # ------------------------------------------------------------------ replies
-    def _start_response(
-        self, *, gated: bool, turn: _Turn | None, options: ResponseOptions | None = None, tool_round: int = 0
-    ) -> Response:
-        rid = f"resp_{self.id[5:]}_{next(self._ids)}"
-        item_id = f"item_{self.id[5:]}_{next(self._ids)}"
+    @property
+    def _response(self) -> Response | None:
+        """The live reply."""
+        live = self.core.reply
+        return None if live is None else self._replies.get(live.id)
+
+    def _start_response(self, start: ce.StartReply) -> None:
+        turn = self._turns_decoding.get(start.turn) if start.turn is not None else None
         s = self.settings
-        options = options or ResponseOptions()
+        options = start.options or ResponseOptions()
         last = self.conversation.messages[-1] if self.conversation.messages else None
-        plan = self.tools.plan(options, tool_round, after_result=turn is None and last is not None and last.role == "tool")
+        plan = self.tools.plan(options, start.tool_round,
+                               after_result=turn is None and last is not None and last.role == "tool")
         resp = Response(
-            rid,
-            item_id,
+            start.reply_id,
+            start.item_id,
             [],
             self.engines.llm,
             # Text-only replies (Realtime output_modalities ["text"]) synthesise nothing.
@@ -762,27 +762,24 @@ class Session:
             first_clause_words=self.cfg.session.first_clause_words,
             max_clause_words=self.cfg.session.max_clause_words,
             clause_low_water_ms=self.cfg.session.clause_low_water_ms,
-            gated=gated,
+            gated=start.gated,
             output_rate=s.output_sample_rate,
             clock=self._clock,
             on_audio=self._wake.set,
             tool_stream=plan.stream,
             constraint=plan.constraint,
             options=options,
-            tool_round=tool_round,
+            tool_round=start.tool_round,
         )
         resp.prompt_tools, resp.tool_choice = plan.prompt_tools, plan.choice
-        if self._warmer is not None:
-            # The reply's own prompt starts with that prefix: a warm-up still queued would
-            # only compete with it (one already in a vLLM step finishes that step).
-            self._warmer.cancel()
-            self._warmer = None
-        self._response = resp
-        self._response_turn = turn
-        self._response_task = self._spawn(self._drive(resp, turn), "response")
-        if not gated:
+        self._replies[resp.id] = resp
+        if turn is not None:
+            self._reply_turns[resp.id] = turn
+            if start.gated:
+                turn.response = resp
+        self._reply_tasks[resp.id] = self._spawn(self._drive(resp, turn), "response")
+        if not start.gated:
             self._release(resp)
-        return resp
 
     def _release(self, resp: Response) -> None:
         resp.release()
@@ -795,7 +792,7 @@ class Session:
                 # shield: this reply being cancelled must not cancel the turn's transcript.
                 transcript = await asyncio.shield(turn.final)
                 if not transcript.text.strip():
-                    return
+                    return  # the turn's transcript ends it (noise)
                 in_history = any(m.item_id == turn.item_id for m in self.conversation.messages)
                 # A speculative reply runs before the turn is committed to the history.
                 user_text = None if in_history else transcript.text
@@ -822,9 +819,7 @@ class Session:
                 # turn starts a fresh reply (and reports its failure, if any).
                 self.log.warning("speculative reply failed", exc_info=True)
                 if self._response is resp:
-                    self._response = None
-                    self._response_task = None
-                    self._warm_prefix()  # it may have dropped a prefill that nothing redid
+                    self._reply_ended(resp, ce.ReplyEnded(resp.id, "failed"))
                 return
             if self._response is resp:
                 self._finish(resp, "failed")
@@ -854,8 +849,7 @@ class Session:
         for call, output in zip(resp.tool_calls, results, strict=True):
             self.add_tool_result(call.call_id, output)
             self.emit(ToolResult(call.call_id, call.name, output))
-        if self._response is None and not self._closing.is_set():
-            self._start_response(gated=False, turn=None, options=resp.options, tool_round=resp.tool_round + 1)
+        self._feed(ce.ToolResults(resp.id, resp.options, resp.tool_round))
 
     async def _forward_text(self, resp: Response) -> None:
         await resp.released.wait()
@@ -884,33 +878,36 @@ class Session:
                 return  # cut while we waited: its ResponseDone is out, nothing may follow it
             self.emit(event)
 
-    def _cancel_response(self, *, status: str, emit: bool = True) -> None:
-        resp, task = self._response, self._response_task
-        if resp is None:
+    def _stop_response(self, reply_id: str, status: str, report: bool) -> None:
+        """Cancel a reply's work; ``report``: it was heard, and is reported cut short."""
+        resp = self._replies.get(reply_id)
+        if resp is None:  # its start failed
+            self._feed(ce.ReplyEnded(reply_id, status))
             return
+        task = self._reply_tasks.get(reply_id)
         if task is not None:
             task.cancel()  # aborts the vLLM request and pending TTS
-        if emit and resp.released.is_set():
-            dropped = resp.playout.clear()
-            # Its audio still waiting in the outgoing queue is never sent either: the
-            # caller must not hear it, and the barge-in event must not wait behind it.
-            unsent = sum(
-                e.audio.size
-                for e in self._out.discard(lambda e: isinstance(e, ResponseAudio) and e.response_id == resp.id)
-                if isinstance(e, ResponseAudio)
-            )
-            resp.playout.taken -= unsent  # taken from the playout, but never sent
-            dropped += unsent
-            self._finish(resp, status)
-            if status == "interrupted":
-                if self.metrics:
-                    self.metrics.barge_ins.inc()
-                self.log.info("barge-in: %d ms of reply audio dropped", 1000 * dropped // resp.playout.sample_rate)
-        self._response = None
-        self._response_task = None
-        self._warm_prefix()  # a reply dropped unheard may have dropped a prefill as well
+        if not report:
+            self._reply_ended(resp, ce.ReplyEnded(reply_id, status))
+            return
+        dropped = resp.playout.clear()
+        # Its audio still waiting in the outgoing queue is never sent either: the
+        # caller must not hear it, and the barge-in event must not wait behind it.
+        unsent = sum(
+            e.audio.size
+            for e in self._out.discard(lambda e: isinstance(e, ResponseAudio) and e.response_id == resp.id)
+            if isinstance(e, ResponseAudio)
+        )
+        resp.playout.taken -= unsent  # taken from the playout, but never sent
+        dropped += unsent
+        self._finish(resp, status)
+        if status == "interrupted":
+            if self.metrics:
+                self.metrics.barge_ins.inc()
+            self.log.info("barge-in: %d ms of reply audio dropped", 1000 * dropped // resp.playout.sample_rate)
 
     def _finish(self, resp: Response, status: str) -> None:
+        """A reply the caller was told of ends: the core keeps what was heard of it."""
         rate = resp.playout.sample_rate
         if status == "completed":
             played = resp.playout.taken
@@ -920,25 +917,43 @@ class Session:
             # The client holds up to the lead in its buffer: that part was not heard.
             lead = int(self.cfg.session.playout_lead_ms * rate / 1000)
             played = max(0, resp.playout.taken - lead)
+        self._played_override = None
         heard = resp.playout.heard_text(played) if status != "completed" else resp.full_text
+        self._heard[resp.item_id] = resp.playout
+        while len(self._heard) > 4:  # only recent replies can still be truncated
+            self._heard.pop(next(iter(self._heard)))
+        self._reply_ends[resp.id] = (1000 * played // rate, heard)
         # A reply played in full is stored as the tokens the model produced (tool-call
         # markup included): the next prompt then reuses its KV blocks from the prefix
         # cache as well. A reply cut short keeps what was heard, and no call.
         completed = status == "completed"
-        self.conversation.append(
-            "assistant", resp.raw_text if completed else heard, resp.item_id,
-            token_ids=resp.token_ids if completed else None,
-        )
-        self._heard[resp.item_id] = resp.playout
-        while len(self._heard) > 4:  # only recent replies can still be truncated
-            self._heard.pop(next(iter(self._heard)))
-        self._trim_history()
-        played_ms = 1000 * played // rate
+        computed = None
+        if resp.stats.first_token_at is not None:
+            # Its request left its prompt and all but its last token in the cache.
+            computed = tuple(resp.prompt_ids + resp.token_ids[:-1])
+        self._reply_ended(resp, ce.ReplyEnded(
+            resp.id, status, resp.raw_text if completed else heard,
+            tuple(resp.token_ids) if completed else None, computed,
+        ))
+
+    def _reply_ended(self, resp: Response, ended: ce.ReplyEnded) -> None:
+        try:
+            self._feed(ended)
+        finally:
+            self._replies.pop(resp.id, None)
+            self._reply_tasks.pop(resp.id, None)
+            self._reply_turns.pop(resp.id, None)
+            self._reply_ends.pop(resp.id, None)
+
+    def _report_done(self, reply_id: str, status: str) -> None:
+        resp = self._replies[reply_id]
+        played_ms, heard = self._reply_ends[reply_id]
         if status == "interrupted":
             self.emit(BargeIn(resp.id, played_ms, heard))
         st = resp.stats
         if self.metrics:
             self.metrics.count_tokens(st.prompt_tokens, st.cached_tokens)
+        completed = status == "completed"
         self.emit(
             ResponseDone(
                 resp.id, resp.item_id, status, heard, resp.full_text, played_ms,  # type: ignore[arg-type]
@@ -946,194 +961,42 @@ class Session:
                 tuple(resp.tool_calls) if completed else (), st.cached_tokens,
             )
         )
-        self._played_override = None
-        if self._response is resp:
-            self._response = None
-            self._response_task = None
-        if resp.stats.first_token_at is not None:
-            # The reply's request left its prompt and all but its last token in the cache:
-            # prefill the history only where it has a whole block more than that.
-            self._warmed = _common_prefix(self.conversation.history_ids(), resp.prompt_ids + resp.token_ids[:-1])
-        if self.conversation.near_budget():
-            self._start_compaction()  # held back while this reply was live
-        self._warm_prefix()
 
-    def _trim_history(self) -> None:
-        conv = self.conversation
-        if self._can_warm():
-            if not conv.over_budget():
-                if conv.near_budget():
-                    self._start_compaction()
-                return
-            # Over the budget before the compaction was ready (replies come faster than
-            # a summary on this machine): trim now, its summary as well if written.
-            c, self._compaction = self._compaction, None
-            if self._compactor is not None:
-                self._compactor.cancel()
-                self._compactor = None
-            if c is not None and c.written and conv.compact(c.head, c.summary) and not conv.over_budget():
-                self._warm_prefix()
-                return
-        dropped = conv.trim()
-        if dropped and self.cfg.llm.background_concurrency > 0:
-            self._unsummarised.extend(dropped)
-            if len(self._unsummarised) > _MAX_UNSUMMARISED:  # the summariser is far behind
-                del self._unsummarised[: len(self._unsummarised) - _MAX_UNSUMMARISED]
-            if self._summariser is None or self._summariser.done():
-                if self._warmer is not None and not self._warmer.done():
-                    # Its history is about to be rewritten, and it holds a background
-                    # place the summary needs (a client's text trims with no reply to
-                    # cancel it). The summary prefills again when it lands.
-                    self._warmer.cancel()
-                self._summariser = self._spawn(self._summarise(), "summary")
+    # --------------------------------------------------------- background work
+    async def _warm(self, start: ce.StartPrefill) -> None:
+        """Prefill the conversation so far (llm.warm_prefix) at background priority, so
+        the next turn's prompt finds those blocks in the prefix cache and prefills only
+        what is new; in pieces (llm.warm_piece_tokens) from what is cached already.
+        Background work is invisible to the caller: a failure is logged, never an error
+        event. Cancellation (a reply started, the call ended) propagates."""
+        pid, ids = start.prefill, list(start.ids)
 
-    def _start_compaction(self) -> None:
-        """Fold the turns the next trim would drop into the summary while the history
-        still holds them: a trim moves every kept token, so nothing of the kept history
-        stays cached, and a reply that came next prefilled all of it (60 % of
-        session.history_tokens: 825 tokens, a TTFT of 4.8 s on the 2-core CPU default,
-        docs/benchmarks.md). The history without them is prefilled at background
-        priority once the summary is written, and swapped in when that prefill is done
-        (:meth:`_warm`): replies until then use the history as it was, still cached."""
-        if not self._can_warm():
-            return  # nothing would keep the compacted history's prefill: trims do it all
-        if self._compaction is not None or (self._summariser is not None and not self._summariser.done()):
-            return  # one at a time; a trim's summary rewrites the system message first
-        if self._response is not None:
-            # Its summary's prompt (hundreds of tokens) would be prefilled in the steps
-            # that carry the live reply's tokens: seconds of silence on a CPU. The
-            # reply's end trims, so this runs again then.
-            return
-        head = self.conversation.trim_plan()
-        if head:
-            self._compaction = _Compaction(head)
-            self._compactor = self._spawn(self._write_compaction(self._compaction), "compaction")
-
-    async def _write_compaction(self, c: _Compaction) -> None:
-        # Cancellation (the hard trim took over, the call ended) propagates.
-        earlier = self.conversation.summary
-        try:
-            c.summary = await self._summary_of(c.head, earlier)
-        except Exception as exc:
-            # Dropped unsummarised, as a trim's turns are when their summary fails.
-            self.log.warning("summary of %d dropped messages failed, dropped: %s", len(c.head), exc)
-            c.summary = earlier
-        c.written = True
-        if self._compactor is asyncio.current_task():
-            self._compactor = None
-        self._warm_prefix()
-
-    def _apply_compaction(self, c: _Compaction) -> None:
-        self._compaction = None
-        if not self.conversation.compact(c.head, c.summary):
-            self.log.info("history changed while it was compacted: compacting again")
-        self._trim_history()  # a long exchange meanwhile may call for the next one
-        self._warm_prefix()  # what came after the prefill began
-
-    def _warm_turn(self, words: str) -> None:
-        """Prefill the caller's words so far while they go on speaking (llm.warm_turn),
-        on each partial transcript: at the end of the turn its prompt prefills only what
-        came after the last whole cache block of them, not the whole question. On the
-        2-core CPU default every token of prompt left to prefill costs the reply ~7 ms
-        (docs/benchmarks.md); the cores are mostly idle while the caller speaks. A word
-        the final hears otherwise costs only the blocks from it on: the cache is keyed
-        by content, never wrong."""
-        if self.cfg.llm.warm_turn and self.settings.create_response:
-            self._warm_prefix(self.conversation.user_prefix_ids(words))
-
-    def _warm_prefix(self, ids: list[int] | None = None) -> None:
-        """Prefill the conversation so far at background priority while nobody waits on
-        the LLM (llm.warm_prefix): the call has just started or got new instructions or
-        tools, or a reply has ended. The next turn's prompt then finds those blocks in
-        the prefix cache and prefills only what is new: the caller's words. Without it a
-        long system prompt (a Realtime client's instructions and tools) is prefilled
-        with the first turn, seconds on a CPU; and the blocks after a reply are cached
-        only as far as the model computed them. ``ids``: a longer start of the next
-        prompt than the history (the caller's words so far, :meth:`_warm_turn`)."""
-        if not self._can_warm() or self._tg is None:
-            return
-        if self._closing.is_set() or self._response is not None:
-            return  # a live reply's prompt has this prefix anyway
-        summariser = self._summariser
-        if summariser is not None and not summariser.done() and summariser is not asyncio.current_task():
-            return  # its summary rewrites the system message; it prefills after that
-        c = self._compaction
-        if c is not None and c.written:
-            # The history without the compacted turns first: the caller's words after it
-            # are prefilled by the next partial, once it is the history.
-            ids = self.conversation.compacted_ids(c.head, c.summary)
-            if ids is None:  # a client deleted or rewrote one of its messages meanwhile
-                self._compaction = None
-                self._trim_history()
-                return
-        else:
-            c = None
-            if ids is None:
-                ids = self.conversation.history_ids()
-        block = self.engines.llm.block_size  # the prefix cache holds whole blocks only
-        whole = len(ids) // block * block
-        if whole == 0 or ids[:whole] == self._warmed[:whole]:
-            if c is not None:
-                self._apply_compaction(c)
-            return  # nothing new that the cache could hold
-        if self._warmer is not None and not self._warmer.done():
-            if ids[:whole] == self._warming[:whole]:
-                # Being prefilled: a session.update that changed nothing, or the history
-                # while the caller's words after it are.
-                return
-            self._warmer.cancel()  # superseded
-        self._warming = ids[:whole]
-        self._warmer = self._spawn(self._warm(ids, whole, c), "warm")
-
-    def _can_warm(self) -> bool:
-        """Background prefills are on, and a prefix cache keeps what they compute."""
-        llm_cfg = self.cfg.llm
-        if not llm_cfg.warm_prefix or llm_cfg.background_concurrency == 0:
-            return False
-        # No cache to keep it: the prefill would be thrown away (a remote tier's is its own).
-        return llm_cfg.backend != "inprocess" or llm_cfg.enable_prefix_caching
-
-    async def _warm(self, ids: list[int], whole: int, compaction: _Compaction | None = None) -> None:
-        # Background work is invisible to the caller: a failure is logged, never an
-        # error event. Cancellation (a reply started, the call ended) propagates.
         def cached(end: int) -> None:  # a piece is in: a retry after a live turn starts there
-            if compaction is not None:
-                compaction.warmed = ids[: end // block * block]
-            else:
-                self._warmed = ids[: end // block * block]
+            self._feed(ce.PrefillProgress(pid, end))
 
-        block = self.engines.llm.block_size
-        known = compaction.warmed if compaction is not None else self._warmed
+        ok = True
         try:
-            await self.engines.llm.warm(ids, cached=len(_common_prefix(ids, known)), on_piece=cached)
+            await self.engines.llm.warm(ids, cached=start.cached, on_piece=cached)
         except Exception as exc:
             self.log.warning("prefilling the conversation (%d tokens) failed: %s", len(ids), exc)
-            return
-        self._warmed = ids[:whole]
-        if compaction is not None and compaction is self._compaction and self._response is None:
-            self._apply_compaction(compaction)
+            ok = False
+        if self._prefill is not None and self._prefill[0] == pid:
+            self._prefill = None
+        self._feed(ce.PrefillDone(pid, ok))
 
-    async def _summarise(self) -> None:
-        """Fold dropped turns into the one-line summary, at background priority.
-
-        One summariser per session: turns dropped while a summary is being written
-        wait for it and are folded into the next one, which starts from it (two at once
-        would both start from the old summary; the later would lose the other's turns).
-        Background work is invisible to the caller: a failed summary is logged and
-        dropped, never an error event. Cancellation (the session closing) propagates.
-        """
+    async def _summarise(self, start: ce.StartSummary) -> None:
+        """Summarise dropped turns at background priority. A failed summary is logged
+        and its turns dropped unsummarised, never an error event. Cancellation (the
+        hard trim took over, the call ended) propagates."""
+        messages = list(start.messages)
         try:
-            while self._unsummarised:
-                dropped, self._unsummarised = self._unsummarised, []
-                try:
-                    summary = await self._summary_of(dropped, self.conversation.summary)
-                except Exception as exc:
-                    self.log.warning("summary of %d dropped messages failed, dropped: %s", len(dropped), exc)
-                    continue
-                self.conversation.set_summary(summary)
-            self._warm_prefix()  # a new system message: nothing of the old prefix is cached
-        finally:
-            self._summariser = None
+            text: str | None = await self._summary_of(messages, start.earlier)
+        except Exception as exc:
+            self.log.warning("summary of %d dropped messages failed, dropped: %s", len(messages), exc)
+            text = None
+        if self._summary is not None and self._summary[0] == start.summary:
+            self._summary = None
+        self._feed(ce.SummaryDone(start.summary, text))
 
     async def _summary_of(self, dropped: list[Message], earlier: str | None) -> str:
         lines = [f"{m.role}: {m.content}" for m in dropped]
@@ -1208,7 +1071,7 @@ class Session:
 
     def _report_timings(self, resp: Response) -> None:
         now = self._clock.monotonic()
-        turn = self._response_turn if self._response is resp else None
+        turn = self._reply_turns.get(resp.id) if self._response is resp else None
 
         def ms(a: float | None, b: float | None) -> float | None:
             return None if a is None or b is None else round(1000.0 * (b - a), 1)
@@ -1236,7 +1099,7 @@ class Session:
         limit = self.cfg.session.idle_timeout_s
         while True:
             idle = self._clock.monotonic() - self._last_input
-            if idle >= limit and self._response is None:
+            if idle >= limit and self.core.reply is None:
                 self.error("idle_timeout", f"no audio for {limit:g} s", fatal=True)
                 return
             await self._clock.sleep(max(limit - idle, 0.05))  # wakes when it would expire
@@ -1246,9 +1109,8 @@ class Session:
         while True:
             stream = self._asr
             async for partial in stream:
-                if self._item_id is not None and stream is self._asr:
-                    self.emit(TranscriptPartial(self._item_id, partial.confirmed, partial.tentative))
-                    self._warm_turn(partial.text)
+                if stream is self._asr:
+                    self._feed(ce.Partial(partial.text, partial.confirmed, partial.tentative))
             if stream is self._asr:
                 return  # the session's own stream closed: the session is ending
             # A committed turn took that stream away (and closed it): follow the new one.
