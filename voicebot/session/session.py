@@ -20,22 +20,19 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections import deque
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 
 import numpy as np
 
 from voicebot.affinity import bind_session
-from voicebot.audio import ASR_RATE, Resampler, pcm16_to_float
-from voicebot.config import Config, VadConfig
+from voicebot.config import Config
 from voicebot.core import CallCore
 from voicebot.core import events as ce
 from voicebot.engines import Engines
-from voicebot.engines.asr import AsrStream, Transcript
+from voicebot.engines.asr import AsrStream
 from voicebot.engines.llm import Lane
 from voicebot.engines.tokenizer_thread import run_tokenizer
-from voicebot.errors import BadAudio, BadMessage, VoicebotError
+from voicebot.errors import BadMessage, VoicebotError
 from voicebot.metrics import Metrics
 from voicebot.session.capabilities import keeps_background_prefills
 from voicebot.session.clock import REAL_CLOCK, Clock
@@ -48,37 +45,24 @@ from voicebot.session.events import (
     ResponseStarted,
     ResponseTextDelta,
     SessionEvent,
-    SpeechStarted,
-    SpeechStopped,
     ToolResult,
     TranscriptFinal,
     TranscriptPartial,
     TurnTimings,
 )
 from voicebot.session.history import Conversation, Message
+from voicebot.session.listener import Listener, Turn
 from voicebot.session.outbox import Outbox
 from voicebot.session.playout import Playout
 from voicebot.session.response import Delta, Response, ResponseOptions
 from voicebot.session.settings import SessionSettings
 from voicebot.session.text_only import TextOnlyTts
-from voicebot.session.turns import Signal, make_turn_detector
 from voicebot.tools.session_tools import SessionTools
 from voicebot.tools.spec import ToolChoice, ToolSpec
 
 log = logging.getLogger(__name__)
 
 _FRAME_MS = 20
-_VAD_WINDOW_MS = 32.0
-# Largest piece of input processed in one go (resample + VAD of 100 ms: well under a
-# millisecond), so a big push never holds the loop for long.
-_SLICE_MS = 100
-_SIGNALS: dict[Signal, ce.Event] = {
-    Signal.SPEECH_START: ce.SpeechStart(),
-    Signal.QUIET: ce.Quiet(),
-    Signal.PAUSE: ce.Pause(),
-    Signal.RESUME: ce.Resume(),
-    Signal.END: ce.TurnEnd(),
-}
 
 
 class SessionLog(logging.LoggerAdapter):
@@ -90,19 +74,6 @@ def _first_leaf(exc: BaseException) -> BaseException:
     while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
         exc = exc.exceptions[0]
     return exc
-
-
-@dataclass
-class _Turn:
-    """A user turn whose transcript is being (or has been) decoded."""
-
-    item_id: str
-    final: asyncio.Task[Transcript]
-    asr_started: float
-    asr_done: float | None = None
-    speech_end: float | None = None  # wall clock of the last speech audio
-    committed_at: float | None = None
-    response: Response | None = None
 
 
 class Session:
@@ -129,23 +100,8 @@ class Session:
         # Control events are few; audio frames are paced at 50/s. A client that stops
         # reading for out_queue_frames events is dropped instead of growing memory.
         self._out: Outbox[SessionEvent] = Outbox(cfg.session.out_queue_frames)
-        self._vad = engines.vad.stream()
-        self._asr = engines.asr.stream(language=self.settings.language)
-        self._turns = make_turn_detector(self.settings.vad, engines.turn_model)
-        self._watched_verdict: object = None  # the verdict _watch_verdict last hooked
-        self._last_window_at = self._clock.monotonic()  # when audio last reached the detector
-        self._turn_timer: asyncio.Task[None] | None = None  # _time_turn
-        self._turn_timer_at = 0.0  # when it wakes next
-        self._resamplers: dict[int, Resampler] = {}
-        # Input waiting to be processed: audio slices and, in order with them, the
-        # commits/clears that came after them. Bounded by max_input_backlog_s.
-        self._backlog: deque[tuple[np.ndarray, int] | Callable[[], object]] = deque()
-        self._backlog_s = 0.0
-        self._drain_task: asyncio.Task[None] | None = None
-        self._turn_streams: set[AsrStream] = set()  # committed turns' streams, still decoding
-        self._ring: deque[np.ndarray] = deque()
-        self._ring_samples = 0
-        self._ring_max = self._ring_size(self.settings.vad)
+        # The caller's audio, VAD, turn detector and ASR (voicebot/session/listener.py).
+        self.listener = Listener(self)
         self.conversation = Conversation(
             engines.llm.tokenizer,
             self.settings.system_prompt,
@@ -169,13 +125,9 @@ class Session:
             block_size=lambda: self.engines.llm.block_size,
             log=self.log,
         )
-        self._turn_open_at = 0.0
-        self._last_speech_wall: float | None = None
-        self._speech_end_asr_s: float | None = None
-        self._turns_decoding: dict[str, _Turn] = {}  # by item id, until their transcript is in
         self._replies: dict[str, Response] = {}  # the live reply, and one being stopped
         self._reply_tasks: dict[str, asyncio.Task[None]] = {}
-        self._reply_turns: dict[str, _Turn] = {}  # the user turn each reply answers
+        self._reply_turns: dict[str, Turn] = {}  # the user turn each reply answers
         self._reply_ends: dict[str, tuple[int, str]] = {}  # played ms and heard text, until reported
         self._wake = asyncio.Event()  # pacer: a response was released or got audio
         self._tasks: set[asyncio.Task[object]] = set()
@@ -191,8 +143,6 @@ class Session:
         # The one background LLM job of each kind the core started, by its number.
         self._prefill: tuple[int, asyncio.Task[None]] | None = None
         self._summary: tuple[int, asyncio.Task[None]] | None = None
-        self.input_ms = 0.0
-        self._last_input = self._clock.monotonic()
         self.closed_reason: str | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -224,7 +174,7 @@ class Session:
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
                 self._spawn(self._pace(), "pacer")
-                self._spawn(self._forward_partials(), "partials")
+                self._spawn(self.listener.forward_partials(), "partials")
                 self._spawn(self._watch_idle(), "idle")
                 self._feed(ce.Started())
                 self._ready.set()
@@ -249,9 +199,7 @@ class Session:
         self._torn_down = True
         try:
             self._feed(ce.CancelReply(report=False))
-            for stream in [self._asr, *self._turn_streams]:
-                await stream.aclose()
-            self._turn_streams.clear()
+            await self.listener.aclose()
         finally:
             if self._counted and self.metrics:
                 self.metrics.active_sessions.labels(self.transport).dec()
@@ -335,224 +283,21 @@ class Session:
 
     # --------------------------------------------------------------------- input
     def push_audio(self, audio: bytes | np.ndarray, sample_rate: int) -> None:
-        """Caller audio: PCM16 bytes or float32 samples, mono, any rate.
+        """Caller audio: PCM16 bytes or float32 samples, mono, any rate (:meth:`Listener.push`)."""
+        self.listener.push(audio, sample_rate)
 
-        A frame of up to ``_SLICE_MS`` is processed at once. A larger push (one 1 MiB
-        message is 32 s of audio: resampling and VAD over it take long enough to stall
-        the pacer of every session on this loop) is cut into slices that a task
-        processes one per loop turn, in order with what is pushed after it. Audio
-        waiting to be processed is bounded by ``session.max_input_backlog_s``.
-        """
-        copied = isinstance(audio, bytes | bytearray | memoryview)
-        if copied:
-            try:
-                audio = pcm16_to_float(bytes(audio))
-            except ValueError as exc:
-                raise BadAudio(str(exc)) from None
-        audio = np.asarray(audio, dtype=np.float32)
-        if audio.ndim != 1:
-            raise BadAudio(f"audio must be mono (1-D), got shape {audio.shape}")
-        if audio.size == 0:
-            return
-        self._last_input = self._clock.monotonic()
-        step = max(1, sample_rate * _SLICE_MS // 1000)
-        if not self._backlog and audio.size <= step:
-            self._process_audio(audio, sample_rate)
-            return
-        seconds = audio.size / sample_rate
-        limit = self.cfg.session.max_input_backlog_s
-        if self._backlog_s + seconds > limit:
-            raise BadAudio(
-                f"{seconds:.1f} s of audio at once, with {self._backlog_s:.1f} s still being processed, "
-                f"is more than session.max_input_backlog_s ({limit:g} s); send audio in real time",
-                code="input_backlog_full",
-            )
-        if not copied:
-            audio = audio.copy()  # the caller may reuse its buffer
-        for start in range(0, audio.size, step):
-            self._backlog.append((audio[start : start + step], sample_rate))
-        self._backlog_s += seconds
-        self._start_drain()
+    @property
+    def input_ms(self) -> float:
+        """Caller audio received so far, at 16 kHz."""
+        return self.listener.input_ms
 
-    def _start_drain(self) -> None:
-        running = self._drain_task is not None and not self._drain_task.done()
-        if not running and self._tg is not None and not self._closing.is_set():
-            self._drain_task = self._spawn(self._drain_input(), "input")
+    @input_ms.setter
+    def input_ms(self, value: float) -> None:
+        self.listener.input_ms = value
 
-    async def _drain_input(self) -> None:
-        try:
-            while self._backlog:
-                item = self._backlog.popleft()
-                if callable(item):
-                    item()  # a commit or clear, in order with the audio around it
-                    continue
-                audio, rate = item
-                self._backlog_s = max(0.0, self._backlog_s - audio.size / rate)
-                self._process_audio(audio, rate)
-                await asyncio.sleep(0)  # other sessions' pacers and I/O run between slices
-        finally:
-            self._drain_task = None
-
-    def _process_audio(self, audio: np.ndarray, sample_rate: int) -> None:
-        if sample_rate != ASR_RATE:
-            rs = self._resamplers.get(sample_rate)
-            if rs is None:
-                rs = self._resamplers[sample_rate] = Resampler(sample_rate, ASR_RATE)
-            audio = rs.process(audio)
-        if audio.size == 0:
-            return
-        self.input_ms += 1000.0 * audio.size / ASR_RATE
-        if not self.settings.turn_detection:
-            self._asr.push(audio)  # the client decides when the turn ends
-            return
-        self._remember(audio)
-        self._turns.feed(audio)  # a semantic detector hears the turn's audio at pauses
-        pushed = False
-        bot_speaking = self.core.replying
-        for i, prob in enumerate(self._vad.process(audio)):
-            if prob >= self.settings.vad.threshold and self.core.open_item is not None:
-                self._last_speech_wall = self._clock.monotonic()
-                # Where speech ends in the ASR buffer (up to one window late: safe).
-                self._speech_end_asr_s = self._asr.buffered_s + (i + 1) * _VAD_WINDOW_MS / 1000
-            for sig in self._turns.update(float(prob), _VAD_WINDOW_MS, bot_speaking):
-                pushed |= self._on_signal(sig)
-        self._watch_verdict()
-        self._last_window_at = self._clock.monotonic()
-        self._arm_turn_timer()
-        # During a pause the speculative final already has the audio; decoding the
-        # silence as partials would only compete with it and the LLM for the cores.
-        if self.core.open_item is not None and not pushed and not self._turns.paused:
-            self._asr.push(audio)
-            if self._clock.monotonic() - self._turn_open_at > self.cfg.session.max_turn_s:
-                for sig in self._turns.force_end():
-                    self._on_signal(sig)
-
-    def _watch_verdict(self) -> None:
-        """The end-of-turn model answers on its own thread, maybe after the last audio
-        window (a client that streamed faster than real time, or sends nothing at a
-        pause): its answer is acted on when it comes, not only at the next window."""
-        fut = self._turns.pending
-        if fut is None or fut is self._watched_verdict:
-            return
-        self._watched_verdict = fut
-        loop = asyncio.get_running_loop()
-
-        def wake(_: object) -> None:
-            if not loop.is_closed():
-                loop.call_soon_threadsafe(self._poll_turns)
-
-        fut.add_done_callback(wake)
-
-    def _poll_turns(self, idle_ms: float | None = None) -> None:
-        if self._closing.is_set():
-            return
-        if idle_ms is None:  # audio waiting in the backlog is not time without audio
-            idle_ms = 0.0 if self._backlog else 1000 * (self._clock.monotonic() - self._last_window_at)
-        for sig in self._turns.poll(idle_ms):
-            self._on_signal(sig)
-        self._watch_verdict()  # a check asked just now
-
-    def _arm_turn_timer(self) -> None:
-        if self._tg is None or self._closing.is_set():
-            return
-        due = self._turns.idle_deadline_ms()
-        if due is None:
-            return
-        at = self._last_window_at + due / 1000
-        timer = self._turn_timer
-        if timer is not None and not timer.done():
-            if at >= self._turn_timer_at - 0.001:
-                return  # it wakes in time and reads the deadline again
-            timer.cancel()  # the deadline came nearer (a pause began): wake sooner
-        self._turn_timer_at = at
-        self._turn_timer = self._spawn(self._time_turn(), "turn-timer")
-
-    async def _time_turn(self) -> None:
-        """The semantic cap is wall-clock time: a turn heard as unfinished ends
-        ``smart_turn_max_silence_ms`` after its last speech even when the client sends
-        nothing more (it counted silence frames received, so a client that stopped after
-        its question was never answered). One task per open turn, sleeping until the
-        detector's next deadline; audio that comes in the meantime moves the deadline
-        (new speech restarts the count), and the task reads it again when it wakes."""
-        while (due := self._turns.idle_deadline_ms()) is not None:
-            idle = 1000 * (self._clock.monotonic() - self._last_window_at)
-            if self._backlog or idle < due:
-                wait = max(due - idle, 1.0) / 1000
-                self._turn_timer_at = self._clock.monotonic() + wait
-                await self._clock.sleep(wait)
-                continue
-            self._poll_turns(max(idle, due))
-            if self._turns.idle_deadline_ms() == due:  # nothing moved: never spin
-                await self._clock.sleep(_VAD_WINDOW_MS / 1000)
-
-    def _remember(self, audio: np.ndarray) -> None:
-        """Keep the last few hundred ms: the start of speech precedes its detection."""
-        self._ring.append(audio)
-        self._ring_samples += audio.size
-        while self._ring_samples - self._ring[0].size >= self._ring_max:
-            self._ring_samples -= self._ring.popleft().size
-
-    def _on_signal(self, sig: Signal) -> bool:
-        """Act on a turn signal; True if the current chunk went to ASR already."""
-        self._feed(_SIGNALS[sig])
-        return sig is Signal.SPEECH_START
-
-    def _open_turn(self, item_id: str) -> None:
-        self._turn_open_at = self._clock.monotonic()
-        self._last_speech_wall = self._clock.monotonic()
-        self._asr.reset()
-        self._asr.push(np.concatenate(self._ring))
-        # Speech lasted at least to here (the window that started the turn is not counted
-        # below): never a stale end of the previous turn's speech.
-        self._speech_end_asr_s = self._asr.buffered_s
-        self.emit(SpeechStarted(audio_ms=int(self.input_ms), item_id=item_id))
-
-    def _end_turn(self, item_id: str) -> None:
-        turn = self._turns_decoding[item_id]
-        turn.speech_end = self._last_speech_wall
-        turn.committed_at = self._clock.monotonic()
-        self.emit(SpeechStopped(audio_ms=int(self.input_ms), item_id=item_id))
-        self._spawn(self._complete_turn(turn), "turn")
-
-    def _new_turn(self, item_id: str, final: asyncio.Task[Transcript]) -> _Turn:
-        turn = _Turn(item_id, final, asr_started=self._clock.monotonic())
-        # When the transcript is ready, not when the committed turn reads it (after END:
-        # a speculative final may wait there for Smart Turn's cap; tests/test_asr_final_timing.py).
-        final.add_done_callback(lambda _: setattr(turn, "asr_done", self._clock.monotonic()))
-        self._turns_decoding[item_id] = turn
-        return turn
-
-    def _spawn_final(self, covering_s: float | None = None, stream: AsrStream | None = None) -> asyncio.Task[Transcript]:
-        assert self._tg is not None
-        task = self._tg.create_task(self._final(covering_s, stream), name=f"{self.id}-final")
-        self._tasks.add(task)  # cancelled at close like every other task
-        task.add_done_callback(self._tasks.discard)
-        return task
-
-    async def _final(self, covering_s: float | None, stream: AsrStream | None = None) -> Transcript:
-        """The final transcript of the session's stream, or of ``stream`` (a committed
-        turn's own, closed once decoded)."""
-        # A failed decode must not take the session's TaskGroup (and the call) down:
-        # it is reported, and the turn goes on as one with nothing said.
-        try:
-            return await (stream or self._asr).finalize(covering_s)
-        except VoicebotError as exc:
-            self.error(exc.code, str(exc))
-        except Exception as exc:
-            self.log.exception("final transcript failed")
-            self.error("engine_error", f"ASR failed: {exc}")
-        finally:
-            if stream is not None:
-                await stream.aclose()
-                self._turn_streams.discard(stream)
-        return Transcript("", 0.0, 0.0)
-
-    async def _complete_turn(self, turn: _Turn) -> None:
-        transcript = await turn.final
-        try:
-            self._feed(ce.Transcribed(turn.item_id, transcript.text))
-        finally:
-            self._turns_decoding.pop(turn.item_id, None)
+    @property
+    def _asr(self) -> AsrStream:
+        return self.listener.asr
 
     def _transcribed(self, item_id: str, text: str) -> None:
         self.emit(TranscriptFinal(item_id=item_id, text=text))
@@ -567,29 +312,12 @@ class Session:
         while this turn is still being transcribed, is the start of the next turn.
         """
         item_id = self.core.new_item_id()
-        if self._backlog:  # audio sent before the commit is still being processed
-            self._backlog.append(lambda: self._feed(ce.Commit(item_id)))
-        else:
-            self._feed(ce.Commit(item_id))
+        self.listener.in_order(lambda: self._feed(ce.Commit(item_id)))
         return item_id
 
-    def _commit(self, item_id: str) -> None:
-        # The turn's audio leaves with its own stream; a fresh one takes what follows.
-        stream, self._asr = self._asr, self.engines.asr.stream(language=self.settings.language)
-        self._turn_streams.add(stream)  # closed by its final, or at teardown
-        turn = self._new_turn(item_id, self._spawn_final(stream=stream))
-        turn.speech_end = turn.committed_at = self._clock.monotonic()
-        self._spawn(self._complete_turn(turn), "commit")
-
     def clear_input(self) -> None:
-        # Audio sent after the last queued commit is not processed at all.
-        while self._backlog and not callable(self._backlog[-1]):
-            audio, rate = self._backlog.pop()  # type: ignore[misc]
-            self._backlog_s = max(0.0, self._backlog_s - audio.size / rate)
-        if self._backlog:
-            self._backlog.append(lambda: self._feed(ce.Clear()))
-        else:
-            self._feed(ce.Clear())
+        self.listener.drop_unprocessed()
+        self.listener.in_order(lambda: self._feed(ce.Clear()))
 
     def add_text(self, role: str, text: str, item_id: str | None = None) -> str:
         item_id = item_id or self.core.new_item_id()
@@ -667,18 +395,9 @@ class Session:
         self._check_voice(new.voice)
         self.settings = new
         self.conversation.set_system_prompt(new.system_prompt)
-        self._turns.cfg = new.vad
-        # The pre-speech audio follows the new padding from now on (it was sized once,
-        # at the start: an update was acknowledged and the ASR kept the old padding).
-        self._ring_max = self._ring_size(new.vad)
+        self.listener.update(new.vad)
         self.conversation.reply_tokens = new.max_tokens
         self._feed(ce.SettingsChanged(new.create_response, new.interrupt_response))
-
-    @staticmethod
-    def _ring_size(vad: VadConfig) -> int:
-        """Samples of audio kept from before speech starts: the padding the ASR gets, and
-        the speech a barge-in needs before it counts, with a margin."""
-        return int((vad.prefix_padding_ms + vad.barge_in_min_ms + 100) * ASR_RATE / 1000)
 
     @property
     def replying(self) -> bool:
@@ -693,25 +412,23 @@ class Session:
     def _act(self, action: ce.Action) -> None:  # noqa: C901 (one case per action)
         match action:
             case ce.OpenTurn(item_id):
-                self._open_turn(item_id)
+                self.listener.open_turn(item_id)
             case ce.RequestPartial():
                 # Decode now, unless a partial that saw the speech to its end is decoded
                 # or decoding: it becomes the final (tests/test_turns_partials.py).
-                self._asr.request_partial(self._speech_end_asr_s)
+                self.listener.request_partial()
             case ce.EmitPartial(item_id, confirmed, tentative):
                 self.emit(TranscriptPartial(item_id, confirmed, tentative))
             case ce.StartFinal(item_id):
-                self._new_turn(item_id, self._spawn_final(self._speech_end_asr_s))
+                self.listener.start_final(item_id)
             case ce.CancelFinal(item_id):
-                turn = self._turns_decoding.pop(item_id, None)
-                if turn is not None:
-                    turn.final.cancel()
+                self.listener.cancel_final(item_id)
             case ce.EndTurn(item_id):
-                self._end_turn(item_id)
+                self.listener.end_turn(item_id)
             case ce.CommitTurn(item_id):
-                self._commit(item_id)
+                self.listener.commit(item_id)
             case ce.ResetInput():
-                self._asr.reset()
+                self.listener.asr.reset()
             case ce.TurnTranscribed(item_id, text):
                 self._transcribed(item_id, text)
             case ce.StartReply():
@@ -743,7 +460,7 @@ class Session:
         return None if live is None else self._replies.get(live.id)
 
     def _start_response(self, start: ce.StartReply) -> None:
-        turn = self._turns_decoding.get(start.turn) if start.turn is not None else None
+        turn = self.listener.turns.get(start.turn) if start.turn is not None else None
         s = self.settings
         options = start.options or ResponseOptions()
         last = self.conversation.messages[-1] if self.conversation.messages else None
@@ -785,7 +502,7 @@ class Session:
         resp.release()
         self._wake.set()
 
-    async def _drive(self, resp: Response, turn: _Turn | None) -> None:
+    async def _drive(self, resp: Response, turn: Turn | None) -> None:
         results: list[str] | None = None  # server tools' results, when the reply called them
         try:
             if turn is not None:
@@ -1098,19 +815,9 @@ class Session:
         """Close a session whose client went silent on the wire (no audio at all)."""
         limit = self.cfg.session.idle_timeout_s
         while True:
-            idle = self._clock.monotonic() - self._last_input
+            idle = self._clock.monotonic() - self.listener.last_input
             if idle >= limit and self.core.reply is None:
                 self.error("idle_timeout", f"no audio for {limit:g} s", fatal=True)
                 return
             await self._clock.sleep(max(limit - idle, 0.05))  # wakes when it would expire
 
-    # ----------------------------------------------------------------- partials
-    async def _forward_partials(self) -> None:
-        while True:
-            stream = self._asr
-            async for partial in stream:
-                if stream is self._asr:
-                    self._feed(ce.Partial(partial.text, partial.confirmed, partial.tentative))
-            if stream is self._asr:
-                return  # the session's own stream closed: the session is ending
-            # A committed turn took that stream away (and closed it): follow the new one.
