@@ -26,12 +26,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from typing import TextIO
 
 import numpy as np
 
 from voicebot.affinity import bind_session
 from voicebot.config import Config
-from voicebot.core import CallCore
+from voicebot.core import CallCore, replay
 from voicebot.core import events as ce
 from voicebot.engines import Engines
 from voicebot.engines.asr import AsrStream
@@ -130,6 +131,11 @@ class Session:
         self._ready = asyncio.Event()
         self._counted = False  # in the active-sessions gauge
         self._torn_down = False
+        # The core's input as JSON lines (session.record, voicebot/core/replay.py).
+        self._record: TextIO | None = None
+        if cfg.session.record:
+            self._record = open(cfg.session.record.replace("{session}", self.id), "a", encoding="utf-8")  # noqa: SIM115
+            self._record.write(replay.header(self.core, cfg.session.history_tokens) + "\n")
         self.closed_reason: str | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -188,6 +194,9 @@ class Session:
             self._feed(ce.CancelReply(report=False))
             await self.listener.aclose()
         finally:
+            record, self._record = self._record, None
+            if record is not None:
+                record.close()
             if self._counted and self.metrics:
                 self.metrics.active_sessions.labels(self.transport).dec()
             self.log.info("session closed (%s)", self.closed_reason)
@@ -196,11 +205,14 @@ class Session:
         """The call is ending: nothing new starts."""
         if not self._closing.is_set():
             self._closing.set()
-            self.core.handle(ce.Closing(), self._clock.monotonic())
+            self._feed(ce.Closing())
 
     def _feed(self, event: ce.Event) -> list[ce.Action]:
         """Tell the core what happened and run what it decides, in order."""
-        actions = self.core.handle(event, self._clock.monotonic())
+        now = self._clock.monotonic()
+        if self._record is not None:
+            self._record.write(replay.line(event, now) + "\n")
+        actions = self.core.handle(event, now)
         for action in actions:
             self._act(action)
         return actions
