@@ -364,7 +364,7 @@ async def test_a_reply_cancelled_before_its_first_token_leaves_its_prompt_to_pre
         c.session.add_text("user", "Could you book me a table for two at eight tonight, by the window?")
         c.session.create_response()
         await c.pause(0.5)
-        resp = c.session._response
+        resp = c.session.speaker.live
         assert resp is not None and resp.stats.first_token_at is None and resp.prompt_ids
         assert c.session.cancel_response()
         await c.wait_for(ev.ResponseDone)
