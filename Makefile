@@ -70,7 +70,7 @@ typecheck: install
 
 # The import contracts of pyproject's [tool.importlinter]: the layers and what may not import what.
 imports: install
-	$(BIN)/lint-imports
+	$(BIN)/lint-imports --no-cache
 
 # What CI runs besides the tests.
 check: lint typecheck imports

@@ -82,6 +82,12 @@ async def test_an_engine_not_started_says_why() -> None:
     assert engine(1).dead_reason == "not started"
 
 
+def test_background_prefills_are_kept_only_with_a_prefix_cache() -> None:
+    # The session prefills in the background only when this says the cache keeps it.
+    assert LlmEngine(LlmConfig(), model_path="unused").keeps_prefills
+    assert not LlmEngine(LlmConfig(enable_prefix_caching=False), model_path="unused").keeps_prefills
+
+
 async def test_a_cancelled_start_builds_nothing() -> None:
     e = engine(1)
     cancel = threading.Event()

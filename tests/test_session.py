@@ -139,6 +139,7 @@ class FakeLlm:
     running: int = 0
     background_waiting: int = 0
     cache_hit_ratio: float = 0.0
+    keeps_prefills: bool = True  # a prefix cache keeps what warm() computes
     clock: Clock = REAL_CLOCK
     # (prompt, cached) token counts set with the last token, as the remote backend
     # learns them from the stream's final usage block.
@@ -570,7 +571,7 @@ async def test_no_text_of_a_reply_follows_its_response_done(tokenizer) -> None: 
     session = slow_reader_session(tokenizer, word_delay=0.05, out_queue_frames=30)
     async with session:
         await reply_to_a_reader_that_stopped(session)
-        resp = session._response
+        resp = session.speaker.live
         assert resp is not None and not session._out.data_room() and not resp.deltas.empty(), "text is waiting for room"
         for _ in range(12):  # the caller speaks over it
             session.push_audio(np.full(FRAME, 0.1, dtype=np.float32), RATE)
@@ -591,7 +592,7 @@ async def test_a_reader_slow_for_a_moment_keeps_its_call_when_a_control_event_co
     clock = session._clock
     async with session:
         await reply_to_a_reader_that_stopped(session)
-        assert session._response is not None and not session._out.data_room()
+        assert session.speaker.live is not None and not session._out.data_room()
         for digit in "123":
             session.emit(ev.Dtmf(digit))
         assert session.closed_reason is None
@@ -775,7 +776,7 @@ async def test_an_interrupted_reply_drops_its_queued_audio(tokenizer, how: str) 
     engines = make_engines(tokenizer, word_delay=0.01)
     session, clock = await reply_queued_unread(engines, 0.6)
     try:
-        resp = session._response
+        resp = session.speaker.live
         assert resp is not None and resp.playout.taken >= 25 * FRAME, "reply audio is waiting to be sent"
         rid = resp.id
         if how == "barge_in":

@@ -592,8 +592,8 @@ async def test_realtime_required_forces_a_turns_first_reply_and_lets_the_result_
 
     async def reply(done: int) -> None:
         session.create_response()
-        assert session._response is not None
-        choices.append(session._response.tool_choice.mode)
+        assert session.speaker.live is not None
+        choices.append(session.speaker.live.tool_choice.mode)
         async with asyncio.timeout(10):
             while len([e for e in events if isinstance(e, se.ResponseDone)]) < done:
                 await asyncio.sleep(0.01)

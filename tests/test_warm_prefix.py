@@ -162,10 +162,10 @@ async def test_replies_faster_than_a_summary_still_keep_the_budget(tokenizer) ->
 def until_compacting(c: Any) -> tuple[int, list[Any]]:
     """Client-side exchanges until a compaction is planned: (exchanges, its turns)."""
     i = 0
-    while c.session._compaction is None:
+    while c.session.core.background.compaction is None:
         exchange(c.session, i, 1)
         i += 1
-    return i, list(c.session._compaction.head)
+    return i, list(c.session.core.background.compaction.head)
 
 
 async def test_a_failed_compaction_summary_still_drops_the_turns(tokenizer, caplog) -> None:  # type: ignore[no-untyped-def]
@@ -175,7 +175,7 @@ async def test_a_failed_compaction_summary_still_drops_the_turns(tokenizer, capl
     async with call(engines, turn_detection=False, max_tokens=20) as c:
         conv = c.session.conversation
         i, planned = until_compacting(c)
-        await until(c.clock, lambda: "failed, dropped" in caplog.text and c.session._compaction is None, timeout=30)
+        await until(c.clock, lambda: "failed, dropped" in caplog.text and c.session.core.background.compaction is None, timeout=30)
         kept = set(map(id, conv.messages))
         assert conv.summary is None and not any(id(m) in kept for m in planned), "dropped unsummarised"
         assert not conv.near_budget() and conv.messages[0].content.startswith("Question number")
@@ -217,7 +217,7 @@ async def test_no_summary_starts_beside_a_live_reply_and_its_prompt_is_prefilled
     sessions: list[Any] = []
 
     def live() -> bool:
-        return bool(sessions) and sessions[0]._response is not None
+        return bool(sessions) and sessions[0].core.reply is not None
 
     async def logged_warm(ids: list[int], **kw: Any) -> None:
         order.append(("warm", list(ids), live()))
@@ -235,7 +235,7 @@ async def test_no_summary_starts_beside_a_live_reply_and_its_prompt_is_prefilled
         while conv.token_count + conv._reserved + 64 < conv.budget_tokens * conv.compact_at:
             exchange(c.session, i, 1)
             i += 1
-        assert not conv.near_budget() and c.session._compaction is None
+        assert not conv.near_budget() and c.session.core.background.compaction is None
         # A question that takes the history past 80 % of the budget, not past the budget.
         question = "Could you tell me once more what the weather will be like in the mountains tomorrow?"
         while len(tokenizer.encode(question)) < 72:
@@ -288,8 +288,8 @@ async def test_a_prefill_does_not_take_the_background_place_a_summary_needs(toke
     async with call(engines, turn_detection=False, max_tokens=20) as c:
         await until(c.clock, lambda: engines.llm.background_running == 0)  # the call's first prefill
         await reply_that_trims(c)
-        await until(c.clock, lambda: engines.llm.background_running == 0 and not c.session._unsummarised
-                    and c.session._summariser is None, timeout=5)
+        await until(c.clock, lambda: engines.llm.background_running == 0 and not c.session.core.background.unsummarised
+                    and c.session.core.background.summary is None, timeout=5)
         assert "summary of" not in caplog.text, caplog.text[-600:]
         assert c.session.conversation.summary is not None, "the dropped turns were summarised"
 
@@ -310,8 +310,8 @@ async def test_a_summary_started_while_a_prefill_runs_gets_the_background_place(
         conv = c.session.conversation
         conv.budget_tokens = conv.token_count + conv._reserved + 4
         c.session.add_text("user", "And what about the weather there the day after tomorrow?")
-        assert c.session._unsummarised, "the text trimmed the history"
-        await until(c.clock, lambda: c.session._summariser is None or c.session._summariser.done(), timeout=30)
+        assert c.session.core.background.summary is not None, "the text trimmed the history"
+        await until(c.clock, lambda: c.session.core.background.summary is None, timeout=30)
         assert "summary of" not in caplog.text, caplog.text[-600:]
         assert conv.summary is not None, "the dropped turns were summarised"
 
@@ -364,7 +364,7 @@ async def test_a_reply_cancelled_before_its_first_token_leaves_its_prompt_to_pre
         c.session.add_text("user", "Could you book me a table for two at eight tonight, by the window?")
         c.session.create_response()
         await c.pause(0.5)
-        resp = c.session._response
+        resp = c.session.speaker.live
         assert resp is not None and resp.stats.first_token_at is None and resp.prompt_ids
         assert c.session.cancel_response()
         await c.wait_for(ev.ResponseDone)
@@ -468,14 +468,11 @@ async def test_a_remote_prefill_is_tried_once_and_is_no_failure_of_the_tier() ->
 
 async def test_no_prefill_when_the_engine_keeps_no_prefix_cache(tokenizer) -> None:  # type: ignore[no-untyped-def]
     # llm.warm_prefix (default on) exists so that "the next turn's prompt finds it in the
-    # prefix cache" (config.py). With llm.enable_prefix_caching off there is no such
-    # cache: _warm_prefix checks warm_prefix and background_concurrency only, so every
-    # call start, session.update of instructions/tools and reply end still prefills the
-    # whole history at background priority (2.5 s of the 2 cores for a 448-token system
-    # message, docs/benchmarks.md), all of it thrown away.
+    # prefix cache". An engine without one (the in-process engine with
+    # llm.enable_prefix_caching off: test_llm_lanes) would throw every prefill away: call
+    # starts, session.update of instructions/tools and reply ends prefill nothing then.
     engines = make_engines(tokenizer, reply="Sure, the room is free.")
-    llm_cfg = engines.cfg.llm.model_copy(update={"enable_prefix_caching": False})
-    engines.cfg = engines.cfg.model_copy(update={"llm": llm_cfg})
+    engines.llm.keeps_prefills = False  # type: ignore[misc]
     assert engines.cfg.llm.warm_prefix and engines.cfg.llm.background_concurrency > 0
     async with call(engines, system_prompt=LONG_INSTRUCTIONS) as c:
         await c.speak(600)
@@ -544,7 +541,7 @@ async def test_no_prefill_of_the_callers_words_once_the_reply_is_prepared_or_whe
         if not warm_turn:
             hear(c, QUESTION[:60])
         await c.silence(200)  # paused: the speculative reply is being prepared
-        assert c.session._response is not None
+        assert c.session.core.reply is not None
         hear(c, QUESTION)
         await c.silence(60)
         turn = [w for w in llm.warmed if len(w) > len(history)]  # type: ignore[attr-defined]

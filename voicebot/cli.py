@@ -61,7 +61,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_probe_parser(sub)
     add_models_parser(sub)
+
+    replay = sub.add_parser("replay", help="print the decisions of a call recorded with session.record")
+    replay.add_argument("call", help="the call's JSON lines")
+    replay.add_argument("--all", action="store_true", help="every action, not only turns, replies and summaries")
+    replay.set_defaults(func=_replay)
     return parser
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from voicebot.core.replay import SHOWN, describe, replay
+
+    with open(args.call, encoding="utf-8") as f:
+        for now, action in replay(f):
+            if args.all or isinstance(action, SHOWN):
+                print(f"{now:10.3f}  {describe(action)}")
+    return 0
 
 
 def _setup_logging(verbose: int) -> None:

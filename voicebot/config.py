@@ -273,6 +273,7 @@ class SessionConfig(_Section):
     max_input_backlog_s: float = Field(60.0, ge=1.0, le=3600.0, description="Audio pushed faster than it is processed, per session, before more is refused ('input_backlog_full'); large pushes are processed in slices.")
     max_text_chars: int = Field(4000, ge=1, le=1_000_000, description="Longest text item a client may add to the conversation ('text_too_long').")
     language: str | None = Field("en", description="Language of the conversation.")
+    record: str | None = Field(None, description="Write each call's core events as JSON lines to this path ('{session}' is replaced by the call's id), for `voicebot replay`; None: not recorded.")
 
 
 class TelephonyConfig(_Section):

@@ -1,0 +1,373 @@
+"""The call core alone: tables of events -> actions, and random event orders against
+the invariants of a call. No asyncio, no engine: each test is microseconds."""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from voicebot.core import CallCore
+from voicebot.core import events as ev
+
+
+@dataclass(frozen=True, eq=False)  # compared by identity, as the real history's
+class Msg:
+    role: str
+    content: str
+    item_id: str | None = None
+
+
+def _ids(text: str) -> list[int]:
+    return [zlib.crc32(w.encode()) % 1000 for w in text.split()] + [0]
+
+
+class FakeHistory:
+    """Counts a token per word (and one per message), budget as the real one."""
+
+    def __init__(self, budget: int = 10_000, reserved: int = 8) -> None:
+        self.budget, self.reserved = budget, reserved
+        self.summary: str | None = None
+        self.messages: list[Msg] = []
+
+    def _system(self, summary: str | None) -> list[int]:
+        return [1] * 8 + (_ids(summary) if summary else [])
+
+    def history_ids(self) -> list[int]:
+        ids = self._system(self.summary)
+        for m in self.messages:
+            ids += _ids(m.content)
+        return ids
+
+    def user_prefix_ids(self, words: str) -> list[int]:
+        return self.history_ids() + _ids(words)[:-1]
+
+    def append(self, role: str, content: str, item_id: str | None = None, token_ids: object = None, **_: Any) -> None:
+        if content.strip() or role == "tool":
+            self.messages.append(Msg(role, content.strip(), item_id))
+
+    def over_budget(self) -> bool:
+        return len(self.history_ids()) + self.reserved > self.budget
+
+    def near_budget(self) -> bool:
+        return len(self.history_ids()) + self.reserved > self.budget * 0.8
+
+    def trim_plan(self) -> list[Msg]:
+        count, target = len(self.history_ids()), int(self.budget * 0.6) - self.reserved
+        users = [i for i, m in enumerate(self.messages) if m.role == "user"]
+        keep_from = users[-1] if users else len(self.messages) - 1
+        n = 0
+        while n < keep_from and count > target:
+            count -= len(_ids(self.messages[n].content))
+            n += 1
+            while n < keep_from and self.messages[n].role in ("assistant", "tool"):
+                count -= len(_ids(self.messages[n].content))
+                n += 1
+        return self.messages[:n]
+
+    def trim(self) -> list[Msg]:
+        if not self.over_budget():
+            return []
+        head = self.trim_plan()
+        del self.messages[: len(head)]
+        return head
+
+    def _starts_with(self, head: list[Msg]) -> bool:
+        return bool(head) and len(head) <= len(self.messages) and all(a is b for a, b in zip(head, self.messages, strict=False))
+
+    def compacted_ids(self, head: list[Msg], summary: str | None) -> list[int] | None:
+        if not self._starts_with(head):
+            return None
+        ids = self._system(summary)
+        for m in self.messages[len(head):]:
+            ids += _ids(m.content)
+        return ids
+
+    def compact(self, head: list[Msg], summary: str | None) -> bool:
+        if not self._starts_with(head):
+            return False
+        del self.messages[: len(head)]
+        self.set_summary(summary or "")
+        return True
+
+    def set_summary(self, summary: str) -> None:
+        self.summary = summary.strip() or None
+
+
+def core(**kw: Any) -> CallCore:
+    history = kw.pop("history", None) or FakeHistory()
+    c = CallCore(history, tag="t", **kw)
+    c.handle(ev.Started())
+    return c
+
+
+def kinds(actions: list[ev.Action]) -> list[str]:
+    return [type(a).__name__ for a in actions]
+
+
+# ------------------------------------------------------------------------- tables
+
+def test_a_turn_with_a_speculation_released_at_its_end() -> None:
+    c = core()
+    assert kinds(c.handle(ev.SpeechStart())) == ["OpenTurn"]
+    assert c.open_item == "item_t_1"
+    assert kinds(c.handle(ev.Quiet())) == ["RequestPartial"]
+    pause = c.handle(ev.Pause())
+    assert kinds(pause) == ["StartFinal", "StartReply"]
+    start = pause[1]
+    assert isinstance(start, ev.StartReply) and start.gated and start.turn == "item_t_1"
+    assert not c.replying, "a gated reply is not heard"
+    assert kinds(c.handle(ev.TurnEnd())) == ["EndTurn"], "the speculative final is the turn's"
+    done = c.handle(ev.Transcribed("item_t_1", " what time is it "))
+    assert done[0] == ev.TurnTranscribed("item_t_1", "what time is it")
+    assert done[-1] == ev.ReleaseReply(start.reply_id) and c.replying
+    assert [m.content for m in c.history.messages] == ["what time is it"]  # type: ignore[attr-defined]
+
+
+def test_speech_resumed_cancels_the_speculation_unreported() -> None:
+    c = core()
+    c.handle(ev.SpeechStart())
+    start = c.handle(ev.Pause())[1]
+    assert isinstance(start, ev.StartReply)
+    assert c.handle(ev.Resume()) == [ev.CancelFinal("item_t_1"), ev.StopReply(start.reply_id, "cancelled", False)]
+    assert kinds(c.handle(ev.ReplyEnded(start.reply_id, "cancelled"))) == []
+    assert c.reply is None and c.history.messages == []  # type: ignore[attr-defined]
+    assert kinds(c.handle(ev.TurnEnd())) == ["StartFinal", "EndTurn"], "a fresh final for the whole turn"
+
+
+def test_a_turn_without_speculation_starts_its_reply_when_transcribed() -> None:
+    c = core()
+    c.handle(ev.SpeechStart())
+    assert kinds(c.handle(ev.TurnEnd())) == ["StartFinal", "EndTurn"]
+    actions = c.handle(ev.Transcribed("item_t_1", "hello"))
+    assert kinds(actions) == ["TurnTranscribed", "StartReply"]
+    assert c.replying
+
+
+def test_noise_ends_its_speculation_and_starts_nothing() -> None:
+    c = core()
+    c.handle(ev.SpeechStart())
+    start = c.handle(ev.Pause())[1]
+    c.handle(ev.TurnEnd())
+    assert isinstance(start, ev.StartReply)
+    assert c.handle(ev.Transcribed("item_t_1", "  ")) == [
+        ev.TurnTranscribed("item_t_1", ""), ev.StopReply(start.reply_id, "cancelled", False)]
+
+
+def test_a_barge_in_keeps_what_was_heard() -> None:
+    c = core()
+    c.handle(ev.SpeechStart())
+    c.handle(ev.TurnEnd())
+    start = c.handle(ev.Transcribed("item_t_1", "tell me a story"))[-1]
+    assert isinstance(start, ev.StartReply)
+    barge = c.handle(ev.SpeechStart())
+    assert barge == [ev.StopReply(start.reply_id, "interrupted", True), ev.OpenTurn("item_t_4")]
+    ended = c.handle(ev.ReplyEnded(start.reply_id, "interrupted", "Once upon"))
+    assert ended == [ev.ReportReply(start.reply_id, "interrupted")]
+    assert [m.content for m in c.history.messages] == ["tell me a story", "Once upon"]  # type: ignore[attr-defined]
+    assert c.handle(ev.ReplyEnded(start.reply_id, "completed", "Once upon a time")) == [], "nothing after its end"
+
+
+def test_speech_over_a_reply_it_does_not_interrupt() -> None:
+    c = core(interrupt_response=False)
+    c.handle(ev.SpeechStart())
+    c.handle(ev.TurnEnd())
+    c.handle(ev.Transcribed("item_t_1", "hi"))
+    assert kinds(c.handle(ev.SpeechStart())) == ["OpenTurn"]
+    assert c.handle(ev.Pause()) == [], "no speculation over a reply that plays on"
+
+
+def test_a_stale_turn_is_kept_but_not_answered() -> None:
+    c = core()
+    c.handle(ev.SpeechStart())
+    c.handle(ev.TurnEnd())
+    c.handle(ev.SpeechStart())  # the caller goes on before the transcript is in
+    assert kinds(c.handle(ev.Transcribed("item_t_1", "wait"))) == ["TurnTranscribed"]
+    assert c.reply is None and [m.content for m in c.history.messages] == ["wait"]  # type: ignore[attr-defined]
+
+
+def test_create_reply_replaces_the_live_one_and_tool_results_start_the_next_round() -> None:
+    c = core()
+    first = c.handle(ev.CreateReply())[-1]
+    assert isinstance(first, ev.StartReply) and not first.gated
+    again = c.handle(ev.CreateReply("opts"))
+    assert again[0] == ev.StopReply(first.reply_id, "cancelled", True) and kinds(again)[-1] == "StartReply"
+    second = again[-1]
+    assert isinstance(second, ev.StartReply)
+    assert c.handle(ev.ReplyEnded(first.reply_id, "cancelled", "")) == [ev.ReportReply(first.reply_id, "cancelled")]
+    assert c.handle(ev.ReplyEnded(second.reply_id, "completed", "calling", computed=())) == [
+        ev.ReportReply(second.reply_id, "completed")]
+    tools = c.handle(ev.ToolResults(second.reply_id, "opts", 0))
+    assert kinds(tools) == ["StartReply"]
+    third = tools[-1]
+    assert isinstance(third, ev.StartReply) and third.tool_round == 1 and third.options == "opts"
+
+
+def test_the_call_is_prefilled_when_idle_and_not_beside_a_reply() -> None:
+    c = CallCore(FakeHistory(), tag="t", prefills=True, block_size=4)
+    assert c.handle(ev.ContextChanged()) == [], "nothing before the call runs"
+    started = c.handle(ev.Started())
+    assert kinds(started) == ["StartPrefill"]
+    p = started[0]
+    assert isinstance(p, ev.StartPrefill) and p.ids == (1,) * 8 and p.cached == 0
+    assert c.handle(ev.ContextChanged()) == [], "the same ids are being prefilled"
+    reply = c.handle(ev.CreateReply())
+    assert reply[0] == ev.CancelPrefill(p.prefill), "a reply's own prompt has that prefix"
+    assert c.background.prefill is None
+    assert c.handle(ev.PrefillDone(p.prefill)) == [], "a cancelled prefill's end is ignored"
+
+
+def test_no_prefill_when_none_is_kept() -> None:
+    c = core(prefills=False)
+    assert c.handle(ev.ContextChanged()) == [] and c.background.holders == 0
+
+
+def test_compaction_ahead_of_the_budget_swaps_in_after_its_prefill() -> None:
+    h = FakeHistory(budget=60)
+    c = core(history=h, prefills=True, summaries=True, block_size=4)
+    c.handle(ev.PrefillDone(c.background.prefill.id))  # type: ignore[union-attr]
+    actions: list[ev.Action] = []
+    n = 0
+    while not any(isinstance(a, ev.StartSummary) for a in actions):
+        n += 1
+        actions = c.handle(ev.AddItem("user", f"question number {n} about the weather", f"u{n}"))
+        actions += c.handle(ev.AddItem("assistant", f"answer number {n} is sunny", f"a{n}"))
+        for a in actions:
+            if isinstance(a, ev.StartPrefill):
+                c.handle(ev.PrefillDone(a.prefill))
+    summary = next(a for a in actions if isinstance(a, ev.StartSummary))
+    head = list(summary.messages)
+    assert h.messages[: len(head)] == head, "the history keeps the turns while they are summarised"
+    written = c.handle(ev.SummaryDone(summary.summary, "they talked about the weather"))
+    assert kinds(written) == ["StartPrefill"]
+    p = written[0]
+    assert isinstance(p, ev.StartPrefill)
+    assert h.messages[: len(head)] == head, "swapped in only once prefilled"
+    c.handle(ev.PrefillDone(p.prefill))
+    assert h.summary == "they talked about the weather" and h.messages[0] is not head[0]
+    assert list(p.ids) == h.history_ids()
+
+
+def test_over_the_budget_first_the_hard_trim_summarises_after() -> None:
+    h = FakeHistory(budget=40)
+    c = core(history=h, prefills=False, summaries=True)
+    actions: list[ev.Action] = []
+    n = 0
+    while not actions:
+        n += 1
+        actions = c.handle(ev.AddItem("user", f"question number {n} about the weather today", f"u{n}"))
+    assert kinds(actions) == ["StartSummary"] and not h.over_budget()
+    s = actions[0]
+    assert isinstance(s, ev.StartSummary)
+    c.handle(ev.SummaryDone(s.summary, "weather"))
+    assert h.summary == "weather"
+
+
+# -------------------------------------------------------------- random event orders
+
+class Shell:
+    """Answers the core as the session does: a stopped reply ends at once (what was
+    heard: its first word), finals and background work when the test says."""
+
+    def __init__(self, c: CallCore) -> None:
+        self.c = c
+        self.live: dict[str, ev.StartReply] = {}
+        self.heard: dict[str, str] = {}
+        self.done: set[str] = set()
+        self.finals: list[str] = []
+        self.prefills: list[int] = []
+        self.summaries: list[int] = []
+
+    def feed(self, event: ev.Event) -> None:
+        self.run(self.c.handle(event))
+
+    def run(self, actions: list[ev.Action]) -> None:
+        for a in actions:
+            rid = getattr(a, "reply_id", None)
+            assert rid is None or rid not in self.done, f"{a} after the reply's end"
+            match a:
+                case ev.StartReply():
+                    self.live[a.reply_id] = a
+                    assert sum(1 for r in self.live if r not in self.done) <= 2  # one stopping, one live
+                case ev.StopReply(rid, status, report):
+                    text = f"word{len(self.done)}" if report else None
+                    if report:
+                        self.heard[rid] = text  # type: ignore[assignment]
+                    self.feed(ev.ReplyEnded(rid, status, text))
+                    self.done.add(rid)
+                case ev.ReportReply(rid):
+                    self.done.add(rid)
+                case ev.StartFinal(item) | ev.CommitTurn(item):
+                    self.finals.append(item)
+                case ev.StartPrefill(pid):
+                    self.prefills.append(pid)
+                case ev.StartSummary(sid):
+                    self.summaries.append(sid)
+            bg = self.c.background
+            assert bg.summary is None or bg.prefill is None or bg.summary.compaction is not None, \
+                "no prefill beside a trim's summary"
+        assert self.c.reply is None or self.c.reply.id not in self.done
+        assert not self.c.stopping, "every stopped reply ended"
+
+
+words = st.sampled_from(["yes", "what is the weather like in Paris today", "tell me more about it please"])
+events = st.one_of(
+    st.sampled_from(["speech", "quiet", "pause", "resume", "end", "clear", "create", "cancel", "complete",
+                     "fail", "final", "final_empty", "prefill", "summary", "summary_fail", "commit"]),
+    st.tuples(st.just("text"), words),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(events, max_size=60), st.booleans(), st.integers(min_value=40, max_value=200))
+def test_random_calls_keep_the_invariants(script: list[Any], prefills: bool, budget: int) -> None:
+    h = FakeHistory(budget=budget)
+    c = CallCore(h, tag="t", prefills=prefills, summaries=True, block_size=4, warm_turn=True)
+    shell = Shell(c)
+    shell.feed(ev.Started())
+    for step in script:
+        r = c.reply
+        if step == "speech":
+            shell.feed(ev.SpeechStart())
+        elif step == "quiet":
+            shell.feed(ev.Quiet())
+        elif step == "pause":
+            shell.feed(ev.Pause())
+        elif step == "resume":
+            shell.feed(ev.Resume())
+        elif step == "end":
+            shell.feed(ev.TurnEnd())
+        elif step == "clear":
+            shell.feed(ev.Clear())
+        elif step == "commit":
+            shell.feed(ev.Commit(c.new_item_id()))
+        elif step == "create":
+            shell.feed(ev.CreateReply())
+        elif step == "cancel":
+            shell.feed(ev.CancelReply())
+        elif step in ("complete", "fail") and r is not None and r.released:
+            before = list(h.messages)
+            text = "the whole reply as it was generated" if step == "complete" else "cut"
+            shell.feed(ev.ReplyEnded(r.id, "completed" if step == "complete" else "failed", text))
+            shell.done.add(r.id)
+            assert [m.content for m in h.messages if m not in before] in ([text], []), "kept as generated"
+            assert not h.over_budget() or len(h.messages) <= 1, "within the budget after each reply"
+        elif step in ("final", "final_empty") and shell.finals:
+            item = shell.finals.pop(0)
+            shell.feed(ev.Transcribed(item, "" if step == "final_empty" else "some words"))
+        elif step == "prefill" and shell.prefills:
+            shell.feed(ev.PrefillDone(shell.prefills.pop(0)))
+        elif step in ("summary", "summary_fail") and shell.summaries:
+            shell.feed(ev.SummaryDone(shell.summaries.pop(0), None if step == "summary_fail" else "a summary"))
+        elif isinstance(step, tuple):
+            shell.feed(ev.Partial(step[1]))
+            shell.feed(ev.AddItem("user", step[1], c.new_item_id()))
+        if step == "speech" and r is not None and r.released and c.interrupt_response:
+            # A barge-in: the history holds what was heard of the reply, not what it wrote.
+            kept = [m for m in h.messages if m.item_id == r.item_id]
+            assert [m.content for m in kept] in ([shell.heard[r.id]], []), "only what was heard"
+        assert c.background.holders <= 2 and (c.background.prefill is None or c.reply is None), \
+            "no prefill beside a live reply"

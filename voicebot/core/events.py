@@ -1,0 +1,283 @@
+"""What the call core is told (events) and what it decides (actions).
+
+Plain frozen dataclasses: no audio, no engine objects, so a call's events can be
+recorded and replayed. ``options`` fields carry a client's per-reply overrides through
+the core untouched (the core never reads them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# ----------------------------------------------------------------------- events
+
+
+@dataclass(frozen=True)
+class Started:
+    """The call's tasks can run: background work may start."""
+
+
+@dataclass(frozen=True)
+class Closing:
+    """The call is ending: nothing new starts."""
+
+
+# Turn signals from the detector (voicebot/session/turns.py).
+@dataclass(frozen=True)
+class SpeechStart:
+    pass
+
+
+@dataclass(frozen=True)
+class Quiet:
+    pass
+
+
+@dataclass(frozen=True)
+class Pause:
+    pass
+
+
+@dataclass(frozen=True)
+class Resume:
+    pass
+
+
+@dataclass(frozen=True)
+class TurnEnd:
+    pass
+
+
+@dataclass(frozen=True)
+class Partial:
+    """A partial transcript of the open turn."""
+
+    text: str
+    confirmed: str = ""
+    tentative: str = ""
+
+
+@dataclass(frozen=True)
+class Transcribed:
+    """A turn's final transcript is ready (empty: nothing was said)."""
+
+    item_id: str
+    text: str
+
+
+@dataclass(frozen=True)
+class ReplyEnded:
+    """A reply's work is over. ``text`` None: dropped unheard, nothing to keep or
+    report; otherwise what the history keeps (``token_ids``: as the model produced
+    it). ``computed``: the tokens its request left in the prefix cache."""
+
+    reply_id: str
+    status: str
+    text: str | None = None
+    token_ids: tuple[int, ...] | None = None
+    computed: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class ToolResults:
+    """A completed reply's server tools ran and their results are in the history: the
+    next round answers them."""
+
+    reply_id: str
+    options: Any = None
+    tool_round: int = 0
+
+
+# Client commands.
+@dataclass(frozen=True)
+class Commit:
+    item_id: str
+
+
+@dataclass(frozen=True)
+class Clear:
+    pass
+
+
+@dataclass(frozen=True)
+class CreateReply:
+    options: Any = None
+
+
+@dataclass(frozen=True)
+class CancelReply:
+    status: str = "cancelled"
+    report: bool = True
+
+
+@dataclass(frozen=True)
+class AddItem:
+    role: str
+    text: str
+    item_id: str
+    call_id: str | None = None
+    tool_calls: tuple[dict[str, Any], ...] | None = None
+
+
+@dataclass(frozen=True)
+class ContextChanged:
+    """The system prompt or the tools changed: the prompt's start is new."""
+
+
+@dataclass(frozen=True)
+class SettingsChanged:
+    create_response: bool
+    interrupt_response: bool
+
+
+# Background work.
+@dataclass(frozen=True)
+class PrefillProgress:
+    prefill: int
+    end: int  # tokens of its ids now in the cache
+
+
+@dataclass(frozen=True)
+class PrefillDone:
+    prefill: int
+    ok: bool = True
+
+
+@dataclass(frozen=True)
+class SummaryDone:
+    summary: int
+    text: str | None  # None: it failed
+
+
+Event = (
+    Started | Closing | SpeechStart | Quiet | Pause | Resume | TurnEnd | Partial | Transcribed | ReplyEnded
+    | ToolResults | Commit | Clear | CreateReply | CancelReply | AddItem | ContextChanged | SettingsChanged
+    | PrefillProgress | PrefillDone | SummaryDone
+)
+
+# ---------------------------------------------------------------------- actions
+
+
+@dataclass(frozen=True)
+class OpenTurn:
+    """The caller started speaking: a new turn, its audio from the pre-speech padding."""
+
+    item_id: str
+
+
+@dataclass(frozen=True)
+class RequestPartial:
+    pass
+
+
+@dataclass(frozen=True)
+class EmitPartial:
+    item_id: str
+    confirmed: str
+    tentative: str
+
+
+@dataclass(frozen=True)
+class StartFinal:
+    """Decode the open turn's final transcript (answer with :class:`Transcribed`)."""
+
+    item_id: str
+
+
+@dataclass(frozen=True)
+class CancelFinal:
+    item_id: str
+
+
+@dataclass(frozen=True)
+class EndTurn:
+    """The caller's turn is over: report it; its final transcript completes it."""
+
+    item_id: str
+
+
+@dataclass(frozen=True)
+class CommitTurn:
+    """A client's turn: the audio so far leaves with its own stream and decode."""
+
+    item_id: str
+
+
+@dataclass(frozen=True)
+class ResetInput:
+    pass
+
+
+@dataclass(frozen=True)
+class TurnTranscribed:
+    item_id: str
+    text: str
+
+
+@dataclass(frozen=True)
+class StartReply:
+    reply_id: str
+    item_id: str
+    turn: str | None  # the user turn it answers (its transcript is its prompt's end)
+    gated: bool
+    options: Any = None
+    tool_round: int = 0
+
+
+@dataclass(frozen=True)
+class ReleaseReply:
+    reply_id: str
+
+
+@dataclass(frozen=True)
+class StopReply:
+    """Cancel the reply's work; answer with :class:`ReplyEnded` (text: what was heard
+    when ``report``, else None)."""
+
+    reply_id: str
+    status: str
+    report: bool
+
+
+@dataclass(frozen=True)
+class ReportReply:
+    """The reply is in the history: tell the client it is done."""
+
+    reply_id: str
+    status: str
+
+
+@dataclass(frozen=True)
+class StartPrefill:
+    """Prefill ``ids`` at background priority; the first ``cached`` are cached."""
+
+    prefill: int
+    ids: tuple[int, ...]
+    cached: int
+
+
+@dataclass(frozen=True)
+class CancelPrefill:
+    prefill: int
+
+
+@dataclass(frozen=True)
+class StartSummary:
+    """Summarise ``messages`` (after ``earlier``) at background priority."""
+
+    summary: int
+    messages: tuple[Any, ...]
+    earlier: str | None
+
+
+@dataclass(frozen=True)
+class CancelSummary:
+    summary: int
+
+
+Action = (
+    OpenTurn | RequestPartial | EmitPartial | StartFinal | CancelFinal | EndTurn | CommitTurn | ResetInput
+    | TurnTranscribed | StartReply | ReleaseReply | StopReply | ReportReply | StartPrefill
+    | CancelPrefill | StartSummary | CancelSummary
+)

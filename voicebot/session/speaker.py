@@ -1,0 +1,346 @@
+"""The call's side that speaks: the live reply (and one being stopped), from its
+start to what the caller heard of it, and the one pacer that sends its audio.
+
+Which reply is live, when it is released or stopped, and what the history keeps of it
+are the core's decisions (voicebot/core); this runs them: each reply's task (LLM ->
+clauses -> TTS -> playout, then its server tools), its text events, and the audio in
+20 ms frames in real time, ``session.playout_lead_ms`` ahead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+from voicebot.core import events as ce
+from voicebot.session.events import (
+    BargeIn,
+    ResponseAudio,
+    ResponseAudioStarted,
+    ResponseDone,
+    ResponseStarted,
+    ResponseTextDelta,
+    SessionEvent,
+    ToolResult,
+    TurnTimings,
+)
+from voicebot.session.listener import Turn
+from voicebot.session.playout import Playout
+from voicebot.session.response import Delta, Response, ResponseOptions
+from voicebot.session.text_only import TextOnlyTts
+from voicebot.tools.spec import ToolChoice
+
+if TYPE_CHECKING:
+    from voicebot.session.session import Session
+
+_FRAME_MS = 20
+
+
+class Speaker:
+    def __init__(self, call: Session) -> None:
+        self.call = call
+        self.cfg = call.cfg
+        self.engines = call.engines
+        self._clock = call._clock
+        self.replies: dict[str, Response] = {}  # the live reply, and one being stopped
+        self._reply_tasks: dict[str, asyncio.Task[None]] = {}
+        self._reply_turns: dict[str, Turn] = {}  # the user turn each reply answers
+        self._reply_ends: dict[str, tuple[int, str]] = {}  # played ms and heard text, until reported
+        self._wake = asyncio.Event()  # pacer: a response was released or got audio
+        # What a transport says was really played of the live reply (set_played), in ms.
+        self.played_override: int | None = None
+        # Playouts of recent replies, so a client can still truncate them to what it heard.
+        self.heard: dict[str, Playout] = {}
+
+    @property
+    def live(self) -> Response | None:
+        """The live reply."""
+        live = self.call.core.reply
+        return None if live is None else self.replies.get(live.id)
+
+    def start(self, start: ce.StartReply) -> None:
+        turn = self.call.listener.turns.get(start.turn) if start.turn is not None else None
+        s = self.call.settings
+        options = start.options or ResponseOptions()
+        last = self.call.conversation.messages[-1] if self.call.conversation.messages else None
+        plan = self.call.tools.plan(options, start.tool_round,
+                               after_result=turn is None and last is not None and last.role == "tool")
+        resp = Response(
+            start.reply_id,
+            start.item_id,
+            [],
+            self.engines.llm,
+            # Text-only replies (Realtime output_modalities ["text"]) synthesise nothing.
+            self.engines.tts if s.audio_output else TextOnlyTts(self.engines.tts.sample_rate),
+            voice=s.voice,
+            speed=s.speed,
+            max_tokens=options.max_tokens or s.max_tokens,
+            first_clause_words=self.cfg.session.first_clause_words,
+            max_clause_words=self.cfg.session.max_clause_words,
+            clause_low_water_ms=self.cfg.session.clause_low_water_ms,
+            gated=start.gated,
+            output_rate=s.output_sample_rate,
+            clock=self._clock,
+            on_audio=self._wake.set,
+            tool_stream=plan.stream,
+            constraint=plan.constraint,
+            options=options,
+            tool_round=start.tool_round,
+        )
+        resp.prompt_tools, resp.tool_choice = plan.prompt_tools, plan.choice
+        self.replies[resp.id] = resp
+        if turn is not None:
+            self._reply_turns[resp.id] = turn
+            if start.gated:
+                turn.response = resp
+        self._reply_tasks[resp.id] = self.call._spawn(self._drive(resp, turn), "response")
+        if not start.gated:
+            self.release(resp)
+
+    def release(self, resp: Response) -> None:
+        resp.release()
+        self._wake.set()
+
+    async def _drive(self, resp: Response, turn: Turn | None) -> None:
+        results: list[str] | None = None  # server tools' results, when the reply called them
+        try:
+            if turn is not None:
+                # shield: this reply being cancelled must not cancel the turn's transcript.
+                transcript = await asyncio.shield(turn.final)
+                if not transcript.text.strip():
+                    return  # the turn's transcript ends it (noise)
+                in_history = any(m.item_id == turn.item_id for m in self.call.conversation.messages)
+                # A speculative reply runs before the turn is committed to the history.
+                user_text = None if in_history else transcript.text
+                resp.prompt_ids = self.call.conversation.prompt_ids(user_text=user_text)
+            else:
+                resp.prompt_ids = self.call.conversation.prompt_ids(
+                    system_prompt=resp.options.instructions, tools=resp.prompt_tools
+                )
+            resp.times.requested = self._clock.monotonic()
+            forward = self.call._spawn(self._forward_text(resp), "text")
+            try:
+                await resp.run()
+                await forward
+                await resp.released.wait()
+                if self.call.tools.runs(resp.tool_calls, resp.tool_round) and resp.tool_choice != ToolChoice("none"):
+                    results = await self._run_tools(resp)
+                if resp.playout.queued_samples:
+                    await resp.drained.wait()  # the pacer is still sending
+            finally:
+                forward.cancel()
+        except Exception:
+            if not resp.released.is_set():
+                # Speculative work is invisible to the caller: drop it; the committed
+                # turn starts a fresh reply (and reports its failure, if any).
+                self.call.log.warning("speculative reply failed", exc_info=True)
+                if self.live is resp:
+                    self._reply_ended(resp, ce.ReplyEnded(resp.id, "failed"))
+                return
+            if self.live is resp:
+                self._finish(resp, "failed")
+            raise
+        if self.live is resp:
+            self._finish(resp, "completed")
+            if results is not None:
+                self._reply_to_tool_results(resp, results)
+
+    async def _run_tools(self, resp: Response) -> list[str]:
+        """Run a released reply's server-tool calls, speaking the filler if they are
+        slow and the reply said nothing before its call. Runs inside the reply's task:
+        a barge-in cancels the webhook requests with it."""
+        filler, after_s = self.call.tools.filler
+        work = asyncio.ensure_future(self.call.tools.run_all(resp.tool_calls, self.call.id))
+        try:
+            if filler and not resp.full_text:
+                done, _ = await asyncio.wait({work}, timeout=after_s)
+                if not done:
+                    await resp.say(filler)
+            return await work
+        finally:
+            work.cancel()  # only does something when we are cancelled
+
+    def _reply_to_tool_results(self, resp: Response, results: list[str]) -> None:
+        """Results into the history (after the call's reply), then the next reply."""
+        for call, output in zip(resp.tool_calls, results, strict=True):
+            self.call.add_tool_result(call.call_id, output)
+            self.call.emit(ToolResult(call.call_id, call.name, output))
+        self.call._feed(ce.ToolResults(resp.id, resp.options, resp.tool_round))
+
+    async def _forward_text(self, resp: Response) -> None:
+        await resp.released.wait()
+        self.call.emit(ResponseStarted(resp.id, resp.item_id))
+        held: list[Delta | None] = []  # taken from the queue, for the next round
+        while (delta := held.pop() if held else await resp.deltas.get()) is not None:
+            if isinstance(delta, str):
+                # The text waiting here goes out as one event. A speculative reply
+                # released at the end of turn has hundreds of tokens waiting: one event
+                # each, in one loop turn, filled the bounded outbox, and the call was
+                # closed as a client that stopped reading.
+                parts = [delta]
+                while not resp.deltas.empty():
+                    nxt = resp.deltas.get_nowait()
+                    if not isinstance(nxt, str):
+                        held.append(nxt)  # a tool-call event or the end: after this text
+                        break
+                    parts.append(nxt)
+                event: SessionEvent = ResponseTextDelta(resp.id, resp.item_id, "".join(parts))
+            else:
+                event = delta  # a tool call's start / arguments / end (already session events)
+            # Like the reply's audio, its text waits for a slow reader (and coalesces
+            # meanwhile) instead of being taken for a stalled one.
+            await self.call._out.wait_for_room()
+            if self.live is not resp:
+                return  # cut while we waited: its ResponseDone is out, nothing may follow it
+            self.call.emit(event)
+
+    def stop(self, reply_id: str, status: str, report: bool) -> None:
+        """Cancel a reply's work; ``report``: it was heard, and is reported cut short."""
+        resp = self.replies.get(reply_id)
+        if resp is None:  # its start failed
+            self.call._feed(ce.ReplyEnded(reply_id, status))
+            return
+        task = self._reply_tasks.get(reply_id)
+        if task is not None:
+            task.cancel()  # aborts the vLLM request and pending TTS
+        if not report:
+            self._reply_ended(resp, ce.ReplyEnded(reply_id, status))
+            return
+        dropped = resp.playout.clear()
+        # Its audio still waiting in the outgoing queue is never sent either: the
+        # caller must not hear it, and the barge-in event must not wait behind it.
+        unsent = sum(
+            e.audio.size
+            for e in self.call._out.discard(lambda e: isinstance(e, ResponseAudio) and e.response_id == resp.id)
+            if isinstance(e, ResponseAudio)
+        )
+        resp.playout.taken -= unsent  # taken from the playout, but never sent
+        dropped += unsent
+        self._finish(resp, status)
+        if status == "interrupted":
+            if self.call.metrics:
+                self.call.metrics.barge_ins.inc()
+            self.call.log.info("barge-in: %d ms of reply audio dropped", 1000 * dropped // resp.playout.sample_rate)
+
+    def _finish(self, resp: Response, status: str) -> None:
+        """A reply the caller was told of ends: the core keeps what was heard of it."""
+        rate = resp.playout.sample_rate
+        if status == "completed":
+            played = resp.playout.taken
+        elif self.played_override is not None:
+            played = int(self.played_override * rate / 1000)
+        else:
+            # The client holds up to the lead in its buffer: that part was not heard.
+            lead = int(self.cfg.session.playout_lead_ms * rate / 1000)
+            played = max(0, resp.playout.taken - lead)
+        self.played_override = None
+        heard = resp.playout.heard_text(played) if status != "completed" else resp.full_text
+        self.heard[resp.item_id] = resp.playout
+        while len(self.heard) > 4:  # only recent replies can still be truncated
+            self.heard.pop(next(iter(self.heard)))
+        self._reply_ends[resp.id] = (1000 * played // rate, heard)
+        # A reply played in full is stored as the tokens the model produced (tool-call
+        # markup included): the next prompt then reuses its KV blocks from the prefix
+        # cache as well. A reply cut short keeps what was heard, and no call.
+        completed = status == "completed"
+        computed = None
+        if resp.stats.first_token_at is not None:
+            # Its request left its prompt and all but its last token in the cache.
+            computed = tuple(resp.prompt_ids + resp.token_ids[:-1])
+        self._reply_ended(resp, ce.ReplyEnded(
+            resp.id, status, resp.raw_text if completed else heard,
+            tuple(resp.token_ids) if completed else None, computed,
+        ))
+
+    def _reply_ended(self, resp: Response, ended: ce.ReplyEnded) -> None:
+        try:
+            self.call._feed(ended)
+        finally:
+            self.replies.pop(resp.id, None)
+            self._reply_tasks.pop(resp.id, None)
+            self._reply_turns.pop(resp.id, None)
+            self._reply_ends.pop(resp.id, None)
+
+    def report_done(self, reply_id: str, status: str) -> None:
+        resp = self.replies[reply_id]
+        played_ms, heard = self._reply_ends[reply_id]
+        if status == "interrupted":
+            self.call.emit(BargeIn(resp.id, played_ms, heard))
+        st = resp.stats
+        if self.call.metrics:
+            self.call.metrics.count_tokens(st.prompt_tokens, st.cached_tokens)
+        completed = status == "completed"
+        self.call.emit(
+            ResponseDone(
+                resp.id, resp.item_id, status, heard, resp.full_text, played_ms,  # type: ignore[arg-type]
+                st.finish_reason, st.prompt_tokens, st.output_tokens,
+                tuple(resp.tool_calls) if completed else (), st.cached_tokens,
+            )
+        )
+
+    async def pace(self) -> None:
+        """Send reply audio in 20 ms frames in real time, ``playout_lead_ms`` ahead."""
+        lead_s = self.cfg.session.playout_lead_ms / 1000.0
+        while True:
+            resp = self.live
+            if resp is None or not resp.released.is_set() or resp.playout.queued_samples == 0:
+                # Woken by a release or by new audio in the playout (no polling).
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            await self._play(resp, lead_s)
+
+    async def _play(self, resp: Response, lead_s: float) -> None:
+        rate = resp.playout.sample_rate
+        frame = rate * _FRAME_MS // 1000
+        if resp.times.first_audio is not None and resp.playout.taken == 0:
+            self.call.emit(ResponseAudioStarted(resp.id, resp.item_id))
+            self._report_timings(resp)
+        base = self._clock.monotonic() - resp.playout.taken / rate
+        while self.live is resp:
+            due = (self._clock.monotonic() - base + lead_s) * rate
+            while resp.playout.taken + frame <= due or (
+                resp.playout.queued_samples and resp.playout.taken < due and resp.generated
+            ):
+                if not self.call._out.data_room():
+                    await self.call._out.wait_for_room()
+                    if self.live is not resp:
+                        return  # cancelled while the client was slow to read
+                chunk = resp.playout.take(frame)
+                if chunk.size == 0:
+                    break
+                self.call._out.put_nowait(ResponseAudio(resp.id, resp.item_id, chunk, rate))
+                resp.notify_drained()
+                if resp.generated and resp.playout.queued_samples == 0:
+                    resp.drained.set()
+                if self.live is not resp:
+                    return
+            if resp.playout.queued_samples == 0:
+                return  # underrun or done: the outer loop waits for more
+            await self._clock.sleep(_FRAME_MS / 1000.0)
+
+    def _report_timings(self, resp: Response) -> None:
+        now = self._clock.monotonic()
+        turn = self._reply_turns.get(resp.id) if self.live is resp else None
+
+        def ms(a: float | None, b: float | None) -> float | None:
+            return None if a is None or b is None else round(1000.0 * (b - a), 1)
+
+        t = resp.times
+        timings = TurnTimings(
+            response_id=resp.id,
+            endpointing_ms=ms(turn.speech_end, turn.committed_at) if turn else None,
+            asr_final_ms=ms(turn.asr_started, turn.asr_done) if turn else None,
+            llm_ttft_ms=None if resp.stats.ttft_s is None else round(1000 * resp.stats.ttft_s, 1),
+            first_clause_ms=ms(t.requested, t.first_clause),
+            tts_first_audio_ms=ms(t.first_clause_synth_start, t.first_audio),
+            voice_to_voice_ms=ms(turn.speech_end, now) if turn else None,
+            cached_prompt_tokens=resp.stats.cached_tokens,
+            prompt_tokens=resp.stats.prompt_tokens,
+            speculative=bool(turn and turn.response is resp),
+        )
+        self.call.emit(timings)
+        if self.call.metrics:
+            self.call.metrics.observe_turn(timings)
+            self.call.metrics.cache_hit_ratio.set(self.engines.llm.cache_hit_ratio)
+
