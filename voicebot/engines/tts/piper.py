@@ -29,7 +29,8 @@ from voicebot.errors import EngineError, ModelError
 
 log = logging.getLogger(__name__)
 
-# Extra voices kept loaded besides the default one (each costs ~65 MB and 1.4 s to load).
+# Extra voices kept loaded besides the default one (each holds its model's memory, and
+# loading one again takes about a second).
 VOICE_CACHE_SIZE = 3
 
 
