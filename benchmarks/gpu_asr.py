@@ -330,7 +330,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--window-pad-s", type=float, default=None,
                    help="asr.encoder_pad_s: encode the utterance + this (rounded up to 8/10/12/15/20/30 s) "
-                        "instead of 30 s (voicebot/engines/whisper_vllm_window.py); unset: 30 s")
+                        "instead of 30 s (voicebot/engines/asr/whisper_vllm_window.py); unset: 30 s")
     p.add_argument("--window-min-s", type=float, default=8.0, help="asr.encoder_min_s (with --window-pad-s)")
     p.add_argument("--queue-size", type=int, default=4096)
     p.add_argument("--burst", type=int, default=256, help="one-shot decodes at once for the throughput test (0: skip)")

@@ -10,10 +10,10 @@ stalls, i.e. playback time lost waiting for the next clause (a stream is real-ti
 never stalls). As there, a session asks for its next clause when the previous one's audio
 arrives (one clause of look-ahead).
 
-Engine: ``voicebot/engines/kokoro_batch.py`` (``KokoroBatcher``: one bounded queue of
+Engine: ``voicebot/engines/tts/kokoro_batch.py`` (``KokoroBatcher``: one bounded queue of
 clauses from every session, earliest deadline first; up to ``--max-batch`` clauses per
 forward; ``--workers`` forwards at once, each on its own CUDA stream) over
-``voicebot/engines/kokoro_model.py`` (the ``kokoro`` package's ``KModel`` modules, run
+``voicebot/engines/tts/kokoro_model.py`` (the ``kokoro`` package's ``KModel`` modules, run
 batched: padded phonemes, then the vocoder in groups of similar length with per-utterance
 instance norms). Modes:
 
@@ -223,7 +223,7 @@ def profile_forward(model: Any, n: int, styles: Any, out: Path | None) -> dict[s
 
 def count_forward(model: Any, sizes: list[int], styles: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
     """For each batch size: what one batched forward (``torch_runner``: encode, then decode per
-    vocoder group, audio to the host) dispatches (``voicebot/engines/op_count.py``: device
+    vocoder group, audio to the host) dispatches (``voicebot/engines/tts/op_count.py``: device
     kernels, view ops, host ops, host-device syncs and where; on a CPU run only: the counter
     models the device there), then its wall time (median of
     ``--count-repeats``, without the counter, after the counted one; 0: no timing). ``--count-tiny``: clauses of 4 phonemes of 2

@@ -12,7 +12,7 @@ it never stalls: RTF >= 1 from the listener's side).
 
 ``--intra-op``: onnxruntime threads per synthesis (0: Piper's default, all cores, shared
 by every concurrent run of the one session). A value patches ``SessionOptions`` for the
-run; it is a measurement of a possible change to tts_piper.py, not what it does today.
+run; it is a measurement of a possible change to voicebot/engines/tts/piper.py, not what it does today.
 
 CPU only; prints a table and writes JSON.
 """

@@ -3,7 +3,7 @@
     python benchmarks/kokoro_from_onnx.py --onnx kokoro.onnx --voices DIR --out DIR
 
 Hugging Face is unreachable from the machines this project is developed on; the only
-Kokoro weights that are (docs: ../shared/docs/offline-models.md) are kokoro-onnx's
+Kokoro weights that are reachable are kokoro-onnx's
 ``kokoro-v1.0.int8.onnx`` (dynamic int8 quantisation, weight norms folded). This
 dequantises it into the ``kokoro`` package's ``KModel`` state dict (weight norms folded,
 as ``kokoro_model.build_model`` runs them), so the real engine can be tested offline:

@@ -214,7 +214,7 @@ class ServerProcess:
         first = "\n".join(lines[tracebacks[0]: tracebacks[0] + 40]) if tracebacks else None
         # Counted apart, not excused: one after "Finished server process" is a teardown bug.
         end = next((i for i, line in enumerate(lines) if "Finished server process" in line), len(lines))
-        # voicebot/server/loop_watch.py: "has not run for" (with the stack it is blocked
+        # voicebot/runtime/loop_watch.py: "has not run for" (with the stack it is blocked
         # at) while the loop is blocked, "was blocked for" once it runs again.
         stalls = [i for i, line in enumerate(lines) if "the event loop was blocked for" in line]
         stuck = [i for i, line in enumerate(lines) if "the event loop has not run for" in line]

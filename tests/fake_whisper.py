@@ -1,4 +1,4 @@
-"""A scripted Whisper behind our own ``WhisperRunner`` seam (voicebot/engines/asr_vllm.py),
+"""A scripted Whisper behind our own ``WhisperRunner`` seam (voicebot/engines/asr/vllm_whisper.py),
 shared by the vLLM-backend tests and the ASR-service tests: no GPU, no model."""
 
 from __future__ import annotations

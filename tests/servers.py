@@ -83,7 +83,7 @@ async def running_server(cfg: Config, state: ServerState | None = None) -> Async
     finally:
         server.should_exit = True
         await task  # the app's lifespan closes sessions and engines
-    # The heap frozen before the first call (voicebot/server/gc_freeze.py) is unfrozen,
+    # The heap frozen before the first call (voicebot/runtime/gc_freeze.py) is unfrozen,
     # so the exit's collection reached vLLM's AsyncLLM cycle.
     assert gc.get_freeze_count() == 0, "the server left the heap frozen"
 

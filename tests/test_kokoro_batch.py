@@ -1,4 +1,4 @@
-"""The Kokoro clause batcher (voicebot/engines/kokoro_batch.py) with a fake runner.
+"""The Kokoro clause batcher (voicebot/engines/tts/kokoro_batch.py) with a fake runner.
 
 The runner is the batcher's own interface to the model (``Runner``): here a function that
 records each batch, can be held in its worker thread until a test releases it, and

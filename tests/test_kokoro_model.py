@@ -1,4 +1,4 @@
-"""The batched Kokoro forward (voicebot/engines/kokoro_model.py) against batch 1.
+"""The batched Kokoro forward (voicebot/engines/tts/kokoro_model.py) against batch 1.
 
 On the ``kokoro`` package's own modules with random weights of a small shape (the real
 one is 82 M parameters; the code path is the same). The vocoder's noise source is zeroed

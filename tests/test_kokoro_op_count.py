@@ -1,4 +1,4 @@
-"""voicebot/engines/op_count.py: what a forward would dispatch and sync on an accelerator,
+"""voicebot/engines/tts/op_count.py: what a forward would dispatch and sync on an accelerator,
 counted on a CPU (used by tests/test_kokoro_model.py and benchmarks/gpu_kokoro.py --count)."""
 
 from __future__ import annotations

@@ -530,13 +530,13 @@ async def drain_check(proc: subprocess.Popen[bytes], port: int) -> None:
         assert "Traceback" not in out and "Exception in ASGI application" not in out, out[-3000:]
         # Closing the engines leaves the loop free: vLLM's shutdown() joins its engine-core
         # process, which on the loop stalled it ~5 s at every exit (server.loop_stall_s
-        # logged the stack: voicebot/engines/llm.py, aclose, engine.shutdown()).
+        # logged the stack: voicebot/engines/llm/inprocess.py, aclose, engine.shutdown()).
         stuck = [stack for stack in loop_stall_stacks(out) if "voicebot/engines/" in stack and "aclose" in stack]
         assert not stuck, stuck[0]
 
 
 def loop_stall_stacks(log: str) -> list[str]:
-    """The stacks voicebot/server/loop_watch.py logged for a blocked event loop."""
+    """The stacks voicebot/runtime/loop_watch.py logged for a blocked event loop."""
     stacks = []
     for block in log.split("the event loop has not run for")[1:]:
         lines = block.splitlines()

@@ -5,7 +5,7 @@
 ``voicebot serve --help``: "--no-pull  fail instead of building missing bundle models".
 voicebot/server/run.py skipped only the pull before binding; the engines then resolved
 ``bundle:NAME`` with ``resolve_model(ref, models)`` whose ``pull`` defaults to True
-(voicebot/engines/__init__.py, voicebot/engines/smart_turn.py), so the server bound,
+(voicebot/engines/__init__.py, voicebot/engines/turn/smart_turn.py), so the server bound,
 answered /healthz "loading" and downloaded and converted every missing model in the
 background (1.3 GB and a 60 s GGUF conversion for the default config), found trying the
 server as a new user would: ``HOME=<empty> voicebot serve --no-pull`` -> "whisper-tiny.en:

@@ -60,7 +60,7 @@ def test_two_minute_soak_leaks_nothing(speech_clips: list[Clip], tmp_path: Path,
     # check compares the idle process tree before the first call and after the last.
     grown = result["final"]["tree_rss_mb"] - result["baseline"]["tree_rss_mb"]
     assert grown < GROSS_IDLE_GROWTH_MB, (grown, result["rss_trend"], report)
-    # Calls ended, so the heap was given back at least once (voicebot/server/heap.py).
+    # Calls ended, so the heap was given back at least once (voicebot/runtime/heap.py).
     assert (result["final"]["heap_trims"] or 0) >= 1, result["final"]
     assert targets["excess_refused_clearly"], (result["overload"], report)
     assert targets["admitted_all_ok"], (result["overload"], report)

@@ -1,4 +1,4 @@
-"""``tts.engine: kokoro`` (voicebot/engines/tts_kokoro.py) over a fake model runner.
+"""``tts.engine: kokoro`` (voicebot/engines/tts/kokoro.py) over a fake model runner.
 
 Real: espeak-ng G2P (piper-tts's copy) with Kokoro's vocabulary, voice packs read from a
 directory (kokoro-js ``.bin`` layout), the batcher, the factory. Fake: the runner, i.e.

@@ -362,7 +362,7 @@ async def test_health_and_metrics(server: RunningServer) -> None:
         "voicebot_event_loop_stalls_total",
     ):
         assert name in text, name
-    # The loop watch runs (voicebot/server/loop_watch.py): its timer has fired.
+    # The loop watch runs (voicebot/runtime/loop_watch.py): its timer has fired.
     ticks = re.search(r"^voicebot_event_loop_lag_seconds_count (\S+)$", text, re.M)
     assert ticks is not None and float(ticks.group(1)) > 0, text[-2000:]
 
@@ -370,7 +370,7 @@ async def test_health_and_metrics(server: RunningServer) -> None:
 async def test_the_loaded_engines_are_out_of_the_garbage_collectors_reach(server: RunningServer) -> None:
     # A full collection walks every tracked object: ~620k after the CPU default's load,
     # 620-665 ms on the loop (docs/reliability.md). The server freezes what loading
-    # left before its first call (voicebot/server/gc_freeze.py), so a collection while
+    # left before its first call (voicebot/runtime/gc_freeze.py), so a collection while
     # serving walks only what the calls made since.
     frozen = gc.get_freeze_count()
     assert frozen > 100_000, f"only {frozen} objects frozen: the loaded heap is still collected"

@@ -6,14 +6,14 @@ its main task (:func:`bind_session`); every task it spawns inherits the binding
 (asyncio copies the context into each new task), and the engines read it with
 :func:`current_session`:
 
-- the remote backend (llm_remote.py) sends it as ``X-Session-ID``, the header
+- the remote backend (``voicebot/engines/llm/remote.py``) sends it as ``X-Session-ID``, the header
   vllm-router's session-affinity policies (``consistent_hash``, ``sticky_least_loaded``)
   route by (docs/scaling.md);
 - the in-process engine with ``llm.data_parallel_size > 1`` pins the call to one
   data-parallel rank (:func:`rank_for`), the same idea inside one process.
 
-A top-level module (not in voicebot/engines/) so that llm.py can import it without the
-engines package, whose ``__init__`` loads ASR and TTS (the GPU benchmarks load llm.py alone).
+A top-level module, so that the session (which binds) and the LLM backends (which read)
+share one context variable without the engines importing anything of the session.
 """
 
 from __future__ import annotations

@@ -163,7 +163,7 @@ async def resolve_specs(cfg: Config) -> EngineSpecs:
 def _import_transformers_once(cfg: Config) -> None:
     """transformers' lazy module is not safe to import from two threads at once: a GPU
     frontend (remote LLM: the tokenizer; vLLM Whisper: vLLM) failed to start with "cannot
-    import name 'PretrainedConfig' from 'transformers'" (H100, 2026-11-23). With vLLM Whisper
+    import name 'PretrainedConfig' from 'transformers'". With vLLM Whisper
     beside either LLM backend, both are imported here, on one thread, before the engines
     start concurrently; a missing package is left for its engine to report."""
     if cfg.asr.backend != "vllm":

@@ -1,9 +1,9 @@
 """Keep what the models loaded out of Python's cycle collector while calls are served.
 
-Loading the engines leaves ~620k objects tracked by the garbage collector in the CPU
-default server (torch's, transformers' and vLLM's modules and the engines' own). A full
-collection walks every one of them: 534-734 ms measured (``benchmarks/gc_pause.py``),
-on whichever thread set it off and holding the GIL, so the event loop and every call
+Loading the engines leaves hundreds of thousands of objects tracked by the garbage
+collector (torch's, transformers' and vLLM's modules and the engines' own). A full
+collection walks every one of them, for a good part of a second in the CPU default
+(docs/benchmarks.md, 'What the event loop pays'), on whichever thread set it off and holding the GIL, so the event loop and every call
 stall with it. CPython starts one when the objects promoted since the last exceed a
 quarter of the long-lived ones: rarely, but a server that runs for days does. None of
 those objects ever becomes garbage. vLLM's own server freezes them after its start-up

@@ -2,17 +2,15 @@
 
 On a GPU host the server and the ASR service need no CPU math from torch, yet torch
 (and the vLLM engine core it forks, which inherits the environment) sizes its OpenMP
-pool to every core, and idle OpenMP workers spin before they sleep. Measured on a
-16-core H100 host (docs/gpu-results.md, 2026-11-24): the shared Whisper service's
-engine core kept 15 such threads at 12-23% of a core each; with ``OMP_NUM_THREADS=1``
-the service used 0.74 cores instead of 2.03 at 32 callers and the ASR final p95 fell
-from 874 to 640 ms. On a CPU host vLLM-CPU and CTranslate2 do their math on these
+pool to every core, and idle OpenMP workers spin before they sleep: on a many-core GPU
+host the shared Whisper service's engine core took cores from the frontends and slowed
+the ASR final (docs/gpu-results.md, 'Threads that spin'). On a CPU host vLLM-CPU and CTranslate2 do their math on these
 threads, so the default (0) leaves them alone.
 
 ``OMP_WAIT_POLICY`` decides what an idle OpenMP worker does: spin for a while (libgomp's
-default, ~300,000 turns) or sleep at once (PASSIVE). On 2 cores the ASR's CTranslate2 pool
+default) or sleep at once (PASSIVE). On 2 cores the ASR's CTranslate2 pool
 and the LLM's torch pool take turns on the same cores, and a spinning worker of one holds a
-core the other is waiting for (docs/benchmarks.md, OpenMP wait policy).
+core the other is waiting for (docs/benchmarks.md, 'Why the defaults are what they are').
 """
 
 from __future__ import annotations

@@ -108,8 +108,8 @@ def create_app(cfg: Config, *, load: bool = True, state: ServerState | None = No
                     await state.engines.aclose()
                     state.engines = None
             finally:
-                # Watched up to here (closing the engines once stalled the loop ~5 s);
-                # the full collection below takes ~0.5 s with nothing left to stall.
+                # Watched up to here (closing the engines is where the loop can stall);
+                # the full collection below is long, but nothing is left to stall.
                 if watch is not None:
                     await watch.aclose()
             # vLLM's AsyncLLM sits in a reference cycle: collected at interpreter teardown,

@@ -55,8 +55,8 @@ log = logging.getLogger(__name__)
 MAX_JSON_DEPTH = 64
 # Most objects and arrays in one message (outside strings). A real event has tens (a
 # session.update with tools: hundreds to a few thousand); building Python objects is what
-# parsing costs, on the event loop all sessions share: a 1 MiB message of 300k empty arrays
-# held it ~0.24 s, its refusal after the bracket scan ~0.05 s (benchmarks/inline_cost.py).
+# parsing costs, on the event loop all sessions share: a message of many empty arrays holds
+# it far longer than refusing it after the bracket scan does (docs/benchmarks.md).
 MAX_JSON_CONTAINERS = 10_000
 
 

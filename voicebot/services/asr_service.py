@@ -1,7 +1,7 @@
 """``voicebot asr-serve``: ONE ASR engine shared by many frontends (``asr.backend: remote``).
 
-On one GPU, K frontends with a Whisper engine each time-slice the GPU and were slower
-than one (docs/gpu-results.md, 2026-11-23 third session). This process hosts the single
+On one GPU, K frontends with a Whisper engine each time-slice the GPU and are slower
+than one (docs/gpu-results.md, 'Why the GPU configs are what they are'). This process hosts the single
 engine -- faster-whisper on a CPU, Whisper on vLLM on a GPU (``asr.backend``, or
 ``asr.remote.engine`` when the config says ``remote``) -- and every frontend's decodes
 share it, as the LLM tier shares one vLLM server.

@@ -3,7 +3,7 @@
 On one GPU, K frontends with a Kokoro engine each are K CUDA contexts time-slicing the GPU
 with the LLM server and the ASR service, and each Kokoro's host work (thousands of kernel
 launches per forward) shares its frontend's GIL with the event loop (docs/gpu-results.md,
-stop 20). This process hosts the single engine the config's tts section describes -- Kokoro
+'One TTS service'). This process hosts the single engine the config's tts section describes -- Kokoro
 on the GPU, whose batcher puts every frontend's clauses into one forward, or Piper on this
 host's cores -- as ``voicebot asr-serve`` hosts the one Whisper.
 

@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 def tls_context() -> ssl.SSLContext:
     """httpx's default TLS verification (certifi's CA bundle, or ``SSL_CERT_FILE``/``_DIR``).
 
-    Loading the CA bundle takes ~45 ms of CPU, and httpx does it for every client it
+    Loading the CA bundle takes tens of milliseconds of CPU, and httpx does it for every client it
     builds: on the event loop, at every tool call, every call on the server would stall
     with it. Built once, off the loop (:meth:`WebhookTools._post`)."""
     return httpx.create_ssl_context()

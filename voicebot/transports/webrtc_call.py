@@ -46,7 +46,7 @@ _CLOSE_TIMEOUT_S = 5.0
 _COMMAND_QUEUE = 256  # client events waiting to be applied; a flood beyond is refused
 _EARLY_EVENTS = 64  # server events held until the data channel opens
 # Audio travels on the media track: these never go on the data channel. The translator
-# still sees every ResponseAudio (and encodes a delta we drop, ~1 ms CPU per second of
+# still sees every ResponseAudio (and encodes a delta we drop, a small cost per second of
 # reply) because its count of audio sent is what conversation.item.truncate is checked
 # against; it has no audio-on-a-media-track mode yet.
 _AUDIO_EVENTS = frozenset({rt.GA.audio_delta, rt.BETA.audio_delta})

@@ -56,7 +56,7 @@ class AsrEngine:
         self.model_path = model_path
         # Consecutive partials that must agree before a word is confirmed. LocalAgreement-2
         # locks in a small model's early guesses on the first seconds of audio; n = 3 keeps
-        # WER at the one-shot level for about 0.6 s more confirmation lag.
+        # WER at the one-shot level for one more partial of confirmation lag.
         self.agreement_n = agreement_n
         self.decoder: Decoder = decoder or LocalWhisper(cfg, model_path)
         self.stats = AsrStats()

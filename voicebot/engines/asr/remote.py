@@ -1,8 +1,8 @@
 """The frontend half of the shared ASR service (``asr.backend: remote``).
 
 One GPU serves more callers when ONE Whisper engine batches every frontend's streams
-(docs/gpu-results.md, 2026-11-23 third session: four frontends with an engine each
-time-sliced the GPU). ``voicebot asr-serve`` (:mod:`voicebot.asr_service`) hosts that
+(frontends with an engine each time-slice the GPU: docs/gpu-results.md, 'Why the GPU
+configs are what they are'). ``voicebot asr-serve`` (:mod:`voicebot.services.asr_service`) hosts that
 engine; this module is what a frontend runs instead of a local one.
 
 The split: everything per call stays here. :class:`RemoteAsrEngine` is the shared

@@ -180,10 +180,9 @@ class Utterance:
 
         A partial that started before the end of speech cannot be the final, and the final
         (or the partial that covers) decodes all of its audio again: stop it rather than
-        wait for it. With one decode thread the final queued behind all of it (387-504 ms
-        of the ASR final's p95 on 2 cores, docs/benchmarks.md stop 20); at the ASR service,
-        waiting for it and then for the partial that covers doubled the p95 under load
-        (docs/gpu-results.md). A decode thread stops before its decoder at the latest.
+        wait for it. With one decode thread the final would queue behind all of it; at the
+        ASR service it would wait for it and then for the partial that covers (docs/benchmarks.md,
+        'Stale partial decodes'). A decode thread stops before its decoder at the latest.
         """
         running = self._partial_job
         if running is None or running.audio is None or running.audio.size / ASR_RATE >= covering_s:

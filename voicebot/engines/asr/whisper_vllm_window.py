@@ -2,8 +2,7 @@
 
 vLLM's Whisper pads every audio's log-mel features to 3000 frames (30 s) and gives each
 request 1500 encoder positions, so a 1.5 s partial costs the GPU's encoder as much as
-30 s of speech (docs/gpu-results.md: 7.3 ms per utterance batched at 30 s, 1.8-2.2 ms at
-8-10 s). This is the faster-whisper trim of voicebot/engines/asr/whisper_window.py on vLLM:
+30 s of speech (docs/gpu-results.md, 'Why the GPU configs are what they are'). This is the faster-whisper trim of voicebot/engines/asr/whisper_window.py on vLLM:
 the same padded log-mel, cut to the utterance plus ``asr.encoder_pad_s`` (at least
 ``asr.encoder_min_s``), rounded up to one of a few window lengths so that one engine
 step's encoder calls stay batched (each distinct length is its own encoder call).

@@ -2,9 +2,9 @@
 
 On a CPU, vLLM runs bfloat16 fast only where the CPU has it natively (AVX512-BF16 or
 AMX); elsewhere (AVX2 machines: most laptops, many cloud cores) every bf16 matmul is
-converted on the fly. Measured on a 2-core AVX2 EPYC (docs/benchmarks.md): prompt
-prefill 4x faster in float32 (TTFT with a cached prefix 1657 -> 415 ms p50), for
-slower decode of a single stream (weights twice the bytes). On a GPU, ``auto`` is
+converted on the fly, so float32 prefills several times faster there, for a slower
+decode of a single stream (weights twice the bytes; docs/benchmarks.md, 'Why the
+defaults are what they are'). On a GPU, ``auto`` is
 left to vLLM (the model's own dtype).
 """
 

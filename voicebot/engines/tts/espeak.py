@@ -2,12 +2,11 @@
 
 Each sentence is one ``espeak-ng --stdout`` process, started from a worker-pool
 thread that waits for it; cancelling a running sentence kills the process.
-Why a process rather than libespeak-ng through ctypes (measured on 2 cores): the
-library synthesises a 3 s sentence in 2–7 ms against 27–35 ms for a process, but it
-is one global, non-thread-safe instance per process (``workers`` > 1 would need a
+Why a process rather than libespeak-ng through ctypes: the library synthesises a
+sentence several times sooner than a process does, but it is one global, non-thread-safe instance per process (``workers`` > 1 would need a
 global lock), can only be aborted between callbacks, and Piper loads its own copy of
-espeak-ng into the same process. 30 ms of first audio is well inside the turn budget;
-the process is killable, isolated and runs in parallel.
+espeak-ng into the same process. A process's first audio is still well inside the turn
+budget; the process is killable, isolated and runs in parallel.
 """
 
 from __future__ import annotations

@@ -268,7 +268,7 @@ class KokoroTts:
         play_from: float | None = None  # loop time the stream's first audio was handed over
         handed = 0.0  # seconds of audio handed over so far
 
-        # espeak on the event loop: 0.35 ms for a 90-character sentence (less than a thread hop).
+        # espeak on the event loop: phonemising a sentence costs less than a thread hop.
         pieces = (ids for sentence in sentences for ids in g2p.ids(sentence))
 
         def submit(ids: list[int] | None) -> asyncio.Task[np.ndarray] | None:

@@ -29,7 +29,8 @@ from voicebot.errors import EngineError, ModelError
 
 log = logging.getLogger(__name__)
 
-# Extra voices kept loaded besides the default one (each costs ~65 MB and 1.4 s to load).
+# Extra voices kept loaded besides the default one (each holds its model's memory, and
+# loading one again takes about a second).
 VOICE_CACHE_SIZE = 3
 
 
@@ -127,7 +128,7 @@ class PiperTts(PooledTts):
         # One load at a time, so two sessions asking for the same new voice load it once.
         async with self._load_lock:
             if key not in self._extra:
-                # Loaded outside the worker pool: a 1.4 s load must not stall every
+                # Loaded outside the worker pool: a load of about a second must not stall every
                 # session's sentences queued behind it.
                 try:
                     voice = await asyncio.to_thread(_load_voice, model, config, self._cfg.intra_op_threads)

@@ -2,7 +2,7 @@
 
 On one GPU, K frontends with a Kokoro engine each are K CUDA contexts time-slicing the GPU
 with the LLM and the ASR service, and each Kokoro's host work shares its frontend's GIL with
-the event loop (docs/gpu-results.md, stop 20). ``voicebot tts-serve`` (:mod:`voicebot.services.tts_service`)
+the event loop (docs/gpu-results.md, 'One TTS service'). ``voicebot tts-serve`` (:mod:`voicebot.services.tts_service`)
 hosts ONE engine -- Kokoro batching every frontend's clauses in one forward, or Piper on the
 service's cores -- and this module is what a frontend runs instead of a local one.
 

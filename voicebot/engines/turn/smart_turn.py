@@ -14,8 +14,8 @@ output ``logits`` is already a sigmoid probability. Pipecat calls it complete ab
 The log-mel is faster-whisper's own numpy implementation (the same one Whisper
 decoding uses here), so nothing beyond onnxruntime and numpy is needed.
 
-One model and one inference thread serve every session: an inference is ~10-60 ms of
-one core, and runs only at a pause, so a single thread keeps it off the event loop
+One model and one inference thread serve every session: an inference takes tens of
+milliseconds of one core, and runs only at a pause, so a single thread keeps it off the event loop
 without taking both cores from ASR and the LLM.
 """
 

@@ -8,8 +8,8 @@ speech probability per window and the new state. Windows in one call run as a
 sequence, so a chunk of several windows costs one ``run()``; this is how
 ``faster_whisper.vad.SileroVADModel`` drives it, minus the state reset per call.
 
-A window costs ~0.15 ms on one core (measured), so sessions run it inline on the event
-loop instead of paying a thread hop per 20 ms chunk.
+A window costs less than a thread hop (docs/benchmarks.md, 'What the event loop pays'), so
+sessions run it inline on the event loop instead of paying a hop per 20 ms chunk.
 
 Long silence: after several seconds of silence (a caller listening to a reply) the
 model's recurrent state drifts so that the next short word scores low: a real 0.75 s
