@@ -62,5 +62,13 @@ def bundle_dir(models_config: ModelsConfig) -> Callable[[str], str]:
 
 
 @pytest.fixture(scope="session")
+def tokenizer(bundle_dir: Callable[[str], str]):  # type: ignore[no-untyped-def]
+    """The Qwen3 tokenizer the fake engines (tests/fakes.py) count and render prompts with."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(bundle_dir("qwen3-tokenizer"))
+
+
+@pytest.fixture(scope="session")
 def whisper_tiny_dir(bundle_dir: Callable[[str], str]) -> str:
     return bundle_dir("whisper-tiny.en")

@@ -1,6 +1,6 @@
 """A real remote LLM tier: ``vllm serve`` processes behind a ``vllm-router`` process.
 
-Used by tests/test_scale_out.py and benchmarks/remote_llm.py. Every process is
+Used by tests/e2e/test_scale_out.py and benchmarks/remote_llm.py. Every process is
 started in its own process group (``vllm serve`` spawns an engine-core child) and
 killed by that group's id, so nothing outlives the tier. Each process logs to a
 file; a process that exits while we wait for it fails with the tail of its log.

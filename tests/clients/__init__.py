@@ -1,1 +1,1 @@
-"""Shared pieces of the third-party client tests (tests/test_clients_*.py)."""
+"""Shared pieces of the third-party client tests (tests/e2e/test_clients_realtime.py)."""

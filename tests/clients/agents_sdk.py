@@ -1,4 +1,4 @@
-"""OpenAI Agents SDK (``openai-agents``) glue for tests/test_clients_realtime.py: a
+"""OpenAI Agents SDK (``openai-agents``) glue for tests/e2e/test_clients_realtime.py: a
 ``RealtimeAgent`` with a ``get_weather`` function tool, run by ``RealtimeRunner`` against
 our server by URL only, its session events collected as they come."""
 

@@ -1,4 +1,4 @@
-"""LiveKit Agents glue for tests/test_clients_realtime.py: an ``AgentSession`` on
+"""LiveKit Agents glue for tests/e2e/test_clients_realtime.py: an ``AgentSession`` on
 ``livekit.plugins.openai.realtime.RealtimeModel(base_url=ours)`` with no LiveKit server,
 the room's microphone replaced by frames the test pushes and its speaker by a sink that
 plays in real time."""

@@ -1,4 +1,4 @@
-"""Pipecat glue for tests/test_clients_realtime.py: a minimal pipeline
+"""Pipecat glue for tests/e2e/test_clients_realtime.py: a minimal pipeline
 ``[tap, OpenAIRealtimeLLMService(base_url=ours), tap]`` fed speech as ``InputAudioRawFrame``s
 (no transport), every frame recorded by the taps."""
 

@@ -308,7 +308,7 @@ class Listener:
     def _new_turn(self, item_id: str, final: asyncio.Task[Transcript]) -> Turn:
         turn = Turn(item_id, final, asr_started=self._clock.monotonic())
         # When the transcript is ready, not when the committed turn reads it (after END:
-        # a speculative final may wait there for Smart Turn's cap; tests/test_asr_final_timing.py).
+        # a speculative final may wait there for Smart Turn's cap; tests/session/test_asr_final_timing.py).
         final.add_done_callback(lambda _: setattr(turn, "asr_done", self._clock.monotonic()))
         self.turns[item_id] = turn
         return turn

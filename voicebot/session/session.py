@@ -414,7 +414,7 @@ class Session:
                 self.listener.open_turn(item_id)
             case ce.RequestPartial():
                 # Decode now, unless a partial that saw the speech to its end is decoded
-                # or decoding: it becomes the final (tests/test_turns_partials.py).
+                # or decoding: it becomes the final (tests/session/test_turns_partials.py).
                 self.listener.request_partial()
             case ce.EmitPartial(item_id, confirmed, tentative):
                 self.emit(TranscriptPartial(item_id, confirmed, tentative))

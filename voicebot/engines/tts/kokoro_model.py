@@ -14,7 +14,7 @@ utterances of different lengths in one forward, on the package's own modules and
    own frames and each conv to zeros after an utterance's end, as in batch 1
    (:func:`mask_padding`). What still differs from batch 1 is the very end of an utterance
    (the source's interpolation and STFT reach into the padding): 0.06% of the peak before
-   the iSTFT in tests/test_kokoro_model.py. The vocoder's noise source is random in both.
+   the iSTFT in tests/engines/test_kokoro_model.py. The vocoder's noise source is random in both.
 
 Callers group utterances of similar frame counts (:func:`frame_groups`) so that padding
 costs little. Importing this module needs torch; loading the ``kokoro`` package's

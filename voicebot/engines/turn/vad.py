@@ -14,13 +14,13 @@ sessions run it inline on the event loop instead of paying a hop per 20 ms chunk
 Long silence: after several seconds of silence (a caller listening to a reply) the
 model's recurrent state drifts so that the next short word scores low: a real 0.75 s
 telephone "them" after 5-19 s of silence stayed below 0.5, or above it for fewer than
-``vad.min_speech_ms`` in a row, at 11 of 48 window alignments (tests/test_short_utterance.py),
+``vad.min_speech_ms`` in a row, at 11 of 48 window alignments (tests/e2e/test_short_utterance.py),
 and the word was never heard. The state is therefore reset after ``QUIET_RESET_WINDOWS``
 windows of quiet (about a second), as if a fresh stream began; speech never triggers
 it, and a reset in the middle of silence changes nothing that follows but the drift.
 A state of zeros is cold, though: the first windows after it score speech low, so a
 reset that fell in the few quiet windows just before a word lost the word again (5 of
-500 silence lengths, tests/test_short_utterance.py). The fresh state is therefore
+500 silence lengths, tests/e2e/test_short_utterance.py). The fresh state is therefore
 warmed on the last ``WARM_WINDOWS`` quiet windows, as a stream that had just heard
 them would be.
 """

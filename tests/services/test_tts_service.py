@@ -1,0 +1,443 @@
+"""The shared TTS service (``voicebot tts-serve``) and its frontend engine (``tts.backend: remote``).
+
+Real service code on a real localhost WebSocket, with a scripted fake of our own
+:class:`~voicebot.engines.tts.TtsEngine` inside the service: it yields one chunk per sentence
+only when asked and records what it was asked for and when its stream was closed, so flow
+control, cancellation and failures are seen without a model. tests/services/test_tts_service_e2e.py
+runs the real ``voicebot tts-serve`` with Piper.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncGenerator, AsyncIterator
+
+import numpy as np
+import pytest
+import websockets
+
+from voicebot.config import RemoteTtsConfig, TtsConfig, load_config
+from voicebot.engines.registry import create_tts
+from voicebot.engines.tts.remote import RemoteTts
+from voicebot.errors import CapacityError, ConfigError, EngineError, ModelError
+from voicebot.services.tts_service import TtsService, listen
+
+WAIT = 10.0  # generous: only a hang reaches it
+RATE = 16_000
+
+
+class ScriptedTts:
+    """A :class:`TtsEngine` whose sentence i is ``RATE // 10`` samples of value i + 1."""
+
+    sample_rate = RATE
+
+    def __init__(self, *, fail_on: str | None = None, hold: asyncio.Event | None = None) -> None:
+        self.fail_on = fail_on  # text that raises EngineError after its first sentence
+        self.hold = hold  # sentences after the first wait for this
+        self.produced = 0  # sentences pulled from a stream
+        self.closed = 0  # streams closed before their end (GeneratorExit / cancel)
+        self.finished = 0
+        self.texts: list[tuple[str, str | None, float | None]] = []
+
+    async def start(self) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+    @property
+    def queue_depth(self) -> int:
+        return 0
+
+    @property
+    def failure_streak(self) -> int:
+        return 0
+
+    @property
+    def last_error(self) -> BaseException | None:
+        return None
+
+    def voices(self) -> list[str]:
+        return ["alpha", "beta"]
+
+    async def synthesize(
+        self, text: str, *, voice: str | None = None, speed: float | None = None
+    ) -> AsyncGenerator[np.ndarray, None]:
+        self.texts.append((text, voice, speed))
+        sentences = [s for s in text.split(".") if s.strip()]
+        try:
+            for i, _ in enumerate(sentences):
+                if i and self.hold is not None:
+                    await self.hold.wait()
+                if i and text == self.fail_on:
+                    raise EngineError("scripted failure", code="engine_error")
+                self.produced += 1
+                yield np.full(RATE // 10, float(i + 1), dtype=np.float32)
+        except (GeneratorExit, asyncio.CancelledError):
+            self.closed += 1
+            raise
+        self.finished += 1
+
+
+@contextlib.asynccontextmanager
+async def service(engine: ScriptedTts) -> AsyncIterator[tuple[TtsService, str]]:
+    svc = TtsService(engine, engine_name="scripted")  # type: ignore[arg-type]
+    try:
+        async with listen(svc, "127.0.0.1", 0) as server:
+            host, port = next(iter(server.sockets)).getsockname()[:2]
+            yield svc, f"ws://{host}:{port}"
+    finally:
+        await svc.aclose()
+
+
+@contextlib.asynccontextmanager
+async def frontend(url: str, **remote: object) -> AsyncIterator[RemoteTts]:
+    rcfg = RemoteTtsConfig(url=url, **{"retries": 1, "retry_backoff_s": 0.05, "startup_timeout_s": 2.0, **remote})  # type: ignore[arg-type]
+    engine = create_tts(TtsConfig(backend="remote", remote=rcfg), None)
+    assert isinstance(engine, RemoteTts)
+    await engine.start()
+    try:
+        yield engine
+    finally:
+        await engine.aclose()
+
+
+async def until(cond: object, timeout: float = WAIT) -> None:
+    async with asyncio.timeout(timeout):
+        while not cond():  # type: ignore[operator]
+            await asyncio.sleep(0.005)
+
+
+async def test_a_clause_streams_sentence_by_sentence_with_the_services_rate_and_voices() -> None:
+    fake = ScriptedTts()
+    async with service(fake) as (svc, url), frontend(url) as tts:
+        assert tts.sample_rate == RATE and tts.voices() == ["alpha", "beta"]
+        chunks = [c async for c in tts.synthesize("One. Two. Three.", voice="beta", speed=1.5)]
+        assert [float(c[0]) for c in chunks] == [1.0, 2.0, 3.0]
+        assert all(c.dtype == np.float32 and c.size == RATE // 10 for c in chunks)
+        assert fake.texts == [("One. Two. Three.", "beta", 1.5)]
+        assert [c async for c in tts.synthesize(" *** ")] == []  # nothing speakable: no request
+        assert len(fake.texts) == 1
+        await until(lambda: svc.running == 0)
+        assert svc.stats.clauses == 1 and svc.stats.chunks == 3 and svc.stats.cancelled == 0
+        assert tts.completed == 1 and tts.failure_streak == 0 and tts.queue_depth == 0
+
+
+async def test_the_service_runs_one_window_ahead_of_what_the_session_took() -> None:
+    fake = ScriptedTts()
+    async with service(fake) as (svc, url), frontend(url, window=1) as tts:
+        async with contextlib.aclosing(tts.synthesize("a. b. c. d. e. f. g. h.")) as stream:
+            first = await asyncio.wait_for(anext(stream), WAIT)
+            assert float(first[0]) == 1.0
+            # Taken: 1. Sent and not taken: 2. Pulled from the engine and held: 3.
+            await until(lambda: fake.produced == 3)
+            # Nothing runs between the engine's yield and the clause's wait for room, so the
+            # clause is blocked now: window chunks unacked, and only an ack wakes it.
+            (conn,) = svc._conns
+            (job,) = conn.jobs.values()
+            assert job.unacked == job.window == 1 and not job.room.is_set()
+            assert job.task is not None and not job.task.done()
+            assert fake.produced == 3, "the service ran ahead of the session's acks"
+            assert float((await asyncio.wait_for(anext(stream), WAIT))[0]) == 2.0
+            await until(lambda: fake.produced == 4)
+        # Closing the stream early cancels the clause on the service: its engine stream closes.
+        await until(lambda: fake.closed == 1 and svc.running == 0)
+        assert svc.stats.cancelled == 1 and fake.produced == 4 and fake.finished == 0
+
+
+async def test_a_cancelled_consumer_cancels_the_synthesis_on_the_service() -> None:
+    hold = asyncio.Event()
+    fake = ScriptedTts(hold=hold)
+    async with service(fake) as (svc, url), frontend(url) as tts:
+
+        async def speak() -> None:
+            async for _ in tts.synthesize("a. b. c."):
+                pass
+
+        task = asyncio.create_task(speak())
+        await until(lambda: fake.produced == 1)  # the second sentence is held in the engine
+        task.cancel()  # a barge-in
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await until(lambda: fake.closed == 1 and svc.running == 0)
+        assert svc.stats.cancelled == 1
+        assert tts.failure_streak == 0 and tts.failed == 0  # a cancel is not a failure
+
+
+async def test_a_closed_connection_cancels_its_clauses() -> None:
+    hold = asyncio.Event()
+    fake = ScriptedTts(hold=hold)
+    async with service(fake) as (svc, url):
+        async with frontend(url) as tts:
+            stream = tts.synthesize("a. b. c.")
+            pending = asyncio.ensure_future(anext(stream))
+            first = await asyncio.wait_for(pending, WAIT)
+            assert float(first[0]) == 1.0
+            await until(lambda: svc.running == 1)
+        # the frontend closed (its connection with it) while the clause waited in the engine
+        await until(lambda: fake.closed == 1 and svc.running == 0 and svc.stats.open_connections == 0)
+        with pytest.raises(EngineError):  # the orphaned stream ends, it does not hang
+            await asyncio.wait_for(anext(stream), WAIT)
+        await stream.aclose()
+
+
+async def test_engine_errors_come_through_with_their_code_and_count_toward_health() -> None:
+    fake = ScriptedTts(fail_on="bad. worse.")
+    async with service(fake) as (svc, url), frontend(url) as tts:
+        for n in (1, 2):
+            got: list[np.ndarray] = []
+            with pytest.raises(EngineError) as info:
+                async for chunk in tts.synthesize("bad. worse."):
+                    got.append(chunk)
+            assert info.value.code == "engine_error" and "scripted failure" in str(info.value)
+            assert len(got) == 1  # the sentence before the failure was delivered
+            assert tts.failure_streak == n and tts.last_error is info.value
+        assert [c.size async for c in tts.synthesize("fine.")] == [RATE // 10]
+        assert tts.failure_streak == 0  # a success ends the streak
+        assert svc.stats.failed == 2 and svc.stats.clauses == 1
+
+
+async def test_a_service_that_goes_away_mid_clause_fails_it_without_a_hang() -> None:
+    hold = asyncio.Event()
+    fake = ScriptedTts(hold=hold)
+    async with service(fake) as (svc, url), frontend(url, retries=2) as tts:
+        async with contextlib.aclosing(tts.synthesize("a. b. c.")) as stream:
+            await asyncio.wait_for(anext(stream), WAIT)
+            assert tts.client._ws is not None
+            await tts.client._ws.close()  # as a killed service does, from our side
+            with pytest.raises(EngineError) as info:
+                await asyncio.wait_for(anext(stream), WAIT)
+        # audio had come: never asked for twice, whatever the retries
+        assert info.value.code == "tts_unavailable"
+        assert len([t for t in fake.texts if t[0] == "a. b. c."]) == 1
+        assert tts.failure_streak == 1
+        hold.set()
+        # the next clause reconnects
+        assert len([c async for c in tts.synthesize("x. y.")]) == 2
+        assert tts.failure_streak == 0 and tts.client.reconnects == 1
+
+
+async def test_the_frontends_concurrency_bound_raises_a_capacity_error() -> None:
+    hold = asyncio.Event()
+    fake = ScriptedTts(hold=hold)
+    async with service(fake) as (_svc, url), frontend(url, concurrency=1) as tts:
+        async with contextlib.aclosing(tts.synthesize("a. b.")) as first:
+            await asyncio.wait_for(anext(first), WAIT)
+            with pytest.raises(CapacityError):
+                await anext(tts.synthesize("c. d."))
+        assert tts.failure_streak == 0
+
+
+async def test_malformed_requests_get_error_events_and_the_connection_goes_on() -> None:
+    async with service(ScriptedTts()) as (svc, url), websockets.connect(url) as ws:
+        hello = json.loads(await asyncio.wait_for(ws.recv(), WAIT))
+        assert hello["type"] == "hello" and hello["protocol"] == 1 and hello["sample_rate"] == RATE
+        bad = [
+            ({"type": "synthesize", "id": 1, "text": 5}, "invalid_request"),
+            ({"type": "synthesize", "id": 2, "text": "a.", "speed": -1}, "invalid_request"),
+            ({"type": "synthesize", "id": 3, "text": "a.", "window": 0}, "invalid_request"),
+            ({"type": "synthesize", "id": "x", "text": "a."}, "invalid_request"),
+            ({"type": "nonsense"}, "invalid_event"),
+            ({"type": "ack", "id": [1]}, "invalid_request"),  # unhashable ids: the handler used to die (1011)
+            ({"type": "cancel", "id": {"a": 1}}, "invalid_request"),
+            ({"type": "ack", "id": True}, "invalid_request"),
+        ]
+        for message, code in bad:
+            await ws.send(json.dumps(message))
+            reply = json.loads(await asyncio.wait_for(ws.recv(), WAIT))
+            assert reply["type"] == "error" and reply["code"] == code, (message, reply)
+        await ws.send(b"\x00\x01")
+        assert json.loads(await asyncio.wait_for(ws.recv(), WAIT))["code"] == "invalid_event"
+        await ws.send(json.dumps({"type": "synthesize", "id": 9, "text": "ok.", "window": 4}))
+        frame = await asyncio.wait_for(ws.recv(), WAIT)
+        assert isinstance(frame, bytes)
+        assert json.loads(await asyncio.wait_for(ws.recv(), WAIT)) == {"type": "done", "id": 9}
+        assert svc.stats.bad_requests == 9
+
+
+def test_bad_remote_tts_config_is_refused() -> None:
+    for override in ("tts.remote.url=http://127.0.0.1:8093", "tts.remote.window=0", "tts.backend=grpc",
+                     "tts.remote.concurrency=0", "tts.remote.chunk_timeout_s=0"):
+        with pytest.raises(ConfigError, match=override.split("=")[0].split(".")[-1]):
+            load_config("configs/test.yaml", [override])
+
+
+async def test_a_frontend_without_its_service_refuses_to_start() -> None:
+    cfg = TtsConfig(backend="remote", remote=RemoteTtsConfig(url="ws://127.0.0.1:9", startup_timeout_s=0.2))
+    with pytest.raises(ModelError, match="not reachable"):
+        await RemoteTts(cfg).start()
+
+
+async def test_a_service_gone_for_good_turns_the_frontends_tts_health_failed() -> None:
+    from types import SimpleNamespace
+
+    from voicebot.engines.supervisor import RestartPolicy, Supervisor
+
+    svc = TtsService(ScriptedTts(), engine_name="scripted")  # type: ignore[arg-type]
+    async with listen(svc, "127.0.0.1", 0) as server:
+        host, port = next(iter(server.sockets)).getsockname()[:2]
+        async with frontend(f"ws://{host}:{port}", retries=0) as tts:
+            supervisor = Supervisor(SimpleNamespace(tts=tts), policy=RestartPolicy(failure_threshold=3))  # type: ignore[arg-type]
+            assert [c.size async for c in tts.synthesize("a.")] == [RATE // 10]
+            assert supervisor.probe("tts") is None
+            server.close()  # the service is gone: its connections and its port
+            await server.wait_closed()
+            for n in range(1, 4):
+                with pytest.raises(EngineError, match="unavailable"):
+                    await asyncio.wait_for(anext(tts.synthesize("a.")), WAIT)
+                assert tts.failure_streak == n
+            reason = supervisor.probe("tts")
+            assert reason is not None and "3 TTS synthesis calls failed in a row" in reason
+
+
+async def test_a_clause_cancelled_while_its_request_drains_is_cancelled_on_the_service() -> None:
+    # The synthesize frame is written, then the send waits for the socket to drain and the
+    # session is cancelled there (a barge-in): the service must still hear a cancel.
+    hold = asyncio.Event()
+    fake = ScriptedTts(hold=hold)
+    async with service(fake) as (svc, url), frontend(url) as tts:
+        ws = tts.client._ws
+        assert ws is not None
+        real_send = ws.send
+        draining = asyncio.Event()
+
+        async def send(message: str) -> None:
+            await real_send(message)
+            if json.loads(message)["type"] == "synthesize":
+                draining.set()
+                await asyncio.Event().wait()  # the drain that never ends before the cancel
+
+        ws.send = send  # type: ignore[method-assign]
+
+        async def speak() -> None:
+            async for _ in tts.synthesize("a. b. c."):
+                pass
+
+        task = asyncio.create_task(speak())
+        await asyncio.wait_for(draining.wait(), WAIT)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        # Not the engine stream's close: when the request and the cancel arrive in one
+        # read, the clause is cancelled before its engine stream ever starts.
+        await until(lambda: svc.running == 0 and svc.stats.cancelled == 1)
+        assert tts.failure_streak == 0
+
+
+async def test_a_clause_whose_frontend_never_acks_is_dropped_by_the_service(monkeypatch: pytest.MonkeyPatch) -> None:
+    import voicebot.services.tts_service as tts_service
+
+    monkeypatch.setattr(tts_service, "ACK_TIMEOUT_S", 0.05)
+    fake = ScriptedTts()
+    async with service(fake) as (svc, url), websockets.connect(url) as ws:
+        await asyncio.wait_for(ws.recv(), WAIT)  # hello
+        await ws.send(json.dumps({"type": "synthesize", "id": 1, "text": "a. b. c."}))
+        assert isinstance(await asyncio.wait_for(ws.recv(), WAIT), bytes)  # window 1, never acked
+        reply = json.loads(await asyncio.wait_for(ws.recv(), WAIT))
+        assert reply["type"] == "error" and reply["id"] == 1 and reply["code"] == "tts_timeout", reply
+        await until(lambda: svc.running == 0 and fake.closed == 1)
+
+
+async def test_a_frontend_pointed_at_the_asr_service_refuses_to_start_at_once() -> None:
+    from fake_whisper import FakeWhisper
+
+    from voicebot.config import AsrConfig
+    from voicebot.engines.asr.vllm_whisper import VllmAsrEngine, WhisperVllmSettings
+    from voicebot.services.asr_service import AsrService
+    from voicebot.services.asr_service import listen as listen_asr
+
+    asr = VllmAsrEngine(AsrConfig(backend="vllm"), "fake-whisper", settings=WhisperVllmSettings(concurrency=1),
+                        runner=FakeWhisper())
+    await asr.start()
+    svc = AsrService(asr, slots=1, queue_size=4, backend="vllm")
+    svc.start()
+    try:
+        async with listen_asr(svc, "127.0.0.1", 0) as server:
+            host, port = next(iter(server.sockets)).getsockname()[:2]
+            url = f"ws://{host}:{port}"
+            # Before: it started (22050 Hz assumed) and every clause then waited for tts_timeout.
+            cfg = TtsConfig(backend="remote", remote=RemoteTtsConfig(url=url, startup_timeout_s=60))
+            with pytest.raises(ModelError, match="'asr' service, not 'tts'"):
+                await asyncio.wait_for(RemoteTts(cfg).start(), WAIT)  # not after startup_timeout_s
+    finally:
+        await svc.aclose()
+        await asr.aclose()
+
+
+@pytest.mark.parametrize(
+    ("hello", "refusal"),
+    [
+        # asr-serve's hello before it named itself: an ASR service's.
+        ({"protocol": 1, "backend": "vllm", "model": "m", "slots": 1}, "'asr' service, not 'tts'"),
+        *(({"service": "tts", "protocol": 1, "sample_rate": rate}, "sample rate") for rate in (None, 0, "22050", True)),
+    ],
+)
+async def test_a_hello_that_is_no_tts_service_is_refused_at_start(hello: dict[str, object], refusal: str) -> None:
+    async def say_hello(ws: websockets.ServerConnection) -> None:
+        await ws.send(json.dumps({"type": "hello", **hello}))
+        await ws.wait_closed()
+
+    async with websockets.serve(say_hello, "127.0.0.1", 0) as server:
+        host, port = next(iter(server.sockets)).getsockname()[:2]
+        cfg = TtsConfig(backend="remote", remote=RemoteTtsConfig(url=f"ws://{host}:{port}", startup_timeout_s=60))
+        with pytest.raises(ModelError, match=refusal):
+            await asyncio.wait_for(RemoteTts(cfg).start(), WAIT)
+
+
+async def test_a_busy_service_is_a_capacity_error_that_does_not_count_toward_health(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import voicebot.services.tts_service as tts_service
+
+    monkeypatch.setattr(tts_service, "MAX_JOBS_PER_CONNECTION", 1)
+    hold = asyncio.Event()
+    fake = ScriptedTts(hold=hold)
+    async with service(fake) as (svc, url), frontend(url) as tts:
+        async with contextlib.aclosing(tts.synthesize("a. b.")) as first:
+            await asyncio.wait_for(anext(first), WAIT)
+            for _ in range(3):
+                with pytest.raises(CapacityError, match="too many clauses"):
+                    await asyncio.wait_for(anext(tts.synthesize("c. d.")), WAIT)
+            assert svc.stats.busy == 3
+        assert tts.failure_streak == 0 and tts.failed == 0 and tts.last_error is None
+
+
+async def test_a_sentence_longer_than_a_frame_comes_in_several_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    import voicebot.services.tts_client as tts_remote
+    import voicebot.services.tts_service as tts_service
+
+    # 4096-byte frames hold 960 samples: each 1600-sample sentence needs two.
+    monkeypatch.setattr(tts_remote, "MAX_FRAME", 4096)
+    monkeypatch.setattr(tts_service, "MAX_FRAME", 4096)
+    fake = ScriptedTts()
+    async with service(fake) as (svc, url), frontend(url) as tts:
+        chunks = [c async for c in tts.synthesize("One. Two.")]
+        assert [c.size for c in chunks] == [960, 640, 960, 640]
+        expected = np.concatenate([np.full(RATE // 10, 1.0), np.full(RATE // 10, 2.0)]).astype(np.float32)
+        np.testing.assert_array_equal(np.concatenate(chunks), expected)
+        assert tts.failure_streak == 0 and tts.client.reconnects == 0
+        await until(lambda: svc.running == 0)
+        assert svc.stats.clauses == 1 and svc.stats.chunks == 4
+
+
+async def test_the_concurrency_bound_counts_clauses_still_connecting() -> None:
+    fake = ScriptedTts()
+    async with service(fake) as (_svc, url), frontend(url, concurrency=1) as tts:
+        release = asyncio.Event()
+        real_connect = tts.client.connect
+
+        async def slow_connect() -> None:  # as while the service is down: connect / retry backoff
+            await release.wait()
+            await real_connect()
+
+        tts.client.connect = slow_connect  # type: ignore[method-assign]
+        first = tts.synthesize("a.")
+        pending = asyncio.ensure_future(anext(first))
+        await until(lambda: tts.queue_depth == 1)  # in synthesize, not yet registered with the client
+        assert tts.client.open_clauses == 0
+        with pytest.raises(CapacityError):
+            await asyncio.wait_for(anext(tts.synthesize("b.")), WAIT)
+        release.set()
+        assert (await asyncio.wait_for(pending, WAIT)).size == RATE // 10
+        await first.aclose()
+        assert [c.size async for c in tts.synthesize("c.")] == [RATE // 10]  # the slot is free again
