@@ -93,7 +93,17 @@ class WordHistory:
         while n < keep_from and count > target:
             count -= len(self._ids(self.messages[n][1]))
             n += 1
+            # As the real history: the kept part never starts with a reply or a tool result.
+            while n < keep_from and self.messages[n][0] in ("assistant", "tool"):
+                count -= len(self._ids(self.messages[n][1]))
+                n += 1
         return self.messages[:n]
+
+    def _starts_with(self, head: list[Any]) -> bool:
+        # By identity, as the real history: a message replaced since is another one.
+        return bool(head) and len(head) <= len(self.messages) and all(
+            a is b for a, b in zip(head, self.messages, strict=False)
+        )
 
     def trim(self) -> list[Any]:
         if not self.over_budget():
@@ -103,7 +113,7 @@ class WordHistory:
         return head
 
     def compacted_ids(self, head: list[Any], summary: str | None) -> list[int] | None:
-        if not head or self.messages[: len(head)] != head:
+        if not self._starts_with(head):
             return None
         ids = self._ids(summary or "")
         for m in self.messages[len(head):]:
@@ -111,7 +121,7 @@ class WordHistory:
         return ids
 
     def compact(self, head: list[Any], summary: str | None) -> bool:
-        if not head or self.messages[: len(head)] != head:
+        if not self._starts_with(head):
             return False
         del self.messages[: len(head)]
         self.set_summary(summary or "")
