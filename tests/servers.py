@@ -16,7 +16,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -154,11 +154,24 @@ class NativeCall:
                 await self.client.send_audio(bytes(2 * FRAME))
             await asyncio.sleep(0.02)
 
-    async def say(self, audio: np.ndarray) -> float:
-        """Stream ``audio`` (16 kHz) in real time; return when its last frame was sent."""
+    async def say(
+        self, audio: np.ndarray, *, pause_at_s: float | None = None, resume_when: Callable[[], bool] | None = None
+    ) -> float:
+        """Stream ``audio`` (16 kHz) in real time; return when its last frame was sent.
+
+        With ``pause_at_s``, the mic sends nothing from that point of the clip until
+        ``resume_when()`` holds (within 60 s): the server's clock is the audio it gets, so a
+        wire pause is not a pause in speech, and whatever the server does per second of
+        audio (partials) happens before the rest however slow the machine is.
+        """
         async with self._mic:
             start = time.monotonic()
             for i in range(0, audio.size, FRAME):
+                if resume_when is not None and pause_at_s is not None and i == int(pause_at_s * MIC_RATE) // FRAME * FRAME:
+                    async with asyncio.timeout(60):
+                        while not resume_when():
+                            await asyncio.sleep(0.02)
+                    start = time.monotonic() - i / MIC_RATE
                 await self.client.send_audio(float_to_pcm16(audio[i : i + FRAME]))
                 # Sleep to the frame's due time, not a fixed 20 ms: no drift.
                 await asyncio.sleep(max(0.0, start + (i + FRAME) / MIC_RATE - time.monotonic()))

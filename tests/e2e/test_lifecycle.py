@@ -356,7 +356,9 @@ async def next_event(ws: Any, timeout: float = 30.0, kinds: tuple[str, ...] = ()
 
 
 async def reply_completes(port: int) -> dict[str, Any]:
-    ws = await native_call(port)
+    # A few tokens, spoken fast: the check is that the engine answers, and the random
+    # test model's words would take the TTS a minute of real-time audio at its defaults.
+    ws = await native_call(port, max_tokens=3, speed=4.0)
     try:
         started = await next_event(ws, kinds=("session.started", "error"))
         assert started["type"] == "session.started", started

@@ -73,11 +73,14 @@ async def test_a_call_through_the_shared_asr_service_then_the_service_dies_mid_c
     call = await NativeCall.open(frontend)
     try:
         # 1. A clip, transcribed by the service's engine, and a spoken reply.
-        await call.say(clip.audio)
+        # Partials stream from the service while the caller speaks: the mic waits for the
+        # first one two thirds into the clip (the server hears no more audio meanwhile).
+        await call.say(clip.audio, pause_at_s=clip.duration_s * 2 / 3,
+                       resume_when=lambda: bool(call.of("transcript.partial")))
         final = await call.wait_for("transcript.final")
         assert jiwer.wer(norm(clip.text), norm(final["text"]) or "<empty>") <= 0.15, final["text"]
         partials = call.of("transcript.partial")
-        assert partials and partials[0]["_t"] < final["_t"], "partials come before the final"
+        assert all(p["_t"] < final["_t"] for p in partials), "no partial after the final"
         done = await call.wait_for("response.done", timeout=90)
         assert done["status"] == "completed"
         assert call.reply_audio(done["response_id"]).size > OUT_RATE // 4, "the reply was spoken"

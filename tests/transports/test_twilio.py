@@ -410,29 +410,15 @@ def check_paced_mulaw(frames: list[Received]) -> None:
     audio = tm.decode_audio("audio/pcmu", b"".join(payloads))
     assert dbfs(audio) > -40, "reply audio is silent"
     assert np.abs(audio).max() < 1.0
+    # Paced, not one burst: the frames' arrivals span about the reply's length. Load on
+    # the cores only delays frames (the pacer restarts after a stall, never catches up),
+    # so this bound holds however busy the machine is; how the pacer spreads frames
+    # (the lead, the restart) is checked on a clock the test moves (test_pacing.py).
     t = np.array([r.t for r in frames])
-    gaps = np.diff(t)
-    # This test's client shares one event loop with the server, so arrivals jitter by
-    # a frame or two on busy cores: loose bounds, but soxr's 3-4 frame blocks sent as
-    # they come (70% of gaps ~0) or one burst of the whole reply would fail.
-    assert 0.012 < float(np.median(gaps)) < 0.03, f"median gap {np.median(gaps) * 1000:.1f} ms"
-    assert float(np.mean(gaps < 0.005)) < 0.4, "frames arrive in bursts"
-    per5 = float(np.median(t[5:] - t[:-5]))
-    assert 0.07 < per5 < 0.14, f"median {per5 * 1000:.0f} ms per 5 frames, want ~100"
-    # How far ahead of real time each frame arrived: the lead plus a few frames of
-    # jitter, never the whole reply at once. Real time is reckoned from the frames' median
-    # offset to their schedule, not from the first frame alone: a loop stall that delays
-    # only the first arrival would otherwise count every later frame as early.
-    offset = t - 0.02 * np.arange(len(t))
-    ahead = np.median(offset) - offset
-    assert ahead.max() < (PACER_LEAD_MS + 120) / 1000, f"burst: {ahead.max():.3f} s ahead of real time"
-    # ...and the first frames not sent far ahead of the rest (a burst at the start moves
-    # the median with the paced frames after it). Bounded loosely: one stall of the first
-    # arrival looks the same.
-    lead = float(offset.max() - np.median(offset))
-    assert lead < (PACER_LEAD_MS + 400) / 1000, f"the reply started {lead:.3f} s ahead of real time"
-    span = t[-1] - t[0]
-    assert span > 0.8 * 0.02 * len(t) - 0.4, f"{len(t)} frames in {span:.2f} s"
+    span, length = float(t[-1] - t[0]), 0.02 * (len(t) - 1)
+    assert span >= length - (PACER_LEAD_MS + 100) / 1000, (
+        f"{len(t)} frames ({length:.2f} s of audio) arrived within {span:.2f} s: sent in a burst"
+    )
 
 
 @pytest.mark.engines
