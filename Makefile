@@ -18,14 +18,20 @@ run: install
 	$(BIN)/voicebot models pull --config $(CONFIG)
 	$(BIN)/voicebot serve --config $(CONFIG) $(ARGS)
 
+# Test processes (pytest-xdist): most of an end-to-end test's time is real-time audio
+# and waits, so two share two cores well. A module runs whole in one process (its
+# server is started once). TEST_WORKERS=0 runs in this process (e.g. for a debugger).
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadfile)
+
 test: install
 	$(BIN)/voicebot models pull --config configs/test.yaml
-	$(BIN)/python -m pytest $(ARGS)
+	$(BIN)/python -m pytest $(XDIST) $(ARGS)
 
 # The quick loop: no real engine, no server (marker `engines` left out).
 test-fast: install
 	$(BIN)/voicebot models pull --config configs/test.yaml
-	$(BIN)/python -m pytest -m "not engines" $(ARGS)
+	$(BIN)/python -m pytest $(XDIST) -m "not engines" $(ARGS)
 
 install: $(STAMP) system-deps
 

@@ -22,6 +22,14 @@ from voicebot.provision import pull
 # Before any test imports transformers / huggingface_hub, which read it at import.
 os.environ["HF_HUB_OFFLINE"] = "1"
 
+# Under pytest-xdist each test process pins its vLLM engines (in-process, or servers it
+# starts) to a core of its own; vLLM's "auto" would put every process's engine on the
+# same first core and leave the other to the rest.
+_worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _worker.startswith("gw") and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+    _cores = sorted(os.sched_getaffinity(0))
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(_cores[int(_worker[2:]) % len(_cores)])
+
 
 @pytest.fixture(scope="session")
 def models_config() -> ModelsConfig:
