@@ -99,6 +99,10 @@ class FakeAsrStream:
     def reset(self) -> None:
         self.samples = 0
 
+    def hear(self, text: str) -> None:
+        """A partial transcript, as the real stream yields one: the words heard so far."""
+        self._partials.put_nowait(Partial(text, "", 0.0))
+
     def __aiter__(self) -> FakeAsrStream:
         return self
 

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from fakes import (
     LONG_INSTRUCTIONS,
+    FakeAsrStream,
     call,
     make_engines,
     until,
@@ -23,7 +24,7 @@ from fakes import (
 )
 
 from voicebot.config import LlmConfig
-from voicebot.engines.contracts import GenerationStats, Lane, Partial, TextDelta
+from voicebot.engines.contracts import GenerationStats, Lane, TextDelta
 from voicebot.engines.llm.inprocess import LlmEngine
 from voicebot.session import events as ev
 from voicebot.session.clock import REAL_CLOCK
@@ -486,7 +487,9 @@ QUESTION = "Could you book me a table for two people at eight tonight, by the wi
 
 def hear(c: Any, words: str) -> None:
     """A partial transcript of the session's stream: the words heard so far."""
-    c.session._asr._partials.put_nowait(Partial(words, "", 0.0))
+    stream = c.session.listener.asr
+    assert isinstance(stream, FakeAsrStream)
+    stream.hear(words)
 
 
 async def test_the_callers_words_are_prefilled_while_they_speak(tokenizer) -> None:  # type: ignore[no-untyped-def]

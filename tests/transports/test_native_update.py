@@ -80,7 +80,7 @@ async def _audio_heard_at_speech_start(tokenizer, update: dict[str, Any] | None,
         await c.silence(2000)
         await c.speak(400)
         await c.wait_for(ev.SpeechStarted)
-        return float(c.session._asr.buffered_s)
+        return float(c.session.listener.asr.buffered_s)
 
 
 async def test_a_session_update_of_prefix_padding_changes_the_audio_kept_before_speech(tokenizer) -> None:  # type: ignore[no-untyped-def]

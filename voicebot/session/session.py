@@ -34,7 +34,6 @@ from voicebot.affinity import bind_session
 from voicebot.config import Config
 from voicebot.core import CallCore, replay
 from voicebot.core import events as ce
-from voicebot.engines.contracts import AsrStream
 from voicebot.engines.registry import Engines
 from voicebot.errors import BadMessage, VoicebotError
 from voicebot.metrics import Metrics
@@ -49,7 +48,7 @@ from voicebot.session.events import (
 from voicebot.session.history import Conversation, Message
 from voicebot.session.listener import Listener
 from voicebot.session.outbox import Outbox
-from voicebot.session.response import Response, ResponseOptions
+from voicebot.session.response import ResponseOptions
 from voicebot.session.settings import SessionSettings
 from voicebot.session.speaker import Speaker
 from voicebot.tools.session_tools import SessionTools
@@ -294,10 +293,6 @@ class Session:
     def input_ms(self, value: float) -> None:
         self.listener.input_ms = value
 
-    @property
-    def _asr(self) -> AsrStream:
-        return self.listener.asr
-
     def _transcribed(self, item_id: str, text: str) -> None:
         self.emit(TranscriptFinal(item_id=item_id, text=text))
         if text and self.metrics:
@@ -446,11 +441,6 @@ class Session:
                 self.background.start_summary(action)
             case ce.CancelSummary(sid):
                 self.background.cancel_summary(sid)
-
-    @property
-    def _response(self) -> Response | None:
-        """The live reply."""
-        return self.speaker.live
 
     # ------------------------------------------------------------------ idle
     async def _watch_idle(self) -> None:
