@@ -80,3 +80,17 @@ def tokenizer(bundle_dir: Callable[[str], str]):  # type: ignore[no-untyped-def]
 @pytest.fixture(scope="session")
 def whisper_tiny_dir(bundle_dir: Callable[[str], str]) -> str:
     return bundle_dir("whisper-tiny.en")
+
+
+# The longest modules first, so that under pytest-xdist (`make test`: a module per process
+# at a time, handed out in collection order) the two processes finish together instead of
+# one running the soak alone at the end. Order only: every test still runs.
+_FIRST = ("e2e/test_soak.py", "e2e/test_lifecycle.py", "e2e/test_scale_out.py", "services/test_asr_service_e2e.py")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        path = item.nodeid.split("::", 1)[0]
+        return next((i for i, first in enumerate(_FIRST) if path.endswith(first)), len(_FIRST))
+
+    items.sort(key=rank)  # stable: the rest keep their order
