@@ -163,3 +163,46 @@ def test_a_cut_forced_by_length_does_not_end_on_a_word_the_phrase_goes_on_from(t
     # starts as a new sentence.
     c = ClauseChunker(first_clause_words=3, max_clause_words=24)
     assert feed(c, [w + " " for w in text.split()])[0] == first
+
+
+# ------------------------------------------ scripts without spaces, and text without any
+def test_a_chinese_reply_is_cut_at_its_own_punctuation_as_it_streams() -> None:
+    # Full-width marks end a clause with no space after them: the first clause is spoken
+    # while the rest is still being written, not when the reply ends.
+    c = ClauseChunker(first_clause_words=6, max_clause_words=24)
+    assert c.push("好的，") == ["好的，"]
+    assert c.push("今天北京天气晴朗") == []
+    assert c.push("，气温二十度。明") == ["今天北京天气晴朗，气温二十度。"]
+    assert c.push("天会下雨。") == ["明天会下雨。"]
+    assert c.flush() is None
+
+
+def test_japanese_sentence_ends_cut_without_whitespace() -> None:
+    c = ClauseChunker()
+    assert feed(c, ["こんにちは。", "元気", "ですか？", "はい"]) == ["こんにちは。", "元気ですか？", "はい"]
+
+
+def test_a_long_clause_without_punctuation_is_cut_between_characters() -> None:
+    # No mark for a long while: cut between two characters (each may end a word in these
+    # scripts) once the clause is as long as a forced cut allows in words.
+    c = ClauseChunker(first_clause_words=6, max_clause_words=24)
+    out = c.push("我们今天下午三点在公司门口见面然后一起去")
+    assert out and all(len(o) <= 14 for o in out), out
+    assert "".join(out) + (c.flush() or "") == "我们今天下午三点在公司门口见面然后一起去"
+
+
+def test_text_that_never_has_whitespace_is_cut_anyway() -> None:
+    # A run no word is this long (a model writing pieces with no space): cut, not held
+    # to the end of the reply, so its audio starts.
+    c = ClauseChunker()
+    run = "ꙮ" * 100
+    out = c.push(run)
+    assert out and "".join(out) + (c.flush() or "") == run
+    assert max(len(o) for o in out) <= 40
+
+
+def test_latin_text_keeps_its_cuts() -> None:
+    # Unchanged for a spaced script: no cut inside a long English word or a number.
+    c = ClauseChunker()
+    assert c.push("Antidisestablishmentarianism") == []
+    assert c.push(" 3.50") == []

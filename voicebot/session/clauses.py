@@ -26,10 +26,17 @@ sentence waited for after a short first clause left the caller 1-3 s of silence 
 No clause ends at the full stop of a title or an initial ("Mr. Dashwood", "St. Louis",
 "J. K. Rowling") or of "No." before a number: TTS speaks each clause as a sentence, and
 "Mr." alone is heard as "Mister." and a pause.
+
+Chinese and Japanese are written without spaces: their full-width marks (。！？，、；：) end
+a clause with nothing after them, a character counts as half a word, and a long clause is
+cut between two characters. Text of any script that runs on without whitespace or a mark
+is cut after ``_MAX_RUN_CHARS``: no word is that long, and the reply's audio must not wait
+for its end.
 """
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Callable
 
@@ -38,6 +45,16 @@ _CLAUSE_MARKS = ",;:—–"
 # A cut point: punctuation (optionally followed by closing quotes/brackets) then whitespace.
 _PUNCT_CUT = re.compile(r"([.!?…,;:—–][\"')\]]*)(\s+)")
 _WORD = re.compile(r"\S+")
+# Kana and CJK ideographs: scripts written without spaces between words (Korean has them).
+_UNSPACED_CHAR = re.compile("[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
+# Their full-width marks, optionally closed by a quote or bracket: a cut needs no space.
+_FULLWIDTH_CUT = re.compile("([。！？，、；：][」』”’）]*)\\s*")
+_FULLWIDTH_SENTENCE_END = "。！？"
+_FULLWIDTH_MARK = re.compile("[。！？，、；：」』”’）]")
+_FULLWIDTH_CLAUSE_MARKS = "，、；："
+# A run of text this long with no whitespace or mark is cut anyway (no word is as long).
+_MAX_RUN_CHARS = 40
+_LONG_RUN = re.compile(f"\\S{{{_MAX_RUN_CHARS}}}")
 # Punctuation ending the text so far, after a word of 2+ letters (not "3.", "e.g.", "U.S.").
 _TRAILING_MARK = re.compile(r"(?<![\w.'])([A-Za-z]{2,})([.!?…,;:])$")
 # Abbreviations whose full stop never ends a sentence: a title or a place's prefix is
@@ -131,15 +148,18 @@ class ClauseChunker:
 
     def _next_clause(self, low: bool = False) -> str | None:
         comma_words, max_words = self._limits(low)
-        for m in _PUNCT_CUT.finditer(self._buf):
+        marks = sorted([*_PUNCT_CUT.finditer(self._buf), *_FULLWIDTH_CUT.finditer(self._buf)], key=lambda m: m.start())
+        for m in marks:
             head = self._buf[: m.end(1)]
-            words = len(_WORD.findall(head))
+            words = _words(head)
             if words == 0:
                 continue
             mark = m.group(1)[0]
             if mark == "." and _not_a_sentence_end(head, self._buf[m.end() :]):
                 continue
-            if mark in _SENTENCE_END or (mark in _CLAUSE_MARKS and words >= comma_words):
+            if mark in _SENTENCE_END or mark in _FULLWIDTH_SENTENCE_END or (
+                mark in _CLAUSE_MARKS + _FULLWIDTH_CLAUSE_MARKS and words >= comma_words
+            ):
                 return self._cut(m.end(1), m.end())
         found = list(_WORD.finditer(self._buf))
         if self._emitted == 0:
@@ -160,7 +180,17 @@ class ClauseChunker:
                 end = found[i].end()
                 return self._cut(end, end + 1) if self._buf[end].isspace() else None
             i += 1
-        return None
+        return self._unspaced_cut(max_words)
+
+    def _unspaced_cut(self, max_words: int) -> str | None:
+        """Where words are not spaced: between two characters of such a script once the
+        clause is ``max_words`` long, or after a run of ``_MAX_RUN_CHARS`` in any script."""
+        chars = list(_UNSPACED_CHAR.finditer(self._buf))
+        for a, b in itertools.pairwise(chars):
+            if b.start() == a.end() and _words(self._buf[: a.end()]) >= max_words:
+                return self._cut(a.end(), a.end())
+        run = _LONG_RUN.search(self._buf)
+        return self._cut(run.end(), run.end()) if run is not None else None
 
     def _cut(self, end: int, resume: int) -> str | None:
         clause, self._buf = self._buf[:end].strip(), self._buf[resume:]
@@ -168,6 +198,13 @@ class ClauseChunker:
             return None
         self._emitted += 1
         return clause
+
+
+def _words(text: str) -> int:
+    """Words in ``text``: spaced words, and two characters of an unspaced script as one."""
+    unspaced = len(_UNSPACED_CHAR.findall(text))
+    spaced = _FULLWIDTH_MARK.sub(" ", _UNSPACED_CHAR.sub(" ", text))
+    return len(_WORD.findall(spaced)) + (unspaced + 1) // 2
 
 
 def _not_a_sentence_end(head: str, after: str) -> bool:
