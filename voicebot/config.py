@@ -345,7 +345,7 @@ class TelemetryConfig(_Section):
     record_max_mb: float = Field(1024.0, gt=0.0, le=10_000_000.0, description="Size of record_dir in MiB beyond which the oldest files are deleted.")
     max_turns: int = Field(500, ge=1, le=100_000, description="Turns kept in one record (the first ones); a longer call's record says how many were left out.")
     max_text_chars: int = Field(4000, ge=16, le=1_000_000, description="Longest transcript, reply or tool argument/result kept in a record; longer ones are cut and marked.")
-    webhook_url: str | None = Field(None, description="URL the call record is POSTed to when a call ends (None: no webhook).")
+    webhook_url: str | None = Field(None, pattern=r"^https?://", description="URL the call record is POSTed to when a call ends (None: no webhook).")
     webhook_secret_env: str = Field("VOICEBOT_WEBHOOK_SECRET", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description="Environment variable holding the webhook's HMAC-SHA256 signing secret (required with webhook_url).")
     webhook_timeout_s: float = Field(5.0, gt=0.0, le=300.0, description="Time one webhook attempt may take.")
     webhook_attempts: int = Field(4, ge=1, le=20, description="Attempts per record (a 2xx answer ends them; 4xx other than 408/429 also do, as failed).")

@@ -63,6 +63,7 @@ class Metrics:
         self.cached_tokens = Counter("voicebot_llm_cached_prompt_tokens", "Prompt tokens served from the prefix cache.", registry=r)
         self.cache_hit_ratio = Gauge("voicebot_llm_prefix_cache_hit_ratio", "Cached / prompt tokens since start.", registry=r)
         self.active_sessions = Gauge("voicebot_active_sessions", "Sessions open now.", ["transport"], registry=r)
+        self.capacity = Gauge("voicebot_session_capacity", "Sessions this server admits at once (server.max_sessions).", registry=r)
         self.sessions = Counter("voicebot_sessions", "Sessions opened.", ["transport"], registry=r)
         self.turns = Counter("voicebot_turns", "User turns committed.", registry=r)
         self.barge_ins = Counter("voicebot_barge_ins", "Replies interrupted by the caller.", registry=r)

@@ -91,7 +91,7 @@ def provider_from_env(environ: Mapping[str, str]) -> TracerProvider:
                 raise ConfigError(f"OTLP over gRPC needs opentelemetry-exporter-otlp-proto-grpc ({exc})") from None
         else:
             raise ConfigError(f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r}: voicebot exports http/protobuf or grpc")
-        exporter = OTLPSpanExporter()
+        exporter = OTLPSpanExporter(endpoint=_endpoint(environ, protocol or "http/protobuf"))
     else:
         raise ConfigError(f"OTEL_TRACES_EXPORTER={exporter_name!r}: voicebot exports otlp, console or none")
     # Resource.create reads OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES from os.environ.
@@ -99,6 +99,18 @@ def provider_from_env(environ: Mapping[str, str]) -> TracerProvider:
     provider = TracerProvider(resource=resource)
     provider.add_span_processor(BatchSpanProcessor(exporter))  # its own thread, bounded queue
     return provider
+
+
+def _endpoint(environ: Mapping[str, str], protocol: str) -> str | None:
+    """Where spans go, as the OTLP exporter specification says (None: its default):
+    the traces endpoint as given, or the base endpoint (plus ``/v1/traces`` over HTTP)."""
+    traces = environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    if traces:
+        return traces
+    base = environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    if not base:
+        return None
+    return base if protocol == "grpc" else base.rstrip("/") + "/v1/traces"
 
 
 def _ns(value: float) -> int:

@@ -126,7 +126,7 @@ class WebhookSender:
                     why = f"HTTP {answer.status}"
                     if 400 <= answer.status < 500 and answer.status not in _RETRY_4XX:
                         break  # the receiver refuses this record: a retry would too
-            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            except Exception as exc:  # whatever the receiver does, the worker goes on
                 why = f"{type(exc).__name__}: {exc}"
         # Once per run of failures: a receiver that is down must not fill the log.
         level = logging.DEBUG if self._warned else logging.WARNING

@@ -60,6 +60,7 @@ class ServerState:
     def __post_init__(self) -> None:
         self.api_keys = edge.load_api_keys(self.cfg.server)
         self.telemetry = Telemetry(self.cfg.telemetry, self.metrics)
+        self.metrics.capacity.set(self.cfg.server.max_sessions)
         self.heap = HeapTrimmer(self.cfg.server.heap_trim_interval_s, on_trim=self.metrics.heap_trims.inc)
 
     @property
