@@ -15,7 +15,7 @@ from voicebot.config import TelemetryConfig
 from voicebot.errors import ConfigError
 from voicebot.metrics import Metrics
 from voicebot.observe import tracing
-from voicebot.observe.logs import JsonFormatter
+from voicebot.observe.logs import CallIdFilter, JsonFormatter
 from voicebot.observe.telemetry import CallTelemetry, Telemetry
 from voicebot.session.observer import NO_OBSERVER
 from voicebot.session.session import SessionLog
@@ -28,6 +28,7 @@ def lines(records: list[logging.LogRecord]) -> list[dict[str, object]]:
 
 def test_json_lines_carry_the_call_id(caplog: pytest.LogCaptureFixture) -> None:
     log = logging.getLogger("voicebot.test_logs")
+    caplog.handler.addFilter(CallIdFilter())  # as use_json_logs does on every handler
     with caplog.at_level(logging.INFO, "voicebot.test_logs"):
         SessionLog(log, {"session": "sess_abc"}).info("barge-in: %d ms dropped", 120)
         log.info("no call here")

@@ -28,7 +28,7 @@ def served_names() -> set[str]:
 
 
 def test_every_metric_the_dashboard_queries_is_served() -> None:
-    dash = json.loads((DEPLOY / "grafana/dashboards/voicebot.json").read_text())
+    dash = json.loads((DEPLOY / "monitoring/grafana/dashboards/voicebot.json").read_text())
     exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
     exprs += [v["query"] for v in dash["templating"]["list"] if v["type"] == "query"]
     used = {m for e in exprs for m in re.findall(r"\b((?:voicebot|process)_[a-z_]+)\b", e)}
@@ -46,10 +46,10 @@ def test_compose_provisions_prometheus_and_grafana_with_the_dashboard() -> None:
     compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
     services = compose["services"]
     grafana_mounts = {m.split(":")[0]: m.split(":")[1] for m in services["grafana"]["volumes"] if m.startswith("./")}
-    assert grafana_mounts["./grafana/provisioning"] == "/etc/grafana/provisioning"
-    provider = yaml.safe_load((DEPLOY / "grafana/provisioning/dashboards/voicebot.yaml").read_text())
-    assert provider["providers"][0]["options"]["path"] == grafana_mounts["./grafana/dashboards"]
-    source = yaml.safe_load((DEPLOY / "grafana/provisioning/datasources/prometheus.yaml").read_text())
+    assert grafana_mounts["./monitoring/grafana/provisioning"] == "/etc/grafana/provisioning"
+    provider = yaml.safe_load((DEPLOY / "monitoring/grafana/provisioning/dashboards/voicebot.yaml").read_text())
+    assert provider["providers"][0]["options"]["path"] == grafana_mounts["./monitoring/grafana/dashboards"]
+    source = yaml.safe_load((DEPLOY / "monitoring/grafana/provisioning/datasources/prometheus.yaml").read_text())
     assert source["datasources"][0]["url"] == "http://prometheus:9090" and "prometheus" in services
     prom = yaml.safe_load((DEPLOY / compose["configs"]["prometheus-config"]["file"]).read_text())
     (job,) = prom["scrape_configs"]

@@ -15,6 +15,16 @@ from datetime import UTC, datetime
 from voicebot.affinity import current_session
 
 
+class CallIdFilter(logging.Filter):
+    """Puts the call id bound to the logging task's context on the record, while it is
+    still that task's (a handler that formats later, or elsewhere, would miss it)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(record, "call_id", None) is None:
+            record.call_id = current_session()
+        return True
+
+
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         line: dict[str, object] = {
@@ -41,3 +51,4 @@ def use_json_logs(root: logging.Logger | None = None) -> None:
         root.addHandler(logging.StreamHandler())
     for handler in root.handlers:
         handler.setFormatter(JsonFormatter())
+        handler.addFilter(CallIdFilter())
