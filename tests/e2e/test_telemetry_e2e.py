@@ -205,11 +205,10 @@ async def test_a_dead_receiver_and_an_unwritable_directory_harm_no_call(
     t = use(server, telemetry, TelemetryConfig(record_dir=str(blocker / "calls"), webhook_url="http://127.0.0.1:9/hook",
                                               webhook_attempts=2, webhook_backoff_s=0.1), {})
     await one_turn_call(server, speech_clips[1])
-    await one_turn_call(server, speech_clips[2])  # and the next call too
     await t.aclose()
-    assert counter(server, "voicebot_call_records", "failed") == failed_records + 2
-    assert counter(server, "voicebot_call_webhooks", "failed") == failed_hooks + 2
-    assert server.state.status()[0] == "ok"
+    assert counter(server, "voicebot_call_records", "failed") == failed_records + 1
+    assert counter(server, "voicebot_call_webhooks", "failed") == failed_hooks + 1
+    assert server.state.status()[0] == "ok"  # and the next test's call is served as usual
 
 
 async def test_a_slow_receiver_holds_up_no_call_and_shutdown_waits_only_its_bound(
