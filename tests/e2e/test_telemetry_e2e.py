@@ -1,9 +1,9 @@
 """What a real call leaves behind, on one real server (real engines, real sockets):
 its trace reaches an OTLP/HTTP receiver (in-process, decoding the protobuf with
 opentelemetry-proto's classes) with the expected names and parents; its record is
-written; its webhook reaches a real HTTP server that verifies the signature. A killed
-receiver, a slow one and an unwritable record directory leave the call and the server
-unharmed.
+written; its webhook reaches a real HTTP server that verifies the signature. A dead
+receiver (nothing listens), a slow one and an unwritable record directory leave the
+call and the server unharmed.
 
 Each test gives the running server its own Telemetry (``ServerState.telemetry`` is read
 as each call opens), so one server start serves them all.
