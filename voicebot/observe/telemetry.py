@@ -81,6 +81,7 @@ class Telemetry:
         self.cfg = cfg
         self._metrics = metrics
         self.provider: TracerProvider | None = tracing.provider_from_env(environ) if tracing.wanted(environ) else None
+        self._tracer = tracing.tracer_of(self.provider) if self.provider is not None else None
         self.webhook: WebhookSender | None = None
         if cfg.webhook_url:
             secret = environ.get(cfg.webhook_secret_env, "")
@@ -103,12 +104,12 @@ class Telemetry:
 
     def observer(self) -> CallObserver:
         """What watches a new call (on the server's loop)."""
-        if not self.records and self.provider is None:
+        if not self.records and self._tracer is None:
             return NO_OBSERVER
         recorder = CallRecorder(max_turns=self.cfg.max_turns, max_text_chars=self.cfg.max_text_chars) \
             if self.records else None
-        tracer = tracing.CallTracer(tracing.tracer_of(self.provider), include_text=self.cfg.include_text) \
-            if self.provider is not None else None
+        tracer = tracing.CallTracer(self._tracer, include_text=self.cfg.include_text) \
+            if self._tracer is not None else None
         return CallTelemetry(self, recorder, tracer)
 
     def finished(self, recorder: CallRecorder) -> None:
@@ -138,6 +139,6 @@ class Telemetry:
         if self.webhook is not None:
             await self.webhook.aclose(wait)
         if self.provider is not None:
-            provider, self.provider = self.provider, None
+            provider, self.provider, self._tracer = self.provider, None, None
             await asyncio.to_thread(provider.force_flush, int(wait * 1000))
             await asyncio.to_thread(provider.shutdown)
