@@ -58,6 +58,7 @@ class ServerConfig(_Section):
     omp_wait_policy: Literal["", "passive", "active"] = Field("", description="OMP_WAIT_POLICY for this process and the engine processes it starts ('': leave it). passive: idle OpenMP workers sleep at once instead of spinning on a core another engine is waiting for (docs/benchmarks.md, 'Why the defaults are what they are').")
     heap_trim_interval_s: float = Field(30.0, ge=0.0, le=3600.0, description="After a call ends, give the heap's free pages back to the OS (glibc malloc_trim), at most once per this many seconds; 0: never.")
     loop_stall_s: float = Field(0.5, ge=0.0, le=600.0, description="When the event loop every call shares has not run for this long, log the stack it is blocked at (once per stall; voicebot/runtime/loop_watch.py). Its lateness goes to voicebot_event_loop_lag_seconds. 0: no watch (and no lateness recorded).")
+    log_format: Literal["text", "json"] = Field("text", description="'json': one JSON object a line per log record, with the call id ('call_id') of the call it belongs to, so logs join traces and call records on one key.")
 
     @field_validator("omp_wait_policy", mode="before")
     @classmethod
@@ -334,6 +335,25 @@ class ToolsConfig(_Section):
         return self
 
 
+class TelemetryConfig(_Section):
+    """What a call leaves behind for its operator: traces (OpenTelemetry, configured by
+    the standard OTEL_* environment variables), a call record, an end-of-call webhook."""
+
+    include_text: bool = Field(False, description="Put the caller's transcript and the reply's text in trace spans (the call record always has them).")
+    record_dir: str | None = Field(None, description="Directory for one JSON call record per ended call (None: no records).")
+    record_max_files: int = Field(10_000, ge=1, le=10_000_000, description="Records kept in record_dir; the oldest are deleted beyond this.")
+    record_max_mb: float = Field(1024.0, gt=0.0, le=10_000_000.0, description="Size of record_dir in MiB beyond which the oldest files are deleted.")
+    max_turns: int = Field(500, ge=1, le=100_000, description="Turns kept in one record (the first ones); a longer call's record says how many were left out.")
+    max_text_chars: int = Field(4000, ge=16, le=1_000_000, description="Longest transcript, reply or tool argument/result kept in a record; longer ones are cut and marked.")
+    webhook_url: str | None = Field(None, pattern=r"^https?://", description="URL the call record is POSTed to when a call ends (None: no webhook).")
+    webhook_secret_env: str = Field("VOICEBOT_WEBHOOK_SECRET", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description="Environment variable holding the webhook's HMAC-SHA256 signing secret (required with webhook_url).")
+    webhook_timeout_s: float = Field(5.0, gt=0.0, le=300.0, description="Time one webhook attempt may take.")
+    webhook_attempts: int = Field(4, ge=1, le=20, description="Attempts per record (a 2xx answer ends them; 4xx other than 408/429 also do, as failed).")
+    webhook_backoff_s: float = Field(1.0, ge=0.0, le=600.0, description="Wait before the second attempt; doubled before each later one.")
+    webhook_queue: int = Field(256, ge=1, le=100_000, description="Records waiting for the webhook; more are dropped (counted) rather than kept in memory.")
+    shutdown_wait_s: float = Field(5.0, ge=0.0, le=600.0, description="At shutdown, how long waiting webhooks and records may take before they are given up (counted as dropped).")
+
+
 class Config(_Section):
     server: ServerConfig = Field(default_factory=ServerConfig)
     models: ModelsConfig = Field(default_factory=ModelsConfig)
@@ -344,6 +364,7 @@ class Config(_Section):
     session: SessionConfig = Field(default_factory=SessionConfig)
     telephony: TelephonyConfig = Field(default_factory=TelephonyConfig)
     tools: ToolsConfig = Field(default_factory=ToolsConfig)
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
 
     @model_validator(mode="after")
     def _check(self) -> Config:

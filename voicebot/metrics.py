@@ -63,6 +63,7 @@ class Metrics:
         self.cached_tokens = Counter("voicebot_llm_cached_prompt_tokens", "Prompt tokens served from the prefix cache.", registry=r)
         self.cache_hit_ratio = Gauge("voicebot_llm_prefix_cache_hit_ratio", "Cached / prompt tokens since start.", registry=r)
         self.active_sessions = Gauge("voicebot_active_sessions", "Sessions open now.", ["transport"], registry=r)
+        self.capacity = Gauge("voicebot_session_capacity", "Sessions this server admits at once (server.max_sessions).", registry=r)
         self.sessions = Counter("voicebot_sessions", "Sessions opened.", ["transport"], registry=r)
         self.turns = Counter("voicebot_turns", "User turns committed.", registry=r)
         self.barge_ins = Counter("voicebot_barge_ins", "Replies interrupted by the caller.", registry=r)
@@ -77,6 +78,10 @@ class Metrics:
         self.loop_lag = Histogram("voicebot_event_loop_lag_seconds", "How late the event loop every call shares ran a 100 ms timer.",
                                   buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0), registry=r)
         self.loop_stalls = Counter("voicebot_event_loop_stalls", "Times the event loop did not run for server.loop_stall_s or longer.", registry=r)
+        # What calls leave behind (voicebot/observe): a record or webhook that fails never
+        # disturbs a call, so these are where an operator sees it.
+        self.records = Counter("voicebot_call_records", "Call records by outcome: written, failed (unwritable directory, full disk), dropped (the writer was behind).", ["outcome"], registry=r)
+        self.webhooks = Counter("voicebot_call_webhooks", "End-of-call webhooks by outcome: delivered, failed (after its attempts), dropped (queue full, or given up at shutdown).", ["outcome"], registry=r)
         ProcessCollector(registry=r)
 
     def observe_turn(self, t: StageLatencies) -> None:

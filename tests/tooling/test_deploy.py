@@ -204,9 +204,12 @@ def read_recipe(root: Path) -> Recipe:
 
 
 def voicebot_configs(root: Path) -> list[Path]:
-    """The voicebot configs of deploy/: every YAML file but compose's and Kubernetes'."""
+    """The voicebot configs of deploy/: every YAML file but compose's, Kubernetes' and
+    the monitoring's (Prometheus, Grafana)."""
     out = []
     for path in sorted((root / "deploy").rglob("*.y*ml")):
+        if "monitoring" in path.relative_to(root).parts:
+            continue
         try:
             docs = list(yaml.safe_load_all(path.read_text()))
         except yaml.YAMLError:

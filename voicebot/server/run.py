@@ -13,6 +13,7 @@ import uvicorn
 
 from voicebot.config import Config
 from voicebot.errors import ConfigError
+from voicebot.observe.logs import use_json_logs
 from voicebot.provision import bundle_names_for, pull, resolve_model
 from voicebot.runtime.process import apply_process_settings
 from voicebot.server.drain import drain
@@ -82,6 +83,9 @@ def uvicorn_config(cfg: Config, app: Any, **overrides: Any) -> uvicorn.Config:
         # The drain already let the sessions go; this bounds what is left (a stuck request).
         timeout_graceful_shutdown=5,
     )
+    if cfg.server.log_format == "json":
+        # uvicorn's own handlers write text: its loggers go to the root's JSON handler instead.
+        settings["log_config"] = None
     return uvicorn.Config(app, **(settings | overrides))
 
 
@@ -107,6 +111,8 @@ def _check_port_free(host: str, port: int) -> None:
 
 
 def serve(cfg: Config, *, pull_models: bool = True) -> int:
+    if cfg.server.log_format == "json":
+        use_json_logs()
     _check_port_free(cfg.server.host, cfg.server.port)
     # Before anything starts threads or loads an OpenMP runtime: a first start's pull builds
     # the LLM bundle with torch in this process (docs/reliability.md, memory; threads.py).

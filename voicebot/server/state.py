@@ -15,6 +15,7 @@ from voicebot.config import Config
 from voicebot.engines.registry import Engines
 from voicebot.errors import AuthError, CapacityError, VoicebotError
 from voicebot.metrics import Metrics
+from voicebot.observe.telemetry import Telemetry
 from voicebot.runtime.heap import HeapTrimmer
 from voicebot.server import edge
 from voicebot.session.session import Session
@@ -53,9 +54,13 @@ class ServerState:
 
     # Gives freed native memory back after calls end (voicebot/runtime/heap.py).
     heap: HeapTrimmer = field(init=False)
+    # Each call's trace, record and webhook (voicebot/observe).
+    telemetry: Telemetry = field(init=False)
 
     def __post_init__(self) -> None:
         self.api_keys = edge.load_api_keys(self.cfg.server)
+        self.telemetry = Telemetry(self.cfg.telemetry, self.metrics)
+        self.metrics.capacity.set(self.cfg.server.max_sessions)
         self.heap = HeapTrimmer(self.cfg.server.heap_trim_interval_s, on_trim=self.metrics.heap_trims.inc)
 
     @property
@@ -150,7 +155,8 @@ class ServerState:
         ``client``: the caller's address, for ``server.max_sessions_per_client``."""
         self.check_admission(client)
         assert self.engines is not None  # check_admission raised otherwise
-        session = Session(self.engines, settings or self.default_settings(), metrics=self.metrics, transport=transport)
+        session = Session(self.engines, settings or self.default_settings(), metrics=self.metrics, transport=transport,
+                          observer=self.telemetry.observer())
         self.sessions[session.id] = session
         if client is not None:
             self.client_sessions[client] = self.client_sessions.get(client, 0) + 1
@@ -170,6 +176,7 @@ class ServerState:
     async def close_all(self) -> None:
         await asyncio.gather(*(s.aclose("server shutdown") for s in list(self.sessions.values())), return_exceptions=True)
         await asyncio.gather(*(hook() for hook in self.shutdown_hooks), return_exceptions=True)
+        await self.telemetry.aclose()
         await self.heap.aclose()
 
     def voices(self) -> frozenset[str] | None:

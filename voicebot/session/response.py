@@ -57,6 +57,7 @@ class ResponseTimes:
     first_audio: float | None = None  # first synthesised audio of the first clause
     first_clause_synth_start: float | None = None
     done_generating: float | None = None
+    first_sent: float | None = None  # its first audio frame went to the client
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ from voicebot.session.events import (
 )
 from voicebot.session.history import Conversation, Message
 from voicebot.session.listener import Listener
+from voicebot.session.observer import NO_OBSERVER, CallObserver
 from voicebot.session.outbox import Outbox
 from voicebot.session.response import ResponseOptions
 from voicebot.session.settings import SessionSettings
@@ -61,6 +62,8 @@ _FRAME_MS = 20
 
 class SessionLog(logging.LoggerAdapter):
     def process(self, msg, kwargs):  # type: ignore[no-untyped-def]
+        # The id also as a field: JSON logs carry it as call_id (voicebot/observe/logs.py).
+        kwargs["extra"] = {**kwargs.get("extra", {}), "call_id": self.extra["session"]}  # type: ignore[index]
         return f"[{self.extra['session']}] {msg}", kwargs  # type: ignore[index]
 
 
@@ -80,6 +83,7 @@ class Session:
         session_id: str | None = None,
         transport: str = "native",
         clock: Clock | None = None,
+        observer: CallObserver | None = None,
     ) -> None:
         cfg: Config = engines.cfg
         self.cfg = cfg
@@ -91,6 +95,8 @@ class Session:
         self.metrics = metrics
         self._clock: Clock = clock or REAL_CLOCK
         self.log = SessionLog(log, {"session": self.id})
+        # Who watches the call (traces, its record, the webhook: voicebot/observe).
+        self.observer: CallObserver = observer or NO_OBSERVER
         # Control events are few; audio frames are paced at 50/s. A client that stops
         # reading for out_queue_frames events is dropped instead of growing memory.
         self._out: Outbox[SessionEvent] = Outbox(cfg.session.out_queue_frames)
@@ -168,6 +174,7 @@ class Session:
                 self._spawn(self.speaker.pace(), "pacer")
                 self._spawn(self.listener.forward_partials(), "partials")
                 self._spawn(self._watch_idle(), "idle")
+                self.observer.started(self.id, self.transport, self._clock.monotonic())
                 self._feed(ce.Started())
                 self._ready.set()
                 await self._closing.wait()
@@ -198,6 +205,7 @@ class Session:
                 record.close()
             if self._counted and self.metrics:
                 self.metrics.active_sessions.labels(self.transport).dec()
+            self.observer.ended(self.closed_reason or "closed", self._clock.monotonic())
             self.log.info("session closed (%s)", self.closed_reason)
 
     def _end(self) -> None:
@@ -262,6 +270,7 @@ class Session:
                 return
 
     def emit(self, event: SessionEvent) -> None:
+        self.observer.event(event, self._clock.monotonic())
         try:
             self._out.put_nowait(event)
         except asyncio.QueueFull:

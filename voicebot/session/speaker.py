@@ -25,6 +25,7 @@ from voicebot.session.events import (
     TurnTimings,
 )
 from voicebot.session.listener import Turn
+from voicebot.session.observer import TurnStages
 from voicebot.session.playout import Playout
 from voicebot.session.response import Delta, Response, ResponseOptions
 from voicebot.session.text_only import TextOnlyTts
@@ -269,6 +270,7 @@ class Speaker:
         st = resp.stats
         if self.call.metrics:
             self.call.metrics.count_tokens(st.prompt_tokens, st.cached_tokens)
+        self.call.observer.stages(self._stages(resp, status))
         completed = status == "completed"
         self.call.emit(
             ResponseDone(
@@ -319,8 +321,34 @@ class Speaker:
                 return  # underrun or done: the outer loop waits for more
             await self._clock.sleep(_FRAME_MS / 1000.0)
 
+    def _stages(self, resp: Response, status: str) -> TurnStages:
+        """The marks of a reply (and of the turn it answers) as it is reported done."""
+        turn = self._reply_turns.get(resp.id)
+        t, st = resp.times, resp.stats
+        return TurnStages(
+            resp.id,
+            status,
+            speech_end=turn.speech_end if turn else None,
+            committed=turn.committed_at if turn else None,
+            asr_started=turn.asr_started if turn else None,
+            asr_done=turn.asr_done if turn else None,
+            llm_requested=t.requested,
+            llm_ttft_s=st.ttft_s,
+            llm_done=t.done_generating,
+            first_clause=t.first_clause,
+            tts_started=t.first_clause_synth_start,
+            tts_first_audio=t.first_audio,
+            audio_started=t.first_sent,
+            ended=self._clock.monotonic(),
+            prompt_tokens=st.prompt_tokens,
+            cached_tokens=st.cached_tokens,
+            output_tokens=st.output_tokens,
+            speculative=bool(turn and turn.response is resp),
+        )
+
     def _report_timings(self, resp: Response) -> None:
         now = self._clock.monotonic()
+        resp.times.first_sent = now
         turn = self._reply_turns.get(resp.id) if self.live is resp else None
 
         def ms(a: float | None, b: float | None) -> float | None:

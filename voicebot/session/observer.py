@@ -1,0 +1,75 @@
+"""The one seam through which a call reports what happened, for whoever watches calls
+(traces, call records, the end-of-call webhook: voicebot/observe).
+
+A call tells its observer four things, each on the call's clock (``now``, seconds):
+it started, every event it told its client (audio frames excepted: nothing here is
+per frame), the marks of a reply's stages when it ends, and why the call ended. The observer only records; it never decides anything about the call and
+must not raise (an observer that fails is the observer's problem, not the call's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from voicebot.session.events import SessionEvent
+
+
+@dataclass(frozen=True)
+class TurnStages:
+    """A reply the caller was told of, as it ends: when each stage of it (and of the
+    user turn it answers) began and ended, on the call's clock. None: the stage did not
+    happen (no user turn for a reply the client asked for; no audio for a reply cut
+    before it spoke)."""
+
+    response_id: str
+    status: str  # completed, interrupted, cancelled, failed
+    speech_end: float | None  # the caller's last speech audio
+    committed: float | None  # the end-of-turn decision
+    asr_started: float | None  # the final transcript requested
+    asr_done: float | None
+    llm_requested: float | None
+    llm_ttft_s: float | None  # the LLM's time to first token (it keeps its own clock)
+    llm_done: float | None  # the last token
+    first_clause: float | None
+    tts_started: float | None  # synthesis of the first clause began
+    tts_first_audio: float | None
+    audio_started: float | None  # the first reply audio frame went to the client
+    ended: float  # played out, or cut
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    speculative: bool = False
+
+
+class CallObserver(Protocol):
+    """What a call reports; every method returns at once and never raises."""
+
+    def started(self, call_id: str, transport: str, now: float) -> None: ...
+
+    def event(self, event: SessionEvent, now: float) -> None:
+        """An event the call told its client (never a reply's audio frame)."""
+        ...
+
+    def stages(self, stages: TurnStages) -> None: ...
+
+    def ended(self, reason: str, now: float) -> None: ...
+
+
+class NoObserver:
+    """Nobody watches: the default, which costs a method call per event."""
+
+    def started(self, call_id: str, transport: str, now: float) -> None:
+        pass
+
+    def event(self, event: SessionEvent, now: float) -> None:
+        pass
+
+    def stages(self, stages: TurnStages) -> None:
+        pass
+
+    def ended(self, reason: str, now: float) -> None:
+        pass
+
+
+NO_OBSERVER: CallObserver = NoObserver()
