@@ -111,7 +111,7 @@ def serve(cfg: Config, *, pull_models: bool = True) -> int:
     # Before anything starts threads or loads an OpenMP runtime: a first start's pull builds
     # the LLM bundle with torch in this process (docs/reliability.md, memory; threads.py).
     apply_process_settings(cfg.server)
-    names = bundle_names_for(cfg, frontend=True)
+    names = bundle_names_for(cfg)
     if names and pull_models:
         # Before binding the port, so a missing package is one clear CLI error.
         pull(names, cfg.models, log=lambda msg: log.info("%s", msg))
