@@ -17,6 +17,8 @@ from voicebot.provision import bundle_names_for, pull, resolve_model
 from voicebot.runtime.process import apply_process_settings
 from voicebot.server.drain import drain
 from voicebot.server.state import ServerState
+from voicebot.server.ws_protocol import protocol_class
+from voicebot.transports import realtime_events
 
 log = logging.getLogger(__name__)
 
@@ -70,10 +72,14 @@ class DrainingServer(uvicorn.Server):
 def uvicorn_config(cfg: Config, app: Any, **overrides: Any) -> uvicorn.Config:
     """The HTTP/WebSocket server's settings (the tests' servers take them too)."""
     settings: dict[str, Any] = dict(
-        ws="websockets-sansio",
-        # Up to 4x the limit reaches our handler, which answers with an error event and
-        # goes on; beyond that the connection is closed (1009) before it is buffered.
-        ws_max_size=4 * cfg.server.max_message_bytes,
+        # uvicorn's websockets-sansio protocol, with a deadline on a client that stopped reading.
+        ws=protocol_class(cfg.server.send_timeout_s),
+        # A frame up to this size reaches our handler, which answers one over
+        # server.max_message_bytes with an error event and goes on; beyond it the
+        # connection is closed (1009) before it is buffered. At least what an OpenAI
+        # Realtime client may send in one event (15 MiB of audio), so that no such
+        # client loses its call over one large append.
+        ws_max_size=max(4 * cfg.server.max_message_bytes, realtime_events.MAX_FRAME_BYTES),
         ws_per_message_deflate=cfg.server.ws_compression,
         ws_ping_interval=20.0,
         ws_ping_timeout=20.0,

@@ -23,6 +23,10 @@ from voicebot.server import edge
 
 AudioFormat = Literal["audio/pcm", "audio/pcmu", "audio/pcma"]
 PCM_RATE = 24_000  # the only PCM rate the Realtime API defines
+# OpenAI takes up to 15 MiB of audio in one input_audio_buffer.append: base64 makes that
+# 20 MiB of text, plus the event's own fields. A frame up to this size reaches the
+# handler, which answers one over server.max_message_bytes with an error event.
+MAX_FRAME_BYTES = (20 << 20) + (64 << 10)
 # OpenAI's voice names: accepted and mapped to our TTS's default voice.
 OPENAI_VOICES = frozenset(
     ["alloy", "ash", "ballad", "coral", "echo", "sage", "shimmer", "verse", "marin", "cedar", "fable", "onyx", "nova"]
