@@ -99,5 +99,11 @@ def _address(client: tuple[str, int] | None) -> str:
 
 
 def protocol_class(send_timeout_s: float) -> type[WebSocketProtocol]:
-    """The protocol for uvicorn's ``ws`` setting, with this server's deadline."""
-    return type("WebSocketProtocol", (WebSocketProtocol,), {"send_timeout_s": send_timeout_s})
+    """The protocol for uvicorn's ``ws`` setting, with this server's deadline (uvicorn
+    builds each connection's protocol from the class, with its own arguments)."""
+    timeout = send_timeout_s
+
+    class Configured(WebSocketProtocol):
+        send_timeout_s = timeout
+
+    return Configured
