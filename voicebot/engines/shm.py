@@ -3,15 +3,17 @@
 vLLM's processes (the engine core, its workers) talk through POSIX shared-memory rings
 (``multiprocessing.shared_memory``: ``/dev/shm/psm_*``), each unlinked by the process
 that created it when that process exits normally. A process killed first leaves its
-rings behind: vLLM force-kills an engine core that outlives its shutdown grace (its
-CPU build often does), and an aborted start-up kills the engine processes at once
+rings behind: vLLM force-kills an engine core still running after its 5 s shutdown
+grace, and an aborted start-up kills the engine processes at once
 (voicebot/engines/startup.py). The memory then stays taken until this process exits,
 when multiprocessing's resource tracker (which the children share) unlinks it and warns
 "There appear to be N leaked shared_memory objects to clean up at shutdown"; a server
 whose engine restarts keeps each restart's rings until then.
 
-So the rings an engine's processes map are listed while those run (:func:`mapped`), and
-released once they are gone (:func:`release`).
+So the segments an engine's processes map are listed while they run (:func:`mapped`),
+and released once they are gone (:func:`release_after`), except those this process maps
+itself. (Their locks' named semaphores, ``/dev/shm/sem.mp-*``, cannot be told apart so:
+a process maps the ones it opened by name, i.e. another process's, not its own.)
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import psutil
 log = logging.getLogger(__name__)
 
 _SHM_DIR = "/dev/shm/"
-_PREFIX = "psm_"  # multiprocessing.shared_memory's names
+_SEGMENT = "psm_"  # multiprocessing.shared_memory's names
 
 
 def tree(pids: Iterable[int]) -> list[psutil.Process]:
@@ -41,7 +43,7 @@ def tree(pids: Iterable[int]) -> list[psutil.Process]:
 
 
 def mapped(procs: Iterable[psutil.Process]) -> set[str]:
-    """The shared-memory segments these processes map and nobody has unlinked yet."""
+    """The shared-memory segments these processes map that nobody has unlinked yet."""
     names: set[str] = set()
     for p in procs:
         try:
@@ -49,16 +51,16 @@ def mapped(procs: Iterable[psutil.Process]) -> set[str]:
         except psutil.Error:
             continue
         for m in maps:
-            path = m.path
-            if path.startswith(_SHM_DIR + _PREFIX) and not path.endswith("(deleted)"):
-                names.add(path.removeprefix(_SHM_DIR))
+            name = m.path.removeprefix(_SHM_DIR)
+            if name != m.path and name.startswith(_SEGMENT) and not name.endswith("(deleted)"):
+                names.add(name)
     return names
 
 
 def release_after(procs: list[psutil.Process], names: set[str], timeout_s: float) -> list[str]:
     """Once ``procs`` have exited (at most ``timeout_s``), release what they left of
     ``names``. If one still runs, nothing: a live process unlinks its own at its exit
-    (and would complain of a ring unlinked under it)."""
+    (and would complain of one unlinked under it); nor what this process maps."""
     if not names:
         return []
     _, alive = psutil.wait_procs(procs, timeout=timeout_s)
@@ -66,22 +68,21 @@ def release_after(procs: list[psutil.Process], names: set[str], timeout_s: float
         log.debug("engine processes %s still running: their shared memory is left to them",
                   [p.pid for p in alive])
         return []
-    return release(names)
+    return release(names - mapped([psutil.Process()]))
 
 
 def release(names: Iterable[str]) -> list[str]:
     """Unlink the segments of ``names`` that are still there, and tell the resource
-    tracker (``SharedMemory.unlink``); returns those released."""
+    tracker (which would otherwise warn of them at exit); returns those released."""
     released = []
     for name in sorted(names):
         try:
             segment = shared_memory.SharedMemory(name=name)
+            segment.close()
+            segment.unlink()  # and unregisters it
         except OSError:  # FileNotFoundError: its creator released it after all
             continue
-        segment.close()
-        with contextlib.suppress(OSError):
-            segment.unlink()
-            released.append(name)
+        released.append(name)
     if released:
         log.info("released %d shared-memory segment(s) of killed engine processes", len(released))
     return released
