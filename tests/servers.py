@@ -66,11 +66,8 @@ async def running_server(cfg: Config, state: ServerState | None = None) -> Async
         # outlive a failed start.
         await state.engines.aclose()
         raise
-    # voicebot serve's settings on a free loopback port; messages up to 16 MiB reach the handler
-    # (production closes above 4 MiB), so tests can send oversized ones and see the error event.
-    server = uvicorn.Server(
-        uvicorn_config(cfg, app, host="127.0.0.1", port=0, ws_max_size=16 << 20, lifespan="on", log_level="warning")
-    )
+    # voicebot serve's settings on a free loopback port.
+    server = uvicorn.Server(uvicorn_config(cfg, app, host="127.0.0.1", port=0, lifespan="on", log_level="warning"))
     task = asyncio.create_task(server.serve())
     try:
         async with asyncio.timeout(60):

@@ -47,6 +47,7 @@ class ServerConfig(_Section):
     web_root: str = Field("web", description="Directory served at '/' (the browser client); a relative one is "
                           "looked up in the current directory, then in the project the server runs from.")
     max_message_bytes: int = Field(1 << 20, ge=1024, le=64 << 20, description="Largest WebSocket message accepted.")
+    send_timeout_s: float = Field(15.0, ge=1.0, le=600.0, description="A WebSocket client that takes none of the data waiting for it (its socket's buffers full) for this long is disconnected and its call ended ('slow_consumer'); a close that cannot flush is aborted after as long. Long enough for a mobile network's stall, short enough to free a call that no one hears.")
     ws_compression: bool = Field(False, description="Accept permessage-deflate on client WebSockets. Off by default: PCM audio barely compresses, and compressing every outgoing 20 ms frame costs the event loop's core (docs/benchmarks.md, 'Why the defaults are what they are').")
     transports: list[TransportName] = Field(
         default_factory=lambda: list(TRANSPORTS),

@@ -498,6 +498,8 @@ async def drain_check(proc: subprocess.Popen[bytes], port: int) -> None:
 
         assert await until_async(ticks, lambda n: n > 0, 5) > 0
 
+        # multiprocessing's resource tracker, which prints leaked shared memory as it exits.
+        tracker = [p for p in psutil.Process(proc.pid).children() if "resource_tracker" in " ".join(p.cmdline())]
         proc.send_signal(signal.SIGTERM)
         # Draining: still listening, but out of rotation and refusing new calls.
         r = await until_async(healthz, lambda r: r is not None and r.status_code == 503, 5)
@@ -528,8 +530,12 @@ async def drain_check(proc: subprocess.Popen[bytes], port: int) -> None:
         assert idle_closed.value.rcvd is not None and idle_closed.value.rcvd.code == 1001, idle_closed.value.rcvd
         code = await asyncio.to_thread(proc.wait, 30)
         assert code == 0
+        await asyncio.to_thread(psutil.wait_procs, tracker, 10)
         out = server_log(proc)
         assert "Traceback" not in out and "Exception in ASGI application" not in out, out[-3000:]
+        # vLLM force-kills an engine core that outlives its shutdown grace, before it
+        # unlinks its shared-memory rings (voicebot/engines/shm.py releases them).
+        assert "leaked shared_memory" not in out, out[-3000:]
         # Closing the engines leaves the loop free: vLLM's shutdown() joins its engine-core
         # process, which on the loop stalled it ~5 s at every exit (server.loop_stall_s
         # logged the stack: voicebot/engines/llm/inprocess.py, aclose, engine.shutdown()).

@@ -7,6 +7,7 @@ points it at a local folder with ``--no-index --find-links`` (the ``pip_args`` s
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import zipfile
@@ -227,20 +228,58 @@ def test_bundle_names_for_config():
 def test_a_frontend_pulls_only_what_it_loads():
     # With the ASR in the shared service and the LLM on a remote tier, `voicebot serve`
     # loads only the tokenizer (resolve_specs): it pulled the Whisper and LLM weights too
-    # (the LLM's 1 GB package for a tokenizer). `voicebot models pull --config` still
-    # lists what the deployment's services load from the same config.
+    # (the LLM's 1 GB package for a tokenizer).
     config = Config()
     config.asr.backend = "remote"
     config.llm.backend = "remote"
     config.llm.tokenizer = "bundle:qwen3-tokenizer"
-    assert bundle_names_for(config, frontend=True) == ["qwen3-tokenizer", "piper-en_US-joe-medium"]
-    assert bundle_names_for(config) == [
-        "whisper-tiny.en", "qwen2.5-coder-0.5b-instruct", "qwen3-tokenizer", "piper-en_US-joe-medium"
-    ]
+    assert bundle_names_for(config) == ["qwen3-tokenizer", "piper-en_US-joe-medium"]
     config.llm.tokenizer = None  # the tokenizer comes from llm.model then
-    assert bundle_names_for(config, frontend=True) == ["qwen2.5-coder-0.5b-instruct", "piper-en_US-joe-medium"]
+    assert bundle_names_for(config) == ["qwen2.5-coder-0.5b-instruct", "piper-en_US-joe-medium"]
     config.asr.backend = "faster-whisper"
-    assert bundle_names_for(config, frontend=True)[0] == "whisper-tiny.en"
+    assert bundle_names_for(config)[0] == "whisper-tiny.en"
+
+
+def test_each_service_pulls_the_model_it_hosts():
+    # One config file serves the frontends and the shared services (docs/scaling.md):
+    # each command's pull takes what that command loads.
+    config = Config()
+    config.asr.backend = "remote"
+    config.tts.backend = "remote"
+    assert bundle_names_for(config, role="asr-serve") == ["whisper-tiny.en"]
+    assert bundle_names_for(config, role="tts-serve") == ["piper-en_US-joe-medium"]
+    assert bundle_names_for(config) == ["qwen2.5-coder-0.5b-instruct"]
+    config.tts.engine = "espeak"
+    assert bundle_names_for(config, role="tts-serve") == []
+
+
+def test_models_pull_with_a_remote_asr_fetches_no_whisper(tmp_path, monkeypatch, capsys):
+    # `voicebot models pull --config` on a frontend whose ASR is the shared service
+    # built a local Whisper that `voicebot serve` never loads.
+    pulled: list[list[str]] = []
+    monkeypatch.setattr("voicebot.provision.cli.pull", lambda names, *a, **k: pulled.append(list(names)) or {})
+    cfg = tmp_path / "frontend.yaml"
+    cfg.write_text("asr:\n  backend: remote\n  model: bundle:whisper-tiny.en\n"
+                   "tts:\n  engine: espeak\n  voice: en-us\n")
+    cache = str(tmp_path / "cache")
+    assert cli_main(["models", "pull", "--config", str(cfg), "--cache-dir", cache]) == 0
+    assert pulled == [["qwen2.5-coder-0.5b-instruct"]]
+    assert cli_main(["models", "pull", "--config", str(cfg), "--cache-dir", cache, "--for", "asr-serve"]) == 0
+    assert pulled[-1] == ["whisper-tiny.en"]
+
+
+def test_a_frontend_with_a_remote_asr_resolves_no_whisper(monkeypatch):
+    # Server start (resolve_specs) resolves, and so builds, only what the frontend loads.
+    import voicebot.provision as provision
+    from voicebot.engines.registry import resolve_specs
+
+    resolved: list[str] = []
+    monkeypatch.setattr(provision, "resolve_model", lambda ref, models, **k: resolved.append(ref) or f"/m/{ref}")
+    config = Config()
+    config.asr.backend = "remote"
+    specs = asyncio.run(resolve_specs(config))
+    assert config.asr.model not in resolved, resolved
+    assert specs.asr_path == config.asr.remote.url
 
 
 def test_a_renamed_entry_resolves_to_its_new_name(caplog):

@@ -160,6 +160,61 @@ def test_session_update_maps_ga_fields_onto_settings() -> None:
     assert fake.settings.create_response is False  # as OpenAI: no VAD, no automatic reply
 
 
+def test_a_session_update_naming_unknown_fields_is_refused_whole_and_names_them() -> None:
+    # Unknown names were dropped silently (the models ignore extras): a typo
+    # ("instructionz", "silence_ms") was answered session.updated and changed nothing the
+    # client meant. OpenAI refuses the whole update with unknown_parameter.
+    tr, fake = make()
+    out = send(tr, type="session.update", event_id="ev_1", session={
+        "type": "realtime", "instructions": "Talk like a pirate.", "instructionz": "Talk like a pirate.",
+        "audio": {"input": {"turn_detection": {"type": "server_vad", "silence_ms": 300}}}})
+    assert [e["type"] for e in out] == ["error"], out
+    error = out[0]["error"]
+    assert (error["type"], error["code"], error["param"], error["event_id"]) == (
+        "invalid_request_error", "unknown_parameter", "session.instructionz", "ev_1")
+    assert "'session.instructionz'" in error["message"], error
+    assert "'session.audio.input.turn_detection.silence_ms'" in error["message"], error
+    assert fake.settings.system_prompt == "Be brief.", "a refused update changed the session"
+    out = send(tr, type="session.update", session={"input_audio_format": "pcm16", "turn_detection": {"silence": 1}})
+    assert out[0]["error"]["param"] == "session.turn_detection.silence", out  # beta names too
+
+
+def _typed_dict_fields(hint: Any, seen: frozenset[type] = frozenset()) -> dict[str, Any]:
+    """A TypedDict's fields as nested dicts ({} where the field is not an object), the
+    members of a union of TypedDicts merged."""
+    import typing
+
+    import typing_extensions  # the SDK's TypedDicts are typing_extensions'
+
+    fields: dict[str, Any] = {}
+    for arg in typing.get_args(hint) or (hint,):
+        if typing.get_origin(arg) in (typing_extensions.Required, typing_extensions.NotRequired) or typing.get_args(arg):
+            fields.update(_typed_dict_fields(arg, seen))
+        elif typing_extensions.is_typeddict(arg) and arg not in seen:
+            for name, inner in typing.get_type_hints(arg).items():
+                fields[name] = _typed_dict_fields(inner, seen | {arg}) or None
+    return fields
+
+
+@pytest.mark.parametrize("schema", [
+    "openai.types.realtime.realtime_session_create_request_param:RealtimeSessionCreateRequestParam",
+    "openai.types.realtime.realtime_transcription_session_create_request_param:"
+    "RealtimeTranscriptionSessionCreateRequestParam",
+    "openai.types.beta.realtime.session_update_event_param:Session",
+])
+def test_every_session_field_the_openai_sdk_can_send_is_known(schema: str) -> None:
+    # What a client may send is OpenAI's schema (the SDK's types): none of it may be
+    # refused as unknown, whether we implement it or accept it as a no-op.
+    import importlib
+
+    module, name = schema.split(":")
+    session = _typed_dict_fields(getattr(importlib.import_module(module), name))
+    assert "instructions" in session or "audio" in session, session
+    from voicebot.transports import realtime_events as rt
+
+    assert rt.unknown_session_fields(session) == []
+
+
 def test_flat_beta_fields_switch_to_beta_names() -> None:
     tr, fake = make()
     out = send(tr, type="session.update", session={"input_audio_format": "g711_ulaw", "turn_detection": None})

@@ -27,6 +27,8 @@ from typing import Any, Protocol
 
 import psutil
 
+from voicebot.engines import shm
+
 log = logging.getLogger(__name__)
 
 # How long an aborted start may take to wind down before we stop waiting for it.
@@ -79,18 +81,21 @@ class EngineProcesses:
         )
 
     def kill_new(self) -> int:
-        """SIGKILL every new engine process and its descendants; return how many."""
+        """SIGKILL every new engine process and its descendants, and release the shared
+        memory they had not unlinked yet (voicebot/engines/shm.py); return how many."""
         victims = []
         for p in self.new():
             with contextlib.suppress(psutil.Error):
                 victims.extend(p.children(recursive=True))
             victims.append(p)
+        rings = shm.mapped(victims)
         for p in victims:
             try:
                 p.kill()
             except psutil.Error:
                 continue
             log.warning("aborting an engine start: killed engine process %d", p.pid)
+        shm.release_after(victims, rings, 2.0)  # SIGKILL is not instant
         return len(victims)
 
 

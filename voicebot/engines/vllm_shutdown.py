@@ -16,6 +16,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from voicebot.engines import shm
+
 
 async def shut_down(engine: Any) -> None:
     """Stop the engine's output handler on this loop, then ``engine.shutdown()`` on a
@@ -41,4 +43,15 @@ async def _shut_down(engine: Any) -> None:
     if isinstance(handler, asyncio.Task) and not handler.done():
         handler.cancel()
         await asyncio.wait([handler], timeout=5.0)
+    # vLLM force-kills an engine core that outlives its shutdown grace, before it can
+    # unlink its shared-memory rings (voicebot/engines/shm.py): listed now, released after.
+    procs = await asyncio.to_thread(shm.tree, _engine_pids(engine))
+    rings = await asyncio.to_thread(shm.mapped, procs)
     await asyncio.to_thread(engine.shutdown)
+    await asyncio.to_thread(shm.release_after, procs, rings, 5.0)
+
+
+def _engine_pids(engine: Any) -> list[int]:
+    """The engine-core processes of an ``AsyncLLM`` (none if vLLM names them otherwise)."""
+    manager = getattr(getattr(getattr(engine, "engine_core", None), "resources", None), "engine_manager", None)
+    return [p.pid for p in getattr(manager, "processes", None) or [] if getattr(p, "pid", None) is not None]

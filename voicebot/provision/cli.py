@@ -10,7 +10,7 @@ from voicebot.config import Config, load_config
 from voicebot.errors import VoicebotError
 from voicebot.provision.build import model_store, pull
 from voicebot.provision.bundle import load_bundle
-from voicebot.provision.resolve import bundle_names_for
+from voicebot.provision.resolve import ROLES, bundle_names_for
 
 
 def add_models_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -25,7 +25,10 @@ def add_models_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
 
     p = sub.add_parser("pull", help="download, assemble and verify bundle entries")
     p.add_argument("names", nargs="*", metavar="NAME",
-                   help="entries to build (default: those the config references)")
+                   help="entries to build (default: those --for loads with this config)")
+    p.add_argument("--for", dest="role", choices=ROLES, default="serve",
+                   help="the command whose models to build: the frontend (serve, the default), or the "
+                        "shared ASR / TTS service that one config file also describes")
     p.add_argument("--all", action="store_true", help="build every entry of models/bundle.toml")
     common(p)
     p.set_defaults(func=models_command)
@@ -64,7 +67,7 @@ def models_command(args: argparse.Namespace) -> int:
         bundle = load_bundle()
         store = model_store(config.models)
         if args.models_command == "pull":
-            names = list(bundle.entries) if args.all else args.names or bundle_names_for(config)
+            names = list(bundle.entries) if args.all else args.names or bundle_names_for(config, role=args.role)
             for name, path in pull(names, config.models, bundle=bundle).items():
                 print(f"{name}: {path}")
         elif args.models_command == "list":

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from voicebot.config import Config, ModelsConfig
 from voicebot.errors import BundleError, ModelError
@@ -84,20 +85,27 @@ def frontend_refs(config: Config) -> FrontendRefs:
     )
 
 
-def bundle_names_for(config: Config, *, frontend: bool = False) -> list[str]:
-    """The bundle entries a config references, in config order, without duplicates.
+# The commands that load models, each from the same config file (docs/scaling.md): the
+# frontend, and the shared ASR and TTS services.
+Role = Literal["serve", "asr-serve", "tts-serve"]
+ROLES: tuple[Role, ...] = ("serve", "asr-serve", "tts-serve")
 
-    ``frontend``: only those ``voicebot serve`` loads itself (:func:`frontend_refs`): not
-    the Whisper model of a shared ASR service, and of a remote LLM tier only the tokenizer.
+
+def bundle_names_for(config: Config, *, role: Role = "serve") -> list[str]:
+    """The bundle entries ``voicebot ROLE --config`` loads, in config order, without duplicates.
+
+    ``serve``: what the frontend loads itself (:func:`frontend_refs`): not the Whisper
+    model of a shared ASR service, of a remote LLM tier only the tokenizer, no voice of a
+    shared TTS service. ``asr-serve`` / ``tts-serve``: the model that service hosts.
     """
-    if frontend:
+    if role == "asr-serve":
+        refs: list[str | None] = [config.asr.model]
+    elif role == "tts-serve":
+        refs = [config.tts.voice if config.tts.engine == "piper" else None]
+    else:
         r = frontend_refs(config)
         refs = [r.asr, r.llm, r.tokenizer, r.voice]
-    else:
-        refs = [config.asr.model, config.llm.model, config.llm.tokenizer]
-        if config.tts.engine == "piper":
-            refs.append(config.tts.voice)
-    if config.vad.turn_detector == "smart_turn":
-        refs.append(config.vad.smart_turn_model)
+        if config.vad.turn_detector == "smart_turn":
+            refs.append(config.vad.smart_turn_model)
     names = [r.removeprefix(BUNDLE_PREFIX) for r in refs if r and r.startswith(BUNDLE_PREFIX)]
     return list(dict.fromkeys(names))

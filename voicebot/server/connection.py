@@ -35,12 +35,15 @@ from starlette.requests import HTTPConnection
 
 from voicebot.server import edge
 from voicebot.server.state import ServerState
+from voicebot.server.ws_protocol import stalled
 
 if TYPE_CHECKING:
     from voicebot.config import ServerConfig
     from voicebot.errors import VoicebotError
     from voicebot.session.session import Session
     from voicebot.session.settings import SessionSettings
+
+SLOW_CONSUMER = "slow_consumer"  # the call's close reason when its client stopped reading
 
 
 class Connection:
@@ -56,6 +59,7 @@ class Connection:
         # No request: a call started in-process (tests), with no headers and no address.
         self.headers = request.headers if request is not None else Headers()
         self.query = request.query_params if request is not None else QueryParams()
+        self.scope = request.scope if request is not None else {}
         client = request.client if request is not None else None
         self.client = client.host if per_client and client else None
         self.call: Session | None = None
@@ -126,6 +130,8 @@ class Connection:
             try:
                 yield call
             finally:
+                if stalled(self.scope):  # counted here: no error event could reach the client
+                    self.state.count_error(SLOW_CONSUMER)
                 await call.aclose(self.reason or "closed")
 
     def end(self, reason: str) -> None:
@@ -136,9 +142,10 @@ class Connection:
     @property
     def reason(self) -> str | None:
         """Why the call ended: the call's own reason (a fatal error, idle, shutdown),
-        else the one the transport gave."""
+        else a client that stopped reading (the socket was aborted), else the one the
+        transport gave."""
         own = self.call.closed_reason if self.call is not None else None
-        return own or self._reason
+        return own or (SLOW_CONSUMER if stalled(self.scope) else None) or self._reason
 
     @property
     def close_code(self) -> int:

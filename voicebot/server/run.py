@@ -18,6 +18,8 @@ from voicebot.provision import bundle_names_for, pull, resolve_model
 from voicebot.runtime.process import apply_process_settings
 from voicebot.server.drain import drain
 from voicebot.server.state import ServerState
+from voicebot.server.ws_protocol import protocol_class
+from voicebot.transports import realtime_events
 
 log = logging.getLogger(__name__)
 
@@ -71,10 +73,14 @@ class DrainingServer(uvicorn.Server):
 def uvicorn_config(cfg: Config, app: Any, **overrides: Any) -> uvicorn.Config:
     """The HTTP/WebSocket server's settings (the tests' servers take them too)."""
     settings: dict[str, Any] = dict(
-        ws="websockets-sansio",
-        # Up to 4x the limit reaches our handler, which answers with an error event and
-        # goes on; beyond that the connection is closed (1009) before it is buffered.
-        ws_max_size=4 * cfg.server.max_message_bytes,
+        # uvicorn's websockets-sansio protocol, with a deadline on a client that stopped reading.
+        ws=protocol_class(cfg.server.send_timeout_s),
+        # A frame up to this size reaches our handler, which answers one over
+        # server.max_message_bytes with an error event and goes on; beyond it the
+        # connection is closed (1009) before it is buffered. At least what an OpenAI
+        # Realtime client may send in one event (15 MiB of audio), so that no such
+        # client loses its call over one large append.
+        ws_max_size=max(4 * cfg.server.max_message_bytes, realtime_events.MAX_FRAME_BYTES),
         ws_per_message_deflate=cfg.server.ws_compression,
         ws_ping_interval=20.0,
         ws_ping_timeout=20.0,
@@ -117,7 +123,7 @@ def serve(cfg: Config, *, pull_models: bool = True) -> int:
     # Before anything starts threads or loads an OpenMP runtime: a first start's pull builds
     # the LLM bundle with torch in this process (docs/reliability.md, memory; threads.py).
     apply_process_settings(cfg.server)
-    names = bundle_names_for(cfg, frontend=True)
+    names = bundle_names_for(cfg)
     if names and pull_models:
         # Before binding the port, so a missing package is one clear CLI error.
         pull(names, cfg.models, log=lambda msg: log.info("%s", msg))

@@ -23,6 +23,10 @@ from voicebot.server import edge
 
 AudioFormat = Literal["audio/pcm", "audio/pcmu", "audio/pcma"]
 PCM_RATE = 24_000  # the only PCM rate the Realtime API defines
+# OpenAI takes up to 15 MiB of audio in one input_audio_buffer.append: base64 makes that
+# 20 MiB of text, plus the event's own fields. A frame up to this size reaches the
+# handler, which answers one over server.max_message_bytes with an error event.
+MAX_FRAME_BYTES = (20 << 20) + (64 << 10)
 # OpenAI's voice names: accepted and mapped to our TTS's default voice.
 OPENAI_VOICES = frozenset(
     ["alloy", "ash", "ballad", "coral", "echo", "sage", "shimmer", "verse", "marin", "cedar", "fable", "onyx", "nova"]
@@ -234,6 +238,62 @@ def load_json(text: str) -> dict[str, Any]:
     return data
 
 
+# The session fields OpenAI's session.update takes, GA and beta (as in the openai SDK's
+# types), and the read-only ones a client may echo back from session.created (id,
+# object, expires_at). The models above ignore what they do not use; a name outside
+# these is refused as OpenAI refuses it, so that a typo is not acknowledged with a
+# session.updated that changed nothing. Objects passed through or ignored (tools,
+# tracing, prompt, reasoning ...) are not looked into.
+_TURN_DETECTION = frozenset({"type", "threshold", "prefix_padding_ms", "silence_duration_ms", "create_response",
+                             "interrupt_response", "idle_timeout_ms", "eagerness"})
+_TRANSCRIPTION = frozenset({"model", "language", "prompt", "delay", "keywords", "languages"})
+_NOISE_REDUCTION = frozenset({"type", "strength"})
+_FORMAT = frozenset({"type", "rate"})
+_SESSION_FIELDS: dict[str, frozenset[str]] = {
+    "session": frozenset({
+        # GA
+        "type", "model", "instructions", "output_modalities", "audio", "include", "max_output_tokens",
+        "parallel_tool_calls", "prompt", "reasoning", "tool_choice", "tools", "tracing", "truncation",
+        # beta
+        "modalities", "voice", "speed", "temperature", "input_audio_format", "output_audio_format",
+        "input_audio_transcription", "input_audio_noise_reduction", "turn_detection",
+        "max_response_output_tokens", "client_secret",
+        # read-only, echoed back by some clients
+        "id", "object", "expires_at"}),
+    "session.audio": frozenset({"input", "output"}),
+    "session.audio.input": frozenset({"format", "noise_reduction", "transcription", "turn_detection"}),
+    "session.audio.output": frozenset({"format", "voice", "speed"}),
+    "session.audio.input.format": _FORMAT,
+    "session.audio.output.format": _FORMAT,
+    "session.audio.input.turn_detection": _TURN_DETECTION,
+    "session.turn_detection": _TURN_DETECTION,
+    "session.audio.input.transcription": _TRANSCRIPTION,
+    "session.input_audio_transcription": _TRANSCRIPTION,
+    "session.audio.input.noise_reduction": _NOISE_REDUCTION,
+    "session.input_audio_noise_reduction": _NOISE_REDUCTION,
+}
+
+
+def unknown_session_fields(session: object) -> list[str]:
+    """The fields of a session.update's ``session`` that OpenAI's API does not have, as
+    paths (``session.audio.input.turn_detection.silence_ms``), in the order sent."""
+    found: list[str] = []
+
+    def walk(path: str, value: object) -> None:
+        known = _SESSION_FIELDS.get(path)
+        if known is None or not isinstance(value, dict):
+            return
+        for key, inner in value.items():
+            name = f"{path}.{key}"
+            if key in known:
+                walk(name, inner)
+            else:
+                found.append(name)
+
+    walk("session", session)
+    return found
+
+
 def validate_client_event(data: dict[str, Any]) -> ClientEvent:
     kind = data["type"]
     if kind not in CLIENT_EVENT_TYPES:
@@ -241,6 +301,13 @@ def validate_client_event(data: dict[str, Any]) -> ClientEvent:
             f"unsupported event type {edge.clip(kind)}; supported: {', '.join(sorted(CLIENT_EVENT_TYPES))}",
             code="unknown_event", param="type",
         )
+    if kind == "session.update" and (unknown := unknown_session_fields(data.get("session"))):
+        # As OpenAI: the whole update is refused (nothing of it applies), with its code,
+        # and ``param`` naming the first unknown field; the message names all of them.
+        names = ", ".join(edge.clip(n, 128) for n in unknown[:8]) + (", ..." if len(unknown) > 8 else "")
+        first = unknown[0] if len(unknown[0]) <= 128 else unknown[0][:128] + "..."  # a client's key, bounded
+        raise RealtimeRequestError(f"Unknown parameter{'s' if len(unknown) > 1 else ''}: {names}.",
+                                   code="unknown_parameter", param=first)
     try:
         return _ADAPTER.validate_python(data)
     except ValidationError as exc:
