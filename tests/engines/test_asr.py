@@ -155,13 +155,14 @@ async def test_streaming_wer_stable_partials_and_latency(
             # Confirmed words never change or disappear: the text only grows.
             assert after.confirmed.startswith(before.confirmed), (before, after)
             assert after.audio_s > before.audio_s
-        assert final.text.startswith(partials[-1].confirmed), (partials[-1], final)
 
     refs = [normalize(c.text) for c in speech_clips]
     streamed = [normalize(final.text) for _p, final, _l in results]
     wer_stream = jiwer.wer(refs, streamed)
 
-    # The same clips decoded in one shot, without the confirmed-words prefix.
+    # The same clips decoded in one shot. The streamed final is that same decode: the
+    # words its partials confirmed are not forced on it, so a word they left out (a
+    # first "And") comes back, and on any machine the two are one and the same decode.
     plain = [await engine.transcribe(c.audio) for c in speech_clips]
     wer_plain = jiwer.wer(refs, [normalize(t.text) for t in plain])
 
@@ -169,7 +170,7 @@ async def test_streaming_wer_stable_partials_and_latency(
     audio_s = sum(c.audio.size for c in speech_clips) / ASR_RATE
     n_partials = sum(len(p) for p, _f, _l in results)
     print(
-        f"\nASR tiny.en: WER streamed+prefix {wer_stream:.1%}, one-shot {wer_plain:.1%}; "
+        f"\nASR tiny.en: WER streamed {wer_stream:.1%}, one-shot {wer_plain:.1%}; "
         f"final latency median {statistics.median(latencies):.2f} s max {max(latencies):.2f} s "
         f"(6 sessions sharing 1 worker); one-shot decode median "
         f"{statistics.median(t.decode_s for t in plain):.2f} s, RTF "
@@ -179,9 +180,8 @@ async def test_streaming_wer_stable_partials_and_latency(
     for ref, hyp in zip(refs, streamed, strict=True):
         if ref != hyp:
             print(f"  ref: {ref}\n  hyp: {hyp}")
+    assert [final.text for _p, final, _l in results] == [t.text for t in plain]
     assert wer_stream <= 0.10
-    # The prefix trick must not cost accuracy: at most one word over the 75 more wrong.
-    assert wer_stream <= wer_plain + 1.5 / sum(len(r.split()) for r in refs)
 
 
 async def test_final_is_served_before_queued_partials_of_other_streams(

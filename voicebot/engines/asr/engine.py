@@ -8,8 +8,9 @@ faster-whisper on threads (:mod:`.local`, the default), Whisper on vLLM
 queueing, partial scheduling, LocalAgreement, reuse of the partial that saw the end of
 speech -- is this engine's and the stream's, whichever decodes.
 
-Every decode forces the confirmed words as Whisper's ``prefix``: hypotheses then start
-with them by construction, and so does the final transcript.
+Every partial decode forces the confirmed words as Whisper's ``prefix``: hypotheses then
+start with them by construction. The final is decoded without it, as :meth:`AsrEngine.transcribe`
+decodes (the stream's module says why).
 """
 
 from __future__ import annotations
