@@ -19,11 +19,13 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from voicebot.audio import ASR_RATE
-from voicebot.config import AsrConfig, ModelsConfig
+from voicebot.audio import ASR_RATE, resample
+from voicebot.config import AsrConfig, ModelsConfig, TtsConfig
 from voicebot.engines.asr.engine import AsrEngine
 from voicebot.engines.asr.jobs import JobQueue, Priority
+from voicebot.engines.asr.repetition import loop_reason
 from voicebot.engines.contracts import AsrStream, Partial, Transcript
+from voicebot.engines.registry import create_tts
 from voicebot.errors import EngineError, VoicebotError
 from voicebot.provision import resolve_model
 
@@ -291,3 +293,60 @@ async def test_a_partial_that_saw_the_end_of_speech_is_the_final(engine: AsrEngi
         # Asking for more audio than any partial saw falls back to a real decode.
         result = await stream.finalize(covering_s=result.audio_s + 1.0)
         assert result.decode_s > 0
+
+
+# A telephone conference menu, the kind of list-like prompt Whisper can fall into its
+# repetition loop on ("5 to extend the conference" forty times, then "5 5 5 ...").
+MENU = [
+    "Welcome to the conference bridge.",
+    "During the conference, press 1 to mute or unmute your line,",
+    "2 to hear the number of participants,",
+    "3 to lock or unlock the conference,",
+    "4 or 6 to decrease or increase the conference volume,",
+    "5 to extend the conference,",
+    "7 or 9 to decrease or increase your own volume,",
+    "8 to record the conference,",
+    "and 0 to reach the operator.",
+]
+
+
+async def menu_prompt(models_config: ModelsConfig) -> np.ndarray:
+    """The menu spoken by Piper, 0.7 s between items, through an 8 kHz telephone band."""
+    try:
+        voice = resolve_model("bundle:piper-en_US-joe-medium", models_config)
+    except VoicebotError as exc:
+        pytest.fail(f"Piper voice en_US-joe-medium unavailable: {exc}", pytrace=False)
+    tts = create_tts(TtsConfig(engine="piper", workers=1), voice)
+    await tts.start()
+    parts = []
+    try:
+        for item in MENU:
+            spoken = np.concatenate([c async for c in tts.synthesize(item)])
+            parts += [resample(resample(spoken, tts.sample_rate, 8000), 8000, ASR_RATE)]
+            parts.append(np.zeros(int(0.7 * ASR_RATE), dtype=np.float32))
+    finally:
+        await tts.aclose()
+    return np.concatenate(parts)
+
+
+async def test_a_spoken_menu_is_transcribed_once_through_not_as_a_loop(
+    engine: AsrEngine, models_config: ModelsConfig
+) -> None:
+    audio = await menu_prompt(models_config)
+    loops_before = engine.decoder.loops
+    one_shot = await engine.transcribe(audio)
+    async with engine.stream() as stream:
+        piece = 5 * ASR_RATE  # a partial (forced prefix) after every 5 s, as a long turn has
+        for start in range(0, audio.size - piece + 1, piece):
+            stream.push(audio[start : start + piece])
+            await asyncio.wait_for(anext(stream), WAIT)
+        stream.push(audio[audio.size - audio.size % piece :])
+        streamed = await asyncio.wait_for(stream.finalize(), WAIT)
+    print(f"\none-shot: {one_shot.text}\nstreamed: {streamed.text}")
+    for result in (one_shot, streamed):
+        assert loop_reason(result.text, result.audio_s) is None, result.text
+        assert normalize(result.text).count("extend the conference") == 1, result.text
+        # Every option came through: the token budget bounds a loop, not this much speech.
+        assert jiwer.wer(normalize(" ".join(MENU)), normalize(result.text)) <= 0.15, result.text
+    # Real list-like speech is not mistaken for a loop: nothing decoded again, nothing cut.
+    assert engine.decoder.loops == loops_before

@@ -15,9 +15,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from voicebot.audio import ASR_RATE
 from voicebot.config import AsrConfig
 from voicebot.engines.asr.agreement import continuation_after
 from voicebot.engines.asr.jobs import DecodeAbandoned, DecodeJob, Priority
+from voicebot.engines.asr.loop_guard import token_budget
 from voicebot.errors import ModelError
 
 log = logging.getLogger(__name__)
@@ -27,6 +29,7 @@ class LocalWhisper:
     """A :class:`~.jobs.Decoder`: one faster-whisper model and its decode threads."""
 
     name = "asr-worker"
+    samples = True
 
     def __init__(self, cfg: AsrConfig, model_path: str) -> None:
         self.cfg = cfg
@@ -81,6 +84,8 @@ class LocalWhisper:
             if job.stale:  # set on the event loop; a bool read needs no lock
                 raise DecodeAbandoned
 
+        assert job.audio is not None
+        budget = token_budget(job.audio.size / ASR_RATE, self.model.prompt_tokens(job.prefix), cfg.max_tokens_per_s)
         text = self.model.transcribe_text(
             job.audio,
             pad_s=cfg.encoder_pad_s,
@@ -88,8 +93,11 @@ class LocalWhisper:
             language=job.language,
             beam_size=cfg.beam_size if job.priority is Priority.FINAL else cfg.partial_beam_size,
             best_of=1,
-            # One temperature: no fallback re-decodes, whose cost is unbounded on short audio.
-            temperature=0.0,
+            # One temperature: faster-whisper's own fallback re-decodes on a low log
+            # probability too, whose cost is unbounded on short audio. Loops are caught
+            # (and re-decoded at job.temperature) by loop_guard.py, for every backend.
+            temperature=job.temperature,
+            max_new_tokens=budget,
             condition_on_previous_text=False,
             without_timestamps=True,
             vad_filter=False,  # our VAD runs upstream

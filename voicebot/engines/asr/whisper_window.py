@@ -31,6 +31,9 @@ from voicebot.engines.asr.whisper_vllm_window import FULL_FRAMES, needed_frames
 __all__ = ["FULL_FRAMES", "WindowedWhisper", "window_frames"]
 
 _STEP = 50  # windows are rounded up to 0.5 s: fewer distinct shapes
+# <|startoftranscript|>, the language, the task (the last two: multilingual models only),
+# <|notimestamps|>
+_TASK_TOKENS = 4
 
 
 def window_frames(samples: int, pad_s: float | None, min_s: float = 0.0) -> int:
@@ -70,6 +73,15 @@ class WindowedWhisper(WhisperModel):  # type: ignore[misc]  # faster-whisper has
         finally:
             self._window.frames = None
             self._window.checkpoint = None
+
+    def prompt_tokens(self, prefix: str) -> int:
+        """Decoder prompt tokens ``transcribe`` puts before the text for a forced ``prefix``:
+        at most 4 task tokens, then the prefix's own (which it cuts to half the window)."""
+        prefix = prefix.strip()
+        if not prefix:
+            return _TASK_TOKENS
+        ids = self.hf_tokenizer.encode(" " + prefix, add_special_tokens=False).ids
+        return _TASK_TOKENS + min(len(ids), self.max_length // 2 - 1)
 
     def encode(self, features: np.ndarray) -> Any:
         frames = getattr(self._window, "frames", None)
