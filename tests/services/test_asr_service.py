@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 import numpy as np
 import pytest
 import websockets
-from fake_whisper import WAIT, WORDS, FakeWhisper, audio
+from fake_whisper import WAIT, WORDS, FakeWhisper, LoopingWhisper, audio
 
 from voicebot.config import AsrConfig, RemoteAsrConfig
 from voicebot.engines.asr.jobs import Priority
@@ -85,6 +85,16 @@ async def test_partials_come_through_the_service_with_the_forced_prefix_and_the_
         assert eng.stats.failed_decodes == 0
         await stream.aclose()
         assert eng.client.hello is not None and eng.client.hello["backend"] == "vllm"
+
+
+async def test_a_loop_is_decoded_again_at_the_service_and_never_reaches_the_frontend() -> None:
+    fake = LoopingWhisper()
+    async with service(fake) as (svc, url), frontend(url) as eng:
+        result = await asyncio.wait_for(eng.transcribe(audio(3.0)), WAIT)
+        assert result.text == "alpha bravo charlie delta echo foxtrot"
+        # The service's engine caught the greedy loop and sampled again.
+        assert [c["temperature"] for c in fake.calls] == [0.0, 0.4]
+        assert eng.decoder.loops == 0
 
 
 async def test_a_final_goes_before_queued_partials_of_other_frontends() -> None:
