@@ -11,8 +11,8 @@ hypothesis continues them by construction. The final is not: it is decoded from 
 whole buffer as a one-shot :meth:`~.engine.AsrEngine.transcribe` would, because a word
 the early partials agreed to leave out (a sentence-initial "And" a small model drops
 on the first seconds of audio) could otherwise never come back. Forcing the prefix
-saves nothing at the final (the decoder runs the forced tokens one step each all the
-same; docs/benchmarks.md). The final may therefore differ from the confirmed words; it
+saves nothing measurable at the final (the encoder dominates a decode;
+docs/benchmarks.md). The final may therefore differ from the confirmed words; it
 is the transcript. Only an utterance whose head was dropped (longer than
 ``max_utterance_s``) keeps its confirmed words forced: the audio under them is gone.
 
