@@ -93,6 +93,26 @@ async def test_only_a_partial_decoded_as_the_final_is_reused_as_the_final() -> N
         await stream.aclose()
 
 
+async def test_once_the_head_audio_is_dropped_the_final_keeps_the_confirmed_words_forced() -> None:
+    fake = FakeWhisper()
+    async with engine(fake, max_utterance_s=2.0) as eng:
+        stream = eng.stream()
+        for _ in range(4):
+            stream.push(audio(0.5))
+            await asyncio.wait_for(anext(stream), WAIT)
+        await asyncio.wait_for(stream.finalize(), WAIT)
+        assert fake.calls[-1]["prompt"] == [1, 2, 3, 4]  # 2 s buffered: nothing dropped yet
+        confirmed = stream.confirmed
+        stream.push(audio(0.5))  # over max_utterance_s: the first 0.5 s is gone
+        await asyncio.wait_for(anext(stream), WAIT)
+        assert stream.buffered_s == pytest.approx(2.0)
+        await asyncio.wait_for(stream.finalize(), WAIT)
+        # Words heard only in the dropped audio can come from nowhere else: forced.
+        assert fake.calls[-1]["prompt"][4:] == [100 + WORDS.index(w) for w in stream.confirmed.split()]
+        assert stream.confirmed.startswith(confirmed) and confirmed
+        await stream.aclose()
+
+
 async def test_final_goes_before_queued_partials_of_other_streams() -> None:
     fake = FakeWhisper()
     fake.hold = asyncio.Event()
