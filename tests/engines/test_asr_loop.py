@@ -14,6 +14,7 @@ import pytest
 from fake_whisper import WAIT, LoopingWhisper, audio
 
 from voicebot.config import AsrConfig
+from voicebot.engines.asr.agreement import continuation_after
 from voicebot.engines.asr.loop_guard import token_budget
 from voicebot.engines.asr.repetition import compression_ratio, cut_loop, find_loop, loop_reason
 from voicebot.engines.asr.vllm_whisper import VllmAsrEngine, WhisperVllmSettings
@@ -43,6 +44,27 @@ def test_a_repeated_phrase_a_repeated_word_and_a_dense_text_are_loops() -> None:
     assert found is not None and (found.start, found.unit, found.count) == (0, 8, 3)
     # No copies in a row, but more words than 5 s of speech can hold.
     assert loop_reason(MENU, 5.0) == f"{len(MENU.split())} words in 5.0 s of audio"
+
+
+def test_a_sentence_read_twice_in_a_row_is_cut_to_one_copy_and_the_rest_kept() -> None:
+    # What whisper-base made of a 32 s spoken menu once the head of the buffer was gone
+    # and its confirmed words were forced: the buffer's first sentence again after them.
+    doubled = (
+        "Welcome to the conference bridge. During the conference, press 1 to mute or unmute "
+        "your line. During the conference, press 1 to mute or unmute your line. 2. To hear "
+        "the number of participants. 3. To lock or unlock the conference."
+    )
+    assert loop_reason(doubled, 20.0) == "'During the conference, press 1 to mute or unmute your line.' repeated 2 times"
+    assert cut_loop(doubled, 20.0) == doubled.replace(" During the conference, press 1 to mute or unmute your line.", "", 1)
+    assert loop_reason("I need an agent. I need an agent.", 3.0) is None  # a short request said twice is speech
+    # The first copy was the forced prefix (confirmed words), the second its continuation.
+    prefix = doubled.split(" During")[0] + " During the conference, press 1 to mute or unmute your line."
+    forced = len(prefix.split())
+    assert loop_reason(doubled, 20.0, after=forced) is not None
+    assert loop_reason(doubled, 20.0, after=len(doubled.split())) is None  # all of it confirmed
+    assert continuation_after(cut_loop(doubled, 20.0, keep=forced), prefix) == (
+        "2. To hear the number of participants. 3. To lock or unlock the conference."
+    )
 
 
 def test_a_loop_is_cut_after_its_first_copy() -> None:

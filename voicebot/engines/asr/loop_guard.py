@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 
 from voicebot.audio import ASR_RATE
-from voicebot.engines.asr.agreement import split_words
+from voicebot.engines.asr.agreement import continuation_after, join_text, split_words
 from voicebot.engines.asr.jobs import DecodeAbandoned, DecodeJob, Decoder, Priority
 from voicebot.engines.asr.repetition import cut_loop, loop_reason
 
@@ -71,7 +71,9 @@ class LoopGuard:
         assert job.audio is not None
         audio_s = job.audio.size / ASR_RATE
         text, decode_s = await self.inner.decode(job)
-        reason = loop_reason(text, audio_s)
+        # The loop may start inside the forced prefix: the decoder reading its audio again.
+        forced = len(split_words(job.prefix))
+        reason = loop_reason(join_text(job.prefix, text), audio_s, forced)
         if reason is None:
             return text, decode_s
         self.loops += 1
@@ -87,11 +89,11 @@ class LoopGuard:
                 finally:
                     job.temperature = 0.0
                 decode_s += more_s
-                reason = loop_reason(text, audio_s)
+                reason = loop_reason(join_text(job.prefix, text), audio_s, forced)
                 if reason is None:
                     return text, decode_s
         self.cut += 1
-        # The forced prefix is not in ``text``; its words are confirmed and stay.
-        cut = cut_loop(first, audio_s)
+        # The forced prefix's words are confirmed and stay; what follows them is cut.
+        cut = continuation_after(cut_loop(join_text(job.prefix, first), audio_s, forced), job.prefix)
         log.info("ASR decode looped (%s): cut to %d words", reason, len(split_words(cut)))
         return cut, decode_s
