@@ -15,11 +15,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from voicebot.audio import ASR_RATE
 from voicebot.config import AsrConfig
 from voicebot.engines.asr.agreement import continuation_after
 from voicebot.engines.asr.jobs import DecodeAbandoned, DecodeJob, Priority
-from voicebot.engines.asr.loop_guard import token_budget
 from voicebot.errors import ModelError
 
 log = logging.getLogger(__name__)
@@ -84,8 +82,6 @@ class LocalWhisper:
             if job.stale:  # set on the event loop; a bool read needs no lock
                 raise DecodeAbandoned
 
-        assert job.audio is not None
-        budget = token_budget(job.audio.size / ASR_RATE, self.model.prompt_tokens(job.prefix), cfg.max_tokens_per_s)
         text = self.model.transcribe_text(
             job.audio,
             pad_s=cfg.encoder_pad_s,
@@ -97,7 +93,7 @@ class LocalWhisper:
             # probability too, whose cost is unbounded on short audio. Loops are caught
             # (and re-decoded at job.temperature) by loop_guard.py, for every backend.
             temperature=job.temperature,
-            max_new_tokens=budget,
+            tokens_per_s=cfg.max_tokens_per_s,
             condition_on_previous_text=False,
             without_timestamps=True,
             vad_filter=False,  # our VAD runs upstream

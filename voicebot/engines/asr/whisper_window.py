@@ -25,6 +25,9 @@ from typing import Any
 import numpy as np
 from faster_whisper import WhisperModel
 
+from voicebot.audio import ASR_RATE
+from voicebot.engines.asr.loop_guard import token_budget
+
 # The window arithmetic both Whisper paths share (that module needs neither engine).
 from voicebot.engines.asr.whisper_vllm_window import FULL_FRAMES, needed_frames
 
@@ -60,11 +63,17 @@ class WindowedWhisper(WhisperModel):  # type: ignore[misc]  # faster-whisper has
         pad_s: float | None,
         min_s: float = 0.0,
         checkpoint: Callable[[], None] | None = None,
+        tokens_per_s: float | None = None,
         **options: Any,
     ) -> str:
         """The whole transcript of ``audio`` (``transcribe``'s options), its encoder run on
         ``window_frames(audio.size, pad_s, min_s)`` frames. ``checkpoint`` is called before
-        the encoder and before the decoder; an exception from it stops the decode."""
+        the encoder and before the decoder; an exception from it stops the decode.
+        ``tokens_per_s``: at most that many new tokens per second of audio
+        (:func:`~.loop_guard.token_budget`), net of the forced prefix's."""
+        if tokens_per_s is not None:
+            prompt = self.prompt_tokens(options.get("prefix") or "")
+            options["max_new_tokens"] = token_budget(audio.size / ASR_RATE, prompt, tokens_per_s)
         self._window.frames = window_frames(audio.size, pad_s, min_s)
         self._window.checkpoint = checkpoint
         try:
