@@ -3,7 +3,7 @@
 The signs of a loop and the cut are pure (``voicebot.engines.asr.repetition``); the guard
 (``loop_guard.LoopGuard``) is tested through the engine with the scripted Whisper of
 tests/fake_whisper.py behind our own ``WhisperRunner`` seam, which loops the way Whisper
-does when greedy. tests/engines/test_asr_loop_real.py runs the real model on a menu prompt.
+does when greedy. tests/engines/test_asr.py runs the real model on a spoken menu.
 """
 
 from __future__ import annotations
