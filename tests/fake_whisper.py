@@ -42,10 +42,11 @@ class FakeWhisper:
         max_tokens: int,
         min_tokens: int,
         priority: int,
+        temperature: float = 0.0,
     ) -> str:
         self.calls.append(
             {"rid": request_id, "audio_s": audio.size / ASR_RATE, "prompt": prompt_ids,
-             "priority": priority, "max_tokens": max_tokens}
+             "priority": priority, "max_tokens": max_tokens, "temperature": temperature}
         )
         self.started.set()
         try:
@@ -62,3 +63,23 @@ class FakeWhisper:
 
 def audio(seconds: float) -> np.ndarray:
     return np.full(int(seconds * ASR_RATE), 0.01, dtype=np.float32)
+
+
+class LoopingWhisper(FakeWhisper):
+    """Falls into Whisper's repetition loop when greedy: after the words the audio holds,
+    it repeats its last three until its token budget ends (one word a token). With
+    ``loops_when_sampling`` it loops at every temperature."""
+
+    def __init__(self, loops_when_sampling: bool = False) -> None:
+        super().__init__()
+        self.loops_when_sampling = loops_when_sampling
+
+    async def decode(self, request_id: str, audio: np.ndarray, prompt_ids: list[int], **kw: object) -> str:
+        text = await super().decode(request_id, audio, prompt_ids, **kw)  # type: ignore[arg-type]
+        if kw.get("temperature", 0.0) and not self.loops_when_sampling:
+            return text
+        words = text.split()
+        loop = words[-3:]
+        while len(words) < int(kw["max_tokens"]):  # type: ignore[call-overload]
+            words += loop
+        return "".join(" " + w for w in words[: int(kw["max_tokens"])])  # type: ignore[call-overload]

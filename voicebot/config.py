@@ -104,7 +104,6 @@ class WhisperVllmConfig(_Section):
     dtype: str = Field("bfloat16", description="vLLM dtype of the Whisper weights.")
     enforce_eager: bool = Field(False, description="No CUDA graphs (faster start, slower decode).")
     load_format: Literal["auto", "dummy"] = Field("auto", description="'dummy': random weights of the model's shape, for GPU measurements without the weights.")
-    max_tokens_per_s: float = Field(8.0, gt=0.0, le=100.0, description="Longest transcript per second of audio, in tokens (a guard against a decoder that never stops).")
     window_buckets_s: tuple[float, ...] = Field((8.0, 10.0, 12.0, 15.0, 20.0, 30.0), min_length=1, description="With asr.encoder_pad_s set: the encoder window is the utterance + encoder_pad_s (at least encoder_min_s) rounded up to one of these lengths in seconds, whole 10 ms frames (each distinct length is its own encoder call in a step: few lengths keep them batched); over 30 s: 30.")
 
     @field_validator("window_buckets_s")
@@ -132,6 +131,8 @@ class AsrConfig(_Section):
     encoder_pad_s: float | None = Field(None, ge=0.0, le=30.0, description="Run the encoder on the utterance plus this many seconds of padding instead of Whisper's 30 s window (None: the full window): faster-whisper (voicebot/engines/asr/whisper_window.py) and Whisper on vLLM (voicebot/engines/asr/whisper_vllm_window.py, rounded up to asr.vllm.window_buckets_s).")
     encoder_min_s: float = Field(8.0, ge=0.0, le=30.0, description="With encoder_pad_s: the shortest encoder window, in seconds (tiny.en repeats short questions in a loop below ~5 s).")
     queue_size: int = Field(64, ge=1, le=100_000, description="Pending decode jobs before new partials are dropped.")
+    max_tokens_per_s: float = Field(8.0, gt=0.0, le=100.0, description="Longest transcript per second of audio, in tokens, plus 16 (every backend): a decode caught in Whisper's repetition loop stops there instead of filling the 448-token window.")
+    loop_fallback_temperatures: list[float] = Field([0.4, 0.8], max_length=5, description="A final transcript that loops (a phrase repeated, a text that compresses like a loop; voicebot/engines/asr/repetition.py) is decoded again at each of these sampling temperatures in turn until one does not loop (Whisper's temperature fallback); what still loops is cut after the loop's first copy. []: cut at once. Partials are only cut.")
     backend: Literal["faster-whisper", "vllm", "remote"] = Field("faster-whisper", description="Decoder: faster-whisper (CTranslate2; CPU, or CUDA 12), Whisper on vLLM (GPU on torch's CUDA, batched across sessions; model: a Hugging Face Whisper directory), or remote: a shared `voicebot asr-serve` service (asr.remote) that batches every frontend's streams on one engine.")
     remote: RemoteAsrConfig = Field(default_factory=RemoteAsrConfig, description="The shared ASR service (backend remote; also what `voicebot asr-serve` hosts).")
     vllm: WhisperVllmConfig = Field(default_factory=WhisperVllmConfig, description="Whisper on vLLM (backend vllm, or the service's remote.engine vllm): GPU memory, decode slots, encoder budget.")

@@ -19,11 +19,13 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from voicebot.audio import ASR_RATE
-from voicebot.config import AsrConfig, ModelsConfig
+from voicebot.audio import ASR_RATE, resample
+from voicebot.config import AsrConfig, ModelsConfig, TtsConfig
 from voicebot.engines.asr.engine import AsrEngine
 from voicebot.engines.asr.jobs import JobQueue, Priority
+from voicebot.engines.asr.repetition import loop_reason
 from voicebot.engines.contracts import AsrStream, Partial, Transcript
+from voicebot.engines.registry import create_tts
 from voicebot.errors import EngineError, VoicebotError
 from voicebot.provision import resolve_model
 
@@ -155,13 +157,14 @@ async def test_streaming_wer_stable_partials_and_latency(
             # Confirmed words never change or disappear: the text only grows.
             assert after.confirmed.startswith(before.confirmed), (before, after)
             assert after.audio_s > before.audio_s
-        assert final.text.startswith(partials[-1].confirmed), (partials[-1], final)
 
     refs = [normalize(c.text) for c in speech_clips]
     streamed = [normalize(final.text) for _p, final, _l in results]
     wer_stream = jiwer.wer(refs, streamed)
 
-    # The same clips decoded in one shot, without the confirmed-words prefix.
+    # The same clips decoded in one shot. The streamed final is that same decode: the
+    # words its partials confirmed are not forced on it, so a word they left out (a
+    # first "And") comes back, and on any machine the two are one and the same decode.
     plain = [await engine.transcribe(c.audio) for c in speech_clips]
     wer_plain = jiwer.wer(refs, [normalize(t.text) for t in plain])
 
@@ -169,7 +172,7 @@ async def test_streaming_wer_stable_partials_and_latency(
     audio_s = sum(c.audio.size for c in speech_clips) / ASR_RATE
     n_partials = sum(len(p) for p, _f, _l in results)
     print(
-        f"\nASR tiny.en: WER streamed+prefix {wer_stream:.1%}, one-shot {wer_plain:.1%}; "
+        f"\nASR tiny.en: WER streamed {wer_stream:.1%}, one-shot {wer_plain:.1%}; "
         f"final latency median {statistics.median(latencies):.2f} s max {max(latencies):.2f} s "
         f"(6 sessions sharing 1 worker); one-shot decode median "
         f"{statistics.median(t.decode_s for t in plain):.2f} s, RTF "
@@ -179,9 +182,8 @@ async def test_streaming_wer_stable_partials_and_latency(
     for ref, hyp in zip(refs, streamed, strict=True):
         if ref != hyp:
             print(f"  ref: {ref}\n  hyp: {hyp}")
+    assert [final.text for _p, final, _l in results] == [t.text for t in plain]
     assert wer_stream <= 0.10
-    # The prefix trick must not cost accuracy: at most one word over the 75 more wrong.
-    assert wer_stream <= wer_plain + 1.5 / sum(len(r.split()) for r in refs)
 
 
 async def test_final_is_served_before_queued_partials_of_other_streams(
@@ -291,3 +293,60 @@ async def test_a_partial_that_saw_the_end_of_speech_is_the_final(engine: AsrEngi
         # Asking for more audio than any partial saw falls back to a real decode.
         result = await stream.finalize(covering_s=result.audio_s + 1.0)
         assert result.decode_s > 0
+
+
+# A telephone conference menu, the kind of list-like prompt Whisper can fall into its
+# repetition loop on ("5 to extend the conference" forty times, then "5 5 5 ...").
+MENU = [
+    "Welcome to the conference bridge.",
+    "During the conference, press 1 to mute or unmute your line,",
+    "2 to hear the number of participants,",
+    "3 to lock or unlock the conference,",
+    "4 or 6 to decrease or increase the conference volume,",
+    "5 to extend the conference,",
+    "7 or 9 to decrease or increase your own volume,",
+    "8 to record the conference,",
+    "and 0 to reach the operator.",
+]
+
+
+async def menu_prompt(models_config: ModelsConfig) -> np.ndarray:
+    """The menu spoken by Piper, 0.7 s between items, through an 8 kHz telephone band."""
+    try:
+        voice = resolve_model("bundle:piper-en_US-joe-medium", models_config)
+    except VoicebotError as exc:
+        pytest.fail(f"Piper voice en_US-joe-medium unavailable: {exc}", pytrace=False)
+    tts = create_tts(TtsConfig(engine="piper", workers=1), voice)
+    await tts.start()
+    parts = []
+    try:
+        for item in MENU:
+            spoken = np.concatenate([c async for c in tts.synthesize(item)])
+            parts += [resample(resample(spoken, tts.sample_rate, 8000), 8000, ASR_RATE)]
+            parts.append(np.zeros(int(0.7 * ASR_RATE), dtype=np.float32))
+    finally:
+        await tts.aclose()
+    return np.concatenate(parts)
+
+
+async def test_a_spoken_menu_is_transcribed_once_through_not_as_a_loop(
+    engine: AsrEngine, models_config: ModelsConfig
+) -> None:
+    audio = await menu_prompt(models_config)
+    loops_before = engine.decoder.loops
+    one_shot = await engine.transcribe(audio)
+    async with engine.stream() as stream:
+        piece = 5 * ASR_RATE  # a partial (forced prefix) after every 5 s, as a long turn has
+        for start in range(0, audio.size - piece + 1, piece):
+            stream.push(audio[start : start + piece])
+            await asyncio.wait_for(anext(stream), WAIT)
+        stream.push(audio[audio.size - audio.size % piece :])
+        streamed = await asyncio.wait_for(stream.finalize(), WAIT)
+    print(f"\none-shot: {one_shot.text}\nstreamed: {streamed.text}")
+    for result in (one_shot, streamed):
+        assert loop_reason(result.text, result.audio_s) is None, result.text
+        assert normalize(result.text).count("extend the conference") == 1, result.text
+        # Every option came through: the token budget bounds a loop, not this much speech.
+        assert jiwer.wer(normalize(" ".join(MENU)), normalize(result.text)) <= 0.15, result.text
+    # Real list-like speech is not mistaken for a loop: nothing decoded again, nothing cut.
+    assert engine.decoder.loops == loops_before

@@ -38,7 +38,7 @@ def engine(fake: FakeWhisper, concurrency: int = 4, **cfg: object) -> VllmAsrEng
     return VllmAsrEngine(asr_cfg, "fake-whisper", agreement_n=2, settings=settings, runner=fake)
 
 
-async def test_partials_confirm_words_and_the_final_forces_them_as_prefix() -> None:
+async def test_partials_force_the_confirmed_words_and_the_final_decodes_without_them() -> None:
     fake = FakeWhisper()
     async with engine(fake) as eng:
         stream = eng.stream()
@@ -49,14 +49,67 @@ async def test_partials_confirm_words_and_the_final_forces_them_as_prefix() -> N
         assert partials[-1].text == "alpha bravo charlie delta"
         confirmed = partials[-1].confirmed
         assert confirmed.startswith("alpha bravo")  # two agreeing hypotheses
+        # The last partial's decoder prompt carried the words confirmed before it.
+        assert fake.calls[-1]["prompt"] == [1, 2, 3, 4] + [100 + WORDS.index(w) for w in ("alpha", "bravo")]
         final = await asyncio.wait_for(stream.finalize(), WAIT)
-        # The final's decoder prompt carried the confirmed words after the task tokens.
+        # The final's did not: it decodes the whole audio as a one-shot transcribe does.
         last = fake.calls[-1]
-        assert last["prompt"] == [1, 2, 3, 4] + [100 + WORDS.index(w) for w in confirmed.split()]
+        assert last["prompt"] == [1, 2, 3, 4]
         assert last["priority"] == 0
         assert all(c["priority"] == 1 for c in fake.calls[:-1])
         assert final.text == "alpha bravo charlie delta"
         assert final.audio_s == pytest.approx(2.0)
+        await stream.aclose()
+
+
+async def test_only_a_partial_decoded_as_the_final_is_reused_as_the_final() -> None:
+    fake = FakeWhisper()
+    async with engine(fake) as eng:
+        stream = eng.stream()
+        for _ in range(4):
+            stream.push(audio(0.5))
+            await asyncio.wait_for(anext(stream), WAIT)
+        assert stream.confirmed == "alpha bravo charlie"
+        # The last interval partial saw the end of speech (2 s) but had words forced: it
+        # cannot be the final, which decodes without them.
+        calls = len(fake.calls)
+        final = await asyncio.wait_for(stream.finalize(covering_s=2.0), WAIT)
+        assert final.decode_s > 0 and len(fake.calls) == calls + 1
+        assert fake.calls[-1]["prompt"] == [1, 2, 3, 4]
+        # The partial asked for at the end of speech is decoded as the final is, and is it.
+        stream.push(audio(0.2))
+        stream.request_partial(covering_s=2.2)
+        partial = await asyncio.wait_for(anext(stream), WAIT)
+        assert fake.calls[-1]["prompt"] == [1, 2, 3, 4] and fake.calls[-1]["priority"] == 1
+        assert partial.confirmed.startswith("alpha bravo charlie")
+        calls = len(fake.calls)
+        final = await asyncio.wait_for(stream.finalize(covering_s=2.2), WAIT)
+        assert final.decode_s == 0.0 and len(fake.calls) == calls
+        assert final.text == "alpha bravo charlie delta"
+        # A pause is not the end: the next interval partial forces the confirmed words again.
+        stream.push(audio(0.5))
+        await asyncio.wait_for(anext(stream), WAIT)
+        assert fake.calls[-1]["prompt"] == [1, 2, 3, 4] + [100 + WORDS.index(w) for w in ("alpha", "bravo", "charlie")]
+        await stream.aclose()
+
+
+async def test_once_the_head_audio_is_dropped_the_final_keeps_the_confirmed_words_forced() -> None:
+    fake = FakeWhisper()
+    async with engine(fake, max_utterance_s=2.0) as eng:
+        stream = eng.stream()
+        for _ in range(4):
+            stream.push(audio(0.5))
+            await asyncio.wait_for(anext(stream), WAIT)
+        await asyncio.wait_for(stream.finalize(), WAIT)
+        assert fake.calls[-1]["prompt"] == [1, 2, 3, 4]  # 2 s buffered: nothing dropped yet
+        confirmed = stream.confirmed
+        stream.push(audio(0.5))  # over max_utterance_s: the first 0.5 s is gone
+        await asyncio.wait_for(anext(stream), WAIT)
+        assert stream.buffered_s == pytest.approx(2.0)
+        await asyncio.wait_for(stream.finalize(), WAIT)
+        # Words heard only in the dropped audio can come from nowhere else: forced.
+        assert fake.calls[-1]["prompt"][4:] == [100 + WORDS.index(w) for w in stream.confirmed.split()]
+        assert stream.confirmed.startswith(confirmed) and confirmed
         await stream.aclose()
 
 

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 import numpy as np
 import pytest
 import websockets
-from fake_whisper import WAIT, WORDS, FakeWhisper, audio
+from fake_whisper import WAIT, WORDS, FakeWhisper, LoopingWhisper, audio
 
 from voicebot.config import AsrConfig, RemoteAsrConfig
 from voicebot.engines.asr.jobs import Priority
@@ -58,7 +58,7 @@ async def until(cond: object, timeout: float = WAIT) -> None:
             await asyncio.sleep(0.005)
 
 
-async def test_partials_and_the_final_come_through_the_service_with_the_forced_prefix() -> None:
+async def test_partials_come_through_the_service_with_the_forced_prefix_and_the_final_without() -> None:
     fake = FakeWhisper()
     async with service(fake) as (svc, url), frontend(url) as eng:
         stream = eng.stream()
@@ -69,10 +69,12 @@ async def test_partials_and_the_final_come_through_the_service_with_the_forced_p
         assert partials[-1].text == "alpha bravo charlie delta"
         confirmed = partials[-1].confirmed
         assert confirmed.startswith("alpha bravo")
+        # The frontend's confirmed words reached the service's engine as the partial's
+        # forced prefix; the final goes without them, as a one-shot decode.
+        assert fake.calls[-1]["prompt"] == [1, 2, 3, 4] + [100 + WORDS.index(w) for w in ("alpha", "bravo")]
         final = await asyncio.wait_for(stream.finalize(), WAIT)
         last = fake.calls[-1]
-        # The frontend's confirmed words reached the service's engine as the forced prefix.
-        assert last["prompt"] == [1, 2, 3, 4] + [100 + WORDS.index(w) for w in confirmed.split()]
+        assert last["prompt"] == [1, 2, 3, 4]
         assert last["priority"] == 0
         assert all(c["priority"] == 1 for c in fake.calls[:-1])
         assert final.text == "alpha bravo charlie delta"
@@ -83,6 +85,16 @@ async def test_partials_and_the_final_come_through_the_service_with_the_forced_p
         assert eng.stats.failed_decodes == 0
         await stream.aclose()
         assert eng.client.hello is not None and eng.client.hello["backend"] == "vllm"
+
+
+async def test_a_loop_is_decoded_again_at_the_service_and_never_reaches_the_frontend() -> None:
+    fake = LoopingWhisper()
+    async with service(fake) as (svc, url), frontend(url) as eng:
+        result = await asyncio.wait_for(eng.transcribe(audio(3.0)), WAIT)
+        assert result.text == "alpha bravo charlie delta echo foxtrot"
+        # The service's engine caught the greedy loop and sampled again.
+        assert [c["temperature"] for c in fake.calls] == [0.0, 0.4]
+        assert eng.decoder.loops == 0
 
 
 async def test_a_final_goes_before_queued_partials_of_other_frontends() -> None:

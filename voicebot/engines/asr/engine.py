@@ -8,8 +8,9 @@ faster-whisper on threads (:mod:`.local`, the default), Whisper on vLLM
 queueing, partial scheduling, LocalAgreement, reuse of the partial that saw the end of
 speech -- is this engine's and the stream's, whichever decodes.
 
-Every decode forces the confirmed words as Whisper's ``prefix``: hypotheses then start
-with them by construction, and so does the final transcript.
+Every partial decode forces the confirmed words as Whisper's ``prefix``: hypotheses then
+start with them by construction. The final is decoded without it, as :meth:`AsrEngine.transcribe`
+decodes (the stream's module says why).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from voicebot.engines.asr.jobs import (
     Priority,
 )
 from voicebot.engines.asr.local import LocalWhisper
+from voicebot.engines.asr.loop_guard import LoopGuard
 from voicebot.engines.asr.stream import Utterance, as_mono_f32
 from voicebot.engines.contracts import AsrStats, Transcript
 from voicebot.errors import EngineError
@@ -58,7 +60,8 @@ class AsrEngine:
         # locks in a small model's early guesses on the first seconds of audio; n = 3 keeps
         # WER at the one-shot level for one more partial of confirmation lag.
         self.agreement_n = agreement_n
-        self.decoder: Decoder = decoder or LocalWhisper(cfg, model_path)
+        # Every decode, of every backend, goes through the loop guard (loop_guard.py).
+        self.decoder = LoopGuard(decoder or LocalWhisper(cfg, model_path), tuple(cfg.loop_fallback_temperatures))
         self.stats = AsrStats()
         self._queue: JobQueue[DecodeJob] = JobQueue(cfg.queue_size)
         self._work = asyncio.Event()  # queue may be non-empty
@@ -248,6 +251,7 @@ class AsrEngine:
         self._local().executor = executor
 
     def _local(self) -> LocalWhisper:
-        if not isinstance(self.decoder, LocalWhisper):
-            raise AttributeError(f"{type(self.decoder).__name__} is not faster-whisper on threads")
-        return self.decoder
+        local = self.decoder.inner
+        if not isinstance(local, LocalWhisper):
+            raise AttributeError(f"{type(local).__name__} is not faster-whisper on threads")
+        return local

@@ -72,6 +72,8 @@ class DecodeJob:
     audio: np.ndarray | None = None  # finals: snapshot at the call; partials: at dispatch
     prefix: str = ""  # confirmed words forced as Whisper's prefix
     language: str | None = None
+    # Sampling temperature: 0 (greedy) but for a fallback re-decode of a loop (loop_guard.py).
+    temperature: float = 0.0
     generation: int = 0  # the owner's utterance this job belongs to
     seq: int = 0  # dispatch order, engine-wide
     future: asyncio.Future[tuple[str, float]] | None = None  # finals: (text, decode_s)
@@ -109,6 +111,9 @@ class Decoder(Protocol):
 
     name: str
     """Prefix of the engine's decode-slot task names."""
+
+    samples: bool
+    """Whether a decode honours ``job.temperature`` (a fallback re-decode can differ)."""
 
     @property
     def slots(self) -> int:

@@ -27,6 +27,7 @@ class LocalWhisper:
     """A :class:`~.jobs.Decoder`: one faster-whisper model and its decode threads."""
 
     name = "asr-worker"
+    samples = True
 
     def __init__(self, cfg: AsrConfig, model_path: str) -> None:
         self.cfg = cfg
@@ -88,8 +89,11 @@ class LocalWhisper:
             language=job.language,
             beam_size=cfg.beam_size if job.priority is Priority.FINAL else cfg.partial_beam_size,
             best_of=1,
-            # One temperature: no fallback re-decodes, whose cost is unbounded on short audio.
-            temperature=0.0,
+            # One temperature: faster-whisper's own fallback re-decodes on a low log
+            # probability too, whose cost is unbounded on short audio. Loops are caught
+            # (and re-decoded at job.temperature) by loop_guard.py, for every backend.
+            temperature=job.temperature,
+            tokens_per_s=cfg.max_tokens_per_s,
             condition_on_previous_text=False,
             without_timestamps=True,
             vad_filter=False,  # our VAD runs upstream

@@ -51,6 +51,8 @@ class RemoteDecoder:
     service over one multiplexed connection (:class:`AsrServiceClient`)."""
 
     name = "asr-remote"
+    # The service's engine re-decodes its own loops; a temperature is not sent.
+    samples = False
 
     def __init__(self, cfg: RemoteAsrConfig, client: AsrServiceClient) -> None:
         self.cfg = cfg

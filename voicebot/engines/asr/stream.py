@@ -6,6 +6,16 @@ hands out: it buffers audio, asks the engine for a partial decode every
 is what keeps the engine's partial queue fair), stabilises partials with
 LocalAgreement-n and decodes the final on demand. All of it runs on the event loop.
 
+Partials are decoded with the confirmed words forced as Whisper's prefix, so a
+hypothesis continues them by construction. The final is not: it is decoded from the
+whole buffer as a one-shot :meth:`~.engine.AsrEngine.transcribe` would, because a word
+the early partials agreed to leave out (a sentence-initial "And" a small model drops
+on the first seconds of audio) could otherwise never come back. Forcing the prefix
+saves nothing measurable at the final (the encoder dominates a decode;
+docs/benchmarks.md). The final may therefore differ from the confirmed words; it
+is the transcript. Only an utterance whose head was dropped (longer than
+``max_utterance_s``) keeps its confirmed words forced: the audio under them is gone.
+
 The two sides meet through declared seams only: the stream asks the engine for what
 :class:`DecodeScheduler` lists, and the engine calls the stream back through
 :class:`~voicebot.engines.asr.jobs.JobOwner` when it dispatches or finishes its jobs.
@@ -21,7 +31,12 @@ import numpy as np
 
 from voicebot.audio import ASR_RATE
 from voicebot.config import AsrConfig
-from voicebot.engines.asr.agreement import LocalAgreement, join_text, split_words
+from voicebot.engines.asr.agreement import (
+    LocalAgreement,
+    continuation_after,
+    join_text,
+    split_words,
+)
 from voicebot.engines.asr.jobs import DecodeJob, Priority
 from voicebot.engines.contracts import Partial, Transcript
 
@@ -75,14 +90,18 @@ class Utterance:
         self._samples = 0
         self._new_samples = 0  # since the last partial was scheduled
         self._agreement = LocalAgreement(n=engine.agreement_n)
+        self._head_dropped = False  # audio was cut from the head (max_utterance_s)
         self._generation = 0  # bumped by reset(): results of older audio are dropped
         self._last_final_seq = 0  # partials dispatched before this final are stale
         self._partial_job: DecodeJob | None = None  # queued or running
+        # The partial in flight is decoded as the final would be (see as_final below).
+        self._partial_as_final = False
+        self._next_as_final = False  # request_partial(covering_s) asked for one
         self._partial_settled = asyncio.Event()  # the queued/running partial finished
         self._partial_settled.set()
-        # Latest partial hypothesis (full text, seconds of audio it saw): a final may
-        # reuse it when it already covers the end of speech.
-        self._latest: tuple[str, float] | None = None
+        # Latest partial hypothesis (full text, seconds of audio it saw, decoded as the
+        # final would be): a final may reuse it when it also covers the end of speech.
+        self._latest: tuple[str, float, bool] | None = None
         self._partials: asyncio.Queue[Partial | None] = asyncio.Queue(_PARTIALS_BUFFERED)
         self._closed = False
 
@@ -105,8 +124,10 @@ class Utterance:
         self._new_samples += audio.size
         # Keep the *latest* audio: Whisper sees at most 30 s, and the end of the turn is
         # what is still open and what the reply answers. Words of the dropped head stay
-        # confirmed (they are the forced prefix); only head words not yet confirmed are lost.
+        # confirmed (from then on they are forced in the final too); only head words not
+        # yet confirmed are lost.
         while self._samples > self._max_samples:
+            self._head_dropped = True
             excess = self._samples - self._max_samples
             head = self._chunks[0]
             if head.size <= excess:
@@ -124,11 +145,14 @@ class Utterance:
         partial that saw that much audio is decoded or decoding already. The final takes
         that one, and another decode would run beside the reply's LLM prefill for nothing
         (a breath after a pause, or an interval partial that started at the last word).
+        The partial asked for is decoded as the final would be (no forced prefix), so
+        that it can be the final.
         """
         if covering_s is not None:
             if self._covers(covering_s):
                 return
             self._stop_stale(covering_s)  # the one that covers follows as soon as it stops
+        self._next_as_final = True
         self._new_samples = max(self._new_samples, self._interval)
         self._maybe_schedule_partial()
 
@@ -136,8 +160,9 @@ class Utterance:
         """The transcript of the whole buffered utterance (keeps the buffer).
 
         With ``covering_s`` (where speech ended, in seconds of buffered audio), a partial
-        hypothesis that saw at least that much audio *is* the final: decoded with the
-        same settings from the same audio up to the end of speech. It is used (awaited,
+        hypothesis that saw at least that much audio and was decoded as the final would
+        be (no forced prefix) *is* the final: the same decode of the same audio up to the
+        end of speech. It is used (awaited,
         if it is still decoding) instead of a second decode, which on a busy CPU is
         the largest part of the time between the end of speech and the reply.
         """
@@ -151,7 +176,7 @@ class Utterance:
             # one to settle (a thread finishes its current stage first).
             while generation == self._generation:
                 latest = self._latest
-                if latest is not None and latest[1] >= covering_s:
+                if latest is not None and latest[2] and latest[1] >= covering_s:
                     return Transcript(latest[0], latest[1], 0.0)
                 running = self._partial_job
                 if running is None or running.audio is None:
@@ -167,7 +192,7 @@ class Utterance:
             self,
             audio=self._snapshot(),
             # The prefix as of now is used only if reset() happens before dispatch.
-            prefix=self._agreement.confirmed_text,
+            prefix=self._final_prefix(),
             language=self.language,
             generation=self._generation,
         )
@@ -176,36 +201,55 @@ class Utterance:
         return Transcript(text, job.audio.size / ASR_RATE, decode_s)
 
     def _stop_stale(self, covering_s: float) -> bool:
-        """Stop the running partial if it saw less than ``covering_s`` (True if so).
+        """Stop the running partial unless it can be the final: it saw ``covering_s`` and
+        is decoded as the final would be (True if stopped).
 
-        A partial that started before the end of speech cannot be the final, and the final
-        (or the partial that covers) decodes all of its audio again: stop it rather than
+        A partial that started before the end of speech (or decodes with the confirmed
+        words forced) cannot be the final, and the final (or the partial that can be)
+        decodes all of its audio again: stop it rather than
         wait for it. With one decode thread the final would queue behind all of it; at the
         ASR service it would wait for it and then for the partial that covers (docs/benchmarks.md,
         'Stale partial decodes'). A decode thread stops before its decoder at the latest.
         """
         running = self._partial_job
-        if running is None or running.audio is None or running.audio.size / ASR_RATE >= covering_s:
+        if running is None or running.audio is None:
+            return False
+        if self._partial_as_final and running.audio.size / ASR_RATE >= covering_s:
             return False
         self.engine.abandon(running)
         return True
 
     def _covers(self, covering_s: float) -> bool:
-        """A partial of this utterance saw (or, queued, will see) ``covering_s`` of audio."""
-        if self._latest is not None and self._latest[1] >= covering_s:
+        """A partial of this utterance that can be the final saw (or, queued, will see)
+        ``covering_s`` of audio."""
+        if self._latest is not None and self._latest[2] and self._latest[1] >= covering_s:
             return True
         job = self._partial_job
         if job is None:
             return False
-        if job.audio is None:  # queued: it takes the buffer as it is when it starts
-            return self.buffered_s >= covering_s
-        return job.generation == self._generation and job.audio.size / ASR_RATE >= covering_s
+        if job.audio is None:  # queued: it takes the buffer (and the prefix) when it starts
+            return self.buffered_s >= covering_s and (self._next_as_final or self._confirmed_is_final_prefix())
+        return (
+            job.generation == self._generation
+            and self._partial_as_final
+            and job.audio.size / ASR_RATE >= covering_s
+        )
+
+    def _final_prefix(self) -> str:
+        """What the final forces: nothing, unless the head's audio is gone (see the module)."""
+        return self._agreement.confirmed_text if self._head_dropped else ""
+
+    def _confirmed_is_final_prefix(self) -> bool:
+        """A partial decoded now (with the confirmed words forced) is decoded as the final."""
+        return self._agreement.confirmed_text == self._final_prefix()
 
     def reset(self) -> None:
         self._generation += 1
         self._chunks.clear()
         self._samples = self._new_samples = 0
         self._agreement.reset()
+        self._head_dropped = False
+        self._next_as_final = False
         self._latest = None
         running = self._partial_job
         if running is not None and self.engine.withdraw(running):
@@ -264,7 +308,9 @@ class Utterance:
         if self._closed or job is not self._partial_job:
             return  # job.audio stays None: the worker skips it
         job.audio = self._snapshot()
-        job.prefix = self._agreement.confirmed_text
+        self._partial_as_final = self._next_as_final or self._confirmed_is_final_prefix()
+        self._next_as_final = False
+        job.prefix = self._final_prefix() if self._partial_as_final else self._agreement.confirmed_text
         job.generation = self._generation
 
     def final_prefix(self, job: DecodeJob) -> str:
@@ -273,7 +319,7 @@ class Utterance:
         # Partials dispatched before now saw less audio than this final: drop their
         # results so the confirmed words cannot grow past what the final was given.
         self._last_final_seq = job.seq
-        return self._agreement.confirmed_text
+        return self._final_prefix()
 
     def partial_done(self, job: DecodeJob, text: str | None) -> None:
         if job is self._partial_job:
@@ -281,8 +327,13 @@ class Utterance:
             self._partial_settled.set()
         fresh = job.generation == self._generation and job.seq > self._last_final_seq
         if text is not None and fresh and not self._closed and job.audio is not None:
-            self._latest = (join_text(job.prefix, text), job.audio.size / ASR_RATE)
-            self._agreement.update(split_words(text))
+            whole = join_text(job.prefix, text)
+            self._latest = (whole, job.audio.size / ASR_RATE, job.prefix == self._final_prefix())
+            confirmed = self._agreement.confirmed_text
+            # Decoded without the confirmed words forced (as the final): what it has after
+            # them, if it starts with them at all.
+            after = text if job.prefix == confirmed else continuation_after(whole, confirmed)
+            self._agreement.update(split_words(after))
             self._emit(
                 Partial(
                     self._agreement.confirmed_text,

@@ -39,6 +39,7 @@ from voicebot.config import AsrConfig
 from voicebot.engines.asr.agreement import continuation_after
 from voicebot.engines.asr.engine import AsrEngine
 from voicebot.engines.asr.jobs import DecodeJob, unless_abandoned
+from voicebot.engines.asr.loop_guard import WHISPER_MAX_TARGET_TOKENS, token_budget
 from voicebot.engines.vllm_shutdown import shut_down
 from voicebot.errors import EngineError, ModelError
 
@@ -49,8 +50,6 @@ __all__ = ["VllmAsrEngine", "VllmDecoder", "VllmWhisper", "WhisperRunner", "Whis
 
 log = logging.getLogger(__name__)
 
-# Whisper's decoder has 448 positions (max_target_positions) for prompt + text.
-WHISPER_MAX_TARGET_TOKENS = 448
 
 
 @dataclass(frozen=True)
@@ -74,8 +73,6 @@ class WhisperVllmSettings:
     enforce_eager: bool = False  # CUDA graphs for the decoder (encoder-decoder: FULL_DECODE_ONLY)
     # Threads that turn audio into log-mel features (vLLM's renderer pool), off the event loop.
     feature_workers: int = 4
-    # Longest text per second of audio (a guard against a decoder that never stops).
-    max_tokens_per_s: float = 8.0
     # The encoder's window lengths (seconds) when the window is cut (window_pad_s set).
     window_buckets_s: tuple[float, ...] = (8.0, 10.0, 12.0, 15.0, 20.0, 30.0)
     # asr.encoder_pad_s / encoder_min_s: encode the utterance + pad_s (at least min_s,
@@ -104,8 +101,10 @@ class WhisperRunner(Protocol):
         max_tokens: int,
         min_tokens: int,
         priority: int,
+        temperature: float = 0.0,
     ) -> str:
-        """The text generated after ``prompt_ids``; cancellation aborts the request."""
+        """The text generated after ``prompt_ids`` (greedy at temperature 0); cancellation
+        aborts the request."""
         ...
 
 
@@ -206,6 +205,7 @@ class VllmWhisper:
         max_tokens: int,
         min_tokens: int,
         priority: int,
+        temperature: float = 0.0,
     ) -> str:
         engine = self._engine
         if engine is None:
@@ -221,7 +221,7 @@ class VllmWhisper:
         # Log-mel features in the renderer's thread pool, not on the event loop.
         (engine_input,) = await engine.renderer.render_cmpl_async([parse_model_prompt(engine.model_config, prompt)])
         params = SamplingParams(
-            temperature=0.0,  # greedy, one pass: no temperature fallback re-decodes
+            temperature=temperature,  # greedy but for a loop's fallback (loop_guard.py)
             max_tokens=max_tokens,
             min_tokens=min_tokens,
             skip_special_tokens=True,
@@ -246,6 +246,7 @@ class VllmDecoder:
     :class:`WhisperRunner` (vLLM), each aborted as soon as its result is not wanted."""
 
     name = "asr-vllm"
+    samples = True
 
     def __init__(
         self,
@@ -310,6 +311,7 @@ class VllmDecoder:
                 max_tokens=max_tokens,
                 min_tokens=min_tokens,
                 priority=int(job.priority),  # FINAL = 0 is served first
+                temperature=job.temperature,
             )
         finally:
             self.in_flight -= 1
@@ -354,10 +356,9 @@ class VllmAsrEngine(AsrEngine):
         return self._vllm.in_flight
 
     def token_budget(self, job: DecodeJob, prompt_len: int) -> tuple[int, int]:
-        """``(min_tokens, max_tokens)`` for a job."""
+        """``(min_tokens, max_tokens)`` for a job: at most ``asr.max_tokens_per_s`` per
+        second of audio (loop_guard.token_budget)."""
         assert job.audio is not None
-        room = WHISPER_MAX_TARGET_TOKENS - prompt_len - 1
-        if room < 1:
+        if WHISPER_MAX_TARGET_TOKENS - prompt_len - 1 < 1:
             raise EngineError("forced prefix fills Whisper's 448-token window")
-        guard = int(job.audio.size / ASR_RATE * self.settings.max_tokens_per_s) + 16
-        return 0, max(1, min(room, guard))
+        return 0, token_budget(job.audio.size / ASR_RATE, prompt_len, self.cfg.max_tokens_per_s)

@@ -25,12 +25,18 @@ from typing import Any
 import numpy as np
 from faster_whisper import WhisperModel
 
+from voicebot.audio import ASR_RATE
+from voicebot.engines.asr.loop_guard import token_budget
+
 # The window arithmetic both Whisper paths share (that module needs neither engine).
 from voicebot.engines.asr.whisper_vllm_window import FULL_FRAMES, needed_frames
 
 __all__ = ["FULL_FRAMES", "WindowedWhisper", "window_frames"]
 
 _STEP = 50  # windows are rounded up to 0.5 s: fewer distinct shapes
+# <|startoftranscript|>, the language, the task (the last two: multilingual models only),
+# <|notimestamps|>
+_TASK_TOKENS = 4
 
 
 def window_frames(samples: int, pad_s: float | None, min_s: float = 0.0) -> int:
@@ -57,11 +63,17 @@ class WindowedWhisper(WhisperModel):  # type: ignore[misc]  # faster-whisper has
         pad_s: float | None,
         min_s: float = 0.0,
         checkpoint: Callable[[], None] | None = None,
+        tokens_per_s: float | None = None,
         **options: Any,
     ) -> str:
         """The whole transcript of ``audio`` (``transcribe``'s options), its encoder run on
         ``window_frames(audio.size, pad_s, min_s)`` frames. ``checkpoint`` is called before
-        the encoder and before the decoder; an exception from it stops the decode."""
+        the encoder and before the decoder; an exception from it stops the decode.
+        ``tokens_per_s``: at most that many new tokens per second of audio
+        (:func:`~.loop_guard.token_budget`), net of the forced prefix's."""
+        if tokens_per_s is not None:
+            prompt = self.prompt_tokens(options.get("prefix") or "")
+            options["max_new_tokens"] = token_budget(audio.size / ASR_RATE, prompt, tokens_per_s)
         self._window.frames = window_frames(audio.size, pad_s, min_s)
         self._window.checkpoint = checkpoint
         try:
@@ -70,6 +82,15 @@ class WindowedWhisper(WhisperModel):  # type: ignore[misc]  # faster-whisper has
         finally:
             self._window.frames = None
             self._window.checkpoint = None
+
+    def prompt_tokens(self, prefix: str) -> int:
+        """Decoder prompt tokens ``transcribe`` puts before the text for a forced ``prefix``:
+        at most 4 task tokens, then the prefix's own (which it cuts to half the window)."""
+        prefix = prefix.strip()
+        if not prefix:
+            return _TASK_TOKENS
+        ids = self.hf_tokenizer.encode(" " + prefix, add_special_tokens=False).ids
+        return _TASK_TOKENS + min(len(ids), self.max_length // 2 - 1)
 
     def encode(self, features: np.ndarray) -> Any:
         frames = getattr(self._window, "frames", None)
