@@ -238,6 +238,7 @@ async def test_a_long_speculative_reply_released_at_once_does_not_read_as_a_stal
     reply = " ".join(f"w{i}" for i in range(400))
     engines = make_engines(tokenizer, reply=reply, word_delay=0.0005)
     with_session_cfg(engines, out_queue_frames=64)
+    engines.cfg = engines.cfg.model_copy(update={"llm": engines.cfg.llm.model_copy(update={"max_tokens": 512})})
     async with call(engines) as c:
         await c.speak(600)
         await c.silence(700)

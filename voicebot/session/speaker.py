@@ -86,6 +86,7 @@ class Speaker:
             constraint=plan.constraint,
             options=options,
             tool_round=start.tool_round,
+            wind_down_tokens=self.cfg.llm.wind_down_tokens,
         )
         resp.prompt_tools, resp.tool_choice = plan.prompt_tools, plan.choice
         self.replies[resp.id] = resp
@@ -242,7 +243,8 @@ class Speaker:
         # A reply played in full is stored as the tokens the model produced (tool-call
         # markup included): the next prompt then reuses its KV blocks from the prefix
         # cache as well. A reply cut short keeps what was heard, and no call.
-        completed = status == "completed"
+        # A reply that dropped its unfinished sentence at max_tokens keeps the text spoken.
+        completed = status == "completed" and not resp.cut_at_limit
         computed = None
         if resp.stats.first_token_at is not None:
             # Its request left its prompt and all but its last token in the cache.
