@@ -141,6 +141,7 @@ class Response:
         self._tools = tool_stream
         self._constraint = constraint
         self._calls: dict[int, tuple[str, str, str]] = {}  # parser index -> call_id, item_id, name
+        self.audio_started = False  # the client was told its audio started (it may be playing it)
         self.generated = False  # LLM and TTS finished
         self.drained = asyncio.Event()  # generated, and the pacer sent the last sample
         self._room = asyncio.Event()

@@ -218,7 +218,7 @@ class Speaker:
         resp.playout.taken -= unsent  # taken from the playout, but never sent
         dropped += unsent
         self._finish(resp, status)
-        if status == "interrupted":
+        if status == "interrupted" and resp.audio_started:
             if self.call.metrics:
                 self.call.metrics.barge_ins.inc()
             self.call.log.info("barge-in: %d ms of reply audio dropped", 1000 * dropped // resp.playout.sample_rate)
@@ -266,7 +266,10 @@ class Speaker:
     def report_done(self, reply_id: str, status: str) -> None:
         resp = self.replies[reply_id]
         played_ms, heard = self._reply_ends[reply_id]
-        if status == "interrupted":
+        if status == "interrupted" and resp.audio_started:
+            # Only a reply whose audio started was barged in on: one stopped before
+            # it (the caller went on right after a pause taken for the end of the
+            # turn) ends without a barge-in.
             self.call.emit(BargeIn(resp.id, played_ms, heard))
         st = resp.stats
         if self.call.metrics:
@@ -296,6 +299,7 @@ class Speaker:
         rate = resp.playout.sample_rate
         frame = rate * _FRAME_MS // 1000
         if resp.times.first_audio is not None and resp.playout.taken == 0:
+            resp.audio_started = True
             self.call.emit(ResponseAudioStarted(resp.id, resp.item_id))
             self._report_timings(resp)
         base = self._clock.monotonic() - resp.playout.taken / rate
