@@ -62,6 +62,7 @@ class TurnDetector(Protocol):
     in_speech: bool
     paused: bool
     speech_end_ms: float | None
+    turn_start_ms: float | None
 
     def feed(self, audio16k: np.ndarray) -> None:
         """The audio the next windows' probabilities are computed from (16 kHz)."""
