@@ -235,7 +235,7 @@ async def test_a_client_that_stops_reading_is_dropped_not_buffered(tokenizer, ca
             await elapse(clock, 0.05)
         await until(clock, lambda: session.closed_reason is not None)
         assert session.closed_reason == "slow_consumer"
-        assert session._out.qsize() <= 16
+        assert session.outbox.qsize() <= 16
         # Said once: under load the GPU profile logged it ~35 times per dropped session.
         for _ in range(50):
             session.emit(ev.ErrorEvent(code="x", message="x"))
@@ -276,8 +276,8 @@ async def reply_to_a_reader_that_stopped(session: Session) -> None:
     for level, ms in ((0.1, 600), (0.0, 600)):
         for _ in range(ms // 20):
             session.push_audio(np.full(FRAME, level, dtype=np.float32), RATE)
-            await elapse(session._clock, 0.02)
-    await elapse(session._clock, 1.5)
+            await elapse(session.clock, 0.02)
+    await elapse(session.clock, 1.5)
 
 
 async def test_no_text_of_a_reply_follows_its_response_done(tokenizer) -> None:  # type: ignore[no-untyped-def]
@@ -288,7 +288,7 @@ async def test_no_text_of_a_reply_follows_its_response_done(tokenizer) -> None: 
     async with session:
         await reply_to_a_reader_that_stopped(session)
         resp = session.speaker.live
-        assert resp is not None and not session._out.data_room() and not resp.deltas.empty(), "text is waiting for room"
+        assert resp is not None and not session.outbox.data_room() and not resp.deltas.empty(), "text is waiting for room"
         for _ in range(12):  # the caller speaks over it
             session.push_audio(np.full(FRAME, 0.1, dtype=np.float32), RATE)
         for _ in range(20):
@@ -305,10 +305,10 @@ async def test_a_reader_slow_for_a_moment_keeps_its_call_when_a_control_event_co
     # control event (here a DTMF digit; a transcript or an error alike) found the queue
     # full and the call was closed as a stalled client, though the client only paused.
     session = slow_reader_session(tokenizer, word_delay=0.01, out_queue_frames=32)
-    clock = session._clock
+    clock = session.clock
     async with session:
         await reply_to_a_reader_that_stopped(session)
-        assert session.speaker.live is not None and not session._out.data_room()
+        assert session.speaker.live is not None and not session.outbox.data_room()
         for digit in "123":
             session.emit(ev.Dtmf(digit))
         assert session.closed_reason is None
@@ -317,7 +317,7 @@ async def test_a_reader_slow_for_a_moment_keeps_its_call_when_a_control_event_co
         await until(clock, lambda: any(isinstance(e, ev.ResponseDone) for e in drain(session)), timeout=30)
         assert session.closed_reason is None
         # A client that stopped reading still fills the reserved places and is closed.
-        for _ in range(session._out.maxsize + 1):
+        for _ in range(session.outbox.maxsize + 1):
             session.emit(ev.Dtmf("9"))
         assert session.closed_reason == "slow_consumer"
 
@@ -406,7 +406,7 @@ async def test_a_session_that_ends_itself_is_torn_down_once(tokenizer, ending: s
                 session.emit(ev.Dtmf("1"))
         elif ending == "fatal_error":
             session.error("engine_dead", "the engine died", fatal=True)
-        await until(clock, lambda: session._main is not None and session._main.done())
+        await until(clock, lambda: session.ended)
         assert session.closed_reason == ending.replace("fatal_error", "engine_dead")
         # Torn down as it ended, before anyone calls aclose().
         assert engines.asr.closed == 1 and active_sessions(metrics) == 0
@@ -480,8 +480,8 @@ async def reply_queued_unread(engines: Engines, seconds: float) -> tuple[Session
 
 def drain(session: Session) -> list[object]:
     out = []
-    while not session._out.empty():
-        out.append(session._out.get_nowait())
+    while not session.outbox.empty():
+        out.append(session.outbox.get_nowait())
     return out
 
 
@@ -735,14 +735,14 @@ async def test_a_reply_written_slower_than_it_is_read_for_the_first_clause_leave
     engines = make_engines(tokenizer, reply=reply, word_delay=0.06)
     sent: list[float] = []
     async with call(engines, turn_detection=False) as c:
-        put = c.session._out.put_nowait
+        put = c.session.outbox.put_nowait
 
         def timed(e: object) -> None:  # when the pacer sends each 20 ms frame
             if isinstance(e, ev.ResponseAudio):
                 sent.append(c.clock.monotonic())
             put(e)  # type: ignore[arg-type]
 
-        c.session._out.put_nowait = timed  # type: ignore[method-assign]
+        c.session.outbox.put_nowait = timed  # type: ignore[method-assign]
         c.session.add_text("user", "How will the weather be?")
         c.session.create_response()
         done = await c.wait_for(ev.ResponseDone, timeout=30)

@@ -356,8 +356,8 @@ def check_json(body: Any) -> None:
 
 def drain(session: Session) -> list[ev.SessionEvent]:
     out = []
-    while not session._out.empty():
-        out.append(session._out.get_nowait())
+    while not session.outbox.empty():
+        out.append(session.outbox.get_nowait())
     return out
 
 
@@ -372,7 +372,7 @@ def check_healthy(session: Session, events: list[ev.SessionEvent], *, allow_fata
             assert allow_fatal or not e.fatal, e
     if not allow_fatal:
         assert session.closed_reason is None, session.closed_reason
-        assert session._main is not None and not session._main.done()
+        assert not session.ended
 
 
 async def answers_a_normal_request(session: Session) -> None:

@@ -27,7 +27,7 @@ class BackgroundWork:
         self._summary: tuple[int, asyncio.Task[None]] | None = None
 
     def start_prefill(self, start: ce.StartPrefill) -> None:
-        self._prefill = (start.prefill, self.call._spawn(self.prefill(start), "warm"))
+        self._prefill = (start.prefill, self.call.spawn(self.prefill(start), "warm"))
 
     def cancel_prefill(self, pid: int) -> None:
         if self._prefill is not None and self._prefill[0] == pid:
@@ -35,7 +35,7 @@ class BackgroundWork:
             self._prefill = None
 
     def start_summary(self, start: ce.StartSummary) -> None:
-        self._summary = (start.summary, self.call._spawn(self.summarise(start), "summary"))
+        self._summary = (start.summary, self.call.spawn(self.summarise(start), "summary"))
 
     def cancel_summary(self, sid: int) -> None:
         if self._summary is not None and self._summary[0] == sid:
@@ -51,7 +51,7 @@ class BackgroundWork:
         pid, ids = start.prefill, list(start.ids)
 
         def cached(end: int) -> None:  # a piece is in: a retry after a live turn starts there
-            self.call._feed(ce.PrefillProgress(pid, end))
+            self.call.feed(ce.PrefillProgress(pid, end))
 
         ok = True
         try:
@@ -61,7 +61,7 @@ class BackgroundWork:
             ok = False
         if self._prefill is not None and self._prefill[0] == pid:
             self._prefill = None
-        self.call._feed(ce.PrefillDone(pid, ok))
+        self.call.feed(ce.PrefillDone(pid, ok))
 
     async def summarise(self, start: ce.StartSummary) -> None:
         """Summarise dropped turns at background priority. A failed summary is logged
@@ -75,7 +75,7 @@ class BackgroundWork:
             text = None
         if self._summary is not None and self._summary[0] == start.summary:
             self._summary = None
-        self.call._feed(ce.SummaryDone(start.summary, text))
+        self.call.feed(ce.SummaryDone(start.summary, text))
 
     async def _summary_of(self, dropped: list[Message], earlier: str | None) -> str:
         lines = [f"{m.role}: {m.content}" for m in dropped]

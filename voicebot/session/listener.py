@@ -62,7 +62,7 @@ class Listener:
         self.call = call
         self.cfg = call.cfg
         self.engines = call.engines
-        self._clock = call._clock
+        self._clock = call.clock
         settings = call.settings
         self._vad = self.engines.vad.stream()
         self.asr: AsrStream = self.engines.asr.stream(language=settings.language)
@@ -119,7 +119,7 @@ class Listener:
             turn.final.add_done_callback(lambda task: self._heard_words(token, task))
 
     def _heard_words(self, token: int, task: asyncio.Task[Transcript]) -> None:
-        if task.cancelled() or task.exception() is not None or self.call._closing.is_set():
+        if task.cancelled() or task.exception() is not None or self.call.closing:
             return
         self.detector.hear_words(token, task.result().text)
         self._poll_turns()
@@ -178,8 +178,8 @@ class Listener:
 
     def _start_drain(self) -> None:
         running = self._drain_task is not None and not self._drain_task.done()
-        if not running and self.call._tg is not None and not self.call._closing.is_set():
-            self._drain_task = self.call._spawn(self._drain_input(), "input")
+        if not running and self.call.started and not self.call.closing:
+            self._drain_task = self.call.spawn(self._drain_input(), "input")
 
     async def _drain_input(self) -> None:
         try:
@@ -246,7 +246,7 @@ class Listener:
         fut.add_done_callback(wake)
 
     def _poll_turns(self, idle_ms: float | None = None) -> None:
-        if self.call._closing.is_set():
+        if self.call.closing:
             return
         if idle_ms is None:  # audio waiting in the backlog is not time without audio
             idle_ms = 0.0 if self._backlog else 1000 * (self._clock.monotonic() - self._last_window_at)
@@ -255,7 +255,7 @@ class Listener:
         self._watch_verdict()  # a check asked just now
 
     def _arm_turn_timer(self) -> None:
-        if self.call._tg is None or self.call._closing.is_set():
+        if not self.call.started or self.call.closing:
             return
         due = self.detector.idle_deadline_ms()
         if due is None:
@@ -267,7 +267,7 @@ class Listener:
                 return  # it wakes in time and reads the deadline again
             timer.cancel()  # the deadline came nearer (a pause began): wake sooner
         self._turn_timer_at = at
-        self._turn_timer = self.call._spawn(self._time_turn(), "turn-timer")
+        self._turn_timer = self.call.spawn(self._time_turn(), "turn-timer")
 
     async def _time_turn(self) -> None:
         """The semantic cap is wall-clock time: a turn heard as unfinished ends
@@ -296,7 +296,7 @@ class Listener:
 
     def _on_signal(self, sig: Signal) -> bool:
         """Act on a turn signal; True if the current chunk went to ASR already."""
-        self.call._feed(_SIGNALS[sig])
+        self.call.feed(_SIGNALS[sig])
         return sig is Signal.SPEECH_START
 
     def open_turn(self, item_id: str) -> None:
@@ -314,7 +314,7 @@ class Listener:
         turn.speech_end = self._last_speech_wall
         turn.committed_at = self._clock.monotonic()
         self.call.emit(SpeechStopped(audio_ms=int(self.input_ms), item_id=item_id))
-        self.call._spawn(self._complete_turn(turn), "turn")
+        self.call.spawn(self._complete_turn(turn), "turn")
 
     def _new_turn(self, item_id: str, final: asyncio.Task[Transcript]) -> Turn:
         turn = Turn(item_id, final, asr_started=self._clock.monotonic())
@@ -325,11 +325,7 @@ class Listener:
         return turn
 
     def _spawn_final(self, covering_s: float | None = None, stream: AsrStream | None = None) -> asyncio.Task[Transcript]:
-        assert self.call._tg is not None
-        task = self.call._tg.create_task(self._final(covering_s, stream), name=f"{self.call.id}-final")
-        self.call._tasks.add(task)  # cancelled at close like every other task
-        task.add_done_callback(self.call._tasks.discard)
-        return task
+        return self.call.spawn(self._final(covering_s, stream), "final", guard=False)
 
     async def _final(self, covering_s: float | None, stream: AsrStream | None = None) -> Transcript:
         """The final transcript of the session's stream, or of ``stream`` (a committed
@@ -352,7 +348,7 @@ class Listener:
     async def _complete_turn(self, turn: Turn) -> None:
         transcript = await turn.final
         try:
-            self.call._feed(ce.Transcribed(turn.item_id, transcript.text))
+            self.call.feed(ce.Transcribed(turn.item_id, transcript.text))
         finally:
             self.turns.pop(turn.item_id, None)
 
@@ -362,7 +358,7 @@ class Listener:
         self._turn_streams.add(stream)  # closed by its final, or at teardown
         turn = self._new_turn(item_id, self._spawn_final(stream=stream))
         turn.speech_end = turn.committed_at = self._clock.monotonic()
-        self.call._spawn(self._complete_turn(turn), "commit")
+        self.call.spawn(self._complete_turn(turn), "commit")
 
     @staticmethod
     def _ring_size(vad: VadConfig) -> int:
@@ -376,7 +372,7 @@ class Listener:
             async for partial in stream:
                 if stream is self.asr:
                     self.detector.hear_partial(partial.text)
-                    self.call._feed(ce.Partial(partial.text, partial.confirmed, partial.tentative))
+                    self.call.feed(ce.Partial(partial.text, partial.confirmed, partial.tentative))
             if stream is self.asr:
                 return  # the session's own stream closed: the session is ending
             # A committed turn took that stream away (and closed it): follow the new one.

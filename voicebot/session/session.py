@@ -93,13 +93,13 @@ class Session:
         self.id = session_id or f"sess_{uuid.uuid4().hex[:12]}"
         self.transport = transport
         self.metrics = metrics
-        self._clock: Clock = clock or REAL_CLOCK
+        self.clock: Clock = clock or REAL_CLOCK
         self.log = SessionLog(log, {"session": self.id})
         # Who watches the call (traces, its record, the webhook: voicebot/observe).
         self.observer: CallObserver = observer or NO_OBSERVER
         # Control events are few; audio frames are paced at 50/s. A client that stops
         # reading for out_queue_frames events is dropped instead of growing memory.
-        self._out: Outbox[SessionEvent] = Outbox(cfg.session.out_queue_frames)
+        self.outbox: Outbox[SessionEvent] = Outbox(cfg.session.out_queue_frames)
         # The caller's audio, VAD, turn detector and ASR (voicebot/session/listener.py).
         self.listener = Listener(self)
         self.conversation = Conversation(
@@ -171,11 +171,11 @@ class Session:
         try:
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
-                self._spawn(self.speaker.pace(), "pacer")
-                self._spawn(self.listener.forward_partials(), "partials")
-                self._spawn(self._watch_idle(), "idle")
-                self.observer.started(self.id, self.transport, self._clock.monotonic())
-                self._feed(ce.Started())
+                self.spawn(self.speaker.pace(), "pacer")
+                self.spawn(self.listener.forward_partials(), "partials")
+                self.spawn(self._watch_idle(), "idle")
+                self.observer.started(self.id, self.transport, self.clock.monotonic())
+                self.feed(ce.Started())
                 self._ready.set()
                 await self._closing.wait()
                 for task in list(self._tasks):
@@ -197,7 +197,7 @@ class Session:
             return
         self._torn_down = True
         try:
-            self._feed(ce.CancelReply(report=False))
+            self.feed(ce.CancelReply(report=False))
             await self.listener.aclose()
         finally:
             record, self._record = self._record, None
@@ -205,18 +205,34 @@ class Session:
                 record.close()
             if self._counted and self.metrics:
                 self.metrics.active_sessions.labels(self.transport).dec()
-            self.observer.ended(self.closed_reason or "closed", self._clock.monotonic())
+            self.observer.ended(self.closed_reason or "closed", self.clock.monotonic())
             self.log.info("session closed (%s)", self.closed_reason)
 
     def _end(self) -> None:
         """The call is ending: nothing new starts."""
         if not self._closing.is_set():
             self._closing.set()
-            self._feed(ce.Closing())
+            self.feed(ce.Closing())
 
-    def _feed(self, event: ce.Event) -> list[ce.Action]:
+    # ------------------------------------------------- for the call's parts and its tests
+    @property
+    def started(self) -> bool:
+        """Its tasks can be spawned (the task group runs)."""
+        return self._tg is not None
+
+    @property
+    def closing(self) -> bool:
+        """Asked to close (or closing by itself): no new work is taken on."""
+        return self._closing.is_set()
+
+    @property
+    def ended(self) -> bool:
+        """Torn down: its main task has finished."""
+        return self._main is not None and self._main.done()
+
+    def feed(self, event: ce.Event) -> list[ce.Action]:
         """Tell the core what happened and run what it decides, in order."""
-        now = self._clock.monotonic()
+        now = self.clock.monotonic()
         if self._record is not None:
             self._record.write(replay.line(event, now) + "\n")
         actions = self.core.handle(event, now)
@@ -224,9 +240,11 @@ class Session:
             self._act(action)
         return actions
 
-    def _spawn(self, coro, name: str) -> asyncio.Task:  # type: ignore[no-untyped-def]
+    def spawn(self, coro, name: str, *, guard: bool = True) -> asyncio.Task:  # type: ignore[no-untyped-def]
+        """Run ``coro`` in the call's task group, cancelled at close like every other task.
+        ``guard``: an error in it becomes an error event (off for a task whose result is awaited)."""
         assert self._tg is not None, "session not started"
-        task = self._tg.create_task(self._guard(coro), name=f"{self.id}-{name}")
+        task = self._tg.create_task(self._guard(coro) if guard else coro, name=f"{self.id}-{name}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         # A task cancelled before its first step never awaits ``coro``: close it.
@@ -256,7 +274,7 @@ class Session:
     async def events(self):  # type: ignore[no-untyped-def]
         """Events for the transport, until the session closes."""
         while True:
-            get = asyncio.ensure_future(self._out.get())
+            get = asyncio.ensure_future(self.outbox.get())
             closing = asyncio.ensure_future(self._closing.wait())
             try:
                 done, _ = await asyncio.wait({get, closing}, return_when=asyncio.FIRST_COMPLETED)
@@ -266,13 +284,13 @@ class Session:
                     get.cancel()
             if get in done and not get.cancelled():
                 yield get.result()
-            elif self._out.empty():
+            elif self.outbox.empty():
                 return
 
     def emit(self, event: SessionEvent) -> None:
-        self.observer.event(event, self._clock.monotonic())
+        self.observer.event(event, self.clock.monotonic())
         try:
-            self._out.put_nowait(event)
+            self.outbox.put_nowait(event)
         except asyncio.QueueFull:
             # Once: every later event of a closing session lands here too.
             if self.closed_reason is None:
@@ -315,12 +333,12 @@ class Session:
         while this turn is still being transcribed, is the start of the next turn.
         """
         item_id = self.core.new_item_id()
-        self.listener.in_order(lambda: self._feed(ce.Commit(item_id)))
+        self.listener.in_order(lambda: self.feed(ce.Commit(item_id)))
         return item_id
 
     def clear_input(self) -> None:
         self.listener.drop_unprocessed()
-        self.listener.in_order(lambda: self._feed(ce.Clear()))
+        self.listener.in_order(lambda: self.feed(ce.Clear()))
 
     def add_text(self, role: str, text: str, item_id: str | None = None) -> str:
         item_id = item_id or self.core.new_item_id()
@@ -332,7 +350,7 @@ class Session:
                 f"text of {len(text)} characters is longer than session.max_text_chars ({limit})",
                 code="text_too_long",
             )
-        self._feed(ce.AddItem(role, text, item_id))
+        self.feed(ce.AddItem(role, text, item_id))
         return item_id
 
     def create_response(self, options: ResponseOptions | None = None) -> str:
@@ -340,7 +358,7 @@ class Session:
         max_tokens (a Realtime ``response.create`` override)."""
         if options is not None:
             self.tools.plan(options)  # a tool_choice naming no declared tool: refused here
-        started = self._feed(ce.CreateReply(options))[-1]
+        started = self.feed(ce.CreateReply(options))[-1]
         assert isinstance(started, ce.StartReply)
         return started.reply_id
 
@@ -349,24 +367,24 @@ class Session:
         """A client's ``session.tools`` / ``tool_choice`` (None: unchanged)."""
         self.tools.set(tools, choice)
         self.conversation.set_tools(self.tools.chat_tools())
-        self._feed(ce.ContextChanged())
+        self.feed(ce.ContextChanged())
 
     def add_tool_result(self, call_id: str, output: str, item_id: str | None = None) -> str:
         """A client's result of a function call (Realtime ``function_call_output``)."""
         item_id = item_id or self.core.new_item_id()
-        self._feed(ce.AddItem("tool", self.tools.clip(output), item_id, call_id=call_id))
+        self.feed(ce.AddItem("tool", self.tools.clip(output), item_id, call_id=call_id))
         return item_id
 
     def add_tool_call(self, call_id: str, name: str, arguments: dict[str, object], item_id: str | None = None) -> str:
         """A function call a client adds to the history itself (Realtime ``function_call`` item)."""
         item_id = item_id or self.core.new_item_id()
-        self._feed(ce.AddItem("assistant", "", item_id, call_id, ({"name": name, "arguments": arguments},)))
+        self.feed(ce.AddItem("assistant", "", item_id, call_id, ({"name": name, "arguments": arguments},)))
         return item_id
 
     def cancel_response(self) -> bool:
         if self.core.reply is None:
             return False
-        self._feed(ce.CancelReply())
+        self.feed(ce.CancelReply())
         return True
 
     def truncate(self, item_id: str, audio_end_ms: int) -> str | None:
@@ -400,7 +418,7 @@ class Session:
         self.conversation.set_system_prompt(new.system_prompt)
         self.listener.update(new.vad)
         self.conversation.reply_tokens = new.max_tokens
-        self._feed(ce.SettingsChanged(new.create_response, new.interrupt_response))
+        self.feed(ce.SettingsChanged(new.create_response, new.interrupt_response))
 
     @property
     def replying(self) -> bool:
@@ -456,9 +474,9 @@ class Session:
         """Close a session whose client went silent on the wire (no audio at all)."""
         limit = self.cfg.session.idle_timeout_s
         while True:
-            idle = self._clock.monotonic() - self.listener.last_input
+            idle = self.clock.monotonic() - self.listener.last_input
             if idle >= limit and self.core.reply is None:
                 self.error("idle_timeout", f"no audio for {limit:g} s", fatal=True)
                 return
-            await self._clock.sleep(max(limit - idle, 0.05))  # wakes when it would expire
+            await self.clock.sleep(max(limit - idle, 0.05))  # wakes when it would expire
 

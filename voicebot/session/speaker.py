@@ -42,7 +42,7 @@ class Speaker:
         self.call = call
         self.cfg = call.cfg
         self.engines = call.engines
-        self._clock = call._clock
+        self._clock = call.clock
         self.replies: dict[str, Response] = {}  # the live reply, and one being stopped
         self._reply_tasks: dict[str, asyncio.Task[None]] = {}
         self._reply_turns: dict[str, Turn] = {}  # the user turn each reply answers
@@ -95,7 +95,7 @@ class Speaker:
             self._reply_turns[resp.id] = turn
             if start.gated:
                 turn.response = resp
-        self._reply_tasks[resp.id] = self.call._spawn(self._drive(resp, turn), "response")
+        self._reply_tasks[resp.id] = self.call.spawn(self._drive(resp, turn), "response")
         if not start.gated:
             self.release(resp)
 
@@ -120,7 +120,7 @@ class Speaker:
                     system_prompt=resp.options.instructions, tools=resp.prompt_tools
                 )
             resp.times.requested = self._clock.monotonic()
-            forward = self.call._spawn(self._forward_text(resp), "text")
+            forward = self.call.spawn(self._forward_text(resp), "text")
             try:
                 await resp.run()
                 await forward
@@ -167,7 +167,7 @@ class Speaker:
         for call, output in zip(resp.tool_calls, results, strict=True):
             self.call.add_tool_result(call.call_id, output)
             self.call.emit(ToolResult(call.call_id, call.name, output))
-        self.call._feed(ce.ToolResults(resp.id, resp.options, resp.tool_round))
+        self.call.feed(ce.ToolResults(resp.id, resp.options, resp.tool_round))
 
     async def _forward_text(self, resp: Response) -> None:
         await resp.released.wait()
@@ -191,7 +191,7 @@ class Speaker:
                 event = delta  # a tool call's start / arguments / end (already session events)
             # Like the reply's audio, its text waits for a slow reader (and coalesces
             # meanwhile) instead of being taken for a stalled one.
-            await self.call._out.wait_for_room()
+            await self.call.outbox.wait_for_room()
             if self.live is not resp:
                 return  # cut while we waited: its ResponseDone is out, nothing may follow it
             self.call.emit(event)
@@ -200,7 +200,7 @@ class Speaker:
         """Cancel a reply's work; ``report``: it was heard, and is reported cut short."""
         resp = self.replies.get(reply_id)
         if resp is None:  # its start failed
-            self.call._feed(ce.ReplyEnded(reply_id, status))
+            self.call.feed(ce.ReplyEnded(reply_id, status))
             return
         task = self._reply_tasks.get(reply_id)
         if task is not None:
@@ -213,7 +213,7 @@ class Speaker:
         # caller must not hear it, and the barge-in event must not wait behind it.
         unsent = sum(
             e.audio.size
-            for e in self.call._out.discard(lambda e: isinstance(e, ResponseAudio) and e.response_id == resp.id)
+            for e in self.call.outbox.discard(lambda e: isinstance(e, ResponseAudio) and e.response_id == resp.id)
             if isinstance(e, ResponseAudio)
         )
         resp.playout.taken -= unsent  # taken from the playout, but never sent
@@ -257,7 +257,7 @@ class Speaker:
 
     def _reply_ended(self, resp: Response, ended: ce.ReplyEnded) -> None:
         try:
-            self.call._feed(ended)
+            self.call.feed(ended)
         finally:
             self.replies.pop(resp.id, None)
             self._reply_tasks.pop(resp.id, None)
@@ -310,14 +310,14 @@ class Speaker:
             while resp.playout.taken + frame <= due or (
                 resp.playout.queued_samples and resp.playout.taken < due and resp.generated
             ):
-                if not self.call._out.data_room():
-                    await self.call._out.wait_for_room()
+                if not self.call.outbox.data_room():
+                    await self.call.outbox.wait_for_room()
                     if self.live is not resp:
                         return  # cancelled while the client was slow to read
                 chunk = resp.playout.take(frame)
                 if chunk.size == 0:
                     break
-                self.call._out.put_nowait(ResponseAudio(resp.id, resp.item_id, chunk, rate))
+                self.call.outbox.put_nowait(ResponseAudio(resp.id, resp.item_id, chunk, rate))
                 resp.notify_drained()
                 if resp.generated and resp.playout.queued_samples == 0:
                     resp.drained.set()
