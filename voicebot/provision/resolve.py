@@ -11,7 +11,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from voicebot.config import Config, ModelsConfig
+from voicebot.config import Config, ModelsConfig, TtsConfig
 from voicebot.errors import BundleError, ModelError
 from voicebot.provision.build import model_store, pull
 from voicebot.provision.bundle import load_bundle
@@ -71,7 +71,17 @@ class FrontendRefs:
     asr: str | None  # None: the model lives in the shared ASR service (asr.backend remote)
     llm: str  # with a remote LLM tier only its tokenizer is loaded: llm.tokenizer or llm.model
     tokenizer: str | None  # in-process LLM only, when it differs from the model
-    voice: str | None  # Piper's voice; other engines and a shared TTS service (tts.backend remote) take none
+    voice: str | None  # the TTS engine's model (tts_model_ref); a shared TTS service (tts.backend remote) takes none
+
+
+def tts_model_ref(tts: TtsConfig) -> str | None:
+    """The model reference the TTS engine loads, resolved like every other: Piper's voice,
+    Coqui's model; espeak-ng and Kokoro (which finds its own) take none."""
+    if tts.engine == "piper":
+        return tts.voice
+    if tts.engine == "coqui":
+        return tts.coqui_model
+    return None
 
 
 def frontend_refs(config: Config) -> FrontendRefs:
@@ -80,7 +90,7 @@ def frontend_refs(config: Config) -> FrontendRefs:
         asr=None if config.asr.backend == "remote" else config.asr.model,
         llm=(config.llm.tokenizer or config.llm.model) if remote_llm else config.llm.model,
         tokenizer=None if remote_llm else config.llm.tokenizer,
-        voice=config.tts.voice if config.tts.engine == "piper" and config.tts.backend == "local" else None,
+        voice=tts_model_ref(config.tts) if config.tts.backend == "local" else None,
     )
 
 
@@ -94,9 +104,7 @@ def bundle_names_for(config: Config, *, frontend: bool = False) -> list[str]:
         r = frontend_refs(config)
         refs = [r.asr, r.llm, r.tokenizer, r.voice]
     else:
-        refs = [config.asr.model, config.llm.model, config.llm.tokenizer]
-        if config.tts.engine == "piper":
-            refs.append(config.tts.voice)
+        refs = [config.asr.model, config.llm.model, config.llm.tokenizer, tts_model_ref(config.tts)]
     if config.vad.turn_detector == "smart_turn":
         refs.append(config.vad.smart_turn_model)
     names = [r.removeprefix(BUNDLE_PREFIX) for r in refs if r and r.startswith(BUNDLE_PREFIX)]
