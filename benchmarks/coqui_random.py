@@ -18,6 +18,7 @@ Writes ``config.json`` and ``model.pth`` (``{"model": state_dict}``, as Coqui's 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -43,19 +44,28 @@ def vits_config(*, tiny: bool) -> Any:
     return config
 
 
-def build(out: str | Path, *, tiny: bool = False, frames_per_token: float = FRAMES_PER_TOKEN, seed: int = 0) -> Path:
-    """Write a random-weight VITS model directory to ``out``; returns it."""
+def build(out: str | Path, *, tiny: bool = False, frames_per_token: float = FRAMES_PER_TOKEN, seed: int = 0,
+          speakers: list[str] | None = None) -> Path:
+    """Write a random-weight VITS model directory to ``out``; returns it. ``speakers``: a
+    multi-speaker model with these names (``speaker_ids.json``, as Coqui's VCTK voice)."""
     import torch
     from TTS.tts.models.vits import Vits
 
     torch.manual_seed(seed)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
     config = vits_config(tiny=tiny)
+    if speakers:
+        ids = out / "speaker_ids.json"
+        ids.write_text(json.dumps({name: i for i, name in enumerate(speakers)}))
+        for section in (config, config.model_args):
+            section.use_speaker_embedding = True
+            section.num_speakers = len(speakers)
+            section.speakers_file = str(ids)
     model = Vits(config)
     with torch.no_grad():  # every token lasts frames_per_token frames (the module docstring)
         model.duration_predictor.proj.weight.zero_()
         model.duration_predictor.proj.bias.fill_(math.log(frames_per_token))
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     model.config.save_json(str(out / "config.json"))
     torch.save({"model": model.state_dict()}, out / "model.pth")
     return out
@@ -66,8 +76,9 @@ def main() -> None:
     ap.add_argument("out", help="model directory to write")
     ap.add_argument("--tiny", action="store_true", help="every layer shrunk (tests), not the real shape")
     ap.add_argument("--frames-per-token", type=float, default=FRAMES_PER_TOKEN)
+    ap.add_argument("--speakers", nargs="*", help="speaker names: a multi-speaker model")
     args = ap.parse_args()
-    print(build(args.out, tiny=args.tiny, frames_per_token=args.frames_per_token))
+    print(build(args.out, tiny=args.tiny, frames_per_token=args.frames_per_token, speakers=args.speakers))
 
 
 if __name__ == "__main__":

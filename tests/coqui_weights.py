@@ -23,9 +23,10 @@ def builder() -> ModuleType:
     return module
 
 
-def tiny_vits(out: Path) -> Path:
-    """Build the tiny random VITS model into ``out`` (about 1 MB, a few seconds)."""
-    return Path(builder().build(out, tiny=True))
+def tiny_vits(out: Path, speakers: list[str] | None = None) -> Path:
+    """Build the tiny random VITS model into ``out`` (about 1 MB, a few seconds);
+    ``speakers``: a multi-speaker one."""
+    return Path(builder().build(out, tiny=True, speakers=speakers))
 
 
 def tokens(model_dir: Path, sentence: str) -> int:

@@ -229,7 +229,7 @@ class TtsConfig(_Section):
     coqui_model: str = Field("tts_models/en/ljspeech/vits", description="Coqui: a model directory (config.json and its checkpoint: model.pth or one .pth; XTTS also vocab.json), a Coqui model name (tts_models/LANG/DATASET/MODEL, downloaded by Coqui) or a Hugging Face repo id (coqui/XTTS-v2); bundle:NAME and models.offline apply as to every model setting.")
     coqui_speaker: str | None = Field(None, description="Coqui: the default voice: a speaker name of a multi-speaker model, or a reference clip (a .wav path) for a cloning model such as XTTS; None: a single-speaker model's only voice, else the model's first speaker. synthesize(voice=...) takes the same per call.")
     coqui_language: str = Field("en", min_length=1, max_length=16, description="Coqui: the language of the text for multilingual models (XTTS: en, de, fr ...); ignored by single-language models.")
-    coqui_stream_tokens: int = Field(20, ge=0, le=1000, description="Coqui XTTS: GPT tokens per streamed audio chunk within a clause (fewer: earlier first audio, more decoder calls); 0: one chunk per clause.")
+    coqui_stream_tokens: int = Field(20, ge=0, le=1000, description="Coqui XTTS: GPT tokens per streamed audio chunk within a clause (fewer: earlier first audio, more decoder calls); 0: one chunk per sentence.")
 
 
 class VadConfig(_Section):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -153,3 +154,20 @@ async def test_a_bad_model_is_a_clear_start_up_error(tmp_path: Path, model_dir: 
         await started(broken)
     with pytest.raises(ModelError, match="coqui_speaker"):  # a default voice the model does not have
         await started(model_dir, coqui_speaker="nobody")
+
+
+async def test_a_multi_speaker_model_speaks_with_the_speaker_each_call_picks(tmp_path: Path) -> None:
+    trained = tiny_vits(tmp_path / "trained", speakers=["ann", "bob"])
+    # A directory moved from where it was made: its config still names the old speaker_ids.json.
+    moved = Path(shutil.move(trained, tmp_path / "moved"))
+    tts = await started(moved, coqui_speaker="bob")
+    try:
+        assert tts.voices() == ["bob", "ann"]  # the default first
+        sentence = "Hello there, how are you today?"
+        for voice in (None, "ann", "bob"):
+            chunks = await collect(tts, sentence, voice=voice)
+            assert [c.size for c in chunks] == [samples(moved, sentence)]
+        with pytest.raises(EngineError, match="speakers: ann, bob"):
+            await collect(tts, sentence, voice="carol")
+    finally:
+        await tts.aclose()

@@ -30,7 +30,7 @@ import numpy as np
 
 from voicebot.config import TtsConfig
 from voicebot.engines.tts.coqui_model import CoquiModel, Voice, load_model
-from voicebot.engines.tts.pool import PooledTts, WorkerPool
+from voicebot.engines.tts.pool import Job, PooledTts, WorkerPool
 from voicebot.engines.tts.text import clean_text, resolve_speed, split_sentences
 from voicebot.errors import EngineError, ModelError
 
@@ -105,7 +105,7 @@ class CoquiTts(PooledTts):
         def step() -> np.ndarray | None:  # in a worker thread: one chunk's work
             return next(chunks, None)
 
-        pending = self._pool.submit(step)
+        pending: Job | None = self._pool.submit(step)
         try:
             while pending is not None:
                 audio: np.ndarray | None = await pending.future
