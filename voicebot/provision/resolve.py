@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from voicebot.config import Config, ModelsConfig
+from voicebot.config import Config, ModelsConfig, TtsConfig
 from voicebot.errors import BundleError, ModelError
 from voicebot.provision.build import model_store, pull
 from voicebot.provision.bundle import load_bundle
@@ -72,7 +72,17 @@ class FrontendRefs:
     asr: str | None  # None: the model lives in the shared ASR service (asr.backend remote)
     llm: str  # with a remote LLM tier only its tokenizer is loaded: llm.tokenizer or llm.model
     tokenizer: str | None  # in-process LLM only, when it differs from the model
-    voice: str | None  # Piper's voice; other engines and a shared TTS service (tts.backend remote) take none
+    voice: str | None  # the TTS engine's model (tts_model_ref); a shared TTS service (tts.backend remote) takes none
+
+
+def tts_model_ref(tts: TtsConfig) -> str | None:
+    """The model reference the TTS engine loads, resolved like every other: Piper's voice,
+    Coqui's model; espeak-ng and Kokoro (which finds its own) take none."""
+    if tts.engine == "piper":
+        return tts.voice
+    if tts.engine == "coqui":
+        return tts.coqui_model
+    return None
 
 
 def frontend_refs(config: Config) -> FrontendRefs:
@@ -81,7 +91,7 @@ def frontend_refs(config: Config) -> FrontendRefs:
         asr=None if config.asr.backend == "remote" else config.asr.model,
         llm=(config.llm.tokenizer or config.llm.model) if remote_llm else config.llm.model,
         tokenizer=None if remote_llm else config.llm.tokenizer,
-        voice=config.tts.voice if config.tts.engine == "piper" and config.tts.backend == "local" else None,
+        voice=tts_model_ref(config.tts) if config.tts.backend == "local" else None,
     )
 
 
@@ -101,11 +111,11 @@ def bundle_names_for(config: Config, *, role: Role = "serve") -> list[str]:
     if role == "asr-serve":
         refs: list[str | None] = [config.asr.model]
     elif role == "tts-serve":
-        refs = [config.tts.voice if config.tts.engine == "piper" else None]
+        refs = [tts_model_ref(config.tts)]
     else:
         r = frontend_refs(config)
         refs = [r.asr, r.llm, r.tokenizer, r.voice]
-        if config.vad.turn_detector == "smart_turn":
-            refs.append(config.vad.smart_turn_model)
+    if config.vad.turn_detector == "smart_turn":
+        refs.append(config.vad.smart_turn_model)
     names = [r.removeprefix(BUNDLE_PREFIX) for r in refs if r and r.startswith(BUNDLE_PREFIX)]
     return list(dict.fromkeys(names))

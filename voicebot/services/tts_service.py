@@ -273,13 +273,14 @@ async def serve_tts(
     """Load the engine, serve until ``stop`` (or SIGINT/SIGTERM), close everything."""
     from voicebot.engines.registry import create_tts
     from voicebot.provision import resolve_model
+    from voicebot.provision.resolve import tts_model_ref
 
     tcfg = cfg.tts.model_copy(update={"backend": "local"})
     if cfg.models.offline:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
     voice_path = None
-    if tcfg.engine == "piper":
-        voice_path = await asyncio.to_thread(resolve_model, tcfg.voice, cfg.models, pull=pull)
+    if (ref := tts_model_ref(tcfg)) is not None:
+        voice_path = await asyncio.to_thread(resolve_model, ref, cfg.models, pull=pull)
     t0 = time.perf_counter()
     engine = create_tts(tcfg, voice_path)
     await engine.start()
