@@ -52,7 +52,10 @@ STAGES = {"endpointing", "asr", "llm", "first_clause", "tts", "playout"}
 
 @pytest.fixture(scope="module")
 async def server(models_config: ModelsConfig) -> AsyncIterator[RunningServer]:
-    cfg = load_config("configs/test.yaml", [f"models.cache_dir={models_config.cache_dir}", "server.transports=[native,realtime]"])
+    # A few tokens a reply: the random test model's words are seconds of espeak each, and
+    # what is checked is that every stage shows, not how long the reply is.
+    cfg = load_config("configs/test.yaml", [f"models.cache_dir={models_config.cache_dir}", "llm.max_tokens=4",
+                                            "server.transports=[native,realtime]"])
     async with running_server(cfg) as running:
         yield running
 
