@@ -48,10 +48,11 @@ _WORD = re.compile(r"\S+")
 # Kana and CJK ideographs: scripts written without spaces between words (Korean has them).
 _UNSPACED_CHAR = re.compile("[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
 # Their full-width marks, optionally closed by a quote or bracket: a cut needs no space.
-_FULLWIDTH_CUT = re.compile("([。！？，、；：][」』”’）]*)\\s*")
 _FULLWIDTH_SENTENCE_END = "。！？"
-_FULLWIDTH_MARK = re.compile("[。！？，、；：」』”’）]")
 _FULLWIDTH_CLAUSE_MARKS = "，、；："
+_FULLWIDTH_CLOSERS = "」』”’）"
+_FULLWIDTH_CUT = re.compile(f"([{_FULLWIDTH_SENTENCE_END}{_FULLWIDTH_CLAUSE_MARKS}][{_FULLWIDTH_CLOSERS}]*)\\s*")
+_FULLWIDTH_MARK = re.compile(f"[{_FULLWIDTH_SENTENCE_END}{_FULLWIDTH_CLAUSE_MARKS}{_FULLWIDTH_CLOSERS}]")
 # A run of text this long with no whitespace or mark is cut anyway (no word is as long).
 _MAX_RUN_CHARS = 40
 _LONG_RUN = re.compile(f"\\S{{{_MAX_RUN_CHARS}}}")
