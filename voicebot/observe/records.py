@@ -15,7 +15,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from voicebot.session import events as ev
-from voicebot.session.observer import TurnStages
+from voicebot.session.observer import AudioTap, TurnStages
 
 RECORD_VERSION = 1
 
@@ -73,8 +73,12 @@ class CallRecorder:
         self._counts = {"replies": 0, "barge_ins": 0, "tool_calls": 0, "errors": 0}
         self._tokens = {"prompt": 0, "cached": 0, "output": 0}
         self._v2v: list[float] = []
+        self.audio: dict[str, Any] | None = None  # the call's WAV, when its audio is recorded
 
     # ------------------------------------------------------------- the seam
+    def audio_tap(self) -> AudioTap | None:
+        return None
+
     def started(self, call_id: str, transport: str, now: float) -> None:
         self.call_id, self.transport = call_id, transport
         self._mono0, self._wall0 = now, time.time()
@@ -124,6 +128,10 @@ class CallRecorder:
         self._ended = (reason, now)
 
     # --------------------------------------------------------------- record
+    @property
+    def started_at(self) -> str:
+        return _iso(self._wall0)
+
     def document(self) -> dict[str, Any]:
         """The call's record (once the call ended; a call still open reads as ending now)."""
         reason, end = self._ended or ("open", self._mono0 + (time.time() - self._wall0))
@@ -132,7 +140,7 @@ class CallRecorder:
             "version": RECORD_VERSION,
             "call_id": self.call_id,
             "protocol": self.transport,
-            "started_at": _iso(self._wall0),
+            "started_at": self.started_at,
             "ended_at": _iso(self._wall0 + (end - self._mono0)),
             "duration_s": round(end - self._mono0, 3),
             "end_reason": reason,
@@ -140,6 +148,7 @@ class CallRecorder:
             "turns": [self._turn_json(t) for t in self._turns],
             "turns_left_out": self._turns_left_out,
             "errors": self._errors,
+            "audio": self.audio,
             "summary": {
                 "turns": len(self._turns) + self._turns_left_out,
                 **self._counts,

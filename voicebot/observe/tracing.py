@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from voicebot.errors import ConfigError
 from voicebot.observe.records import hung_up_by
 from voicebot.session import events as ev
-from voicebot.session.observer import TurnStages
+from voicebot.session.observer import AudioTap, TurnStages
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
@@ -133,6 +133,9 @@ class CallTracer:
 
     def _wall(self, now: float) -> int:
         return _ns(self._wall0 + (now - self._mono0))
+
+    def audio_tap(self) -> AudioTap | None:
+        return None
 
     def started(self, call_id: str, transport: str, now: float) -> None:
         self._mono0, self._wall0 = now, time.time()
