@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 import numpy as np
@@ -212,6 +213,9 @@ class CallAudio:
 
     def started(self, call_id: str, transport: str, now: float) -> None:
         self._timeline = StereoTimeline(now, max_s=self._max_s)
+
+    def details(self, fields: Mapping[str, str]) -> None:
+        pass
 
     def event(self, event: ev.SessionEvent, now: float) -> None:
         if self._timeline is None or not isinstance(event, ev.ResponseDone):

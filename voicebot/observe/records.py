@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -32,7 +33,8 @@ CALLER_REASONS = frozenset({
 })
 
 _MAX_ERRORS = 100  # errors kept in one record (the first ones)
-_MAX_REPLIES_PER_TURN = 32  # tool rounds and client-created replies under one turn
+_MAX_REPLIES_PER_TURN = 32
+_MAX_DETAILS = 16  # what a transport tells of a call: a few ids and numbers  # tool rounds and client-created replies under one turn
 
 
 def hung_up_by(reason: str) -> str:
@@ -73,6 +75,7 @@ class CallRecorder:
         self._counts = {"replies": 0, "barge_ins": 0, "tool_calls": 0, "errors": 0}
         self._tokens = {"prompt": 0, "cached": 0, "output": 0}
         self._v2v: list[float] = []
+        self._details: dict[str, str] = {}
         self.audio: dict[str, Any] | None = None  # the call's WAV, when its audio is recorded
 
     # ------------------------------------------------------------- the seam
@@ -82,6 +85,10 @@ class CallRecorder:
     def started(self, call_id: str, transport: str, now: float) -> None:
         self.call_id, self.transport = call_id, transport
         self._mono0, self._wall0 = now, time.time()
+
+    def details(self, fields: Mapping[str, str]) -> None:
+        for key, value in list(fields.items())[:_MAX_DETAILS]:
+            self._details[key[:64]] = self._cut(value)
 
     def event(self, event: ev.SessionEvent, now: float) -> None:
         match event:
@@ -140,6 +147,7 @@ class CallRecorder:
             "version": RECORD_VERSION,
             "call_id": self.call_id,
             "protocol": self.transport,
+            "details": self._details,
             "started_at": self.started_at,
             "ended_at": _iso(self._wall0 + (end - self._mono0)),
             "duration_s": round(end - self._mono0, 3),

@@ -73,6 +73,9 @@ class CallTelemetry:
             except Exception:
                 log.exception("call audio of %s not recorded; the call goes on", call_id)
 
+    def details(self, fields: Mapping[str, str]) -> None:
+        self._each("details", fields)
+
     def event(self, event: SessionEvent, now: float) -> None:
         self._each("event", event, now)
 

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _ON = ("otlp", "console")
+PERSONAL_DETAILS = frozenset({"from", "to"})  # a call's details that say who called whom
 
 
 def _flag(environ: Mapping[str, str], name: str) -> str:
@@ -143,6 +144,13 @@ class CallTracer:
             "call", start_time=self._wall(now),
             attributes={"voicebot.call_id": call_id, "voicebot.protocol": transport},
         )
+
+    def details(self, fields: Mapping[str, str]) -> None:
+        """The carrier's ids as attributes of the call span; phone numbers only with
+        include_text (they say who called)."""
+        if self._call is not None:
+            self._call.set_attributes({f"voicebot.{k}": v for k, v in fields.items()
+                                       if self._text or k not in PERSONAL_DETAILS})
 
     def event(self, event: ev.SessionEvent, now: float) -> None:
         match event:

@@ -14,6 +14,7 @@ is per audio frame, and nothing at all for every other call.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -71,6 +72,11 @@ class CallObserver(Protocol):
 
     def started(self, call_id: str, transport: str, now: float) -> None: ...
 
+    def details(self, fields: Mapping[str, str]) -> None:
+        """What the transport knows of the call beside its id: for a phone call, the
+        carrier, its call and stream ids, the caller's and the called number."""
+        ...
+
     def event(self, event: SessionEvent, now: float) -> None:
         """An event the call told its client (never a reply's audio frame)."""
         ...
@@ -87,6 +93,9 @@ class NoObserver:
         return None
 
     def started(self, call_id: str, transport: str, now: float) -> None:
+        pass
+
+    def details(self, fields: Mapping[str, str]) -> None:
         pass
 
     def event(self, event: SessionEvent, now: float) -> None:

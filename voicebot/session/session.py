@@ -327,6 +327,11 @@ class Session:
         if text and self.metrics:
             self.metrics.turns.inc()
 
+    def describe(self, **fields: str) -> None:
+        """What the transport knows of the call (the carrier's ids, the numbers), for
+        its record and trace; empty values are left out."""
+        self.observer.details({k: v for k, v in fields.items() if v})
+
     # ----------------------------------------------------------------- commands
     def commit_input(self) -> str:
         """Client-side turn end (turn detection off): transcribe what was sent.
