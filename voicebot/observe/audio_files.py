@@ -21,11 +21,12 @@ import os
 import queue
 import struct
 import threading
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
+
+from voicebot.observe.rotation import Rotation
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +92,7 @@ class AudioFiles:
         self._lock = threading.Lock()
         self._next_key = 0
         self._files: dict[int, _File] = {}  # the thread's own
-        self._closed_files: deque[tuple[Path, int]] | None = None  # on disk, oldest first
-        self._bytes = 0
+        self._rotation: Rotation | None = None  # closed files on disk, from the first open
         self._failing = False
         self._thread = threading.Thread(target=self._run, name="voicebot-call-audio", daemon=True)
         self._thread.start()
@@ -145,9 +145,10 @@ class AudioFiles:
     def _open(self, path: Path) -> _File:
         file = _File(path)
         try:
-            if self._closed_files is None:
+            if self._rotation is None:
                 self.directory.mkdir(parents=True, exist_ok=True)
-                self._closed_files = self._scan()
+                self._rotation = Rotation(self.directory, "*.wav", max_files=self._max_files,
+                                          max_bytes=self._max_bytes)
             file.handle = open(path, "wb")  # noqa: SIM115 (open for the whole call)
             file.handle.write(wav_header(self._rate, self._channels, 0))
         except OSError as exc:
@@ -181,10 +182,8 @@ class AudioFiles:
             log.info("call audio is written to %s again", self.directory)
             self._failing = False
         self._outcome("dropped" if file.dropped else "written")
-        if self._closed_files is not None:
-            self._closed_files.append((file.path, _HEADER + file.size))
-            self._bytes += _HEADER + file.size
-            self._rotate()
+        if self._rotation is not None:
+            self._rotation.add(file.path, _HEADER + file.size)
 
     def _failed(self, file: _File, exc: OSError) -> None:
         file.failed = True
@@ -196,21 +195,3 @@ class AudioFiles:
             log.warning("call audio cannot be written to %s (%s); counting failures until it can",
                         self.directory, exc)
             self._failing = True
-
-    def _scan(self) -> deque[tuple[Path, int]]:
-        """The WAVs already there (a restart goes on rotating them), oldest first."""
-        found = []
-        for p in self.directory.glob("*.wav"):
-            with contextlib.suppress(OSError):
-                found.append((p, p.stat().st_size))
-        found.sort()
-        self._bytes = sum(size for _, size in found)
-        return deque(found)
-
-    def _rotate(self) -> None:
-        assert self._closed_files is not None
-        while self._closed_files and (len(self._closed_files) > self._max_files or self._bytes > self._max_bytes):
-            path, size = self._closed_files.popleft()
-            self._bytes -= size
-            with contextlib.suppress(OSError):
-                path.unlink(missing_ok=True)

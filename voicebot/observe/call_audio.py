@@ -185,8 +185,8 @@ class CallAudio:
     # ------------------------------------------------------------ the taps
     def caller(self, audio: np.ndarray, now: float) -> None:
         if self._timeline is not None and not self.closed:
-            try:
-                self._timeline.caller(audio, now)
+            try:  # a copy: an in-process client may reuse its buffer
+                self._timeline.caller(np.array(audio, dtype=np.float32), now)
                 self._flush(now)
             except Exception:
                 self._broken()
