@@ -81,6 +81,7 @@ class Metrics:
         # What calls leave behind (voicebot/observe): a record or webhook that fails never
         # disturbs a call, so these are where an operator sees it.
         self.records = Counter("voicebot_call_records", "Call records by outcome: written, failed (unwritable directory, full disk), dropped (the writer was behind).", ["outcome"], registry=r)
+        self.call_audio = Counter("voicebot_call_audio", "Calls' WAVs (telemetry.record_audio) by outcome: written, failed (unwritable directory, full disk), dropped (the writer was behind: the WAV stops early).", ["outcome"], registry=r)
         self.webhooks = Counter("voicebot_call_webhooks", "End-of-call webhooks by outcome: delivered, failed (after its attempts), dropped (queue full, or given up at shutdown).", ["outcome"], registry=r)
         ProcessCollector(registry=r)
 

@@ -1,7 +1,9 @@
-"""What a real call leaves behind, on one real server (real engines, real sockets):
-its trace reaches an OTLP/HTTP receiver (in-process, decoding the protobuf with
-opentelemetry-proto's classes) with the expected names and parents; its record is
-written; its webhook reaches a real HTTP server that verifies the signature. A dead
+"""What a real call leaves behind, on one real server (real engines, real sockets), over
+each of the four protocols (native, Realtime, Twilio Media Streams, WebRTC, each driven
+by its probe client): its trace reaches an OTLP/HTTP receiver (in-process, decoding the
+protobuf with opentelemetry-proto's classes) with the expected names and parents; its
+record is written, with the call's audio beside it; its webhook reaches a real HTTP
+server that verifies the signature. A dead
 receiver (nothing listens), a slow one and an unwritable record directory leave the
 call and the server unharmed.
 
@@ -21,7 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+import soundfile as sf
 from aiohttp import web
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
@@ -38,11 +42,11 @@ from servers import (
 )
 from speech import Clip
 
+from voicebot.audio import dbfs
 from voicebot.config import ModelsConfig, TelemetryConfig, load_config
 from voicebot.observe import webhook as wh
 from voicebot.observe.telemetry import Telemetry
-from voicebot.probe.base import ConnectOptions
-from voicebot.probe.realtime import RealtimeClient
+from voicebot.probe.base import ConnectOptions, make_client
 
 pytestmark = pytest.mark.engines  # a real server
 
@@ -55,7 +59,7 @@ async def server(models_config: ModelsConfig) -> AsyncIterator[RunningServer]:
     # A few tokens a reply: the random test model's words are seconds of espeak each, and
     # what is checked is that every stage shows, not how long the reply is.
     cfg = load_config("configs/test.yaml", [f"models.cache_dir={models_config.cache_dir}", "llm.max_tokens=4",
-                                            "server.transports=[native,realtime]"])
+                                            "server.transports=[native,realtime,twilio,webrtc]"])
     async with running_server(cfg) as running:
         yield running
 
@@ -112,20 +116,34 @@ def use(server: RunningServer, made: list[Telemetry], cfg: TelemetryConfig, envi
     return t
 
 
+URLS = {"realtime": "/v1/realtime", "twilio": "/twilio"}
+# Twilio's numbers reach the stream as the TwiML's parameters (/twilio/voice puts them there).
+NUMBERS = {"From": "+15550100001", "To": "+15550100002"}
+
+
 async def open_call(server: RunningServer, protocol: str) -> NativeCall:
     if protocol == "native":
         return await NativeCall.open(server)
-    # The probe's Realtime client speaks /v1/realtime and reads back the same event names.
-    client = RealtimeClient(ConnectOptions(server.ws("/v1/realtime"), MIC_RATE, OUT_RATE))
+    # The probe's clients speak each wire and read back the native event names.
+    url = server.http if protocol == "webrtc" else server.ws(URLS[protocol])
+    before = set(server.state.sessions)
+    client = make_client(protocol, ConnectOptions(url, MIC_RATE, OUT_RATE,
+                                                  start_fields=NUMBERS if protocol == "twilio" else {}))
     await client.connect()
     call = NativeCall(client)  # type: ignore[arg-type]
     call._tasks = [asyncio.create_task(call._read()), asyncio.create_task(call._silence())]
+    if protocol == "twilio":  # the wire names no session: the one this call opened
+        async with asyncio.timeout(10):
+            while not set(server.state.sessions) - before:
+                await asyncio.sleep(0.02)
+        (client.session_id,) = set(server.state.sessions) - before  # type: ignore[attr-defined]
     return call
 
 
-async def one_turn_call(server: RunningServer, clip: Clip, protocol: str = "native") -> tuple[str, dict[str, Any]]:
-    """A caller says ``clip``, hears the reply and hangs up; the call's id and its
-    response.done. Nothing the telemetry does may show in the call."""
+async def one_turn_call(server: RunningServer, clip: Clip, protocol: str = "native") -> tuple[str, dict[str, Any], str]:
+    """A caller says ``clip``, hears the reply and hangs up; the call's id, its
+    response.done and its carrier's call id (Twilio; else ""). Nothing the telemetry
+    does may show in the call."""
     with server_errors() as errors:
         call = await open_call(server, protocol)
         try:
@@ -137,7 +155,7 @@ async def one_turn_call(server: RunningServer, clip: Clip, protocol: str = "nati
             while call.session_id in server.state.sessions:
                 await asyncio.sleep(0.02)
     assert not errors, [e.getMessage() for e in errors]
-    return call.session_id, done
+    return call.session_id, done, getattr(call.client, "call_sid", "")
 
 
 def counter(server: RunningServer, name: str, outcome: str) -> float:
@@ -145,14 +163,15 @@ def counter(server: RunningServer, name: str, outcome: str) -> float:
     return float(m.group(1)) if m else 0.0
 
 
-@pytest.mark.parametrize("protocol", ["native", "realtime"])
+@pytest.mark.parametrize("protocol", ["native", "realtime", "twilio", "webrtc"])
 async def test_a_call_leaves_its_trace_record_and_signed_webhook(
     server: RunningServer, receivers: Receivers, telemetry: list[Telemetry], speech_clips: list[Clip], tmp_path: Path,
     protocol: str,
 ) -> None:
-    t = use(server, telemetry, TelemetryConfig(record_dir=str(tmp_path), webhook_url=f"{receivers.base}/hook"),
+    t = use(server, telemetry, TelemetryConfig(record_dir=str(tmp_path), record_audio=True,
+                                              webhook_url=f"{receivers.base}/hook"),
             {"OTEL_EXPORTER_OTLP_ENDPOINT": receivers.base, "OTEL_SERVICE_NAME": "voicebot-e2e"})
-    call_id, done = await one_turn_call(server, speech_clips[0], protocol)
+    call_id, done, call_sid = await one_turn_call(server, speech_clips[0], protocol)
     await t.aclose()  # flushes the spans, writes the record, sends the webhook
 
     # The trace: call > turn > the stages, over OTLP/HTTP protobuf.
@@ -178,7 +197,7 @@ async def test_a_call_leaves_its_trace_record_and_signed_webhook(
     assert not text_keys, "no caller text in spans unless telemetry.include_text"
 
     # The record, on disk.
-    (name,) = os.listdir(tmp_path)
+    (name,) = [n for n in os.listdir(tmp_path) if n.endswith(".json")]
     assert call_id in name
     with open(tmp_path / name, encoding="utf-8") as f:  # noqa: ASYNC230 (a test's small file)
         record = json.load(f)
@@ -190,6 +209,23 @@ async def test_a_call_leaves_its_trace_record_and_signed_webhook(
     assert reply["text"].strip() and reply["heard"] == reply["text"]
     assert reply["timings"]["voice_to_voice_ms"] > 0
     assert reply["tokens"]["output"] == llm_attrs["gen_ai.usage.output_tokens"].int_value
+    if protocol == "twilio":  # the carrier's ids and the numbers, from the stream's start
+        assert record["details"]["carrier"] == "twilio" and record["details"]["stream_id"].startswith("MZ")
+        assert record["details"]["carrier_call_id"] == call_sid
+        assert record["details"]["from"] == NUMBERS["From"] and record["details"]["to"] == NUMBERS["To"]
+        assert attrs["voicebot.carrier_call_id"].string_value == call_sid
+        assert "voicebot.from" not in attrs, "no phone number in spans unless telemetry.include_text"
+
+    # The call's audio, beside its record: as long as the call, the caller's speech on
+    # the left and the reply on the right.
+    assert record["audio"]["file"] == name.replace(".json", ".wav") and record["audio"]["complete"]
+    audio, rate = sf.read(tmp_path / record["audio"]["file"], dtype="float32")
+    assert rate == 16000 and audio.shape[1] == 2
+    assert abs(audio.shape[0] / rate - record["duration_s"]) < 0.25, (audio.shape[0] / rate, record["duration_s"])
+    for side in (0, 1):
+        loudest = max(dbfs(audio[i : i + rate // 2, side]) for i in range(0, audio.shape[0], rate // 4))
+        assert loudest > -35, f"channel {side} is silent ({loudest:.1f} dBFS)"
+    assert np.abs(audio[:, 1]).max() > 0
 
     # The webhook: the same record, signed.
     (headers, body) = receivers.hooks[0]

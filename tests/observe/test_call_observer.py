@@ -136,3 +136,17 @@ async def test_a_failing_observer_never_reaches_the_call(tokenizer, caplog) -> N
     assert session.closed_reason == "closed"
     failures = [r for r in caplog.records if "call telemetry failed" in r.getMessage()]
     assert len(failures) == 1, "logged once per call"
+
+
+def test_a_calls_details_are_on_its_span_and_numbers_only_with_include_text() -> None:
+    for include_text in (False, True):
+        exporter = InMemorySpanExporter()
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        tracer = CallTracer(provider.get_tracer("t"), include_text=include_text)
+        tracer.started("sess_1", "twilio", 10.0)
+        tracer.details({"carrier": "twilio", "carrier_call_id": "CA1", "from": "+15550100001", "to": "+15550100002"})
+        tracer.ended("call ended", 12.0)
+        (call,) = exporter.get_finished_spans()
+        assert call.attributes["voicebot.carrier_call_id"] == "CA1" and call.attributes["voicebot.carrier"] == "twilio"
+        assert ("voicebot.from" in call.attributes) is include_text and ("voicebot.to" in call.attributes) is include_text

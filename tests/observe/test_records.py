@@ -40,6 +40,17 @@ def test_a_long_call_keeps_its_first_turns_and_cuts_long_texts() -> None:
     assert len(json.dumps(doc)) < 3000
 
 
+def test_a_transports_details_are_kept_bounded() -> None:
+    rec = CallRecorder(max_turns=3, max_text_chars=20)
+    rec.started("sess_3", "twilio", 0.0)
+    assert rec.document()["details"] == {}
+    rec.details({"carrier": "twilio", "carrier_call_id": "CA1", "from": "+15550100001"})
+    rec.details({f"k{i}": "v" * 100 for i in range(100)})  # a transport gone wrong
+    doc = rec.document()
+    assert doc["details"]["carrier_call_id"] == "CA1" and doc["details"]["from"] == "+15550100001"
+    assert len(doc["details"]) <= 3 + 16 and len(json.dumps(doc["details"])) < 2000
+
+
 def test_tool_calls_meet_their_results_and_client_replies_get_a_turn() -> None:
     rec = CallRecorder(max_turns=10, max_text_chars=1000)
     rec.started("sess_2", "realtime", 0.0)

@@ -1,9 +1,10 @@
 """Shared memory a killed child leaves behind is released (voicebot/engines/shm.py).
 
-A child process (spawned, as vLLM's engine core is) makes a shared-memory ring and is
-killed before it can unlink it. Left alone, the ring stays until the parent exits and
-multiprocessing's resource tracker, shared with the child, warns of it on stderr; with
-``shm.release_after`` it is gone and nothing is said. In a subprocess: the tracker
+A child process (spawned, as vLLM's engine core is) makes a shared-memory ring and a
+lock (a named semaphore, as vLLM's executor does) and is killed before it can unlink
+them. Left alone, they stay until the parent exits and multiprocessing's resource
+tracker, shared with the child, warns of each kind on stderr; with
+``shm.release_after`` they are gone and nothing is said. In a subprocess: the tracker
 speaks as that process ends. No engine: the mechanism vLLM's processes go through.
 """
 
@@ -26,6 +27,7 @@ from voicebot.engines import shm
 
 def hold(ready):
     ring = shared_memory.SharedMemory(create=True, size=1 << 16)
+    lock = mp.get_context("spawn").Lock()  # mapped by its creator under a temporary name
     ready.set()
     time.sleep(60)
 
@@ -36,13 +38,14 @@ if __name__ == "__main__":
     child.start()
     assert ready.wait(60), "the child made no ring"
     proc = psutil.Process(child.pid)
-    rings = shm.mapped([proc])
-    assert len(rings) == 1, rings
+    # Its own ring and lock, beside the semaphores of ``ready`` that it opened by name.
+    held = shm.held([proc]) - shm.held([psutil.Process()])
+    assert len(held) == 2 and {n[:4] for n in held} == {"psm_", "sem."}, held
     proc.kill()
     child.join()
     if sys.argv[1] == "release":
-        assert shm.release_after([proc], rings, 5.0) == sorted(rings)
-        assert not os.path.exists("/dev/shm/" + rings.pop())
+        assert shm.release_after([proc], held, 5.0) == sorted(held)
+        assert not any(os.path.exists("/dev/shm/" + name) for name in held)
     print("done", flush=True)
 """
 
@@ -56,9 +59,9 @@ def run(tmp_path: Path, mode: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.parametrize("mode", ["keep", "release"])
-def test_a_killed_childs_ring_is_released(tmp_path: Path, mode: str) -> None:
+def test_a_killed_childs_ring_and_lock_are_released(tmp_path: Path, mode: str) -> None:
     done = run(tmp_path, mode)
     assert done.returncode == 0 and "done" in done.stdout, done.stdout + done.stderr
-    warned = "leaked shared_memory" in done.stderr
-    # "keep": what the tracker says of a ring left behind (the check below can fail).
-    assert warned == (mode == "keep"), done.stderr
+    # "keep": what the tracker says of a ring and a lock left behind (the check can fail).
+    for kind in ("shared_memory", "semaphore"):
+        assert (f"leaked {kind}" in done.stderr) == (mode == "keep"), done.stderr

@@ -56,6 +56,10 @@ def test_parse_twilio_messages() -> None:
                   "customParameters": {"voice": "en-us"}},
     }))
     assert start == tp.Start("MZ1", "CA1", "audio/pcmu", {"voice": "en-us"}, "twilio")
+    assert tp.call_details(start) == {"carrier": "twilio", "carrier_call_id": "CA1", "stream_id": "MZ1",
+                                      "from": "", "to": ""}
+    with_numbers = tp.Start("MZ1", "CA1", "audio/pcmu", {"From": "+15550100001", "To": "+15550100002"}, "twilio")
+    assert tp.call_details(with_numbers)["from"] == "+15550100001" and tp.call_details(with_numbers)["to"] == "+15550100002"
     payload = bytes(range(160))
     media = tp.parse_message(json.dumps({"event": "media", "media": {
         "track": "inbound", "chunk": "1", "timestamp": "0", "payload": base64.b64encode(payload).decode()}}))
@@ -514,6 +518,11 @@ async def test_voice_webhook_and_auth(server: RunningServer) -> None:
         r = await http.post("/twilio/voice?voice=en-us&junk=1", headers={"X-Forwarded-Proto": "https", "X-Forwarded-Host": "bot.example.com"})
         assert r.status_code == 200 and r.headers["content-type"].startswith("application/xml")
         assert '<Stream url="wss://bot.example.com/twilio"><Parameter name="voice" value="en-us"/></Stream>' in r.text
+        # Twilio's call fields: the numbers go on to the stream (for the call's record).
+        r = await http.post("/twilio/voice", data={"CallSid": "CA1", "From": "+15550100001", "To": "+15550100002"})
+        assert '<Parameter name="From" value="+15550100001"/><Parameter name="To" value="+15550100002"/>' in r.text
+        r = await http.get("/twilio/voice", params={"From": "+15550100003"})
+        assert '<Parameter name="From" value="+15550100003"/>' in r.text and "CallSid" not in r.text
         server_cfg.api_key = "sekrit"
         try:
             assert (await http.post("/twilio/voice")).status_code == 401

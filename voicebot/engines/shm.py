@@ -10,18 +10,25 @@ when multiprocessing's resource tracker (which the children share) unlinks it an
 "There appear to be N leaked shared_memory objects to clean up at shutdown"; a server
 whose engine restarts keeps each restart's rings until then.
 
-So the segments an engine's processes map are listed while they run (:func:`mapped`),
-and released once they are gone (:func:`release_after`), except those this process maps
-itself. (Their locks' named semaphores, ``/dev/shm/sem.mp-*``, cannot be told apart so:
-a process maps the ones it opened by name, i.e. another process's, not its own.)
+The same goes for the named semaphores of their locks (``/dev/shm/sem.mp-*``: vLLM's
+executor makes a ``multiprocessing.Lock`` in the engine core), which the tracker then
+reports as "N leaked semaphore objects". A process maps a semaphore it created under
+glibc's temporary name (``sem.XXXXXX``, linked to its real name and unlinked), so they
+are found by inode: the ``sem.mp-*`` file with the inode of a ``sem.*`` mapping.
+
+So what an engine's processes hold is listed while they run (:func:`held`: segments and
+semaphores), and released once they are gone (:func:`release_after`), except what this
+process maps itself.
 """
 
 from __future__ import annotations
 
+import _multiprocessing
 import contextlib
 import logging
+import os
 from collections.abc import Iterable
-from multiprocessing import shared_memory
+from multiprocessing import resource_tracker, shared_memory
 
 import psutil
 
@@ -29,6 +36,7 @@ log = logging.getLogger(__name__)
 
 _SHM_DIR = "/dev/shm/"
 _SEGMENT = "psm_"  # multiprocessing.shared_memory's names
+_SEMAPHORE = "sem.mp-"  # multiprocessing's named semaphores (locks), as files in /dev/shm
 
 
 def tree(pids: Iterable[int]) -> list[psutil.Process]:
@@ -57,6 +65,39 @@ def mapped(procs: Iterable[psutil.Process]) -> set[str]:
     return names
 
 
+def semaphores(procs: Iterable[psutil.Process]) -> set[str]:
+    """The named semaphores these processes map that nobody has unlinked yet, as their
+    file names (``sem.mp-*``), however each process opened them."""
+    inodes: set[int] = set()
+    for p in procs:
+        try:
+            with open(f"/proc/{p.pid}/maps", encoding="utf-8", errors="replace") as f:
+                lines = f.read().splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            # address perms offset device inode path
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith(_SHM_DIR + "sem.") and fields[4].isdigit():
+                inodes.add(int(fields[4]))
+    if not inodes:
+        return set()
+    names: set[str] = set()
+    with contextlib.suppress(OSError), os.scandir(_SHM_DIR) as entries:
+        for entry in entries:
+            with contextlib.suppress(OSError):
+                if entry.name.startswith(_SEMAPHORE) and entry.inode() in inodes:
+                    names.add(entry.name)
+    return names
+
+
+def held(procs: Iterable[psutil.Process]) -> set[str]:
+    """What these processes hold in /dev/shm: segments (``psm_*``) and semaphores
+    (``sem.mp-*``)."""
+    procs = list(procs)
+    return mapped(procs) | semaphores(procs)
+
+
 def release_after(procs: list[psutil.Process], names: set[str], timeout_s: float) -> list[str]:
     """Once ``procs`` have exited (at most ``timeout_s``), release what they left of
     ``names``. If one still runs, nothing: a live process unlinks its own at its exit
@@ -68,21 +109,27 @@ def release_after(procs: list[psutil.Process], names: set[str], timeout_s: float
         log.debug("engine processes %s still running: their shared memory is left to them",
                   [p.pid for p in alive])
         return []
-    return release(names - mapped([psutil.Process()]))
+    return release(names - held([psutil.Process()]))
 
 
 def release(names: Iterable[str]) -> list[str]:
-    """Unlink the segments of ``names`` that are still there, and tell the resource
-    tracker (which would otherwise warn of them at exit); returns those released."""
+    """Unlink the segments and semaphores of ``names`` that are still there, and tell
+    the resource tracker (which would otherwise warn of them at exit); returns those
+    released."""
     released = []
     for name in sorted(names):
         try:
-            segment = shared_memory.SharedMemory(name=name)
-            segment.close()
-            segment.unlink()  # and unregisters it
+            if name.startswith(_SEMAPHORE):
+                sem = "/" + name.removeprefix("sem.")  # the name it was made with
+                _multiprocessing.sem_unlink(sem)
+                resource_tracker.unregister(sem, "semaphore")
+            else:
+                segment = shared_memory.SharedMemory(name=name)
+                segment.close()
+                segment.unlink()  # and unregisters it
         except OSError:  # FileNotFoundError: its creator released it after all
             continue
         released.append(name)
     if released:
-        log.info("released %d shared-memory segment(s) of killed engine processes", len(released))
+        log.info("released %d shared-memory segment(s) and semaphore(s) of killed engine processes", len(released))
     return released

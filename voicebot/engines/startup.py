@@ -88,7 +88,7 @@ class EngineProcesses:
             with contextlib.suppress(psutil.Error):
                 victims.extend(p.children(recursive=True))
             victims.append(p)
-        rings = shm.mapped(victims)
+        rings = shm.held(victims)
         for p in victims:
             try:
                 p.kill()

@@ -44,9 +44,10 @@ async def _shut_down(engine: Any) -> None:
         handler.cancel()
         await asyncio.wait([handler], timeout=5.0)
     # vLLM force-kills an engine core that outlives its shutdown grace, before it can
-    # unlink its shared-memory rings (voicebot/engines/shm.py): listed now, released after.
+    # unlink its shared-memory rings and semaphores (voicebot/engines/shm.py): listed now,
+    # released after.
     procs = await asyncio.to_thread(shm.tree, _engine_pids(engine))
-    rings = await asyncio.to_thread(shm.mapped, procs)
+    rings = await asyncio.to_thread(shm.held, procs)
     await asyncio.to_thread(engine.shutdown)
     await asyncio.to_thread(shm.release_after, procs, rings, 5.0)
 

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
 from voicebot.session import events as ev
-from voicebot.session.observer import TurnStages
+from voicebot.session.observer import AudioTap, TurnStages
 
 RECORD_VERSION = 1
 
@@ -32,7 +33,8 @@ CALLER_REASONS = frozenset({
 })
 
 _MAX_ERRORS = 100  # errors kept in one record (the first ones)
-_MAX_REPLIES_PER_TURN = 32  # tool rounds and client-created replies under one turn
+_MAX_REPLIES_PER_TURN = 32
+_MAX_DETAILS = 16  # what a transport tells of a call: a few ids and numbers  # tool rounds and client-created replies under one turn
 
 
 def hung_up_by(reason: str) -> str:
@@ -73,11 +75,20 @@ class CallRecorder:
         self._counts = {"replies": 0, "barge_ins": 0, "tool_calls": 0, "errors": 0}
         self._tokens = {"prompt": 0, "cached": 0, "output": 0}
         self._v2v: list[float] = []
+        self._details: dict[str, str] = {}
+        self.audio: dict[str, Any] | None = None  # the call's WAV, when its audio is recorded
 
     # ------------------------------------------------------------- the seam
+    def audio_tap(self) -> AudioTap | None:
+        return None
+
     def started(self, call_id: str, transport: str, now: float) -> None:
         self.call_id, self.transport = call_id, transport
         self._mono0, self._wall0 = now, time.time()
+
+    def details(self, fields: Mapping[str, str]) -> None:
+        for key, value in list(fields.items())[:_MAX_DETAILS]:
+            self._details[key[:64]] = self._cut(value)
 
     def event(self, event: ev.SessionEvent, now: float) -> None:
         match event:
@@ -124,6 +135,10 @@ class CallRecorder:
         self._ended = (reason, now)
 
     # --------------------------------------------------------------- record
+    @property
+    def started_at(self) -> str:
+        return _iso(self._wall0)
+
     def document(self) -> dict[str, Any]:
         """The call's record (once the call ended; a call still open reads as ending now)."""
         reason, end = self._ended or ("open", self._mono0 + (time.time() - self._wall0))
@@ -132,7 +147,8 @@ class CallRecorder:
             "version": RECORD_VERSION,
             "call_id": self.call_id,
             "protocol": self.transport,
-            "started_at": _iso(self._wall0),
+            "details": self._details,
+            "started_at": self.started_at,
             "ended_at": _iso(self._wall0 + (end - self._mono0)),
             "duration_s": round(end - self._mono0, 3),
             "end_reason": reason,
@@ -140,6 +156,7 @@ class CallRecorder:
             "turns": [self._turn_json(t) for t in self._turns],
             "turns_left_out": self._turns_left_out,
             "errors": self._errors,
+            "audio": self.audio,
             "summary": {
                 "turns": len(self._turns) + self._turns_left_out,
                 **self._counts,

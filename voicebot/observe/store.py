@@ -17,10 +17,11 @@ import logging
 import os
 import queue
 import threading
-from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from voicebot.observe.rotation import Rotation
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +47,7 @@ class RecordStore:
         self._outcome = on_outcome
         self._then = then
         self._queue: queue.Queue[dict[str, Any] | None] = queue.Queue(_QUEUE)
-        self._files: deque[tuple[Path, int]] | None = None  # what is on disk, oldest first
-        self._bytes = 0
+        self._rotation: Rotation | None = None  # what is on disk, from the first write
         self._failing = False
         self._thread = threading.Thread(target=self._run, name="voicebot-records", daemon=True)
         self._thread.start()
@@ -88,9 +88,10 @@ class RecordStore:
         path = self.directory / name
         tmp = path.with_suffix(".tmp")
         try:
-            if self._files is None:
+            if self._rotation is None:
                 self.directory.mkdir(parents=True, exist_ok=True)
-                self._files = self._scan()
+                self._rotation = Rotation(self.directory, "*.json", max_files=self._max_files,
+                                          max_bytes=self._max_bytes)
             tmp.write_bytes(body)
             os.replace(tmp, path)
         except OSError as exc:
@@ -106,25 +107,5 @@ class RecordStore:
             log.info("call records are written to %s again", self.directory)
             self._failing = False
         self._outcome("written")
-        self._files.append((path, len(body)))
-        self._bytes += len(body)
-        self._rotate()
-
-    def _scan(self) -> deque[tuple[Path, int]]:
-        """The records already there (a restart goes on rotating them), oldest first."""
-        assert self.directory is not None
-        found = []
-        for p in self.directory.glob("*.json"):
-            with contextlib.suppress(OSError):
-                found.append((p, p.stat().st_size))
-        found.sort()
-        self._bytes = sum(size for _, size in found)
-        return deque(found)
-
-    def _rotate(self) -> None:
-        assert self._files is not None
-        while self._files and (len(self._files) > self._max_files or self._bytes > self._max_bytes):
-            path, size = self._files.popleft()
-            self._bytes -= size
-            with contextlib.suppress(OSError):
-                path.unlink(missing_ok=True)
+        assert self._rotation is not None  # made before the first write
+        self._rotation.add(path, len(body))

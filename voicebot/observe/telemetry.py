@@ -7,8 +7,10 @@ nothing is configured (the call pays one no-op method call per event), else a
 directory or a webhook) and its trace. When the call ends, its record goes to the
 writer thread (voicebot/observe/store.py), which serialises and writes it off the
 event loop, then hands the JSON back to the loop for the webhook
-(voicebot/observe/webhook.py). A failing consumer is logged once and never reaches
-the call.
+(voicebot/observe/webhook.py). With ``telemetry.record_audio`` the call's audio is
+streamed to a WAV beside its record (voicebot/observe/call_audio.py), by another
+writer thread (voicebot/observe/audio_files.py). A failing consumer is logged once
+and never reaches the call.
 """
 
 from __future__ import annotations
@@ -23,11 +25,13 @@ from voicebot.config import TelemetryConfig
 from voicebot.errors import ConfigError
 from voicebot.metrics import Metrics
 from voicebot.observe import tracing
+from voicebot.observe.audio_files import AudioFiles, WavStream
+from voicebot.observe.call_audio import CHANNELS, RATE, CallAudio
 from voicebot.observe.records import CallRecorder
-from voicebot.observe.store import RecordStore
+from voicebot.observe.store import RecordStore, record_name
 from voicebot.observe.webhook import WebhookSender
 from voicebot.session.events import SessionEvent
-from voicebot.session.observer import NO_OBSERVER, CallObserver, TurnStages
+from voicebot.session.observer import NO_OBSERVER, AudioTap, CallObserver, TurnStages
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
@@ -40,10 +44,11 @@ class CallTelemetry:
     per call) and the call goes on."""
 
     def __init__(self, telemetry: Telemetry, recorder: CallRecorder | None,
-                 tracer: tracing.CallTracer | None) -> None:
+                 tracer: tracing.CallTracer | None, audio: CallAudio | None = None) -> None:
         self._telemetry = telemetry
         self.recorder = recorder
-        self._observers: list[CallObserver] = [o for o in (recorder, tracer) if o is not None]
+        self.audio = audio
+        self._observers: list[CallObserver] = [o for o in (recorder, tracer, audio) if o is not None]
         self._failed = False
 
     def _each(self, method: str, *args: object) -> None:
@@ -55,8 +60,21 @@ class CallTelemetry:
                     self._failed = True
                     log.exception("call telemetry failed (%s); the call goes on", type(observer).__name__)
 
+    def audio_tap(self) -> AudioTap | None:
+        return self.audio
+
     def started(self, call_id: str, transport: str, now: float) -> None:
         self._each("started", call_id, transport, now)
+        if self.audio is not None and self.recorder is not None:
+            try:  # named after the record: <start>_<call id>.wav beside <start>_<call id>.json
+                stem = record_name({"started_at": self.recorder.started_at, "call_id": call_id})
+                name = stem[: -len(".json")] + ".wav"
+                self.audio.attach(name, self._telemetry.audio_file(name))
+            except Exception:
+                log.exception("call audio of %s not recorded; the call goes on", call_id)
+
+    def details(self, fields: Mapping[str, str]) -> None:
+        self._each("details", fields)
 
     def event(self, event: SessionEvent, now: float) -> None:
         self._each("event", event, now)
@@ -68,6 +86,8 @@ class CallTelemetry:
         self._each("ended", reason, now)
         if self.recorder is not None:
             try:
+                if self.audio is not None:
+                    self.recorder.audio = self.audio.reference()
                 self._telemetry.finished(self.recorder)
             except Exception:
                 log.exception("call record of %s not handed on; the call goes on", self.recorder.call_id)
@@ -94,7 +114,10 @@ class Telemetry:
                 backoff_s=cfg.webhook_backoff_s, queue_size=cfg.webhook_queue,
                 on_outcome=lambda outcome: metrics.webhooks.labels(outcome).inc(),
             )
+        if cfg.record_audio and not cfg.record_dir:
+            raise ConfigError("telemetry.record_audio needs telemetry.record_dir (the WAVs go beside the records)")
         self._store: RecordStore | None = None
+        self._audio_files: AudioFiles | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
@@ -110,7 +133,19 @@ class Telemetry:
             if self.records else None
         tracer = tracing.CallTracer(self._tracer, include_text=self.cfg.include_text) \
             if self._tracer is not None else None
-        return CallTelemetry(self, recorder, tracer)
+        audio = CallAudio(max_s=self.cfg.record_audio_max_s) if self.cfg.record_audio else None
+        return CallTelemetry(self, recorder, tracer, audio)
+
+    def audio_file(self, name: str) -> WavStream:
+        """A call's WAV, from the writer thread started by the first one."""
+        if self._audio_files is None:
+            assert self.cfg.record_dir is not None
+            self._audio_files = AudioFiles(
+                self.cfg.record_dir, rate=RATE, channels=len(CHANNELS), max_files=self.cfg.record_max_files,
+                max_bytes=int(self.cfg.record_audio_max_mb * (1 << 20)),
+                on_outcome=lambda outcome: self._metrics.call_audio.labels(outcome).inc(),
+            )
+        return self._audio_files.open(name)
 
     def finished(self, recorder: CallRecorder) -> None:
         """A call ended: its record to the writer thread (and from there to the webhook)."""
@@ -133,6 +168,8 @@ class Telemetry:
         """At shutdown, after the calls closed: records written and webhooks sent, each
         within ``telemetry.shutdown_wait_s``; spans flushed."""
         wait = self.cfg.shutdown_wait_s
+        if self._audio_files is not None:
+            await asyncio.to_thread(self._audio_files.close, wait)
         if self._store is not None:
             await asyncio.to_thread(self._store.close, wait)
             await asyncio.sleep(0)  # the records the writer handed on reach the webhook's queue

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from voicebot.errors import ConfigError
 from voicebot.observe.records import hung_up_by
 from voicebot.session import events as ev
-from voicebot.session.observer import TurnStages
+from voicebot.session.observer import AudioTap, TurnStages
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _ON = ("otlp", "console")
+PERSONAL_DETAILS = frozenset({"from", "to"})  # a call's details that say who called whom
 
 
 def _flag(environ: Mapping[str, str], name: str) -> str:
@@ -134,12 +135,22 @@ class CallTracer:
     def _wall(self, now: float) -> int:
         return _ns(self._wall0 + (now - self._mono0))
 
+    def audio_tap(self) -> AudioTap | None:
+        return None
+
     def started(self, call_id: str, transport: str, now: float) -> None:
         self._mono0, self._wall0 = now, time.time()
         self._call = self._tracer.start_span(
             "call", start_time=self._wall(now),
             attributes={"voicebot.call_id": call_id, "voicebot.protocol": transport},
         )
+
+    def details(self, fields: Mapping[str, str]) -> None:
+        """The carrier's ids as attributes of the call span; phone numbers only with
+        include_text (they say who called)."""
+        if self._call is not None:
+            self._call.set_attributes({f"voicebot.{k}": v for k, v in fields.items()
+                                       if self._text or k not in PERSONAL_DETAILS})
 
     def event(self, event: ev.SessionEvent, now: float) -> None:
         match event:

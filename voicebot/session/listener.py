@@ -193,6 +193,8 @@ class Listener:
         if audio.size == 0:
             return
         self.input_ms += 1000.0 * audio.size / ASR_RATE
+        if self.call.audio_tap is not None:
+            self.call.audio_tap.caller(audio, self._clock.monotonic())
         if not self.call.settings.turn_detection:
             self.asr.push(audio)  # the client decides when the turn ends
             return

@@ -3,14 +3,22 @@
 
 A call tells its observer four things, each on the call's clock (``now``, seconds):
 it started, every event it told its client (audio frames excepted: nothing here is
-per frame), the marks of a reply's stages when it ends, and why the call ended. The observer only records; it never decides anything about the call and
-must not raise (an observer that fails is the observer's problem, not the call's).
+per frame), the marks of a reply's stages when it ends, and why the call ended. The
+observer only records; it never decides anything about the call and must not raise
+(an observer that fails is the observer's problem, not the call's).
+
+Only a call whose audio is recorded (``telemetry.record_audio``) has an
+:class:`AudioTap`, which the observer hands out as the call is made: the one path that
+is per audio frame, and nothing at all for every other call.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
+
+import numpy as np
 
 from voicebot.session.events import SessionEvent
 
@@ -42,10 +50,32 @@ class TurnStages:
     speculative: bool = False
 
 
+class AudioTap(Protocol):
+    """A recorded call's audio, frame by frame, on the call's clock; returns at once
+    and never raises."""
+
+    def caller(self, audio: np.ndarray, now: float) -> None:
+        """The caller's audio at 16 kHz, as the call takes it in."""
+        ...
+
+    def reply(self, response_id: str, audio: np.ndarray, sample_rate: int, now: float) -> None:
+        """A frame of a reply's audio, as it goes to the client."""
+        ...
+
+
 class CallObserver(Protocol):
     """What a call reports; every method returns at once and never raises."""
 
+    def audio_tap(self) -> AudioTap | None:
+        """Where the call's audio goes, if it is recorded (asked once, as the call is made)."""
+        ...
+
     def started(self, call_id: str, transport: str, now: float) -> None: ...
+
+    def details(self, fields: Mapping[str, str]) -> None:
+        """What the transport knows of the call beside its id: for a phone call, the
+        carrier, its call and stream ids, the caller's and the called number."""
+        ...
 
     def event(self, event: SessionEvent, now: float) -> None:
         """An event the call told its client (never a reply's audio frame)."""
@@ -59,7 +89,13 @@ class CallObserver(Protocol):
 class NoObserver:
     """Nobody watches: the default, which costs a method call per event."""
 
+    def audio_tap(self) -> AudioTap | None:
+        return None
+
     def started(self, call_id: str, transport: str, now: float) -> None:
+        pass
+
+    def details(self, fields: Mapping[str, str]) -> None:
         pass
 
     def event(self, event: SessionEvent, now: float) -> None:

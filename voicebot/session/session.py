@@ -47,7 +47,7 @@ from voicebot.session.events import (
 )
 from voicebot.session.history import Conversation, Message
 from voicebot.session.listener import Listener
-from voicebot.session.observer import NO_OBSERVER, CallObserver
+from voicebot.session.observer import NO_OBSERVER, AudioTap, CallObserver
 from voicebot.session.outbox import Outbox
 from voicebot.session.response import ResponseOptions
 from voicebot.session.settings import SessionSettings
@@ -97,6 +97,8 @@ class Session:
         self.log = SessionLog(log, {"session": self.id})
         # Who watches the call (traces, its record, the webhook: voicebot/observe).
         self.observer: CallObserver = observer or NO_OBSERVER
+        # Where its audio goes, frame by frame, when the call is recorded (else None).
+        self.audio_tap: AudioTap | None = self.observer.audio_tap()
         # Control events are few; audio frames are paced at 50/s. A client that stops
         # reading for out_queue_frames events is dropped instead of growing memory.
         self.outbox: Outbox[SessionEvent] = Outbox(cfg.session.out_queue_frames)
@@ -324,6 +326,11 @@ class Session:
         self.emit(TranscriptFinal(item_id=item_id, text=text))
         if text and self.metrics:
             self.metrics.turns.inc()
+
+    def describe(self, **fields: str) -> None:
+        """What the transport knows of the call (the carrier's ids, the numbers), for
+        its record and trace; empty values are left out."""
+        self.observer.details({k: v for k, v in fields.items() if v})
 
     # ----------------------------------------------------------------- commands
     def commit_input(self) -> str:

@@ -312,6 +312,8 @@ class Speaker:
                 if chunk.size == 0:
                     break
                 self.call.outbox.put_nowait(ResponseAudio(resp.id, resp.item_id, chunk, rate))
+                if self.call.audio_tap is not None:
+                    self.call.audio_tap.reply(resp.id, chunk, rate, self._clock.monotonic())
                 resp.notify_drained()
                 if resp.generated and resp.playout.queued_samples == 0:
                     resp.drained.set()

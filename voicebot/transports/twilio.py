@@ -85,19 +85,19 @@ def _voice_webhook(state: ServerState):  # type: ignore[no-untyped-def]
         headers = {k.lower(): v for k, v in request.headers.items()}
         host = request.headers.get("host") or f"{request.url.hostname}:{request.url.port}"
         token = _auth_token(state)
+        form: list[tuple[str, str]] = []  # Twilio's call fields (POST; a GET has them in the query)
         try:
+            if token is None:
+                conn.authenticate(conn.query.get("token") or _basic_password(auth))
+            if request.method == "POST":
+                request = await edge.read_body(request, _MAX_WEBHOOK_BODY)
+                async with request.form(max_files=0, max_fields=200) as data:
+                    form = [(k, v) for k, v in data.multi_items() if isinstance(v, str)]
             if token is not None:
                 # Twilio signs the URL it called plus the POSTed form fields.
-                request = await edge.read_body(request, _MAX_WEBHOOK_BODY)
-                form: list[tuple[str, str]] = []
-                if request.method == "POST":
-                    async with request.form(max_files=0, max_fields=200) as data:
-                        form = [(k, v) for k, v in data.multi_items() if isinstance(v, str)]
                 url = _signed_url(state, request.url.scheme, headers, host, request.url.path, request.url.query)
                 if not tp.signature_valid(token, url, form, request.headers.get("x-twilio-signature")):
                     raise AuthError("missing or invalid X-Twilio-Signature")
-            else:
-                conn.authenticate(conn.query.get("token") or _basic_password(auth))
         except AuthError as exc:
             conn.refuse(exc)
             log.warning("twilio webhook refused: %s", exc)
@@ -113,6 +113,8 @@ def _voice_webhook(state: ServerState):  # type: ignore[no-untyped-def]
             log.warning("twilio call refused: %s: %s", exc.code, exc)
             return Response(tp.twiml_busy(state.cfg.telephony.busy_message), media_type="application/xml")
         params = {k: v for k, v in request.query_params.items() if k in tp.CALL_FIELDS}
+        # The numbers reach the stream only through the TwiML: its start message has none.
+        params.update(tp.number_params(form if request.method == "POST" else list(request.query_params.items())))
         if state.auth_required:
             # Twilio cannot send headers on the stream: a short-lived secret goes in the
             # TwiML instead of the long-lived key.
@@ -145,6 +147,7 @@ def _stream_endpoint(state: ServerState):  # type: ignore[no-untyped-def]
             settings.output_sample_rate = tm.RATE  # the call speaks at the wire's rate
             async with conn.session(settings) as session:
                 session.log.info("call %s stream %s (%s, %s)", start.call_id, start.stream_id, start.dialect, start.encoding)
+                session.describe(**tp.call_details(start))
                 await _Call(ws, conn, session, state, start).run()
         except WebSocketDisconnect:
             return  # the caller (or Twilio) hung up: nothing to close

@@ -275,6 +275,22 @@ class DtmfCollector:
 
 # ------------------------------------------------------------- per-call settings
 CALL_FIELDS = ("system_prompt", "voice", "speed", "language", "max_tokens")
+# Twilio's call webhook names the caller and the called number From and To; the TwiML
+# hands them to the stream as parameters of the same names, for the call's record.
+NUMBER_FIELDS = ("From", "To")
+
+
+def number_params(form: list[tuple[str, str]]) -> dict[str, str]:
+    """From and To of Twilio's call webhook, as the stream's parameters."""
+    return {k: v[:64] for k, v in form if k in NUMBER_FIELDS and v}
+
+
+def call_details(start: Start) -> dict[str, str]:
+    """What the call's record and trace say of a phone call: the carrier, its ids, and
+    the numbers when the TwiML passed them (Telnyx: its own parameters)."""
+    custom = {k.lower(): v for k, v in start.custom.items()}
+    return {"carrier": start.dialect, "carrier_call_id": start.call_id, "stream_id": start.stream_id,
+            "from": custom.get("from", "")[:64], "to": custom.get("to", "")[:64]}
 
 
 def call_settings(base: SessionSettings, custom: dict[str, str]) -> SessionSettings:
