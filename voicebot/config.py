@@ -127,6 +127,7 @@ class AsrConfig(_Section):
     partial_beam_size: int = Field(1, ge=1, le=10, description="Beam width for partial hypotheses.")
     agreement_n: int = Field(3, ge=2, le=5, description="Consecutive agreeing partials before a word is confirmed (LocalAgreement-n).")
     partial_interval_ms: int = Field(600, ge=100, le=10_000, description="New audio needed before another partial decode.")
+    partials: bool = Field(True, description="Decode partial transcripts while the caller speaks (every backend). False: finals only: no partial decode at all, each turn's audio is decoded once when its end is detected (at the pause that prepares the reply, again only if the caller goes on); turn-taking needs no transcript (VAD and Smart Turn hear audio), but clients get no transcript deltas and llm.warm_turn has no words to prefill.")
     max_utterance_s: float = Field(28.0, ge=2.0, le=30.0, description="Longest utterance buffered; Whisper's window is 30 s.")
     encoder_pad_s: float | None = Field(None, ge=0.0, le=30.0, description="Run the encoder on the utterance plus this many seconds of padding instead of Whisper's 30 s window (None: the full window): faster-whisper (voicebot/engines/asr/whisper_window.py) and Whisper on vLLM (voicebot/engines/asr/whisper_vllm_window.py, rounded up to asr.vllm.window_buckets_s).")
     encoder_min_s: float = Field(8.0, ge=0.0, le=30.0, description="With encoder_pad_s: the shortest encoder window, in seconds (tiny.en repeats short questions in a loop below ~5 s).")

@@ -85,6 +85,9 @@ class Utterance:
         self.language = language
         cfg = engine.cfg
         self._interval = int(cfg.partial_interval_ms * ASR_RATE / 1000)
+        # Finals only (asr.partials false): the stream never asks for a partial decode, so
+        # its audio is decoded once, by finalize(); no Partial is ever yielded.
+        self._partials_on = cfg.partials
         self._max_samples = int(cfg.max_utterance_s * ASR_RATE)
         self._chunks: deque[np.ndarray] = deque()
         self._samples = 0
@@ -146,8 +149,10 @@ class Utterance:
         that one, and another decode would run beside the reply's LLM prefill for nothing
         (a breath after a pause, or an interval partial that started at the last word).
         The partial asked for is decoded as the final would be (no forced prefix), so
-        that it can be the final.
+        that it can be the final. Finals only: nothing (the final decodes at the pause).
         """
+        if not self._partials_on:
+            return
         if covering_s is not None:
             if self._covers(covering_s):
                 return
@@ -296,7 +301,7 @@ class Utterance:
         return np.concatenate(self._chunks)
 
     def _maybe_schedule_partial(self) -> None:
-        if self._partial_job is not None or self._new_samples < self._interval or self._closed:
+        if not self._partials_on or self._partial_job is not None or self._new_samples < self._interval or self._closed:
             return
         job = DecodeJob(Priority.PARTIAL, self, language=self.language)
         if self.engine.offer_partial(job):

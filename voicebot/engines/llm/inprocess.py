@@ -48,14 +48,6 @@ def _no_del_after_shutdown(engine: AsyncLLM) -> None:
 _QUIET_CLASSES: dict[type, type] = {}
 
 
-def _tool_parser(name: str) -> None:
-    from voicebot.tools.parser import parser_class
-
-    try:
-        parser_class(name)
-    except KeyError as exc:
-        raise ModelError(f"llm.tool_parser: vLLM has no tool parser {name!r} ({exc})") from None
-
 class LlmEngine(LaneEngine):
     """One vLLM engine in this process, shared by every session."""
 
@@ -76,10 +68,8 @@ class LlmEngine(LaneEngine):
             raise
         self._engine = engine
         self._tokenizer = engine.get_tokenizer()
-        # vLLM's tool parser for the family (voicebot/tools/parser.py): imported now, so
-        # the first reply does not pay for it, and a wrong llm.tool_parser fails start-up.
         try:
-            await asyncio.to_thread(_tool_parser, self.cfg.tool_parser)
+            await self._preload_tools()
         except BaseException:
             await self.aclose()
             raise

@@ -28,7 +28,8 @@ from typing import Any
 
 from voicebot.config import LlmConfig
 from voicebot.engines.contracts import GenerationStats, Lane, TextDelta
-from voicebot.errors import EngineError
+from voicebot.errors import EngineError, ModelError
+from voicebot.tools.preload import preload_tools
 
 
 class BackgroundQueueFull(EngineError):
@@ -122,7 +123,18 @@ class LaneEngine(ABC):
 
     # ----------------------------------------------------------- the backend's part
     @abstractmethod
-    async def start(self) -> None: ...
+    async def start(self) -> None:
+        """Every backend's start also runs :meth:`_preload_tools`."""
+
+    async def _preload_tools(self) -> None:
+        """vLLM's tool parser for the family (``llm.tool_parser``) and the tool grammar's
+        modules, imported in a thread now (voicebot/tools/preload.py): a session's first
+        reply does not hold the event loop for the import, and a wrong parser name fails
+        start-up instead of every reply."""
+        try:
+            await asyncio.to_thread(preload_tools, self.cfg.tool_parser)
+        except KeyError as exc:
+            raise ModelError(f"llm.tool_parser: vLLM has no tool parser {self.cfg.tool_parser!r} ({exc})") from None
 
     @abstractmethod
     async def aclose(self) -> None: ...

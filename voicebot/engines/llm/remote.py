@@ -95,6 +95,7 @@ class RemoteLlmEngine(LaneEngine):
     # ----------------------------------------------------------------- lifecycle
     async def start(self) -> None:
         self._tokenizer = await asyncio.to_thread(load_tokenizer, self.tokenizer_path)
+        await self._preload_tools()
         r = self.remote
         headers = {}
         key = os.environ.get(r.api_key_env, "")  # read at start-up, never at import
