@@ -326,16 +326,10 @@ def load_tokenizer(path: str) -> Any:
     return AutoTokenizer.from_pretrained(path)
 
 
-def build_random_model(out: Path, *, tiny: bool, seed: int = 0) -> Path:
-    """A model directory with random weights: the real shape (Nemotron Speech Streaming EN
-    0.6B, 618 M parameters) or a tiny one (two layers, a 40-word vocabulary), and a word-level
-    tokenizer, published as ``out`` by rename (``out/random.json`` marks it complete)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import (
-        NemotronAsrStreamingConfig,
-        NemotronAsrStreamingForRNNT,
-        PreTrainedTokenizerFast,
-    )
+def random_model(*, tiny: bool, seed: int = 0) -> tuple[Any, list[str]]:
+    """A model with random weights -- the real shape (Nemotron Speech Streaming EN 0.6B, 618 M
+    parameters) or a tiny one (two layers, 64 wide) -- and its word-level vocabulary."""
+    from transformers import NemotronAsrStreamingConfig, NemotronAsrStreamingForRNNT
 
     words = [f"▁{w}" for w in _WORDS] + list("s.,?")
     if tiny:
@@ -349,12 +343,13 @@ def build_random_model(out: Path, *, tiny: bool, seed: int = 0) -> Path:
         cfg = NemotronAsrStreamingConfig(encoder_config={"num_mel_bins": 128})
     torch.manual_seed(seed)
     model = NemotronAsrStreamingForRNNT(cfg).eval()
+    model.config.encoder_config._attn_implementation = "sdpa"
     if tiny:
         # The checkpoint's init (std 0.02) makes every encoder frame alike and every frame
         # emit the same symbols: weights scaled to their fan-in, the encoder's side of the
         # joint louder than the prediction network's, make the output follow the audio; two
         # symbols a frame at most and a blank bias make it sparse, like speech.
-        model.config.max_symbols_per_step = 2
+        model.config.max_symbols_per_step = model.max_symbols_per_step = 2
         with torch.no_grad():
             for p in model.parameters():
                 if p.dim() >= 2:
@@ -364,6 +359,16 @@ def build_random_model(out: Path, *, tiny: bool, seed: int = 0) -> Path:
             for p in model.decoder.decoder_projector.parameters():
                 p.mul_(0.2)
             model.joint.head.bias[cfg.blank_token_id] += 1.0
+    return model.requires_grad_(False), vocab
+
+
+def build_random_model(out: Path, *, tiny: bool, seed: int = 0) -> Path:
+    """:func:`random_model` and a word-level tokenizer of its vocabulary, saved as a model
+    directory published as ``out`` by rename (``out/random.json`` marks it complete)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    model, vocab = random_model(tiny=tiny, seed=seed)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
         model.save_pretrained(tmp)
