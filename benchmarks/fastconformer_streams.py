@@ -22,13 +22,16 @@ Needs torch and transformers (with NemotronAsrStreamingForRNNT) only.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_util import JSON_EPILOG, bare_engines_package, run_with_deadline, summarise_ms, write_result  # noqa: E402
+from bench_util import (
+    JSON_EPILOG,
+    bare_engines_package,
+    run_with_deadline,
+    summarise_ms,
+    write_result,
+)
 
 
 def measure(fm: Any, model: Any, n: int, lookahead: int, steps: int) -> dict[str, Any]:
