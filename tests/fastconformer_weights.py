@@ -1,5 +1,5 @@
 """A tiny streaming FastConformer + RNN-T with random weights for tests (no checkpoint can
-be fetched here): two conformer layers, 64 wide, a 33-word tokenizer
+be fetched here): two conformer layers, 64 wide, a word-level tokenizer of a few dozen words
 (``fastconformer_model.build_random_model``). Built once into
 ``<cache_dir>/testdata/fastconformer-tiny``, loaded by path like a real checkpoint. Random
 weights make words of noise, not a transcript: tests compare it with itself (streamed
