@@ -116,6 +116,17 @@ class WhisperVllmConfig(_Section):
         return tuple(sorted(set(v)))
 
 
+class FastConformerConfig(_Section):
+    """The cache-aware streaming FastConformer + RNN-T (``asr.backend: fastconformer``): every
+    audio frame is encoded once, all streams in one batched step per chunk."""
+
+    model: str = Field("nvidia/nemotron-speech-streaming-en-0.6b", description="A transformers NemotronAsrStreamingForRNNT checkpoint with its tokenizer: directory, hub id or bundle:NAME.")
+    device: Literal["cpu", "cuda"] = Field("cpu", description="Where the model runs.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights and activations dtype (bfloat16 on a GPU).")
+    lookahead_frames: Literal[0, 1, 6, 13] = Field(1, description="Right context in 80 ms encoder frames: audio is encoded in chunks of (lookahead_frames + 1) x 80 ms, so partials lag by one chunk; the values the model was trained with.")
+    max_streams: int = Field(64, ge=1, le=8192, description="Stream slots (each holds its encoder caches; a call holds one, plus one per committed turn still decoding); one more stream is refused with capacity_exceeded.")
+
+
 class AsrConfig(_Section):
     model: str = Field("bundle:whisper-tiny.en", description="CTranslate2 Whisper model: directory, hub id or bundle:NAME.")
     device: Literal["cpu", "cuda", "auto"] = Field("cpu", description="Where CTranslate2 runs.")
@@ -134,9 +145,10 @@ class AsrConfig(_Section):
     queue_size: int = Field(64, ge=1, le=100_000, description="Pending decode jobs before new partials are dropped.")
     max_tokens_per_s: float = Field(8.0, gt=0.0, le=100.0, description="Longest transcript per second of audio, in tokens, plus 16 (every backend): a decode caught in Whisper's repetition loop stops there instead of filling the 448-token window.")
     loop_fallback_temperatures: list[float] = Field([0.4, 0.8], max_length=5, description="A final transcript that loops (a phrase repeated, a text that compresses like a loop; voicebot/engines/asr/repetition.py) is decoded again at each of these sampling temperatures in turn until one does not loop (Whisper's temperature fallback); what still loops is cut after the loop's first copy. []: cut at once. Partials are only cut.")
-    backend: Literal["faster-whisper", "vllm", "remote"] = Field("faster-whisper", description="Decoder: faster-whisper (CTranslate2; CPU, or CUDA 12), Whisper on vLLM (GPU on torch's CUDA, batched across sessions; model: a Hugging Face Whisper directory), or remote: a shared `voicebot asr-serve` service (asr.remote) that batches every frontend's streams on one engine.")
+    backend: Literal["faster-whisper", "vllm", "remote", "fastconformer"] = Field("faster-whisper", description="Decoder: faster-whisper (CTranslate2; CPU, or CUDA 12), Whisper on vLLM (GPU on torch's CUDA, batched across sessions; model: a Hugging Face Whisper directory), remote: a shared `voicebot asr-serve` service (asr.remote) that batches every frontend's streams on one engine, or fastconformer: a cache-aware streaming FastConformer in this process (asr.fastconformer; asr.model and the Whisper settings are not used).")
     remote: RemoteAsrConfig = Field(default_factory=RemoteAsrConfig, description="The shared ASR service (backend remote; also what `voicebot asr-serve` hosts).")
     vllm: WhisperVllmConfig = Field(default_factory=WhisperVllmConfig, description="Whisper on vLLM (backend vllm, or the service's remote.engine vllm): GPU memory, decode slots, encoder budget.")
+    fastconformer: FastConformerConfig = Field(default_factory=FastConformerConfig, description="The streaming FastConformer (backend fastconformer): model, device, chunk size, stream slots.")
 
     @model_validator(mode="after")
     def _a_window_can_be_cut(self) -> AsrConfig:

@@ -27,6 +27,7 @@ from voicebot.errors import ModelError
 
 if TYPE_CHECKING:
     from voicebot.engines.asr.engine import AsrEngine
+    from voicebot.engines.asr.fastconformer import FastConformerAsr
     from voicebot.engines.asr.vllm_whisper import WhisperVllmSettings
 
 log = logging.getLogger(__name__)
@@ -34,10 +35,17 @@ log = logging.getLogger(__name__)
 ENGINE_NAMES = ("asr", "llm", "tts")
 
 
-def create_asr(cfg: AsrConfig, model_path: str, *, settings: WhisperVllmSettings | None = None) -> AsrEngine:
+def create_asr(
+    cfg: AsrConfig, model_path: str, *, settings: WhisperVllmSettings | None = None
+) -> AsrEngine | FastConformerAsr:
     """The ASR engine ``cfg.backend`` names: faster-whisper (CPU, or CUDA 12), Whisper on vLLM,
-    or the shared ASR service (``model_path`` is then its URL). ``settings`` (benchmarks)
-    replaces everything the config says of the vLLM engine, the encoder window included."""
+    the shared ASR service (``model_path`` is then its URL) or the streaming FastConformer
+    (``model_path``: asr.fastconformer.model, resolved). ``settings`` (benchmarks) replaces
+    everything the config says of the vLLM engine, the encoder window included."""
+    if cfg.backend == "fastconformer":
+        from voicebot.engines.asr.fastconformer import FastConformerAsr
+
+        return FastConformerAsr(cfg, model_path)
     if cfg.backend == "vllm":
         from voicebot.engines.asr.vllm_whisper import VllmAsrEngine, WhisperVllmSettings
 
@@ -174,7 +182,7 @@ def _import_transformers_once(cfg: Config) -> None:
     import name 'PretrainedConfig' from 'transformers'". With vLLM Whisper
     beside either LLM backend, both are imported here, on one thread, before the engines
     start concurrently; a missing package is left for its engine to report."""
-    if cfg.asr.backend != "vllm":
+    if cfg.asr.backend not in ("vllm", "fastconformer"):
         return  # one importer only: the LLM's thread
     with contextlib.suppress(ImportError):
         import transformers

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from voicebot.config import Config, ModelsConfig, TtsConfig
+from voicebot.config import AsrConfig, Config, ModelsConfig, TtsConfig
 from voicebot.errors import BundleError, ModelError
 from voicebot.provision.build import model_store, pull
 from voicebot.provision.bundle import load_bundle
@@ -85,10 +85,15 @@ def tts_model_ref(tts: TtsConfig) -> str | None:
     return None
 
 
+def asr_model_ref(asr: AsrConfig) -> str:
+    """The model reference the ASR engine loads: the FastConformer's, else Whisper's."""
+    return asr.fastconformer.model if asr.backend == "fastconformer" else asr.model
+
+
 def frontend_refs(config: Config) -> FrontendRefs:
     remote_llm = config.llm.backend == "remote"
     return FrontendRefs(
-        asr=None if config.asr.backend == "remote" else config.asr.model,
+        asr=None if config.asr.backend == "remote" else asr_model_ref(config.asr),
         llm=(config.llm.tokenizer or config.llm.model) if remote_llm else config.llm.model,
         tokenizer=None if remote_llm else config.llm.tokenizer,
         voice=tts_model_ref(config.tts) if config.tts.backend == "local" else None,
@@ -109,7 +114,7 @@ def bundle_names_for(config: Config, *, role: Role = "serve") -> list[str]:
     shared TTS service. ``asr-serve`` / ``tts-serve``: the model that service hosts.
     """
     if role == "asr-serve":
-        refs: list[str | None] = [config.asr.model]
+        refs: list[str | None] = [asr_model_ref(config.asr)]
     elif role == "tts-serve":
         refs = [tts_model_ref(config.tts)]
     else:

@@ -35,7 +35,7 @@ from websockets.asyncio.server import ServerConnection, serve
 from voicebot.config import Config
 from voicebot.engines.asr.engine import AsrEngine
 from voicebot.engines.asr.jobs import DecodeAbandoned, DecodeJob, JobQueue, Priority
-from voicebot.errors import VoicebotError
+from voicebot.errors import ConfigError, VoicebotError
 from voicebot.services.asr_client import MAX_FRAME, PROTOCOL, unpack_decode
 from voicebot.services.serve import listen as listen_ws
 from voicebot.services.serve import run_service, serve_until_stopped
@@ -290,12 +290,17 @@ async def serve_asr(
     from voicebot.provision import resolve_model
 
     backend = cfg.asr.remote.engine if cfg.asr.backend == "remote" else cfg.asr.backend
+    if backend == "fastconformer":
+        # The service's wire carries whole utterances per decode; a cache-aware stream
+        # needs its audio chunk by chunk: it runs in the frontend (asr.backend: fastconformer).
+        raise ConfigError("voicebot asr-serve hosts faster-whisper or vllm; asr.backend fastconformer runs in voicebot serve")
     acfg = cfg.asr.model_copy(update={"backend": backend})
     if cfg.models.offline:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
     path = await asyncio.to_thread(resolve_model, acfg.model, cfg.models, pull=pull)
     t0 = time.perf_counter()
     engine = create_asr(acfg, path)
+    assert isinstance(engine, AsrEngine)  # not the FastConformer: refused above
     await engine.start()
     slots = engine.decoder.slots
     service = AsrService(engine, slots=slots, queue_size=acfg.queue_size, backend=backend)
