@@ -37,7 +37,7 @@ PLAT=(--only-binary=:all: --python-version 3.12 --implementation cp
 
 if [ "${SKIP_VLLM:-0}" != 1 ] && [ ! -f "$DEST/c3/device-install.sh" ]; then
   [ -f "$VLLM_BUNDLE" ] || { echo "no vLLM bundle script at $VLLM_BUNDLE (set VLLM_BUNDLE)" >&2; exit 1; }
-  bash "$VLLM_BUNDLE" "$DEST"
+  bash "$VLLM_BUNDLE" "$(cd "$DEST" && pwd)"  # it works in a folder of its own: an absolute path
 fi
 
 rm -rf "$DEST/site" && mkdir -p "$DEST/site"
