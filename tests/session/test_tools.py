@@ -648,3 +648,15 @@ async def test_a_slow_server_tool_is_an_error_result_and_the_filler_is_said(
         assert first.text == "" and first.played_ms > 0  # the filler was heard while it waited
         assert engines.tts.started >= 1  # type: ignore[attr-defined]
         reader.cancel()
+
+
+def test_tool_preload_skips_grammar_modules_an_older_vllm_lacks(monkeypatch: pytest.MonkeyPatch,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    # vLLM 0.26 (the GPU machines') has no tool_strict_level: a frontend must still start.
+    from voicebot.tools import preload
+
+    monkeypatch.setattr(preload, "TOOL_MODULES", ("json", "voicebot_no_such_module.inner"))
+    preload.preload_tools("hermes")
+    assert "voicebot_no_such_module.inner is not in this vLLM" in caplog.text
+    with pytest.raises(KeyError):
+        preload.preload_tools("no_such_parser")

@@ -11,8 +11,11 @@ call of the process for as long as the import takes. An LLM engine calls
 from __future__ import annotations
 
 import importlib
+import logging
 
 from voicebot.tools.parser import parser_class
+
+log = logging.getLogger(__name__)
 
 __all__ = ["TOOL_MODULES", "preload_tools"]
 
@@ -31,4 +34,9 @@ def preload_tools(parser: str) -> None:
     the modules a reply's tool parsing and grammar use."""
     parser_class(parser)
     for name in TOOL_MODULES:
-        importlib.import_module(name)
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            # An older vLLM (the GPU machines' 0.26) lacks some grammar modules: a server
+            # without tools never needs them, and a tool-aware turn fails as it would have.
+            log.warning("tool grammar: %s is not in this vLLM (%s): tool_choice grammars will fail", name, exc)
