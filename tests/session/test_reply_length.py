@@ -79,3 +79,13 @@ async def test_a_reply_with_no_sentence_end_before_its_limit_keeps_what_was_alre
     spoken = " ".join(text for *_, text in resp.playout.spans)
     assert resp.full_text == spoken
     assert "eight" not in spoken
+
+
+async def test_a_reply_with_nothing_whole_before_its_limit_is_spoken_as_it_is() -> None:
+    # No sentence end and no clause cut before max_tokens: dropping the fragment would
+    # leave the caller in silence after their turn; a fragment is better than nothing.
+    resp, _, _ = reply("Well the thing is that", max_tokens=2, wind_down_tokens=10)
+    await resp.run()
+    spoken = " ".join(text for *_, text in resp.playout.spans)
+    assert spoken == "Well the" == resp.full_text
+    assert resp.cut_at_limit is False and resp.stats.finish_reason == "length"

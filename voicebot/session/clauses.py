@@ -147,6 +147,11 @@ class ClauseChunker:
         self._emitted += 1
         return rest
 
+    @property
+    def emitted(self) -> int:
+        """Clauses cut so far."""
+        return self._emitted
+
     def drop_after(self, end_of: Callable[[str], int]) -> int:
         """Drop what the buffer holds after the position ``end_of(buffer)`` gives (the
         end of its last sentence); return how many characters were dropped."""

@@ -229,6 +229,8 @@ class Response:
         end = sentence_end(text)
         if end == len(text.rstrip()):
             return
+        if end == 0 and self._chunker.emitted == 0:
+            return  # nothing whole to end on: a fragment, not silence after the caller's turn
         held = self._chunker.drop_after(sentence_end)
         if held:
             self.cut_at_limit = True
