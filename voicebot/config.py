@@ -188,7 +188,7 @@ class LlmConfig(_Section):
     enforce_eager: bool = Field(True, description="Skip graph capture/compilation (faster start-up).")
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="GPUs one model is split across.")
     max_tokens: int = Field(160, ge=1, le=32_768, description="Longest spoken reply, in tokens.")
-    wind_down_tokens: int = Field(32, ge=0, le=32_768, description="From max_tokens minus this many tokens on, a reply stops at its next sentence end, and one that still reaches max_tokens drops its unfinished sentence: a reply is never cut mid-sentence (a sentence runs ~15-25 tokens); 0: off, cut wherever max_tokens falls.")
+    wind_down_tokens: int = Field(32, ge=0, le=32_768, description="From max_tokens minus this many tokens on, a reply stops at its next sentence end, and one that still reaches max_tokens drops its unfinished sentence: a reply is never cut mid-sentence (a sentence runs ~15-25 tokens); 0 (or max_tokens no larger than this): off, cut wherever max_tokens falls.")
     temperature: float = Field(0.7, ge=0.0, le=2.0, description="Sampling temperature for replies.")
     top_p: float = Field(0.9, gt=0.0, le=1.0, description="Nucleus sampling for replies.")
     repetition_penalty: float = Field(1.0, ge=1.0, le=2.0, description="vLLM repetition_penalty over prompt and reply tokens; above 1 keeps a small model from echoing the caller (benchmarks/echo_rate.py measures it); 1.0: off. Not applied with tools in the prompt.")

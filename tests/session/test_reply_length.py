@@ -89,3 +89,12 @@ async def test_a_reply_with_nothing_whole_before_its_limit_is_spoken_as_it_is() 
     spoken = " ".join(text for *_, text in resp.playout.spans)
     assert spoken == "Well the" == resp.full_text
     assert resp.cut_at_limit is False and resp.stats.finish_reason == "length"
+
+
+async def test_a_budget_no_larger_than_the_wind_down_has_no_wind_down() -> None:
+    # max_tokens=4 with a 32-token wind-down: stopping at the first sentence end would
+    # make a cap of a few tokens a one-sentence rule and abort the request early.
+    resp, llm, _ = reply("Yes. It is. Fine then.", max_tokens=4, wind_down_tokens=32)
+    await resp.run()
+    assert resp.stats.finish_reason == "length"
+    assert resp.full_text == "Yes. It is."

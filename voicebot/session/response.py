@@ -107,8 +107,11 @@ class Response:
         self._voice = voice
         self._speed = speed
         self._max_tokens = max_tokens
-        # From this many tokens on, the reply stops at its next sentence end.
-        self._wind_down_at = max(1, max_tokens - wind_down_tokens) if wind_down_tokens else None
+        # From this many tokens on, the reply stops at its next sentence end. A budget
+        # no larger than the wind-down has none: it would stop at the first sentence end
+        # (a limit of a few tokens is a cap, not a reply length to wind down to).
+        start = max_tokens - wind_down_tokens
+        self._wind_down_at = start if wind_down_tokens and start > 0 else None
         self.cut_at_limit = False  # stopped by max_tokens: its unfinished sentence was not spoken
         self._chunker = ClauseChunker(first_clause_words, max_clause_words, running_low=self._running_low)
         self._low_water_s = clause_low_water_ms / 1000
