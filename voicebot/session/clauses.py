@@ -45,6 +45,7 @@ _CLAUSE_MARKS = ",;:—–"
 # A cut point: punctuation (optionally followed by closing quotes/brackets) then whitespace.
 _PUNCT_CUT = re.compile(r"([.!?…,;:—–][\"')\]]*)(\s+)")
 _WORD = re.compile(r"\S+")
+_WORD_CHAR = re.compile(r"\w")
 # Kana and CJK ideographs: scripts written without spaces between words (Korean has them).
 _UNSPACED_CHAR = re.compile("[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
 # Their full-width marks, optionally closed by a quote or bracket: a cut needs no space.
@@ -147,11 +148,6 @@ class ClauseChunker:
         self._emitted += 1
         return rest
 
-    @property
-    def emitted(self) -> int:
-        """Clauses cut so far."""
-        return self._emitted
-
     def drop_after(self, end_of: Callable[[str], int]) -> int:
         """Drop what the buffer holds after the position ``end_of(buffer)`` gives (the
         end of its last sentence); return how many characters were dropped."""
@@ -238,15 +234,20 @@ def _not_a_sentence_end(head: str, after: str) -> bool:
 def sentence_end(text: str) -> int:
     """Where the last whole sentence of ``text`` ends (0: none does): after its
     punctuation, followed by whitespace or at the very end, never at a title, an
-    initial, "No." before a number, or a number's point ("3." may go on as "3.50")."""
+    initial, "No." before a number, or a number's point ("3." may go on as "3.50").
+    A sentence has a word: marks with none before them ("',..." from a model that
+    starts with punctuation) end nothing, or the reply kept would be silent."""
     end = 0
     for m in _PUNCT_CUT.finditer(text):
-        if m.group(1)[0] not in _SENTENCE_END:
+        if m.group(1)[0] not in _SENTENCE_END or not _WORD_CHAR.search(text, end, m.start(1)):
             continue
         head = text[: m.end(1)]
         if m.group(1)[0] == "." and _not_a_sentence_end(head, text[m.end() :]):
             continue
         end = m.end(1)
+    for m in _FULLWIDTH_CUT.finditer(text):  # "。" ends a sentence with nothing after it
+        if m.group(1)[0] in _FULLWIDTH_SENTENCE_END and m.end(1) > end and _WORD_CHAR.search(text, end, m.start(1)):
+            end = m.end(1)
     trailing = _TRAILING_SENTENCE_END.search(text.rstrip("\"')]"))
     if trailing is not None and trailing.group(1).lower() not in _ABBREVIATIONS:
         end = len(text.rstrip())

@@ -232,8 +232,10 @@ class Response:
         end = sentence_end(text)
         if end == len(text.rstrip()):
             return
-        if end == 0 and self._chunker.emitted == 0:
-            return  # nothing whole to end on: a fragment, not silence after the caller's turn
+        if end == 0:
+            # No sentence to end on: dropping the rest would leave a clause already
+            # spoken (or nothing) as the whole reply; the fragment says more.
+            return
         held = self._chunker.drop_after(sentence_end)
         if held:
             self.cut_at_limit = True
