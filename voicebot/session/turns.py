@@ -309,6 +309,10 @@ class SemanticTurnDetector(SilenceTurnDetector):
 
     def _close_turn(self) -> None:
         self._ended_at_ms, self._silence_at_end = self.clock_ms, self._silence_run
+        if log.isEnabledFor(logging.DEBUG):
+            why = self.decision.reason if self.decision is not None else "silence cap or no verdict"
+            log.debug("turn over after %.0f ms of silence: %s (words %r)", self._silence_run, why,
+                      self.words if self.words is not None else self.partial_words)
         self.partial_words = ""
         super()._close_turn()
 
@@ -374,6 +378,7 @@ class SemanticTurnDetector(SilenceTurnDetector):
         if decision is not None and decision.silence_ms < self.cfg.smart_turn_max_silence_ms and self.in_speech:
             # The policy would have ended the turn had this pause lasted: remember it.
             self.history.went_on_after(self._last_silence)
+            log.debug("caller went on after %.0f ms (%s)", self._last_silence, decision.reason)
         self.verdict = None
         self._failed = False
         self.words = None
