@@ -342,3 +342,22 @@ def test_a_caller_who_went_on_after_an_end_of_turn_is_waited_for_longer_next_tim
     # At the next pause a finished verdict waits past 320 ms (+150): 15 windows.
     signals = feed_run(det, [0.05] * 20, start=30)
     assert end_index(signals) == 30 + 14
+
+
+def test_a_pause_that_sounded_finished_is_remembered_even_while_its_words_held_it() -> None:
+    # "And so my fellow Americans" [1 s] "ask not ...": the verdict said finished, the
+    # turn waited for the pause's words, and the caller went on before they came. At
+    # the next such pause this caller is waited for past that pause.
+    det = SemanticTurnDetector(smart(), FakeModel(0.9, 0.9))
+    feed_run(det, [0.9] * 10 + [0.05] * 5)  # PAUSE: the session decodes its words
+    det.expect_words()
+    signals = feed_run(det, [0.05] * 5 + [0.9] * 10, start=15)  # went on before they came
+    assert end_index(signals) is None and det.decision is None
+    assert det.history.longest_ms == pytest.approx(320.0)
+
+
+def test_a_pause_that_sounded_unfinished_is_not_remembered() -> None:
+    det = SemanticTurnDetector(smart(), FakeModel(0.1, 0.9))
+    feed_run(det, [0.9] * 10 + [0.05] * 8)
+    feed_run(det, [0.05] * 2 + [0.9] * 10, start=18)
+    assert det.history.longest_ms is None

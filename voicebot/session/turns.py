@@ -374,11 +374,13 @@ class SemanticTurnDetector(SilenceTurnDetector):
         if self._pending is not None:
             self._pending.cancel()  # not started yet: never run; running: result ignored
             self._pending = None
-        decision = self.decision
-        if decision is not None and decision.silence_ms < self.cfg.smart_turn_max_silence_ms and self.in_speech:
-            # The policy would have ended the turn had this pause lasted: remember it.
+        verdict, decision = self.verdict, self.decision
+        if verdict is not None and verdict >= self.cfg.smart_turn_threshold and self.in_speech:
+            # The pause sounded like the end of the turn and was not (whatever held it
+            # here: the words, or waiting for them): this caller pauses this long.
             self.history.went_on_after(self._last_silence)
-            log.debug("caller went on after %.0f ms (%s)", self._last_silence, decision.reason)
+            log.debug("caller went on after %.0f ms (%s)", self._last_silence,
+                      decision.reason if decision is not None else "finished verdict")
         self.verdict = None
         self._failed = False
         self.words = None
