@@ -26,6 +26,12 @@ verbatim or rephrased ("You want to know what time we open on Sundays?": 3 of 3)
 none or almost none. The report gives the rate at 50/60/70/80% too, so the cut can be
 judged on the data. A reply with no content word at all ("Sure, I can.") is not an echo.
 
+Replies sized for the ear (per reply): its words (p50/p95), whether it ran into
+``llm.max_tokens`` (text mode applies the session's stopping rule: past ``max_tokens -
+llm.wind_down_tokens`` the reply stops at its next sentence end, and one that reaches
+``max_tokens`` drops its unfinished sentence), whether it ends mid-sentence, and
+whether it says "as an AI" or uses list markup (a line starting "-", "*", "1.").
+
 Answered (per turn): a non-empty reply that is not an echo and brings at least one
 content word that the caller did not say ("Paris"). This is a proxy (no judge model is
 available offline): it counts a reply that says something beyond the question; it
@@ -88,6 +94,12 @@ QUESTIONS: tuple[str, ...] = (
     "Tell me something interesting about octopuses.",
     "How do I get to the airport from downtown?",
     "Are you open on public holidays?",
+    # Prompts that draw long replies from a small model: opinions, how-tos, lists.
+    "What do you think about politics?",
+    "Explain how a car engine works.",
+    "What are the steps to bake bread?",
+    "What can you help me with?",
+    "Ask not what your country can do for you, ask what you can do for your country.",
 )
 
 # Function words and dialogue filler: reusing them says nothing about echoing.
@@ -158,12 +170,31 @@ class Turn:
     voice_to_voice_ms: float | None = None
     first_clause_tokens: int | None = None  # text mode: tokens generated before TTS can start
     first_clause: str = ""
+    cut_at_limit: bool = False  # ran into max_tokens (text mode)
     errors: list[str] = field(default_factory=list)
 
     def judge(self) -> None:
         self.overlap = overlap(self.reply, self.heard)
         self.echo = is_echo(self.reply, self.heard)
         self.answered = self.status == "ok" and is_answer(self.reply, self.heard)
+
+
+_AS_AN_AI = re.compile(r"\bas an ai\b|\blanguage model\b", re.IGNORECASE)
+_LIST_MARKUP = re.compile(r"(?m)^\s*(?:[-*\u2022]|\d+[.)])\s")
+
+
+def _p95(values: list[int]) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return float(ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))])
+
+
+def _ends_sentence(text: str) -> bool:
+    from voicebot.session.clauses import sentence_end
+
+    text = text.strip()
+    return not text or sentence_end(text) == len(text)
 
 
 def summarise(turns: list[Turn]) -> dict[str, Any]:
@@ -187,6 +218,11 @@ def summarise(turns: list[Turn]) -> dict[str, Any]:
         "answered": sum(t.answered for t in turns),
         "answer_rate": round(sum(t.answered for t in turns) / n, 3) if n else None,
         "reply_words_p50": statistics.median(words) if words else None,
+        "reply_words_p95": _p95(words),
+        "cut_at_max_tokens": sum(t.cut_at_limit for t in turns),
+        "ends_mid_sentence": sum(not _ends_sentence(t.reply) for t in replied),
+        "as_an_ai": sum(bool(_AS_AN_AI.search(t.reply)) for t in replied),
+        "list_markup": sum(bool(_LIST_MARKUP.search(t.reply)) for t in replied),
         "ttft_ms": summarise_ms(ttft),
         "ttft_ms_first_turn": summarise_ms(first_ttft),
         "ttft_ms_later_turns": summarise_ms(later_ttft),
@@ -288,10 +324,12 @@ async def run_pipeline(calls: list[list[Item]], args: argparse.Namespace) -> lis
 # ------------------------------------------------------------------------- text
 async def _text_call(llm: Any, cfg: Any, index: int, items: list[tuple[Item, str]], variant: dict[str, Any]) -> list[Turn]:
     from voicebot.engines.contracts import GenerationStats, Lane
-    from voicebot.session.clauses import ClauseChunker
+    from voicebot.session.clauses import ClauseChunker, sentence_end, up_to_sentence_end
     from voicebot.session.history import Conversation
 
-    conv = Conversation(llm.tokenizer, variant["system_prompt"], cfg.session.history_tokens, cfg.llm.max_tokens)
+    max_tokens = variant.get("max_tokens", cfg.llm.max_tokens)
+    wind_down = variant.get("wind_down_tokens", cfg.llm.wind_down_tokens)
+    conv = Conversation(llm.tokenizer, variant["system_prompt"], cfg.session.history_tokens, max_tokens)
     for user, reply in variant.get("examples", []):  # few-shot as chat turns before the call
         conv.append("user", user)
         conv.append("assistant", reply)
@@ -302,16 +340,26 @@ async def _text_call(llm: Any, cfg: Any, index: int, items: list[tuple[Item, str
         text, ids = [], []
         # The session's chunker over the stream: how many tokens the first clause waited for.
         chunker, first = ClauseChunker(cfg.session.first_clause_words, cfg.session.max_clause_words), None
-        async for d in llm.generate(conv.prompt_ids(), stats=st, temperature=variant.get("temperature")):
-            text.append(d.text)
+        # The session's stopping rule (voicebot/session/response.py).
+        async for d in llm.generate(conv.prompt_ids(), stats=st, temperature=variant.get("temperature"),
+                                    max_tokens=max_tokens):
+            piece, done = d.text, False
+            if wind_down and len(ids) + d.token_count >= max_tokens - wind_down:
+                piece, done = up_to_sentence_end("".join(text), d.text)
+            text.append(piece)
             ids.extend(d.token_ids)
-            if first is None and (cut := chunker.push(d.text)):
+            if first is None and (cut := chunker.push(piece)):
                 first = (cut[0], len(ids))
+            if done:
+                break
         reply = "".join(text).strip()
+        cut_at_limit = st.finish_reason == "length"
+        if cut_at_limit and wind_down:
+            reply = reply[: sentence_end(reply)] or reply
         conv.append("assistant", reply, token_ids=ids)
         if first is None and (rest := chunker.flush()):
             first = (rest, len(ids))
-        t = Turn(index, k, it.clip.name, it.reference, heard=heard, reply=reply)
+        t = Turn(index, k, it.clip.name, it.reference, heard=heard, reply=reply, cut_at_limit=cut_at_limit)
         if first is not None:
             t.first_clause, t.first_clause_tokens = first
         t.ttft_ms = None if st.ttft_s is None else round(1000 * st.ttft_s, 1)
@@ -397,7 +445,8 @@ def main() -> int:
     p.add_argument("--clips", type=Path, default=ROOT / "artifacts" / "echo" / "clips")
     p.add_argument("--transcripts", type=Path, help="text mode: the transcripts of this pipeline JSON")
     p.add_argument("--warm", action="store_true", help="text mode: cache the system prompt before timing")
-    p.add_argument("--variants", type=Path, help="text mode: JSON list of {name, system_prompt, temperature}")
+    p.add_argument("--variants", type=Path, help="text mode: JSON list of {name, system_prompt, temperature, "
+                   "max_tokens, wind_down_tokens, repetition_penalty}")
     p.add_argument("--show", type=int, default=100, help="turns to print")
     p.add_argument("--json", type=Path)
     args = p.parse_args()

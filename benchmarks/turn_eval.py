@@ -21,6 +21,15 @@ end-of-turn delay includes it. Reported per detector:
   complete sets separately);
 - end-of-turn delay: from the end of the last word (last 10 ms frame above -40 dBFS)
   to the END signal, over utterances that were not cut early.
+
+The Smart Turn variants also run with the end-of-turn policy's other signals
+(voicebot/core/turn_policy.py): "+ words" hears, at each pause, the transcript of the
+audio so far (Whisper, ``--words-model``, as the session's speculative final), which
+arrives after its measured decode time (a whole-window file decode, slower than the
+session's streamed final: ``--words-delay-ms`` sets a fixed one instead, e.g. the ASR
+final's p50 from the voice loop); "+ history" also remembers the pauses the
+caller went on after (the utterances made from one recording are the turns of one
+call, in order). One run compares what each signal adds.
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ from bench_util import JSON_EPILOG, summarise_ms, write_result  # benchmarks/, b
 
 from voicebot.audio import ASR_RATE, read_wav
 from voicebot.config import ModelsConfig, VadConfig
+from voicebot.core.turn_policy import PauseHistory
 from voicebot.engines.turn.smart_turn import SmartTurn
 from voicebot.engines.turn.vad import WINDOW, SileroVad
 from voicebot.provision import resolve_model
@@ -172,8 +182,41 @@ class TimedModel:
                     fut.set_result(p)
 
 
-def run_one(det: TurnDetector, utt: Utterance, probs: np.ndarray, model: TimedModel | None) -> Outcome:
+class TimedWords:
+    """The transcript of the audio up to a pause, as the session's speculative final:
+    decoded for real, heard after its measured decode time on the audio clock."""
+
+    def __init__(self, whisper: object, delay_ms: float | None = None) -> None:
+        self.whisper = whisper
+        self.delay_ms = delay_ms  # None: each decode's measured time
+        self.pending: list[tuple[float, int, str]] = []
+        self._cache: dict[tuple[str, int], tuple[str, float]] = {}
+        self.latencies_ms: list[float] = []
+        self.key = ""
+
+    def ask(self, audio: np.ndarray, token: int, clock_ms: float) -> None:
+        key = (self.key, audio.size)
+        if key not in self._cache:
+            t0 = time.perf_counter()
+            segments, _ = self.whisper.transcribe(audio, language="en", beam_size=1)  # type: ignore[attr-defined]
+            text = " ".join(seg.text.strip() for seg in segments)
+            self._cache[key] = (text, 1000 * (time.perf_counter() - t0))
+            self.latencies_ms.append(self._cache[key][1])
+        text, ms = self._cache[key]
+        self.pending.append((clock_ms + (ms if self.delay_ms is None else self.delay_ms), token, text))
+
+    def tick(self, det: TurnDetector, clock_ms: float) -> None:
+        for item in list(self.pending):
+            if item[0] <= clock_ms:
+                self.pending.remove(item)
+                det.hear_words(item[1], item[2])
+
+
+def run_one(det: TurnDetector, utt: Utterance, probs: np.ndarray, model: TimedModel | None,
+            words: TimedWords | None = None) -> Outcome:
     det.reset()
+    if words is not None:
+        words.pending = []
     out = Outcome(utt.name, utt.kind)
     clock = 0.0
     for i, p in enumerate(probs):
@@ -181,9 +224,15 @@ def run_one(det: TurnDetector, utt: Utterance, probs: np.ndarray, model: TimedMo
         clock += WINDOW_MS
         if model is not None:
             model.tick(clock)  # answers due by the start of this window are in
+        if words is not None:
+            words.tick(det, clock)
         for sig in det.update(float(p), WINDOW_MS):
             if sig is Signal.END:
                 out.ends_s.append(clock / 1000)
+            elif sig is Signal.PAUSE and words is not None:
+                # The session decodes the turn so far at each pause (its speculative final).
+                start = max(0, int((det.turn_start_ms or 0.0) * ASR_RATE / 1000) - ASR_RATE // 2)
+                words.ask(utt.audio[start : (i + 1) * WINDOW], det.expect_words(), clock)
     out.checks = getattr(det, "checks", 0)
     # Cut early: an END before the last word is over (one VAD window of slack).
     out.false_end = any(t < utt.speech_end_s - WINDOW_MS / 1000 for t in out.ends_s)
@@ -221,6 +270,10 @@ def main() -> None:
     ap.add_argument("--pauses", default="0.5,0.75,1.0", help="inserted pause lengths, seconds")
     ap.add_argument("--gaps-per-clip", type=int, default=3)
     ap.add_argument("--silence-ms", default="400,800,1200", help="VAD-only variants (min_silence_ms)")
+    ap.add_argument("--words-model", default="bundle:whisper-base", help="the recogniser of the '+ words' variants")
+    ap.add_argument("--words-delay-ms", type=float, help="the pause's transcript arrives this long after the "
+                    "pause (default: after its measured decode time)")
+    ap.add_argument("--policy", default="192:1500:0.5", help="Smart Turn variants run with + words and + history too")
     ap.add_argument("--smart", default="192:1500:0.5,128:1500:0.5,256:1500:0.5,192:1000:0.5,192:2000:0.5,"
                     "192:1500:0.7,192:1500:0.85,128:1500:0.85",
                     help="Smart Turn variants, check_ms:max_silence_ms:threshold")
@@ -234,6 +287,8 @@ def main() -> None:
     whisper = WhisperModel(resolve_model("bundle:whisper-tiny.en", models), device="cpu", compute_type="int8", cpu_threads=2)
     utterances = build_set(args.audio, whisper, [float(p) for p in args.pauses.split(",")], args.gaps_per_clip)
     del whisper
+    words = TimedWords(WhisperModel(resolve_model(args.words_model, models), device="cpu", compute_type="int8",
+                                    cpu_threads=2), args.words_delay_ms)
     print(f"{len(utterances)} utterances: {sum(u.kind == 'complete' for u in utterances)} complete, "
           f"{sum(u.kind == 'paused' for u in utterances)} with an inserted pause")
 
@@ -245,41 +300,57 @@ def main() -> None:
     rows: list[dict[str, object]] = []
     details: dict[str, list[dict[str, object]]] = {}
     base = VadConfig()
-    variants: list[tuple[str, TurnDetector, TimedModel | None]] = []
+    variants: list[tuple[str, TurnDetector, TimedModel | None, TimedWords | None]] = []
     for ms in (int(x) for x in args.silence_ms.split(",")):
         cfg = base.model_copy(update={"min_silence_ms": ms})
-        variants.append((f"VAD silence {ms} ms", SilenceTurnDetector(cfg), None))
-    for spec in args.smart.split(","):
+        variants.append((f"VAD silence {ms} ms", SilenceTurnDetector(cfg), None, None))
+    policy = set(args.policy.split(",")) if args.policy else set()
+    for spec in args.smart.split(",") + [p for p in policy if p not in args.smart.split(",")]:
         check_s, cap_s, thr_s = spec.split(":")
         check, cap, thr = int(check_s), int(cap_s), float(thr_s)
-        cfg = base.model_copy(update={"turn_detector": "smart_turn", "smart_turn_check_ms": check,
-                                      "smart_turn_max_silence_ms": cap, "smart_turn_threshold": thr})
-        variants.append((f"Smart Turn {check}/{cap} ms, p>={thr:g}", SemanticTurnDetector(cfg, timed), timed))
-    for name, det, model in variants:
+        smart_cfg = base.model_copy(update={"turn_detector": "smart_turn", "smart_turn_check_ms": check,
+                                            "smart_turn_max_silence_ms": cap, "smart_turn_threshold": thr,
+                                            "smart_turn_words": False, "smart_turn_history": False})
+        name = f"Smart Turn {check}/{cap} ms, p>={thr:g}"
+        variants.append((name, SemanticTurnDetector(smart_cfg, timed), timed, None))
+        if spec in policy:
+            with_words = smart_cfg.model_copy(update={"smart_turn_words": True})
+            variants.append((name + " + words", SemanticTurnDetector(with_words, timed), timed, words))
+            both = with_words.model_copy(update={"smart_turn_history": True})
+            variants.append((name + " + history", SemanticTurnDetector(both, timed), timed, words))
+    for name, det, model, heard in variants:
         outcomes = []
+        calls: dict[str, PauseHistory] = {}  # one call per recording: its utterances are turns of one caller
         for u in utterances:
             if model is not None:
                 model.key, model.clock_ms, model.pending = u.name, 0.0, []
-            outcomes.append(run_one(det, u, probs[u.name], model))
+            if heard is not None:
+                heard.key = u.name
+            if isinstance(det, SemanticTurnDetector):
+                det.history = calls.setdefault(u.name.split("@")[0], PauseHistory())
+            outcomes.append(run_one(det, u, probs[u.name], model, heard))
         rows.append(summarise(name, outcomes))
         details[name] = [asdict(o) for o in outcomes]
 
     lat = timed.latencies_ms
     print()
-    print(f"{'detector':<36} {'false EOT':>9} {'false EOT':>9} {'delay, complete':>17} {'delay, paused':>14}")
-    print(f"{'':<36} {'paused':>9} {'complete':>9} {'p50/mean/max ms':>17} {'p50 ms (n)':>14}")
+    print(f"{'detector':<46} {'false EOT':>9} {'false EOT':>9} {'delay, complete':>17} {'delay, paused':>14}")
+    print(f"{'':<46} {'paused':>9} {'complete':>9} {'p50/mean/max ms':>17} {'p50 ms (n)':>14}")
     for r in rows:
         dc = r["delay_complete_ms"]  # type: ignore[assignment]
-        print(f"{r['detector']:<36} {100 * float(r['false_end_paused']):>8.0f}% {100 * float(r['false_end_complete']):>8.0f}% "  # type: ignore[arg-type]
+        print(f"{r['detector']:<46} {100 * float(r['false_end_paused']):>8.0f}% {100 * float(r['false_end_complete']):>8.0f}% "  # type: ignore[arg-type]
               f"{dc.get('p50')!s:>5}/{dc.get('mean')!s:>5}/{dc.get('max')!s:>5} "
               f"{r['delay_paused_ms'].get('p50')!s:>8} ({r['n_delay_paused']})")  # type: ignore[union-attr]
     inference = summarise_ms(lat)
+    decode = summarise_ms(words.latencies_ms)
+    print(f"Words (the pause's transcript): {len(words.latencies_ms)} decodes, p50 {decode.get('p50')} ms")
     print(f"\nSmart Turn inference: {len(lat)} runs, p50 {inference.get('p50')} ms, p95 {inference.get('p95')} ms (one thread)")
     results = json.loads(json.dumps({
         "utterances": [{"name": u.name, "kind": u.kind, "seconds": round(u.audio.size / ASR_RATE, 2),
                         "speech_end_s": round(u.speech_end_s, 3), "pause_at_s": u.pause_at_s, "pause_s": u.pause_s}
                        for u in utterances],
         "inference_ms": inference,
+        "words_decode_ms": decode,
         "summary": rows,
         "outcomes": details,
         "probability_note": "delays include the model's inference time, rounded up to the next 32 ms VAD window",

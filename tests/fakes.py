@@ -155,15 +155,21 @@ class FakeLlm:
     # learns them from the stream's final usage block.
     usage_at_end: tuple[int, int] | None = None
 
-    async def generate(self, prompt_ids: list[int], *, stats: GenerationStats | None = None, **_: object) -> AsyncIterator[TextDelta]:
+    async def generate(self, prompt_ids: list[int], *, stats: GenerationStats | None = None,
+                       max_tokens: int | None = None, **_: object) -> AsyncIterator[TextDelta]:
+        """One token per word of ``reply``, at most ``max_tokens`` of them (then
+        finish_reason "length", as vLLM)."""
         rid = f"r{len(self.started)}"
         self.started.append(rid)
         self.prompts.append(list(prompt_ids))
         finished = False
+        words = self.reply.split()
         try:
             if self.fail:
                 raise EngineError("the model fell over")
-            for i, word in enumerate(self.reply.split()):
+            if stats is not None:
+                stats.finish_reason = "length" if max_tokens is not None and len(words) > max_tokens else "stop"
+            for i, word in enumerate(words[:max_tokens]):
                 await self.clock.sleep(self.word_delay)
                 if stats is not None and stats.first_token_at is None:
                     stats.first_token_at = self.clock.monotonic()

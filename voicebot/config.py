@@ -201,6 +201,7 @@ class LlmConfig(_Section):
     enforce_eager: bool = Field(True, description="Skip graph capture/compilation (faster start-up).")
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="GPUs one model is split across.")
     max_tokens: int = Field(160, ge=1, le=32_768, description="Longest spoken reply, in tokens.")
+    wind_down_tokens: int = Field(32, ge=0, le=32_768, description="From max_tokens minus this many tokens on, a reply stops at its next sentence end, and one that still reaches max_tokens drops its unfinished sentence: a reply is never cut mid-sentence (a sentence runs ~15-25 tokens); 0 (or max_tokens no larger than this): off, cut wherever max_tokens falls.")
     temperature: float = Field(0.7, ge=0.0, le=2.0, description="Sampling temperature for replies.")
     top_p: float = Field(0.9, gt=0.0, le=1.0, description="Nucleus sampling for replies.")
     repetition_penalty: float = Field(1.0, ge=1.0, le=2.0, description="vLLM repetition_penalty over prompt and reply tokens; above 1 keeps a small model from echoing the caller (benchmarks/echo_rate.py measures it); 1.0: off. Not applied with tools in the prompt.")
@@ -260,6 +261,8 @@ class VadConfig(_Section):
     smart_turn_model: str = Field("bundle:smart-turn-v3.2", description="Smart Turn v3 ONNX model: a directory holding smart-turn-v3.2-cpu.onnx, the file itself, or bundle:NAME.")
     smart_turn_threshold: float = Field(0.5, ge=0.01, le=0.99, description="Probability of 'finished' at or above which the turn ends at the pause (0.5 as Pipecat).")
     smart_turn_check_ms: int = Field(192, ge=32, le=5000, description="Silence before the model is asked (it was trained on turns ending in ~200 ms of silence).")
+    smart_turn_words: bool = Field(True, description="At each pause also weigh the words heard so far (the pause's own transcript): a grammatically open ending (a trailing 'and', a comma, an article, a number being dictated) or one the recogniser left unpunctuated holds the turn to smart_turn_max_silence_ms (voicebot/core/turn_policy.py).")
+    smart_turn_history: bool = Field(True, description="Wait a little past the longest pause this caller went on after earlier in the call before a turn that sounds finished ends.")
     smart_turn_max_silence_ms: int = Field(1500, ge=100, le=10_000, description="Silence that ends the turn even when the model hears it unfinished.")
 
     @model_validator(mode="after")

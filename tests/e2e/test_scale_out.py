@@ -219,7 +219,7 @@ async def test_calls_get_spoken_replies_each_pinned_to_its_server_and_hit_its_pr
                 done = await call.turn(clip.audio)
                 assert done["status"] == "completed", done
                 reply = call.reply_audio(done["response_id"])
-                assert reply.size > 0 and dbfs(reply) > -40.0, "a spoken reply"
+                assert reply.size > 0 and dbfs(reply) > -40.0, ("a spoken reply", "".join(e["text"] for e in call.of("response.text.delta") if e["response_id"] == done["response_id"]))
                 after = await tier.server_metrics()
                 served = [i for i in range(2) if finished_requests(after[i]) > finished_requests(before[i])]
                 assert len(served) == 1, f"{name} turn {turn}: served by servers {served}"

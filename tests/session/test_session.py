@@ -138,6 +138,21 @@ async def test_barge_in_stops_playout_and_history_keeps_the_played_words(tokeniz
         assert [m.content for m in assistant] == [barge.heard_text]
 
 
+async def test_speech_before_the_reply_is_heard_stops_it_without_a_barge_in(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    # The turn ended at a pause, but the caller went on before any reply audio was
+    # sent: the reply is dropped unheard, so the client gets no barge-in event.
+    engines = make_engines(tokenizer, word_delay=0.5)
+    async with call(engines) as c:
+        await c.speak(600)
+        await c.silence(500)
+        await c.wait_for(ev.ResponseStarted)
+        assert not c.of(ev.ResponseAudio)
+        await c.speak(300)
+        done = await c.wait_for(ev.ResponseDone)
+        assert done.status == "interrupted" and done.played_ms == 0 and done.text == ""
+        assert not c.of(ev.BargeIn) and not c.of(ev.ResponseAudio)
+
+
 async def test_short_noise_does_not_interrupt(tokenizer) -> None:  # type: ignore[no-untyped-def]
     engines = make_engines(tokenizer, word_delay=0.01)
     async with call(engines) as c:
@@ -238,6 +253,7 @@ async def test_a_long_speculative_reply_released_at_once_does_not_read_as_a_stal
     reply = " ".join(f"w{i}" for i in range(400))
     engines = make_engines(tokenizer, reply=reply, word_delay=0.0005)
     with_session_cfg(engines, out_queue_frames=64)
+    engines.cfg = engines.cfg.model_copy(update={"llm": engines.cfg.llm.model_copy(update={"max_tokens": 512})})
     async with call(engines) as c:
         await c.speak(600)
         await c.silence(700)

@@ -295,3 +295,69 @@ def test_silence_mode_is_judged_on_audio_only() -> None:
     run(det, [0.9] * 10 + [0.05] * 5)
     assert det.poll(idle_ms=5000) == [] and det.in_speech
     assert det.idle_deadline_ms() is None
+
+
+# ------------------------------------------------ the policy's words and history
+def end_index(signals: list[tuple[int, Signal]]) -> int | None:
+    return dict((s, i) for i, s in signals).get(Signal.END)
+
+
+def test_open_words_hold_a_turn_the_model_hears_as_finished() -> None:
+    det = SemanticTurnDetector(smart(), FakeModel(0.9))
+    signals = feed_run(det, [0.9] * 10 + [0.05] * 5)  # PAUSE at window 13
+    assert Signal.PAUSE in [s for _, s in signals]
+    token = det.expect_words()  # the session decodes the pause's transcript
+    det.hear_words(token, "I'd like a table for two and")
+    signals = feed_run(det, [0.05] * 30, start=15)
+    # Held to the cap (960 ms: 30 windows of silence), not ended at the check.
+    assert end_index(signals) == 10 + 29
+
+
+def test_a_finished_verdict_waits_for_the_pause_transcript_then_ends() -> None:
+    det = SemanticTurnDetector(smart(), FakeModel(0.9))
+    feed_run(det, [0.9] * 10 + [0.05] * 5)
+    token = det.expect_words()
+    signals = feed_run(det, [0.05] * 5, start=15)
+    assert end_index(signals) is None  # finished audio, words still being decoded
+    det.hear_words(token, "What time do you open on Sundays?")
+    assert [s for s in det.poll(0.0)] == [Signal.END]
+
+
+def test_words_of_a_pause_the_caller_went_on_after_are_not_read_at_the_next() -> None:
+    det = SemanticTurnDetector(smart(), FakeModel(0.1, 0.9))
+    feed_run(det, [0.9] * 10 + [0.05] * 5)
+    stale = det.expect_words()
+    feed_run(det, [0.9] * 10 + [0.05] * 5, start=15)  # went on: RESUME, then a new pause
+    det.hear_words(stale, "I'd like a table for two and")  # the first pause's: ignored
+    assert det.words is None
+
+
+def test_a_caller_who_went_on_after_an_end_of_turn_is_waited_for_longer_next_time() -> None:
+    det = SemanticTurnDetector(smart(), FakeModel(0.9, 0.9, 0.9))
+    first = feed_run(det, [0.9] * 10 + [0.05] * 8)
+    assert end_index(first) == 15  # ended at the check
+    # ... but the caller goes on 320 ms into the silence: that pause was not the end.
+    feed_run(det, [0.05] * 2 + [0.9] * 10, start=18)
+    assert det.history.longest_ms == pytest.approx(320.0)
+    # At the next pause a finished verdict waits past 320 ms (+150): 15 windows.
+    signals = feed_run(det, [0.05] * 20, start=30)
+    assert end_index(signals) == 30 + 14
+
+
+def test_a_pause_that_sounded_finished_is_remembered_even_while_its_words_held_it() -> None:
+    # "And so my fellow Americans" [1 s] "ask not ...": the verdict said finished, the
+    # turn waited for the pause's words, and the caller went on before they came. At
+    # the next such pause this caller is waited for past that pause.
+    det = SemanticTurnDetector(smart(), FakeModel(0.9, 0.9))
+    feed_run(det, [0.9] * 10 + [0.05] * 5)  # PAUSE: the session decodes its words
+    det.expect_words()
+    signals = feed_run(det, [0.05] * 5 + [0.9] * 10, start=15)  # went on before they came
+    assert end_index(signals) is None and det.decision is None
+    assert det.history.longest_ms == pytest.approx(320.0)
+
+
+def test_a_pause_that_sounded_unfinished_is_not_remembered() -> None:
+    det = SemanticTurnDetector(smart(), FakeModel(0.1, 0.9))
+    feed_run(det, [0.9] * 10 + [0.05] * 8)
+    feed_run(det, [0.05] * 2 + [0.9] * 10, start=18)
+    assert det.history.longest_ms is None

@@ -165,6 +165,75 @@ def test_a_cancelled_speculative_reply_does_not_end_the_turn() -> None:
     assert rec.voice_to_voice_ms is None
 
 
+def test_a_reply_heard_while_the_caller_still_speaks_fails_the_turn_and_says_why() -> None:
+    # The server took the caller's pause for the end of the turn: it sent a transcript
+    # and reply audio before the clip was over, and the caller's next words barged in.
+    tr = TurnTracker(TurnRecord(0, 0, "jfk.wav"), RATE, timings_grace_s=0.0)
+    tr.on_event(ev("transcript.final", item_id="i1", text="And so my fellow Americans"), 3.0)
+    tr.on_event(ev("response.started", response_id="r1"), 3.1)
+    tr.on_event(ev("response.audio.started", response_id="r1"), 3.2)
+    tr.on_audio(pcm(silence(0.1)), 3.2)  # inaudible audio is not talking over anyone
+    tr.on_audio(pcm(tone(0.3, -20.0)), 3.3)
+    tr.on_event(ev("barge_in", response_id="r1", played_ms=300, heard_text="I"), 3.6)
+    tr.on_event(ev("response.done", response_id="r1", status="interrupted", text="I", full_text="I am"), 3.61)
+    tr.speech_ended(8.0)
+    tr.on_event(ev("transcript.final", item_id="i2", text="ask what you can do"), 8.3)
+    tr.on_event(ev("response.started", response_id="r2"), 8.35)
+    tr.on_event(ev("response.audio.started", response_id="r2"), 8.4)
+    tr.on_audio(pcm(tone(0.02, -20.0)), 8.5)
+    tr.on_event(ev("response.done", response_id="r2", status="completed", text="ok", full_text="ok"), 9.0)
+    assert tr.finished(9.0)
+    rec = tr.finish(9.0)
+    assert rec.status == "failed"
+    assert rec.voice_to_voice_ms == pytest.approx(500.0)
+    assert (rec.early_ends, rec.overlap_ms, rec.replies_while_speaking) == (1, 300.0, ["r1"])
+    assert rec.errors == [
+        "talked over the caller: 300 ms of reply audio while they were still speaking "
+        "(the server ended their turn early after 'And so my fellow Americans')"
+    ]
+    assert any("1 barge-in(s) the probe did not make" in n for n in rec.notes)
+
+
+def test_an_early_end_of_turn_the_caller_never_heard_is_noted_not_failed() -> None:
+    # A turn ended early but its reply was dropped before any audio: the caller heard
+    # nothing over their speech, so the turn passes with a note.
+    tr = TurnTracker(TurnRecord(0, 0, "a.wav"), RATE, timings_grace_s=0.0)
+    tr.on_event(ev("transcript.final", item_id="i1", text="I would like"), 1.0)
+    tr.speech_ended(3.0)
+    tr.on_event(ev("response.started", response_id="r1"), 3.2)
+    tr.on_event(ev("response.audio.started", response_id="r1"), 3.3)
+    tr.on_audio(pcm(tone(0.02, -20.0)), 3.4)
+    tr.on_event(ev("response.done", response_id="r1", status="completed", text="x", full_text="x"), 4.0)
+    rec = tr.finish(4.0)
+    assert rec.status == "ok", rec.errors
+    assert (rec.early_ends, rec.overlap_ms) == (1, 0.0)
+    assert rec.notes == ["the server ended the turn 1 time(s) before the caller finished, after 'I would like'"]
+
+
+@pytest.mark.parametrize(
+    ("script", "reason"),
+    [
+        ([], "turn timed out: no reply after the end of speech (no response.started)"),
+        ([("started", 1.1)], "turn timed out: a reply started but no audible reply came after the end of speech"),
+        (
+            [("started", 1.1), ("audio", 1.5)],
+            "turn timed out: the reply was still playing (0.5 s of reply audio so far; too long a reply)",
+        ),
+    ],
+)
+def test_a_timed_out_turn_says_what_it_was_waiting_for(script: list[tuple[str, float]], reason: str) -> None:
+    tr = TurnTracker(TurnRecord(0, 0, "a.wav"), RATE)
+    tr.speech_ended(1.0)
+    for what, t in script:
+        if what == "started":
+            tr.on_event(ev("response.started", response_id="r1"), t)
+        else:
+            tr.on_event(ev("response.audio.started", response_id="r1"), t)
+            tr.on_audio(pcm(tone(0.5, -20.0)), t)
+    rec = tr.finish(31.0, timed_out=True)
+    assert (rec.status, rec.errors) == ("timeout", [reason])
+
+
 def test_barge_in_measures_event_and_playout_stop() -> None:
     tr = TurnTracker(TurnRecord(0, 0, "a.wav"), RATE, barge_after_s=0.6)
     tr.speech_ended(1.0)
@@ -228,7 +297,7 @@ def test_report_keeps_levels_and_the_merged_view(tmp_path: Path) -> None:
     assert report["voice_to_voice_ms"]["n"] == 2
     assert report["voice_to_voice_ms"]["max"] == 500.0
     assert [lv["sessions"] for lv in report["levels"]] == [1, 2]
-    assert report["levels"][1]["counts"] == {"turns": 2, "ok": 1, "failed": 1, "timeout": 0}
+    assert report["levels"][1]["counts"] == {"turns": 2, "ok": 1, "failed": 1, "timeout": 0, "talked_over": 0, "early_ends": 0}
     assert report["stages_ms"]["llm_ttft_ms"]["n"] == 3
     assert [t["sessions"] for t in report["turns"]] == [1, 2, 2]
     json.dumps(report)

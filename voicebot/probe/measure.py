@@ -72,15 +72,22 @@ class OnsetDetector:
         The probe runs this for reply chunks of every session: one sum of squares per
         block against the threshold's energy (no square root, no logarithm).
         """
+        return self._loud_blocks16(pcm) > 0
+
+    def loud_ms(self, pcm: bytes) -> float:
+        """Audio above the threshold in the blocks this PCM16 chunk completes, in ms."""
+        return self._loud_blocks16(pcm) * self.block_ms
+
+    def _loud_blocks16(self, pcm: bytes) -> int:
         x = np.frombuffer(pcm, dtype="<i2")
         if self._rest16.size:
             x = np.concatenate([self._rest16, x])
         full = x.size // self._block * self._block
         self._rest16 = x[full:].copy()  # under one block: bounded
         if full == 0:
-            return False
+            return 0
         blocks = x[:full].astype(np.float64).reshape(-1, self._block)
-        return bool(np.any(np.einsum("ij,ij->i", blocks, blocks) > self._energy))
+        return int(np.count_nonzero(np.einsum("ij,ij->i", blocks, blocks) > self._energy))
 
     def feed(self, audio: np.ndarray) -> bool:
         """True when a block completed by this chunk is above the threshold."""

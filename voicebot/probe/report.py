@@ -38,6 +38,9 @@ def summarize(records: list[TurnRecord]) -> dict[str, Any]:
             "ok": sum(r.status == "ok" for r in records),
             "failed": sum(r.status == "failed" for r in records),
             "timeout": sum(r.status == "timeout" for r in records),
+            # turns where the server spoke over the caller / ended their turn early
+            "talked_over": sum(r.overlap_ms > 0 for r in records),
+            "early_ends": sum(r.early_ends > 0 for r in records),
         },
         "voice_to_voice_ms": percentiles(
             r.voice_to_voice_ms for r in records if r.voice_to_voice_ms is not None

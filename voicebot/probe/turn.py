@@ -4,6 +4,10 @@ timestamped audio and events, no I/O (the driver in ``client`` does that).
 Voice-to-voice latency is measured from the audio itself: the send time of the frame
 holding the clip's last sample above -40 dBFS, to the arrival of the first received
 reply block above -40 dBFS. The server's own ``turn.timings`` are kept beside it.
+
+A turn fails when the caller was not answered, and also when the server talked over
+them: reply audio heard before the caller finished their clip (the server took a
+pause for the end of their turn). Every failure says why in ``errors``.
 """
 
 from __future__ import annotations
@@ -42,6 +46,12 @@ class TurnRecord:
     reply_span_ms: float | None = None
     reply_max_gap_ms: float | None = None
     replies: list[dict[str, Any]] = field(default_factory=list)
+    # The server's view of the caller's clip: turns it ended (transcripts it sent)
+    # before the clip's speech was over, and reply audio heard meanwhile (ms, audible
+    # blocks only): the caller was talked over.
+    early_ends: int = 0
+    overlap_ms: float = 0.0
+    replies_while_speaking: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -78,7 +88,8 @@ class TurnTracker:
         self._transcripts: dict[str, str] = {}
         self._playing: str | None = None  # response whose audio is arriving now
         self.fatal = False
-        self._noted_early = False
+        self._early_transcripts: list[str] = []  # final transcripts before the end of speech
+        self._unprovoked_barge_ins = 0
         self._reply_first_t: float | None = None
         self._reply_last_t: float | None = None
         self._reply_samples = 0
@@ -116,9 +127,11 @@ class TurnTracker:
             self._audio.append(part)
             self._kept += part.size
         if self.speech_end_t is None:
-            if not self._noted_early and self._detector.feed_pcm16(pcm):
-                self._noted_early = True
-                self.record.notes.append("reply audio during user speech")
+            loud = self._detector.loud_ms(pcm)
+            if loud:
+                self.record.overlap_ms += loud
+                if self._playing is not None and self._playing not in self.record.replies_while_speaking:
+                    self.record.replies_while_speaking.append(self._playing)
         elif self.onset_t is None and self._detector.feed_pcm16(pcm):
             self.onset_t = t
         if self.barge_speech_t is not None and self._playing == self._barged:
@@ -137,6 +150,8 @@ class TurnTracker:
         rid = str(data.get("response_id", ""))
         if kind == "transcript.final":
             self._transcripts[str(data.get("item_id"))] = str(data.get("text", ""))
+            if self.speech_end_t is None and self.barge_speech_t is None:
+                self._early_transcripts.append(str(data.get("text", "")))
         elif kind == "response.started":
             self._responses.setdefault(rid, _Response()).started_t = t
         elif kind == "response.audio.started":
@@ -151,7 +166,7 @@ class TurnTracker:
             if self.barge_speech_t is not None and self._barge_event_t is None:
                 self._barge_event_t = t
             elif self.barge_speech_t is None:
-                self.record.notes.append("server reported a barge-in the probe did not make")
+                self._unprovoked_barge_ins += 1
         elif kind == "error":
             self.record.errors.append(f"{data.get('code')}: {data.get('message')}")
             self.fatal = self.fatal or bool(data.get("fatal"))
@@ -235,6 +250,20 @@ class TurnTracker:
                 return rid
         return None
 
+    def _timeout_reason(self) -> str:
+        """What the turn was still waiting for when its time ran out."""
+        if self.speech_end_t is None:
+            return "turn timed out before the caller's clip ended"
+        open_replies = [r for r in self._responses.values() if r.started_t is not None and r.done is None]
+        if self.onset_t is None:
+            if open_replies:
+                return "turn timed out: a reply started but no audible reply came after the end of speech"
+            return "turn timed out: no reply after the end of speech (no response.started)"
+        heard = self._reply_samples / self.output_rate
+        if open_replies:
+            return f"turn timed out: the reply was still playing ({heard:.1f} s of reply audio so far; too long a reply)"
+        return "turn timed out: waiting for the reply's response.done"
+
     # ------------------------------------------------------------------- result
     def reply_audio(self) -> np.ndarray:
         return np.concatenate(self._audio) if self._audio else np.zeros(0, dtype=np.float32)
@@ -269,6 +298,21 @@ class TurnTracker:
             last = self._reply_last_samples / self.output_rate
             rec.reply_span_ms = round(1000.0 * (self._reply_last_t - self._reply_first_t + last), 1)
             rec.reply_max_gap_ms = round(1000.0 * self._reply_max_gap, 1)
+        rec.early_ends = len(self._early_transcripts)
+        rec.overlap_ms = round(rec.overlap_ms, 1)
+        if rec.early_ends:
+            cuts = "; ".join(repr(t) for t in self._early_transcripts)
+            rec.notes.append(f"the server ended the turn {rec.early_ends} time(s) before the caller finished, after {cuts}")
+        if rec.overlap_ms:
+            rec.errors.append(
+                f"talked over the caller: {rec.overlap_ms:.0f} ms of reply audio while they were still speaking"
+                + (f" (the server ended their turn early after {self._early_transcripts[0]!r})" if self._early_transcripts else "")
+            )
+        if self._unprovoked_barge_ins:
+            rec.notes.append(
+                f"{self._unprovoked_barge_ins} barge-in(s) the probe did not make: the caller went on "
+                "speaking over a reply the server had started early"
+            )
         if self.barge_state == "sent" and self.barge_speech_t is not None:
             t0 = self.barge_speech_t
             rec.barge_in = {
@@ -287,7 +331,7 @@ class TurnTracker:
             rec.errors.append("reply failed")
         if timed_out and not self.finished(now):
             rec.status = "timeout"
-            rec.errors.append("turn timed out")
+            rec.errors.append(self._timeout_reason())
         elif self.fatal or rec.voice_to_voice_ms is None or done is None or rec.errors:
             rec.status = "failed"
             if rec.voice_to_voice_ms is None and not rec.errors:

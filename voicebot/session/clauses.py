@@ -45,6 +45,7 @@ _CLAUSE_MARKS = ",;:—–"
 # A cut point: punctuation (optionally followed by closing quotes/brackets) then whitespace.
 _PUNCT_CUT = re.compile(r"([.!?…,;:—–][\"')\]]*)(\s+)")
 _WORD = re.compile(r"\S+")
+_WORD_CHAR = re.compile(r"\w")
 # Kana and CJK ideographs: scripts written without spaces between words (Korean has them).
 _UNSPACED_CHAR = re.compile("[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
 # Their full-width marks, optionally closed by a quote or bracket: a cut needs no space.
@@ -147,6 +148,14 @@ class ClauseChunker:
         self._emitted += 1
         return rest
 
+    def drop_after(self, end_of: Callable[[str], int]) -> int:
+        """Drop what the buffer holds after the position ``end_of(buffer)`` gives (the
+        end of its last sentence); return how many characters were dropped."""
+        keep = end_of(self._buf)
+        dropped = len(self._buf) - keep
+        self._buf = self._buf[:keep]
+        return dropped
+
     def _next_clause(self, low: bool = False) -> str | None:
         comma_words, max_words = self._limits(low)
         marks = sorted([*_PUNCT_CUT.finditer(self._buf), *_FULLWIDTH_CUT.finditer(self._buf)], key=lambda m: m.start())
@@ -220,3 +229,39 @@ def _not_a_sentence_end(head: str, after: str) -> bool:
     if len(word.replace(".", "")) == 1 and word[0].isupper():
         return True  # "J. K. Rowling"
     return word.lower() == "no" and after[:1].isdigit()
+
+
+def sentence_end(text: str) -> int:
+    """Where the last whole sentence of ``text`` ends (0: none does): after its
+    punctuation, followed by whitespace or at the very end, never at a title, an
+    initial, "No." before a number, or a number's point ("3." may go on as "3.50").
+    A sentence has a word: marks with none before them ("',..." from a model that
+    starts with punctuation) end nothing, or the reply kept would be silent."""
+    end = 0
+    for m in _PUNCT_CUT.finditer(text):
+        if m.group(1)[0] not in _SENTENCE_END or not _WORD_CHAR.search(text, end, m.start(1)):
+            continue
+        head = text[: m.end(1)]
+        if m.group(1)[0] == "." and _not_a_sentence_end(head, text[m.end() :]):
+            continue
+        end = m.end(1)
+    for m in _FULLWIDTH_CUT.finditer(text):  # "。" ends a sentence with nothing after it
+        if m.group(1)[0] in _FULLWIDTH_SENTENCE_END and m.end(1) > end and _WORD_CHAR.search(text, end, m.start(1)):
+            end = m.end(1)
+    trailing = _TRAILING_SENTENCE_END.search(text.rstrip("\"')]"))
+    if trailing is not None and trailing.group(1).lower() not in _ABBREVIATIONS:
+        end = len(text.rstrip())
+    return end
+
+
+def up_to_sentence_end(before: str, piece: str) -> tuple[str, bool]:
+    """The part of ``piece`` (text that follows ``before``) up to the end of a sentence
+    it completes, and whether it completes one."""
+    end = sentence_end(before + piece)
+    if end <= len(before.rstrip()):
+        return piece, False
+    return piece[: end - len(before)], True
+
+
+# A sentence mark ending the text, after a word of 2+ letters (not "3.", "e.g.", "U.S.").
+_TRAILING_SENTENCE_END = re.compile(r"(?<![\w.'])([A-Za-z]{2,})[.!?…][\"')\]]*$")

@@ -112,7 +112,18 @@ class Listener:
         self.asr.request_partial(self._speech_end_asr_s)
 
     def start_final(self, item_id: str) -> None:
-        self._new_turn(item_id, self._spawn_final(self._speech_end_asr_s))
+        turn = self._new_turn(item_id, self._spawn_final(self._speech_end_asr_s))
+        if self.detector.paused:
+            # A pause's own transcript: the end-of-turn policy weighs its words.
+            token = self.detector.expect_words()
+            turn.final.add_done_callback(lambda task: self._heard_words(token, task))
+
+    def _heard_words(self, token: int, task: asyncio.Task[Transcript]) -> None:
+        if task.cancelled() or task.exception() is not None or self.call.closing:
+            return
+        self.detector.hear_words(token, task.result().text)
+        self._poll_turns()
+        self._arm_turn_timer()  # the policy's wait may be shorter or longer now
 
     def cancel_final(self, item_id: str) -> None:
         turn = self.turns.pop(item_id, None)
@@ -362,6 +373,7 @@ class Listener:
             stream = self.asr
             async for partial in stream:
                 if stream is self.asr:
+                    self.detector.hear_partial(partial.text)
                     self.call.feed(ce.Partial(partial.text, partial.confirmed, partial.tentative))
             if stream is self.asr:
                 return  # the session's own stream closed: the session is ending

@@ -31,7 +31,7 @@ from voicebot.audio import resample
 from voicebot.engines.contracts import GenerationStats, Lane
 from voicebot.engines.contracts import Llm as LlmEngine
 from voicebot.engines.contracts import Tts as TtsEngine
-from voicebot.session.clauses import ClauseChunker
+from voicebot.session.clauses import ClauseChunker, sentence_end, up_to_sentence_end
 from voicebot.session.clock import REAL_CLOCK, Clock
 from voicebot.session.events import ToolCallArgumentsDelta, ToolCallDone, ToolCallStarted
 from voicebot.session.playout import Playout
@@ -97,6 +97,7 @@ class Response:
         constraint: Constraint = NO_CONSTRAINT,
         options: ResponseOptions | None = None,
         tool_round: int = 0,
+        wind_down_tokens: int = 0,
     ) -> None:
         self.id = response_id
         self.item_id = item_id
@@ -106,6 +107,12 @@ class Response:
         self._voice = voice
         self._speed = speed
         self._max_tokens = max_tokens
+        # From this many tokens on, the reply stops at its next sentence end. A budget
+        # no larger than the wind-down has none: it would stop at the first sentence end
+        # (a limit of a few tokens is a cap, not a reply length to wind down to).
+        start = max_tokens - wind_down_tokens
+        self._wind_down_at = start if wind_down_tokens and start > 0 else None
+        self.cut_at_limit = False  # stopped by max_tokens: its unfinished sentence was not spoken
         self._chunker = ClauseChunker(first_clause_words, max_clause_words, running_low=self._running_low)
         self._low_water_s = clause_low_water_ms / 1000
         self._words_to_speak = 0  # of clauses handed to TTS whose audio is not in the playout yet
@@ -138,6 +145,7 @@ class Response:
         self._tools = tool_stream
         self._constraint = constraint
         self._calls: dict[int, tuple[str, str, str]] = {}  # parser index -> call_id, item_id, name
+        self.audio_started = False  # the client was told its audio started (it may be playing it)
         self.generated = False  # LLM and TTS finished
         self.drained = asyncio.Event()  # generated, and the pacer sent the last sample
         self._room = asyncio.Event()
@@ -185,13 +193,53 @@ class Response:
                 self.token_ids.extend(delta.token_ids)
                 pieces = self._tools.feed(delta.text, delta.token_ids) if self._tools else [Speech(delta.text)]
                 for piece in pieces:
-                    await self._piece(piece, clauses)
+                    if isinstance(piece, Speech) and self._winding_down():
+                        piece, done = self._to_sentence_end(piece)
+                        await self._piece(piece, clauses)
+                        if done:
+                            self.stats.finish_reason = "stop"
+                            break
+                    else:
+                        await self._piece(piece, clauses)
+                else:
+                    continue
+                break  # a sentence ended past the wind-down: closing the stream aborts the request
         if self._tools is not None:
             self._finish_calls(self._tools)
+        if self._hit_limit():
+            self._drop_unfinished_sentence()
         if (rest := self._chunker.flush()) is not None:
             await self._put_clause(clauses, rest)
         self.times.done_generating = self._clock.monotonic()
         await clauses.put(None)
+
+    def _winding_down(self) -> bool:
+        return self._wind_down_at is not None and self._tokens_written >= self._wind_down_at
+
+    def _to_sentence_end(self, piece: Speech) -> tuple[Speech, bool]:
+        """The part of ``piece`` up to a sentence end it completes, and whether it does."""
+        text, done = up_to_sentence_end("".join(self.text_parts), piece.text)
+        return Speech(text), done
+
+    def _hit_limit(self) -> bool:
+        reason = self.stats.finish_reason
+        return reason == "length" if reason is not None else self._tokens_written >= self._max_tokens
+
+    def _drop_unfinished_sentence(self) -> None:
+        """The reply ran into max_tokens mid-sentence: what the chunker still holds after
+        the last sentence end is never spoken, and the reply's text ends there too."""
+        text = "".join(self.text_parts)
+        end = sentence_end(text)
+        if end == len(text.rstrip()):
+            return
+        if end == 0:
+            # No sentence to end on: dropping the rest would leave a clause already
+            # spoken (or nothing) as the whole reply; the fragment says more.
+            return
+        held = self._chunker.drop_after(sentence_end)
+        if held:
+            self.cut_at_limit = True
+            self.text_parts = [text[: len(text) - held]]
 
     async def _piece(self, piece: Speech | CallStarted | ArgumentsDelta, clauses: asyncio.Queue[str | None]) -> None:
         match piece:

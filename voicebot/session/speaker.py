@@ -87,6 +87,7 @@ class Speaker:
             constraint=plan.constraint,
             options=options,
             tool_round=start.tool_round,
+            wind_down_tokens=self.cfg.llm.wind_down_tokens,
         )
         resp.prompt_tools, resp.tool_choice = plan.prompt_tools, plan.choice
         self.replies[resp.id] = resp
@@ -218,7 +219,7 @@ class Speaker:
         resp.playout.taken -= unsent  # taken from the playout, but never sent
         dropped += unsent
         self._finish(resp, status)
-        if status == "interrupted":
+        if status == "interrupted" and resp.audio_started:
             if self.call.metrics:
                 self.call.metrics.barge_ins.inc()
             self.call.log.info("barge-in: %d ms of reply audio dropped", 1000 * dropped // resp.playout.sample_rate)
@@ -243,7 +244,8 @@ class Speaker:
         # A reply played in full is stored as the tokens the model produced (tool-call
         # markup included): the next prompt then reuses its KV blocks from the prefix
         # cache as well. A reply cut short keeps what was heard, and no call.
-        completed = status == "completed"
+        # A reply that dropped its unfinished sentence at max_tokens keeps the text spoken.
+        completed = status == "completed" and not resp.cut_at_limit
         computed = None
         if resp.stats.first_token_at is not None:
             # Its request left its prompt and all but its last token in the cache.
@@ -265,7 +267,10 @@ class Speaker:
     def report_done(self, reply_id: str, status: str) -> None:
         resp = self.replies[reply_id]
         played_ms, heard = self._reply_ends[reply_id]
-        if status == "interrupted":
+        if status == "interrupted" and resp.audio_started:
+            # Only a reply whose audio started was barged in on: one stopped before
+            # it (the caller went on right after a pause taken for the end of the
+            # turn) ends without a barge-in.
             self.call.emit(BargeIn(resp.id, played_ms, heard))
         st = resp.stats
         if self.call.metrics:
@@ -296,6 +301,7 @@ class Speaker:
         rate = resp.playout.sample_rate
         frame = rate * _FRAME_MS // 1000
         if resp.times.first_audio is not None and resp.playout.taken == 0:
+            resp.audio_started = True
             self.call.emit(ResponseAudioStarted(resp.id, resp.item_id))
             self._report_timings(resp)
         base = self._clock.monotonic() - resp.playout.taken / rate

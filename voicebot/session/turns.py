@@ -38,6 +38,7 @@ import numpy as np
 
 from voicebot.audio import ASR_RATE
 from voicebot.config import VadConfig
+from voicebot.core.turn_policy import Decision, PauseHistory, TurnPolicyConfig, decide
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ class TurnDetector(Protocol):
     in_speech: bool
     paused: bool
     speech_end_ms: float | None
+    turn_start_ms: float | None
 
     def feed(self, audio16k: np.ndarray) -> None:
         """The audio the next windows' probabilities are computed from (16 kHz)."""
@@ -68,6 +70,12 @@ class TurnDetector(Protocol):
     def update(self, prob: float, window_ms: float, bot_speaking: bool = False) -> list[Signal]: ...
 
     def force_end(self) -> list[Signal]: ...
+
+    def expect_words(self) -> int: ...
+
+    def hear_words(self, token: int, text: str) -> None: ...
+
+    def hear_partial(self, text: str) -> None: ...
 
     @property
     def pending(self) -> Future[float] | None: ...
@@ -145,6 +153,16 @@ class SilenceTurnDetector:
             out.append(Signal.END)
         return out
 
+    def expect_words(self) -> int:
+        """This pause's transcript is being decoded (silence alone does not read it)."""
+        return 0
+
+    def hear_words(self, token: int, text: str) -> None:
+        """The transcript of the pause ``token``, for a detector that weighs words."""
+
+    def hear_partial(self, text: str) -> None:
+        """The open turn's latest partial transcript."""
+
     def _turn_over(self, silence_ms: float) -> bool:
         """Is ``silence_ms`` of silence after speech the end of the turn?"""
         return silence_ms >= self.cfg.min_silence_ms
@@ -201,6 +219,11 @@ class SemanticTurnDetector(SilenceTurnDetector):
     def __init__(self, cfg: VadConfig, model: EndOfTurnModel) -> None:
         self.model = model
         self._audio: deque[np.ndarray] = deque()
+        # How this caller pauses: kept for the whole call, across turns.
+        self.history = PauseHistory()
+        self.partial_words = ""  # the open turn's last partial transcript
+        self._ended_at_ms: float | None = None  # audio time the last turn was ended
+        self._silence_at_end = 0.0
         super().__init__(cfg)
 
     def reset(self) -> None:
@@ -212,6 +235,11 @@ class SemanticTurnDetector(SilenceTurnDetector):
         self.verdict: float | None = None  # the model's answer for this pause
         self._failed = False  # the model failed at this pause: silence decides
         self.checks = 0  # model calls since reset (for tests and logs)
+        self.words: str | None = None  # this pause's own transcript, once decoded
+        self._awaiting_words = 0  # the pause whose transcript is being decoded (0: none)
+        self._pause_seq = 0
+        self.decision: Decision | None = None  # the policy's answer at this pause
+        self._last_silence = 0.0  # the silence run before the window being judged
 
     @property
     def pending(self) -> Future[float] | None:
@@ -238,6 +266,56 @@ class SemanticTurnDetector(SilenceTurnDetector):
         audio = np.concatenate(self._audio)[max(0, start - first) :]
         return audio[-MODEL_WINDOW_S * ASR_RATE :]
 
+    # ---------------------------------------------------------- words and history
+    def expect_words(self) -> int:
+        """This pause's transcript is being decoded: the policy may wait for it. Returns
+        the token :meth:`hear_words` is answered with."""
+        self._awaiting_words = self._pause_seq
+        return self._pause_seq
+
+    def hear_words(self, token: int, text: str) -> None:
+        """The transcript of the pause ``token`` (ignored once the caller went on)."""
+        if token == self._pause_seq and self._awaiting_words == token and self.in_speech:
+            self.words = text
+            self._awaiting_words = 0
+
+    def hear_partial(self, text: str) -> None:
+        if self.in_speech:
+            self.partial_words = text
+
+    def _policy(self) -> TurnPolicyConfig:
+        cfg = self.cfg
+        return TurnPolicyConfig(cfg.smart_turn_check_ms, cfg.smart_turn_max_silence_ms, cfg.smart_turn_threshold,
+                                words=cfg.smart_turn_words, history=cfg.smart_turn_history)
+
+    def _decide(self) -> Decision:
+        final = self.words is not None
+        words = self.words if final else (None if self._awaiting_words else self.partial_words)
+        self.decision = decide(self._policy(), verdict=self.verdict, words=words, history=self.history, final=final)
+        return self.decision
+
+    def update(self, prob: float, window_ms: float, bot_speaking: bool = False) -> list[Signal]:
+        was_open = self.in_speech
+        self._last_silence = self._silence_run
+        out = super().update(prob, window_ms, bot_speaking)
+        if Signal.SPEECH_START in out and not was_open and self._ended_at_ms is not None:
+            # The caller spoke again soon after a turn we ended: that pause was not its end.
+            gap = (self.turn_start_ms or self.clock_ms) - self._ended_at_ms
+            judged = self._silence_at_end < self.cfg.smart_turn_max_silence_ms  # not ended by the cap
+            if judged and gap < self.cfg.smart_turn_max_silence_ms:
+                self.history.went_on_after(self._silence_at_end + max(0.0, gap))
+            self._ended_at_ms = None
+        return out
+
+    def _close_turn(self) -> None:
+        self._ended_at_ms, self._silence_at_end = self.clock_ms, self._silence_run
+        if log.isEnabledFor(logging.DEBUG):
+            why = self.decision.reason if self.decision is not None else "silence cap or no verdict"
+            log.debug("turn over after %.0f ms of silence: %s (words %r)", self._silence_run, why,
+                      self.words if self.words is not None else self.partial_words)
+        self.partial_words = ""
+        super()._close_turn()
+
     def _turn_over(self, silence_ms: float) -> bool:
         cfg = self.cfg
         if cfg.turn_detector != "smart_turn" or self._failed:
@@ -259,7 +337,9 @@ class SemanticTurnDetector(SilenceTurnDetector):
                 log.warning("end-of-turn model failed, silence decides this pause: %s", exc)
                 self._failed = True
                 return super()._turn_over(silence_ms)
-        return self.verdict is not None and self.verdict >= cfg.smart_turn_threshold
+        if self.verdict is None:
+            return False
+        return silence_ms >= self._decide().silence_ms
 
     def _over_when_idle(self, idle_ms: float) -> bool:
         """Time with no audio counts as silence toward the cap, so a turn heard as
@@ -286,14 +366,27 @@ class SemanticTurnDetector(SilenceTurnDetector):
         cap = cfg.smart_turn_max_silence_ms - self._silence_run
         if self._silence_run > 0 and self.verdict is None and self._pending is None:
             cap = min(cap, cfg.smart_turn_check_ms - self._silence_run)
+        if self._silence_run > 0 and self.verdict is not None:
+            cap = min(cap, self._decide().silence_ms - self._silence_run)  # the policy's wait
         return max(0.0, cap)
 
     def _speaking_again(self) -> None:
         if self._pending is not None:
             self._pending.cancel()  # not started yet: never run; running: result ignored
             self._pending = None
+        verdict, decision = self.verdict, self.decision
+        if verdict is not None and verdict >= self.cfg.smart_turn_threshold and self.in_speech:
+            # The pause sounded like the end of the turn and was not (whatever held it
+            # here: the words, or waiting for them): this caller pauses this long.
+            self.history.went_on_after(self._last_silence)
+            log.debug("caller went on after %.0f ms (%s)", self._last_silence,
+                      decision.reason if decision is not None else "finished verdict")
         self.verdict = None
         self._failed = False
+        self.words = None
+        self._awaiting_words = 0
+        self._pause_seq += 1
+        self.decision = None
 
 
 def make_turn_detector(cfg: VadConfig, model: EndOfTurnModel | None) -> TurnDetector:

@@ -100,7 +100,6 @@ class RealtimeTranslator:
         self._partials: dict[str, str] = {}  # open user turn -> transcript sent as deltas
         self._turn_ms: dict[str, float] = {}  # user turn -> audio ms at its start
         self._buffered_ms = 0.0
-        self._barge = False
         self._held: list[dict[str, Any]] | None = None  # a barged reply's response.done
         self._items: OrderedDict[str, dict[str, Any]] = OrderedDict()  # id -> item as last sent
         self._metadata: OrderedDict[str, dict[str, str]] = OrderedDict()  # response id -> metadata
@@ -616,13 +615,11 @@ class RealtimeTranslator:
                 return self.replies.audio(event)
             case se.ResponseDone():
                 out = self.replies.finish(event)
-                if event.status == "interrupted" and self._barge:
-                    self._barge = False
-                    self._held, out = out, []  # sent after the speech_started that caused it
+                if event.status == "interrupted":
+                    # Speech stopped it (a barge-in, or speech before its audio began):
+                    # sent after the speech_started that caused it.
+                    self._held, out = out, []
                 return out
-            case se.BargeIn():
-                self._barge = True
-                return []
             case se.ErrorEvent(code=code):
                 kind = "server_error" if code in _SERVER_ERRORS else "invalid_request_error"
                 return [rt.error(code, event.message, client_event_id=event.event_id, kind=kind)]
