@@ -93,7 +93,6 @@ _FIRST = (
     "e2e/test_soak.py",
     "e2e/test_lifecycle.py",
     "e2e/test_scale_out.py",
-    "engines/test_llm_shutdown.py",
     "e2e/test_short_utterance.py",
     "e2e/test_web.py",
     "e2e/test_clients_realtime.py",
@@ -101,6 +100,7 @@ _FIRST = (
     "services/test_asr_service_e2e.py",
     "e2e/test_voice_loop.py",
     "services/test_tts_service_e2e.py",
+    "engines/test_llm_shutdown.py",
 )
 
 
