@@ -20,9 +20,11 @@ run: install
 
 # Test processes (pytest-xdist): most of an end-to-end test's time is real-time audio
 # and waits, so two share two cores well. A module runs whole in one process (its
-# server is started once). TEST_WORKERS=0 runs in this process (e.g. for a debugger).
+# server is started once), in the order of tests/conftest.py (longest first): without
+# --no-loadscope-reorder xdist hands out the modules with the most tests first instead.
+# TEST_WORKERS=0 runs in this process (e.g. for a debugger).
 TEST_WORKERS ?= 2
-XDIST := $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadfile)
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 test: install install-coqui
 	$(BIN)/voicebot models pull --config configs/test.yaml

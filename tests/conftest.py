@@ -83,14 +83,38 @@ def whisper_tiny_dir(bundle_dir: Callable[[str], str]) -> str:
 
 
 # The longest modules first, so that under pytest-xdist (`make test`: a module per process
-# at a time, handed out in collection order) the two processes finish together instead of
-# one running the soak alone at the end. Order only: every test still runs.
-_FIRST = ("e2e/test_soak.py", "e2e/test_lifecycle.py", "e2e/test_scale_out.py", "services/test_asr_service_e2e.py")
+# at a time) the two processes finish together instead of one running the soak alone at
+# the end: the listed modules by decreasing time, then the other modules with a real
+# engine, then the fast tier, whose short modules fill the last gaps. xdist hands the
+# modules out in this order only with --no-loadscope-reorder (the Makefile passes it):
+# by default it reorders them by their number of tests, the most first, which put the
+# one-test soak last. Order only: every test still runs.
+_FIRST = (
+    "e2e/test_soak.py",
+    "e2e/test_lifecycle.py",
+    "e2e/test_scale_out.py",
+    "e2e/test_short_utterance.py",
+    "e2e/test_web.py",
+    "e2e/test_clients_realtime.py",
+    "e2e/test_tools_e2e.py",
+    "services/test_asr_service_e2e.py",
+    "e2e/test_voice_loop.py",
+    "services/test_tts_service_e2e.py",
+    "engines/test_llm_shutdown.py",
+)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    def rank(item: pytest.Item) -> int:
-        path = item.nodeid.split("::", 1)[0]
-        return next((i for i, first in enumerate(_FIRST) if path.endswith(first)), len(_FIRST))
+    def module(item: pytest.Item) -> str:
+        return item.nodeid.split("::", 1)[0]
 
-    items.sort(key=rank)  # stable: the rest keep their order
+    with_engines = {module(item) for item in items if item.get_closest_marker("engines")}
+
+    def rank(item: pytest.Item) -> int:
+        path = module(item)
+        listed = next((i for i, first in enumerate(_FIRST) if path.endswith(first)), None)
+        if listed is not None:
+            return listed
+        return len(_FIRST) + (path not in with_engines)
+
+    items.sort(key=rank)  # stable: within a rank, modules and tests keep their order
