@@ -33,6 +33,7 @@ import numpy as np
 
 from voicebot.audio import ASR_RATE
 from voicebot.config import AsrConfig
+from voicebot.engines.asr.partials import PartialQueue, PartialStream
 from voicebot.engines.asr.stream import as_mono_f32
 from voicebot.engines.contracts import AsrStats, Partial, Transcript
 from voicebot.errors import CapacityError, EngineError, ModelError
@@ -41,7 +42,6 @@ __all__ = ["FastConformerAsr", "FastConformerStream"]
 
 log = logging.getLogger(__name__)
 
-_PARTIALS_BUFFERED = 4  # per stream; a newer partial supersedes the oldest
 _HALF_FFT = 256  # the left padding of a centred STFT (fastconformer_model.N_FFT // 2)
 _WORD_START = "▁"  # SentencePiece's mark of a token that starts a word
 
@@ -183,14 +183,14 @@ class FastConformerAsr:
                 stream.deliver(generation, row.keep, ids, step_s)
 
 
-class FastConformerStream:
+class FastConformerStream(PartialStream):
     """One call's utterance in a slot of :class:`FastConformerAsr`. Event loop only."""
 
     def __init__(self, engine: FastConformerAsr, slot: int) -> None:
         self.engine = engine
         self.slot = slot
         self.generation = 0  # bumped by reset(): a step's result for older audio is dropped
-        self._partials: asyncio.Queue[Partial | None] = asyncio.Queue(_PARTIALS_BUFFERED)
+        self.partials = PartialQueue()
         self._closed = False
         self._begin()
 
@@ -245,8 +245,7 @@ class FastConformerStream:
         self._resolve_finals(self._tokens)  # a final still waiting gets the words heard so far
         self.generation += 1
         self._begin()
-        while not self._partials.empty():  # previews of the old utterance are stale
-            self._partials.get_nowait()
+        self.partials.clear()  # previews of the old utterance are stale
 
     async def aclose(self) -> None:
         if self._closed:
@@ -263,23 +262,7 @@ class FastConformerStream:
             self._closed = True
             self.generation += 1
             self.engine.release(self)
-            self._emit(None)
-
-    def __aiter__(self) -> FastConformerStream:
-        return self
-
-    async def __anext__(self) -> Partial:
-        item = await self._partials.get()
-        if item is None:
-            self._partials.put_nowait(None)  # later calls end too
-            raise StopAsyncIteration
-        return item
-
-    async def __aenter__(self) -> FastConformerStream:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
+            self.partials.put(None)
 
     # -- the stepper's side ---------------------------------------------------------------
 
@@ -330,7 +313,7 @@ class FastConformerStream:
         if ids:
             self._tokens.extend(ids)
             stats.partial_decodes += 1
-            self._emit(self._partial())
+            self.partials.put(self._partial())
         self._resolve_finals(self._tokens, upto=self._frames)
 
     def _resolve_finals(self, ids: list[int], upto: int | None = None) -> None:
@@ -356,7 +339,3 @@ class FastConformerStream:
         confirmed, tentative = engine.text(tokens[:cut]), engine.text(tokens[cut:])
         return Partial(confirmed, tentative, self.buffered_s)
 
-    def _emit(self, item: Partial | None) -> None:
-        if self._partials.full():
-            self._partials.get_nowait()  # drop the oldest: the newer one supersedes it
-        self._partials.put_nowait(item)

@@ -38,9 +38,8 @@ from voicebot.engines.asr.agreement import (
     split_words,
 )
 from voicebot.engines.asr.jobs import DecodeJob, Priority
+from voicebot.engines.asr.partials import PartialQueue, PartialStream
 from voicebot.engines.contracts import Partial, Transcript
-
-_PARTIALS_BUFFERED = 4  # per stream; a newer partial supersedes the oldest
 
 
 def as_mono_f32(audio: np.ndarray) -> np.ndarray:
@@ -77,7 +76,7 @@ class DecodeScheduler(Protocol):
         ...
 
 
-class Utterance:
+class Utterance(PartialStream):
     """One session's utterance. Not thread-safe: use it from the event loop only."""
 
     def __init__(self, engine: DecodeScheduler, language: str | None) -> None:
@@ -105,7 +104,7 @@ class Utterance:
         # Latest partial hypothesis (full text, seconds of audio it saw, decoded as the
         # final would be): a final may reuse it when it also covers the end of speech.
         self._latest: tuple[str, float, bool] | None = None
-        self._partials: asyncio.Queue[Partial | None] = asyncio.Queue(_PARTIALS_BUFFERED)
+        self.partials = PartialQueue()
         self._closed = False
 
     @property
@@ -262,8 +261,7 @@ class Utterance:
             self._partial_settled.set()
         elif running is not None and running.audio is not None:
             self.engine.abandon(running)  # its audio belongs to the old utterance
-        while not self._partials.empty():  # previews of the old utterance are stale
-            self._partials.get_nowait()
+        self.partials.clear()  # previews of the old utterance are stale
 
     async def aclose(self) -> None:
         if self._closed:
@@ -275,23 +273,7 @@ class Utterance:
             self.engine.abandon(running)  # the call ended
         self._partial_job = None
         self._partial_settled.set()
-        self._emit(None)
-
-    def __aiter__(self) -> Utterance:
-        return self
-
-    async def __anext__(self) -> Partial:
-        item = await self._partials.get()
-        if item is None:
-            self._partials.put_nowait(None)  # later calls end too
-            raise StopAsyncIteration
-        return item
-
-    async def __aenter__(self) -> Utterance:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
+        self.partials.put(None)
 
     # -- the engine's side (JobOwner), on the event loop ---------------------------------
 
@@ -339,7 +321,7 @@ class Utterance:
             # them, if it starts with them at all.
             after = text if job.prefix == confirmed else continuation_after(whole, confirmed)
             self._agreement.update(split_words(after))
-            self._emit(
+            self.partials.put(
                 Partial(
                     self._agreement.confirmed_text,
                     self._agreement.tentative_text,
@@ -354,7 +336,3 @@ class Utterance:
             self._partial_settled.set()
             self._new_samples = max(self._new_samples, self._interval)  # retry on next push
 
-    def _emit(self, item: Partial | None) -> None:
-        if self._partials.full():
-            self._partials.get_nowait()  # drop the oldest: the newer one supersedes it
-        self._partials.put_nowait(item)
