@@ -10,7 +10,8 @@ Environment:
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
 
 import pytest
 from speech import Clip, load_clips
@@ -18,6 +19,9 @@ from speech import Clip, load_clips
 from voicebot.config import ModelsConfig
 from voicebot.errors import VoicebotError
 from voicebot.provision import pull
+
+if TYPE_CHECKING:
+    from servers import EnginePool
 
 # Before any test imports transformers / huggingface_hub, which read it at import.
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -36,6 +40,16 @@ def models_config() -> ModelsConfig:
     """models.* settings for tests: the shared cache (or ``$VOICEBOT_CACHE``), offline."""
     cache = os.environ.get("VOICEBOT_CACHE") or ModelsConfig().cache_dir
     return ModelsConfig(cache_dir=cache, offline=True)
+
+
+@pytest.fixture(scope="session")
+async def engine_pool() -> AsyncIterator[EnginePool]:
+    """Engines shared by the in-process servers of this test process (tests/servers.py)."""
+    from servers import EnginePool
+
+    pool = EnginePool()
+    yield pool
+    await pool.aclose()
 
 
 @pytest.fixture(scope="session")

@@ -2,6 +2,12 @@
 
 In-process (not a subprocess) so tests can look inside afterwards: the open
 sessions, vLLM's unfinished requests, the tasks still alive.
+
+A server's engines may come from the test process's :class:`EnginePool`: modules whose
+servers differ only in what a session reads from its config (the transports, the reply
+length, auth, limits ...) then share one vLLM start, which is most of a server's start
+(three processes each importing vLLM). Each module still runs its own app, sessions,
+metrics and config on them.
 """
 
 from __future__ import annotations
@@ -27,7 +33,11 @@ from aiohttp import web
 
 from voicebot.audio import float_to_pcm16, pcm16_to_float
 from voicebot.config import Config
-from voicebot.engines.registry import load_engines
+from voicebot.engines.contracts import EndOfTurn
+from voicebot.engines.registry import Engines, load_engines, resolve_specs
+from voicebot.engines.startup import reap_children, start_all
+from voicebot.engines.turn.smart_turn import load_smart_turn
+from voicebot.engines.turn.vad import SileroVad
 from voicebot.probe.base import Audio, ClientClosed, ConnectOptions, Event
 from voicebot.probe.native import NativeClient
 from voicebot.server.app import create_app
@@ -53,12 +63,82 @@ class RunningServer:
         return f"ws://127.0.0.1:{self.port}{path}"
 
 
+@dataclass
+class BorrowedEngines(Engines):
+    """A server's engines lent by an :class:`EnginePool`: the app's shutdown leaves them
+    running for the next module; the pool closes them at the end of the test process."""
+
+    async def aclose(self) -> None:
+        return None
+
+
+class EnginePool:
+    """The engines of one test process, by what each was built from.
+
+    A stage is reused when its config section (and resolved model) is the same, apart
+    from ``llm.max_tokens``, which the session reads from its own config for every reply.
+    At most ``max_llms`` LLMs are kept (each is an engine core and a worker process): a
+    new one closes the one used longest ago.
+    """
+
+    def __init__(self, max_llms: int = 2) -> None:
+        self.max_llms = max_llms
+        self._stages: dict[tuple[str, str], Any] = {}  # (stage, key) -> started engine
+        self._turn_models: dict[str, EndOfTurn | None] = {}
+
+    async def borrow(self, cfg: Config) -> BorrowedEngines:
+        specs = await resolve_specs(cfg)
+        paths = {"asr": specs.asr_path, "llm": [specs.llm_path, specs.tokenizer_path], "tts": specs.voice_path}
+        keys = {name: _stage_key(cfg, name, paths[name]) for name in ("asr", "llm", "tts")}
+        new = {name: getattr(specs, name)() for name in keys if (name, keys[name]) not in self._stages}
+        if "llm" in new:
+            await self._make_room_for_an_llm()
+        if new:
+            await start_all(new)
+        for name, engine in new.items():
+            self._stages[(name, keys[name])] = engine
+        engines = {name: self._stages.pop((name, keys[name])) for name in keys}
+        for name, engine in engines.items():  # most recently used last
+            self._stages[(name, keys[name])] = engine
+        turn_key = json.dumps([cfg.vad.model_dump(mode="json"), cfg.models.cache_dir])
+        if turn_key not in self._turn_models:
+            self._turn_models[turn_key] = await load_smart_turn(cfg)
+        return BorrowedEngines(cfg, engines["asr"], engines["llm"], engines["tts"], SileroVad(), specs=specs,
+                               turn_model=self._turn_models[turn_key])
+
+    async def _make_room_for_an_llm(self) -> None:
+        llms = [key for key in self._stages if key[0] == "llm"]
+        for key in llms[: max(0, len(llms) - self.max_llms + 1)]:
+            await self._stages.pop(key).aclose()
+
+    async def aclose(self) -> None:
+        stages, self._stages = list(self._stages.values()), {}
+        results = await asyncio.gather(*(e.aclose() for e in stages), return_exceptions=True)
+        await reap_children()
+        for model in self._turn_models.values():
+            if model is not None:
+                model.close()
+        self._turn_models.clear()
+        gc.collect()  # vLLM's AsyncLLM sits in a reference cycle (see voicebot/server/app.py)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+
+
+def _stage_key(cfg: Config, stage: str, resolved: object) -> str:
+    section = getattr(cfg, stage).model_dump(mode="json", exclude={"max_tokens"} if stage == "llm" else None)
+    return json.dumps([section, resolved], sort_keys=True)
+
+
 @contextlib.asynccontextmanager
-async def running_server(cfg: Config, state: ServerState | None = None) -> AsyncIterator[RunningServer]:
-    """Load engines (unless ``state`` already has them), serve, and shut down cleanly."""
+async def running_server(
+    cfg: Config, state: ServerState | None = None, *, pool: EnginePool | None = None
+) -> AsyncIterator[RunningServer]:
+    """Load engines (unless ``state`` already has them; from ``pool`` if given), serve,
+    and shut down cleanly."""
     state = state or ServerState(cfg)
     if state.engines is None:
-        state.engines = await load_engines(cfg)
+        state.engines = await (pool.borrow(cfg) if pool is not None else load_engines(cfg))
     try:
         app = create_app(cfg, load=False, state=state)
     except BaseException:

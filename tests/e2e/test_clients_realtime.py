@@ -35,7 +35,7 @@ from clients.livekit_session import agent_session as livekit_session
 from clients.pipecat_pipeline import feed, pipeline
 from pipecat.frames.frames import ErrorFrame, TTSAudioRawFrame
 from pipecat.services.openai.realtime import events as pipecat_events
-from servers import RunningServer, running_server, server_errors
+from servers import EnginePool, RunningServer, running_server, server_errors
 from speech import Clip
 
 from voicebot.config import ModelsConfig
@@ -49,10 +49,10 @@ QUESTION = "What's the weather in Paris?"
 
 
 @pytest.fixture(scope="module")
-async def server(models_config: ModelsConfig) -> AsyncIterator[RunningServer]:
+async def server(engine_pool: EnginePool, models_config: ModelsConfig) -> AsyncIterator[RunningServer]:
     cfg = client_config(models_config, "configs/default.yaml",
                         "llm.temperature=0.0", "llm.max_tokens=48", "server.max_sessions=2")
-    async with running_server(cfg) as running:
+    async with running_server(cfg, pool=engine_pool) as running:
         yield running
 
 

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 from coqui_weights import tiny_vits
-from servers import OUT_RATE, NativeCall, RunningServer, running_server, server_errors
+from servers import OUT_RATE, EnginePool, NativeCall, RunningServer, running_server, server_errors
 from speech import Clip
 
 from voicebot.config import ModelsConfig, load_config
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.engines
 
 
 @pytest.fixture(scope="module")
-async def server(models_config: ModelsConfig, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[RunningServer]:
+async def server(engine_pool: EnginePool, models_config: ModelsConfig, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[RunningServer]:
     try:
         model = tiny_vits(tmp_path_factory.mktemp("coqui") / "vits-tiny")
     except ImportError as exc:
@@ -35,7 +35,7 @@ async def server(models_config: ModelsConfig, tmp_path_factory: pytest.TempPathF
         "llm.max_tokens=6",  # the random test LLM's words: a short reply, spoken in real time
         "server.transports=[native]",
     ])
-    async with running_server(cfg) as running:
+    async with running_server(cfg, pool=engine_pool) as running:
         yield running
 
 

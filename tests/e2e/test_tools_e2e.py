@@ -26,7 +26,7 @@ import websockets
 from aiohttp import web
 from clients.harness import chunks, pcm24k, speak
 from openai import AsyncOpenAI
-from servers import RunningServer, running_server, serve_routes, server_errors
+from servers import EnginePool, RunningServer, running_server, serve_routes, server_errors
 
 from voicebot.config import ModelsConfig, ServerToolConfig, load_config
 
@@ -62,7 +62,7 @@ async def webhook() -> AsyncIterator[Webhook]:
 
 
 @pytest.fixture(scope="module")
-async def server(models_config: ModelsConfig, webhook: Webhook) -> AsyncIterator[RunningServer]:
+async def server(engine_pool: EnginePool, models_config: ModelsConfig, webhook: Webhook) -> AsyncIterator[RunningServer]:
     cfg = load_config("configs/test.yaml", [
         f"models.cache_dir={models_config.cache_dir}",
         "llm.model=bundle:qwen2.5-coder-0.5b-instruct",
@@ -76,7 +76,7 @@ async def server(models_config: ModelsConfig, webhook: Webhook) -> AsyncIterator
     ])
     cfg.tools.server = [ServerToolConfig(name="get_weather", description=WEATHER_TOOL["description"],
                                          parameters=WEATHER_SCHEMA, url=webhook.url, timeout_s=20)]
-    async with running_server(cfg) as running:
+    async with running_server(cfg, pool=engine_pool) as running:
         yield running
 
 

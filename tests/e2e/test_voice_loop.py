@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 import jiwer
 import pytest
 import websockets
-from servers import OUT_RATE, NativeCall, RunningServer, running_server
+from servers import OUT_RATE, EnginePool, NativeCall, RunningServer, running_server
 from speech import Clip
 
 from voicebot.audio import dbfs, resample
@@ -35,7 +35,7 @@ def wer(ref: str, hyp: str) -> float:
 
 
 @pytest.fixture(scope="module")
-async def server(models_config: ModelsConfig) -> AsyncIterator[RunningServer]:
+async def server(engine_pool: EnginePool, models_config: ModelsConfig) -> AsyncIterator[RunningServer]:
     cfg = load_config(
         "configs/test.yaml",
         [
@@ -47,7 +47,7 @@ async def server(models_config: ModelsConfig) -> AsyncIterator[RunningServer]:
             "server.transports=[native]",
         ],
     )
-    async with running_server(cfg) as running:
+    async with running_server(cfg, pool=engine_pool) as running:
         yield running
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import jiwer
 import pytest
 from browser import PageLog, chromium, write_mic_wav
-from servers import RunningServer, running_server
+from servers import EnginePool, RunningServer, running_server
 from speech import Clip
 
 from voicebot.config import ModelsConfig, load_config
@@ -33,7 +33,7 @@ def norm(text: str) -> str:
 
 
 @pytest.fixture(scope="module")
-async def server(models_config: ModelsConfig) -> AsyncIterator[RunningServer]:
+async def server(engine_pool: EnginePool, models_config: ModelsConfig) -> AsyncIterator[RunningServer]:
     cfg = load_config(
         REPO / "configs/test.yaml",
         [
@@ -43,7 +43,7 @@ async def server(models_config: ModelsConfig) -> AsyncIterator[RunningServer]:
             "server.transports=[webrtc]",
         ],
     )
-    async with running_server(cfg) as running:
+    async with running_server(cfg, pool=engine_pool) as running:
         yield running
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import jiwer
 import pytest
-from servers import OUT_RATE, NativeCall, RunningServer, running_server, service_process
+from servers import OUT_RATE, EnginePool, NativeCall, RunningServer, running_server, service_process
 from speech import Clip
 
 from voicebot.config import ModelsConfig, load_config
@@ -42,7 +42,7 @@ def asr_service(models_config: ModelsConfig, whisper_tiny_dir: str) -> Iterator[
 
 
 @pytest.fixture(scope="module")
-async def frontend(
+async def frontend(engine_pool: EnginePool,
     models_config: ModelsConfig, asr_service: tuple[subprocess.Popen[str], str]
 ) -> AsyncIterator[RunningServer]:
     cfg = load_config(
@@ -61,7 +61,7 @@ async def frontend(
             "server.transports=[native]",
         ],
     )
-    async with running_server(cfg) as running:
+    async with running_server(cfg, pool=engine_pool) as running:
         yield running
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import websockets
-from servers import OUT_RATE, NativeCall, RunningServer, running_server, service_process
+from servers import OUT_RATE, EnginePool, NativeCall, RunningServer, running_server, service_process
 from speech import Clip
 
 from voicebot.config import ModelsConfig, TtsConfig, load_config
@@ -71,7 +71,7 @@ def doomed_service(models_config: ModelsConfig, piper_voice: str) -> Iterator[tu
 
 
 @pytest.fixture
-async def frontend(
+async def frontend(engine_pool: EnginePool,
     models_config: ModelsConfig, doomed_service: tuple[subprocess.Popen[str], str]
 ) -> AsyncIterator[RunningServer]:
     """A server speaking through ``doomed_service``."""
@@ -91,7 +91,7 @@ async def frontend(
             "server.transports=[native]",
         ],
     )
-    async with running_server(cfg) as running:
+    async with running_server(cfg, pool=engine_pool) as running:
         yield running
 
 

@@ -23,7 +23,7 @@ import pytest
 import websockets
 from fakes import StepClock
 from openai import AsyncOpenAI
-from servers import running_server, server_errors
+from servers import EnginePool, running_server, server_errors
 from speech import Clip
 
 from voicebot.audio import dbfs, float_to_pcm16, pcm16_to_float, resample
@@ -593,7 +593,7 @@ class Running:
 
 
 @pytest.fixture(scope="module")
-async def server(models_config: ModelsConfig) -> AsyncIterator[Running]:
+async def server(engine_pool: EnginePool, models_config: ModelsConfig) -> AsyncIterator[Running]:
     cfg = load_config("configs/test.yaml", [
         f"models.cache_dir={models_config.cache_dir}",
         "llm.max_tokens=12",
@@ -603,7 +603,7 @@ async def server(models_config: ModelsConfig) -> AsyncIterator[Running]:
         # test lowers it again for its own session.
         "server.input_burst_ms=60000",
     ])
-    async with running_server(cfg) as running:
+    async with running_server(cfg, pool=engine_pool) as running:
         yield Running(running.state, running.port)
 
 

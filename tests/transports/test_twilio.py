@@ -24,7 +24,7 @@ import httpx
 import numpy as np
 import pytest
 import websockets
-from servers import RunningServer, running_server, server_errors
+from servers import EnginePool, RunningServer, running_server, server_errors
 from speech import Clip
 
 from voicebot.audio import dbfs, resample
@@ -257,7 +257,7 @@ def test_request_url_as_twilio_saw_it() -> None:
 
 # ================================================================ real calls
 @pytest.fixture(scope="module")
-async def server(models_config: ModelsConfig) -> AsyncIterator[RunningServer]:
+async def server(engine_pool: EnginePool, models_config: ModelsConfig) -> AsyncIterator[RunningServer]:
     cfg = load_config(
         "configs/test.yaml",
         [
@@ -267,7 +267,7 @@ async def server(models_config: ModelsConfig) -> AsyncIterator[RunningServer]:
             "telephony.dtmf_terminator='#'",
         ],
     )
-    async with running_server(cfg) as running:
+    async with running_server(cfg, pool=engine_pool) as running:
         yield running
 
 
