@@ -87,7 +87,7 @@ def create_tts(cfg: TtsConfig, voice_path: str | None) -> Tts:
         from voicebot.engines.tts.piper import PiperTts
 
         if voice_path is None:
-            raise ModelError("tts.engine=piper needs a resolved voice directory (tts.voice)")
+            raise ModelError("tts.engine=piper needs a resolved voice directory (tts.model or tts.voice)")
         return PiperTts(cfg, voice_path)
     if cfg.engine == "kokoro":
         from voicebot.engines.tts.kokoro import KokoroTts
@@ -97,7 +97,7 @@ def create_tts(cfg: TtsConfig, voice_path: str | None) -> Tts:
         from voicebot.engines.tts.coqui import CoquiTts
 
         if voice_path is None:
-            raise ModelError("tts.engine=coqui needs a resolved model (tts.coqui_model)")
+            raise ModelError("tts.engine=coqui needs a resolved model (tts.model or tts.coqui_model)")
         return CoquiTts(cfg, voice_path)
     from voicebot.engines.tts.espeak import EspeakTts
 
