@@ -179,16 +179,21 @@ async def resolve_specs(cfg: Config) -> EngineSpecs:
 def _import_transformers_once(cfg: Config) -> None:
     """transformers' lazy module is not safe to import from two threads at once: a GPU
     frontend (remote LLM: the tokenizer; vLLM Whisper: vLLM) failed to start with "cannot
-    import name 'PretrainedConfig' from 'transformers'". With vLLM Whisper
-    beside either LLM backend, both are imported here, on one thread, before the engines
-    start concurrently; a missing package is left for its engine to report."""
-    if cfg.asr.backend not in ("vllm", "fastconformer"):
+    import name 'PretrainedConfig' from 'transformers'", and so did a server whose Coqui
+    engine (its XTTS code imports transformers) loaded beside vLLM. With vLLM Whisper or
+    Coqui beside either LLM backend, all are imported here, on one thread, before the
+    engines start concurrently; a missing package is left for its engine to report."""
+    coqui = cfg.tts.engine == "coqui" and cfg.tts.backend == "local"
+    if cfg.asr.backend not in ("vllm", "fastconformer") and not coqui:
         return  # one importer only: the LLM's thread
     with contextlib.suppress(ImportError):
         import transformers
         import vllm  # noqa: F401
 
         _ = transformers.PretrainedConfig, transformers.AutoTokenizer
+    if coqui:
+        with contextlib.suppress(ImportError):
+            import TTS.tts.models.xtts  # noqa: F401
 
 
 async def load_engines(cfg: Config) -> Engines:
