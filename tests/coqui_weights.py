@@ -1,13 +1,20 @@
-"""A Coqui VITS model directory with random weights for tests (no Coqui weights can be
-fetched here): ``benchmarks/coqui_random.py --tiny``, loaded by path. Random weights make
-noise, not speech; every token lasts exactly ``FRAMES`` frames of ``HOP`` samples, so a
-sentence's length is known from its token count."""
+"""Coqui model directories with random weights for tests (no Coqui weights can be
+fetched here), and what the Coqui engine tests share. The VITS: ``benchmarks/coqui_random.py
+--tiny``, loaded by path; every token lasts exactly ``FRAMES`` frames of ``HOP`` samples, so
+a sentence's length is known from its token count. The XTTS: :func:`tiny_xtts`. Random
+weights make noise, not speech."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import importlib.util
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from voicebot.engines.tts.coqui import CoquiTts
 
 ROOT = Path(__file__).resolve().parents[1]
 FRAMES = 3  # ceil of coqui_random.FRAMES_PER_TOKEN
@@ -82,3 +89,18 @@ def tiny_xtts(out: Path) -> Path:
     config.save_json(str(out / "config.json"))
     torch.save({"model": model.state_dict()}, out / "model.pth")
     return out
+
+
+async def jobs_when_closed_at_the_first_chunk(tts: CoquiTts, text: str) -> int:
+    """Take ``text``'s first chunk, close the stream, wait until no synthesis runs: how many
+    of the engine's pool jobs ran or were dropped meanwhile (one chunk a job)."""
+    pool = tts.pool
+    before = pool.completed + pool.discarded + pool.dropped
+    async with contextlib.aclosing(tts.synthesize(text)) as stream:
+        first = await asyncio.wait_for(anext(stream), 120)
+        assert first.size > 0
+    async with asyncio.timeout(60):
+        while pool.running:
+            await asyncio.sleep(0.01)
+    assert tts.queue_depth == 0
+    return pool.completed + pool.discarded + pool.dropped - before
