@@ -38,7 +38,7 @@ from voicebot.engines.registry import Engines, load_engines, resolve_specs
 from voicebot.engines.startup import reap_children, start_all
 from voicebot.engines.turn.smart_turn import load_smart_turn
 from voicebot.engines.turn.vad import SileroVad
-from voicebot.probe.base import Audio, ClientClosed, ConnectOptions, Event
+from voicebot.probe.base import Audio, ClientClosed, ConnectOptions, Event, make_client
 from voicebot.probe.native import NativeClient
 from voicebot.server.app import create_app
 from voicebot.server.run import uvicorn_config
@@ -48,6 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MIC_RATE = 16000
 OUT_RATE = 16000  # what NativeCall asks the server to send
 FRAME = 320  # 20 ms at 16 kHz
+PROTOCOL_PATHS = {"native": "/ws", "realtime": "/v1/realtime", "twilio": "/twilio"}  # WebRTC: HTTP signalling
 
 
 @dataclass
@@ -206,6 +207,28 @@ class NativeCall:
         await client.connect()
         call = cls(client)
         call._tasks = [asyncio.create_task(call._read()), asyncio.create_task(call._silence())]
+        return call
+
+    @classmethod
+    async def over(
+        cls, server: RunningServer, protocol: str, *, output_rate: int | None = OUT_RATE,
+        start_fields: dict[str, Any] | None = None,
+    ) -> NativeCall:
+        """A call over ``protocol`` (native, realtime, twilio, webrtc), driven by the probe's
+        client for that wire, which reads back the native event names. ``output_rate``:
+        the rate the client hands reply audio on (None: the wire's own, as the server sends
+        it: native's session default, Realtime's 24 kHz PCM, Twilio's 8 kHz, WebRTC's 48 kHz)."""
+        url = server.http if protocol == "webrtc" else server.ws(PROTOCOL_PATHS.get(protocol, "/ws"))
+        before = set(server.state.sessions)
+        client = make_client(protocol, ConnectOptions(url, MIC_RATE, output_rate, start_fields=start_fields or {}))
+        await client.connect()
+        call = cls(client)  # type: ignore[arg-type]
+        call._tasks = [asyncio.create_task(call._read()), asyncio.create_task(call._silence())]
+        if protocol == "twilio":  # the wire names no session: the one this call opened
+            async with asyncio.timeout(10):
+                while not set(server.state.sessions) - before:
+                    await asyncio.sleep(0.02)
+            (client.session_id,) = set(server.state.sessions) - before  # type: ignore[attr-defined]
         return call
 
     @property

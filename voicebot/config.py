@@ -231,22 +231,42 @@ class RemoteTtsConfig(_Section):
     startup_timeout_s: float = Field(300.0, ge=0.0, le=3600.0, description="How long a frontend's start-up waits for the service.")
 
 
+# The setting ``tts.model`` stands for, per engine (espeak-ng has no model).
+TTS_MODEL_FIELDS: dict[str, str] = {"piper": "voice", "kokoro": "kokoro_model", "coqui": "coqui_model"}
+
+
 class TtsConfig(_Section):
     backend: Literal["local", "remote"] = Field("local", description="local: the engine runs in this process; remote: a shared `voicebot tts-serve` service (tts.remote) hosts it for every frontend (one CUDA context for Kokoro on a GPU).")
     remote: RemoteTtsConfig = Field(default_factory=RemoteTtsConfig, description="The shared TTS service (backend remote).")
-    engine: Literal["piper", "espeak", "kokoro", "coqui"] = Field("piper", description="Synthesiser behind the TTS interface, or the one `voicebot tts-serve` hosts with backend remote (kokoro: Kokoro-82M in torch, batched across sessions; for a GPU; voice = a Kokoro voice name such as af_heart; coqui: a Coqui TTS model, VITS or XTTS, from tts.coqui_model; needs the coqui extra).")
-    voice: str = Field("bundle:piper-en_US-joe-medium", description="Piper: voice directory/bundle; espeak: voice name.")
+    engine: Literal["piper", "espeak", "kokoro", "coqui"] = Field("piper", description="Synthesiser behind the TTS interface, or the one `voicebot tts-serve` hosts with backend remote (kokoro: Kokoro-82M in torch, batched across sessions; for a GPU; voice = a Kokoro voice name such as af_heart; coqui: a Coqui TTS model, VITS or XTTS, from tts.model or tts.coqui_model; needs the coqui extra).")
+    model: str | None = Field(None, min_length=1, description="The engine's model, whatever the engine: Piper's voice directory or bundle (tts.voice), Kokoro's model (tts.kokoro_model), Coqui's (tts.coqui_model); when set it replaces that setting. espeak-ng has none (setting it is an error). None: the engine's own setting.")
+    voice: str = Field("bundle:piper-en_US-joe-medium", description="Piper: voice directory/bundle (or tts.model); espeak: voice name; Kokoro: the default voice's name.")
     workers: int = Field(1, ge=1, le=64, description="Synthesis threads shared by all sessions.")
     queue_size: int = Field(64, ge=1, le=100_000, description="Clauses waiting for a synthesis thread.")
     speed: float = Field(1.0, ge=0.25, le=4.0, description="Speaking rate multiplier.")
     intra_op_threads: int = Field(0, ge=0, le=256, description="Piper: onnxruntime threads per synthesis (0: onnxruntime's default, one per core). 1-2 on a many-core host lets tts.workers scale without each synthesis taking every core (docs/gpu-results.md, 'Why the GPU configs are what they are').")
-    kokoro_model: str = Field("hexgrad/Kokoro-82M", description="Kokoro: a Hugging Face repo id or a directory with config.json, one .pth and voices/NAME.pt (or kokoro-js NAME.bin); 'random': random weights of the real shape with real-length speech, for GPU measurements only.")
+    kokoro_model: str = Field("hexgrad/Kokoro-82M", description="Kokoro (or tts.model): a Hugging Face repo id or a directory with config.json, one .pth and voices/NAME.pt (or kokoro-js NAME.bin); 'random': random weights of the real shape with real-length speech, for GPU measurements only.")
     device: str = Field("auto", description="Kokoro and Coqui: torch device (auto: cuda if available, else cpu).")
     max_batch: int = Field(64, ge=1, le=1024, description="Kokoro: clauses of all sessions synthesised in one forward at most (tts.workers forwards run at once).")
-    coqui_model: str = Field("tts_models/en/ljspeech/vits", description="Coqui: a model directory (config.json and its checkpoint: model.pth or one .pth; XTTS also vocab.json), a Coqui model name (tts_models/LANG/DATASET/MODEL, downloaded by Coqui) or a Hugging Face repo id (coqui/XTTS-v2); bundle:NAME and models.offline apply as to every model setting.")
+    coqui_model: str = Field("tts_models/en/ljspeech/vits", description="Coqui (or tts.model): a model directory (config.json and its checkpoint: model.pth or one .pth; XTTS also vocab.json), a Coqui model name (tts_models/LANG/DATASET/MODEL, downloaded by Coqui) or a Hugging Face repo id (coqui/XTTS-v2); bundle:NAME and models.offline apply as to every model setting.")
     coqui_speaker: str | None = Field(None, description="Coqui: the default voice: a speaker name of a multi-speaker model, or a reference clip (a .wav path) for a cloning model such as XTTS; None: a single-speaker model's only voice, else the model's first speaker. synthesize(voice=...) takes the same per call.")
     coqui_language: str = Field("en", min_length=1, max_length=16, description="Coqui: the language of the text for multilingual models (XTTS: en, de, fr ...); ignored by single-language models.")
     coqui_stream_tokens: int = Field(20, ge=0, le=1000, description="Coqui XTTS: GPT tokens per streamed audio chunk within a clause (fewer: earlier first audio, more decoder calls); 0: one chunk per sentence.")
+
+    @model_validator(mode="after")
+    def _model_is_the_engines(self) -> TtsConfig:
+        """``tts.model`` into the engine's own setting: every reader (the engines, the
+        registry, ``tts-serve``, ``models pull``) then reads that one setting only."""
+        if self.model is None:
+            return self
+        name = TTS_MODEL_FIELDS.get(self.engine)
+        if name is None:
+            raise ValueError(f"tts.model is set but tts.engine {self.engine} loads no model: "
+                             f"unset tts.model (tts.voice picks the {self.engine} voice)")
+        # Past validate_assignment: assigning a field would run this validator again, endlessly.
+        self.__dict__[name] = self.model
+        self.__pydantic_fields_set__.add(name)
+        return self
 
 
 class VadConfig(_Section):

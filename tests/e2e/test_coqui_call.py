@@ -1,10 +1,10 @@
-"""A server started with ``tts.engine=coqui`` and a Coqui model directory answers a call.
+"""A server started with ``tts.engine=coqui`` and ``tts.model=<dir>`` answers a call over every
+protocol (native, Realtime, Twilio, WebRTC), each driven by the probe's client for its wire.
 
 The model is the tiny random-weight VITS of tests/coqui_weights.py (no download): its reply
-is noise, not speech, so the call is checked for a completed reply with audio and no error,
-never for words. One native call: every transport hands its call to the same session, which
-gets the TTS engine from the registry (``create_tts``), so the protocol does not change what
-this checks; tests/engines/test_tts_coqui.py checks the engine itself.
+is noise, not speech, so each call is checked for a completed reply with audio at its wire's
+rate and no error, never for words. One server serves the four calls;
+tests/engines/test_tts_coqui.py checks the engine itself.
 """
 
 from __future__ import annotations
@@ -13,13 +13,16 @@ from collections.abc import AsyncIterator
 
 import pytest
 from coqui_weights import tiny_vits
-from servers import OUT_RATE, EnginePool, NativeCall, RunningServer, running_server, server_errors
+from servers import EnginePool, NativeCall, RunningServer, running_server, server_errors
 from speech import Clip
 
 from voicebot.config import ModelsConfig, load_config
 from voicebot.engines.tts.coqui import CoquiTts
 
 pytestmark = pytest.mark.engines
+
+# The rate each wire carries reply audio at (native: the session's default, asked for nothing).
+WIRE_RATES = {"native": 24_000, "realtime": 24_000, "twilio": 8_000, "webrtc": 48_000}
 
 
 @pytest.fixture(scope="module")
@@ -31,23 +34,29 @@ async def server(engine_pool: EnginePool, models_config: ModelsConfig, tmp_path_
     cfg = load_config("configs/test.yaml", [
         f"models.cache_dir={models_config.cache_dir}",
         "tts.engine=coqui",
-        f"tts.coqui_model={model}",
-        "llm.max_tokens=6",  # the random test LLM's words: a short reply, spoken in real time
-        "server.transports=[native]",
+        f"tts.model={model}",  # the generic setting: tts.coqui_model for this engine
+        "llm.max_tokens=4",  # the random test LLM's words: a short reply, spoken in real time
+        "session.output_sample_rate=24000",
+        "server.transports=[native,realtime,twilio,webrtc]",
     ])
+    assert cfg.tts.coqui_model == str(model)
     async with running_server(cfg, pool=engine_pool) as running:
         yield running
 
 
-async def test_a_call_is_answered_with_coquis_audio(server: RunningServer, speech_clips: list[Clip]) -> None:
+@pytest.mark.parametrize("protocol", list(WIRE_RATES))
+async def test_a_call_is_answered_with_coquis_audio(server: RunningServer, speech_clips: list[Clip], protocol: str) -> None:
     assert server.state.engines is not None and isinstance(server.state.engines.tts, CoquiTts)
     clip = min(speech_clips, key=lambda c: c.audio.size)
     with server_errors() as errors:
-        call = await NativeCall.open(server)
+        call = await NativeCall.over(server, protocol, output_rate=None)  # audio at the wire's own rate
         try:
+            rate = call.client.output_rate
             done = await call.turn(clip.audio, timeout=90)
         finally:
             await call.close()
+    assert rate == WIRE_RATES[protocol]
     assert done["status"] == "completed", done
-    assert call.reply_audio(done["response_id"]).size > OUT_RATE // 10, "the reply was spoken"
+    reply = call.reply_audio(done["response_id"])
+    assert reply.size > rate // 10, f"the reply was spoken ({reply.size} samples at {rate} Hz)"
     assert not call.errors() and not errors, (call.errors(), [r.getMessage() for r in errors])

@@ -32,8 +32,6 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 from servers import (
-    MIC_RATE,
-    OUT_RATE,
     EnginePool,
     NativeCall,
     RunningServer,
@@ -47,7 +45,6 @@ from voicebot.audio import dbfs
 from voicebot.config import ModelsConfig, TelemetryConfig, load_config
 from voicebot.observe import webhook as wh
 from voicebot.observe.telemetry import Telemetry
-from voicebot.probe.base import ConnectOptions, make_client
 
 pytestmark = pytest.mark.engines  # a real server
 
@@ -117,28 +114,8 @@ def use(server: RunningServer, made: list[Telemetry], cfg: TelemetryConfig, envi
     return t
 
 
-URLS = {"realtime": "/v1/realtime", "twilio": "/twilio"}
 # Twilio's numbers reach the stream as the TwiML's parameters (/twilio/voice puts them there).
 NUMBERS = {"From": "+15550100001", "To": "+15550100002"}
-
-
-async def open_call(server: RunningServer, protocol: str) -> NativeCall:
-    if protocol == "native":
-        return await NativeCall.open(server)
-    # The probe's clients speak each wire and read back the native event names.
-    url = server.http if protocol == "webrtc" else server.ws(URLS[protocol])
-    before = set(server.state.sessions)
-    client = make_client(protocol, ConnectOptions(url, MIC_RATE, OUT_RATE,
-                                                  start_fields=NUMBERS if protocol == "twilio" else {}))
-    await client.connect()
-    call = NativeCall(client)  # type: ignore[arg-type]
-    call._tasks = [asyncio.create_task(call._read()), asyncio.create_task(call._silence())]
-    if protocol == "twilio":  # the wire names no session: the one this call opened
-        async with asyncio.timeout(10):
-            while not set(server.state.sessions) - before:
-                await asyncio.sleep(0.02)
-        (client.session_id,) = set(server.state.sessions) - before  # type: ignore[attr-defined]
-    return call
 
 
 async def one_turn_call(server: RunningServer, clip: Clip, protocol: str = "native") -> tuple[str, dict[str, Any], str]:
@@ -146,7 +123,7 @@ async def one_turn_call(server: RunningServer, clip: Clip, protocol: str = "nati
     response.done and its carrier's call id (Twilio; else ""). Nothing the telemetry
     does may show in the call."""
     with server_errors() as errors:
-        call = await open_call(server, protocol)
+        call = await NativeCall.over(server, protocol, start_fields=NUMBERS if protocol == "twilio" else None)
         try:
             done = await call.turn(clip.audio, timeout=90)
             assert done["status"] == "completed" and not call.errors()

@@ -87,7 +87,7 @@ def create_tts(cfg: TtsConfig, voice_path: str | None) -> Tts:
         from voicebot.engines.tts.piper import PiperTts
 
         if voice_path is None:
-            raise ModelError("tts.engine=piper needs a resolved voice directory (tts.voice)")
+            raise ModelError("tts.engine=piper needs a resolved voice directory (tts.model or tts.voice)")
         return PiperTts(cfg, voice_path)
     if cfg.engine == "kokoro":
         from voicebot.engines.tts.kokoro import KokoroTts
@@ -97,7 +97,7 @@ def create_tts(cfg: TtsConfig, voice_path: str | None) -> Tts:
         from voicebot.engines.tts.coqui import CoquiTts
 
         if voice_path is None:
-            raise ModelError("tts.engine=coqui needs a resolved model (tts.coqui_model)")
+            raise ModelError("tts.engine=coqui needs a resolved model (tts.model or tts.coqui_model)")
         return CoquiTts(cfg, voice_path)
     from voicebot.engines.tts.espeak import EspeakTts
 
@@ -179,16 +179,21 @@ async def resolve_specs(cfg: Config) -> EngineSpecs:
 def _import_transformers_once(cfg: Config) -> None:
     """transformers' lazy module is not safe to import from two threads at once: a GPU
     frontend (remote LLM: the tokenizer; vLLM Whisper: vLLM) failed to start with "cannot
-    import name 'PretrainedConfig' from 'transformers'". With vLLM Whisper
-    beside either LLM backend, both are imported here, on one thread, before the engines
-    start concurrently; a missing package is left for its engine to report."""
-    if cfg.asr.backend not in ("vllm", "fastconformer"):
+    import name 'PretrainedConfig' from 'transformers'", and so did a server whose Coqui
+    engine (its XTTS code imports transformers) loaded beside vLLM. With vLLM Whisper or
+    Coqui beside either LLM backend, all are imported here, on one thread, before the
+    engines start concurrently; a missing package is left for its engine to report."""
+    coqui = cfg.tts.engine == "coqui" and cfg.tts.backend == "local"
+    if cfg.asr.backend not in ("vllm", "fastconformer") and not coqui:
         return  # one importer only: the LLM's thread
     with contextlib.suppress(ImportError):
         import transformers
         import vllm  # noqa: F401
 
         _ = transformers.PretrainedConfig, transformers.AutoTokenizer
+    if coqui:
+        with contextlib.suppress(ImportError):
+            import TTS.tts.models.xtts  # noqa: F401
 
 
 async def load_engines(cfg: Config) -> Engines:
