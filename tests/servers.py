@@ -34,7 +34,7 @@ from aiohttp import web
 from voicebot.audio import float_to_pcm16, pcm16_to_float
 from voicebot.config import Config
 from voicebot.engines.contracts import EndOfTurn
-from voicebot.engines.registry import Engines, load_engines, resolve_specs
+from voicebot.engines.registry import Engines, import_transformers_once, load_engines, resolve_specs
 from voicebot.engines.startup import reap_children, start_all
 from voicebot.engines.turn.smart_turn import load_smart_turn
 from voicebot.engines.turn.vad import SileroVad
@@ -95,6 +95,7 @@ class EnginePool:
         if "llm" in new:
             await self._make_room_for_an_llm()
         if new:
+            await asyncio.to_thread(import_transformers_once, cfg)  # as load_engines does
             await start_all(new)
         for name, engine in new.items():
             self._stages[(name, keys[name])] = engine

@@ -176,7 +176,7 @@ async def resolve_specs(cfg: Config) -> EngineSpecs:
     return EngineSpecs(cfg, asr_path, llm_path, await resolve(refs.tokenizer), await resolve(refs.voice))
 
 
-def _import_transformers_once(cfg: Config) -> None:
+def import_transformers_once(cfg: Config) -> None:
     """transformers' lazy module is not safe to import from two threads at once: a GPU
     frontend (remote LLM: the tokenizer; vLLM Whisper: vLLM) failed to start with "cannot
     import name 'PretrainedConfig' from 'transformers'", and so did a server whose Coqui
@@ -200,7 +200,7 @@ async def load_engines(cfg: Config) -> Engines:
     """Resolve the models and start the engines: all of them, or none (see start_all)."""
     specs = await resolve_specs(cfg)
     asr, llm, tts = specs.asr(), specs.llm(), specs.tts()
-    await asyncio.to_thread(_import_transformers_once, cfg)
+    await asyncio.to_thread(import_transformers_once, cfg)
     # The LLM takes longest to start (engine-core process); load the rest meanwhile.
     await start_all({"llm": llm, "asr": asr, "tts": tts})
     try:
