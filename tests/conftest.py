@@ -98,22 +98,33 @@ def whisper_tiny_dir(bundle_dir: Callable[[str], str]) -> str:
 
 # The longest modules first, so that under pytest-xdist (`make test`: a module per process
 # at a time) the two processes finish together instead of one running the soak alone at
-# the end: the listed modules by decreasing time, then the other modules with a real
-# engine, then the fast tier, whose short modules fill the last gaps. xdist hands the
-# modules out in this order only with --no-loadscope-reorder (the Makefile passes it):
-# by default it reorders them by their number of tests, the most first, which put the
-# one-test soak last. Order only: every test still runs.
+# the end: the modules with servers of their own by decreasing time, then the modules
+# whose in-process servers borrow engines from the process's pool (tests/servers.py),
+# grouped by the LLM they run so that each process starts each LLM once (the pool keeps
+# two), then the other modules with a real engine, then the fast tier, whose short
+# modules fill the last gaps. xdist hands the modules out in this order only with
+# --no-loadscope-reorder (the Makefile passes it): by default it reorders them by their
+# number of tests, the most first, which put the one-test soak last. Order only: every
+# test still runs.
 _FIRST = (
     "e2e/test_soak.py",
     "e2e/test_lifecycle.py",
     "e2e/test_scale_out.py",
+    # configs/test.yaml's random Qwen3
+    "e2e/test_telemetry_e2e.py",
     "e2e/test_short_utterance.py",
+    "transports/test_twilio.py",
     "e2e/test_web.py",
-    "e2e/test_clients_realtime.py",
-    "e2e/test_tools_e2e.py",
     "services/test_asr_service_e2e.py",
-    "e2e/test_voice_loop.py",
+    "transports/test_realtime.py",
     "services/test_tts_service_e2e.py",
+    "e2e/test_coqui_call.py",
+    "transports/test_webrtc.py",
+    # Qwen2.5-Coder-0.5B-Instruct on configs/test.yaml's engine settings
+    "e2e/test_voice_loop.py",
+    "e2e/test_tools_e2e.py",
+    # configs/default.yaml's LLM
+    "e2e/test_clients_realtime.py",
     "engines/test_llm_shutdown.py",
 )
 
