@@ -60,6 +60,10 @@ run() {
   shift
   local levels=("$@")
   [ ${#levels[@]} -gt 0 ] || levels=(16 32 48 64 96)
+  # Every server admits the largest level (split over the frontends, but the services see
+  # all of it), with a few slots to spare.
+  local most=0 n
+  for n in "${levels[@]}"; do [ "$n" -gt "$most" ] && most=$n; done
   stage
   local dir
   dir="$out/run-$(date -u +%Y%m%dT%H%M%SZ)"
@@ -76,7 +80,7 @@ run() {
     --audio "$MODELS"/audio/*.wav --sessions "${levels[@]}" --turns "${SUITE_TURNS:-2}" \
     --start-timeout-s 300 --keep-going --max-wall-s "${SUITE_WALL_S:-480}" \
     --set tts.engine=kokoro --set tts.kokoro_model=random --set tts.voice=af_heart --set tts.workers=2 \
-    --set tts.max_batch=64 --set asr.partial_interval_ms=4000 --set server.max_sessions=128 \
+    --set tts.max_batch=64 --set asr.partial_interval_ms=4000 --set "server.max_sessions=$((most + 8))" \
     --set "vad.smart_turn_model=$MODELS/smart-turn" --set models.offline=true \
     ${SUITE_ARGS:-} --out "$dir"
   do_ "$PY" benchmarks/pipeline_gpu.py plot "$dir/pipeline.json" --png "$dir/pipeline.png"

@@ -60,6 +60,12 @@ def test_the_dry_run_prints_the_documented_layout_at_the_levels_into_a_new_folde
     assert again != run_dir and again.parent == out
 
 
+def test_the_servers_admit_the_largest_level(tmp_path: Path) -> None:
+    args = pipeline_gpu().build_parser().parse_args(run_command(dry_run(tmp_path / "gpu", tmp_path / "out", "64", "256", "192")))
+    admitted = [int(s.split("=", 1)[1]) for s in args.set if s.startswith("server.max_sessions=")]
+    assert admitted and admitted[-1] >= 256, args.set
+
+
 def test_the_default_levels_and_extra_flags_reach_the_run(tmp_path: Path) -> None:
     import os
 
