@@ -169,6 +169,7 @@ def test_a_reply_heard_while_the_caller_still_speaks_fails_the_turn_and_says_why
     # The server took the caller's pause for the end of the turn: it sent a transcript
     # and reply audio before the clip was over, and the caller's next words barged in.
     tr = TurnTracker(TurnRecord(0, 0, "jfk.wav"), RATE, timings_grace_s=0.0)
+    tr.speech_started(0.5)
     tr.on_event(ev("transcript.final", item_id="i1", text="And so my fellow Americans"), 3.0)
     tr.on_event(ev("response.started", response_id="r1"), 3.1)
     tr.on_event(ev("response.audio.started", response_id="r1"), 3.2)
@@ -188,8 +189,8 @@ def test_a_reply_heard_while_the_caller_still_speaks_fails_the_turn_and_says_why
     assert rec.voice_to_voice_ms == pytest.approx(500.0)
     assert (rec.early_ends, rec.overlap_ms, rec.replies_while_speaking) == (1, 300.0, ["r1"])
     assert rec.errors == [
-        "talked over the caller: 300 ms of reply audio while they were still speaking "
-        "(the server ended their turn early after 'And so my fellow Americans')"
+        "talked over the caller: 300 ms of reply audio while they were still speaking, from 2.8 s into "
+        "their speech (4.7 s before its end); the server had ended their turn after 'And so my fellow Americans'"
     ]
     assert any("1 barge-in(s) the probe did not make" in n for n in rec.notes)
 

@@ -299,7 +299,7 @@ class _Session:
                 keep_audio_s=keep_s,
             )
             self.tracker = tracker
-            self.play(clip, None, tracker.speech_ended)
+            self.play(clip, tracker.speech_started, tracker.speech_ended)
             timed_out = not await self._wait(tracker, time.monotonic() + cfg.timeout_s)
             self.stop_clip()  # after a timeout the clip may still be playing
             self.records.append(
