@@ -477,6 +477,18 @@ async def test_driver_against_a_scripted_server(scripted_url: str, say_clip: Any
     _check_records(records, 2, 2)
 
 
+async def test_the_turn_limit_counts_from_the_end_of_the_clip(scripted_url: str, tmp_path: Path) -> None:
+    # A clip longer than the limit is still answered in time: the caller's own speech is
+    # not the server's time.
+    from voicebot.probe.client import ProbeConfig, run_level
+
+    wav = tmp_path / "long.wav"
+    sf.write(wav, np.concatenate([tone(1.5, -20.0, 22050), silence(0.1, 22050)]), 22050)
+    cfg = ProbeConfig(url=scripted_url, clips=(load_clip(str(wav), RATE),), turns=1, gap_s=0.0, timeout_s=1.0)
+    records = await asyncio.wait_for(run_level(cfg, 1), 30)
+    assert [(r.status, r.errors) for r in records] == [("ok", [])]
+
+
 async def test_a_session_keeps_no_reply_audio_unless_it_is_saved(
     scripted_url: str, say_clip: Any, tmp_path: Path
 ) -> None:
