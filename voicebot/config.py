@@ -281,7 +281,7 @@ class VadConfig(_Section):
     smart_turn_model: str = Field("bundle:smart-turn-v3.2", description="Smart Turn v3 ONNX model: a directory holding smart-turn-v3.2-cpu.onnx, the file itself, or bundle:NAME.")
     smart_turn_threshold: float = Field(0.5, ge=0.01, le=0.99, description="Probability of 'finished' at or above which the turn ends at the pause (0.5 as Pipecat).")
     smart_turn_check_ms: int = Field(192, ge=32, le=5000, description="Silence before the model is asked (it was trained on turns ending in ~200 ms of silence).")
-    smart_turn_words: bool = Field(True, description="At each pause also weigh the words heard so far (the pause's own transcript): a grammatically open ending (a trailing 'and', a comma, an article, a number being dictated) or one the recogniser left unpunctuated holds the turn to smart_turn_max_silence_ms (voicebot/core/turn_policy.py).")
+    smart_turn_words: bool = Field(True, description="At each pause also weigh the words heard so far (the pause's own transcript): a grammatically open ending (a trailing 'and', a comma, an article, a number being dictated), words that are only an opening ('And so, my fellow Americans.') or an ending the recogniser left unpunctuated hold the turn to smart_turn_max_silence_ms (voicebot/core/turn_policy.py).")
     smart_turn_history: bool = Field(True, description="Wait a little past the longest pause this caller went on after earlier in the call before a turn that sounds finished ends.")
     smart_turn_max_silence_ms: int = Field(1500, ge=100, le=10_000, description="Silence that ends the turn even when the model hears it unfinished.")
 

@@ -25,7 +25,21 @@ CFG = TurnPolicyConfig(check_ms=192, max_silence_ms=1500, threshold=0.5, history
         ("my account number is one two three", "number being dictated"),
         ("What time do you open on Sundays?", None),
         ("I want to cancel my subscription.", None),
-        ("And so my fellow Americans", None),  # closed words: the punctuation rule decides
+        # Only an opening: connectives, then at most whom they address, however punctuated.
+        ("And so, my fellow Americans.", "only an opening 'and so my fellow americans'"),
+        ("And so my fellow Americans", "only an opening 'and so my fellow americans'"),
+        ("So, ladies and gentlemen.", "only an opening 'so ladies and gentlemen'"),
+        ("Well, um.", "only an opening 'well um'"),
+        ("Okay, so.", "only an opening 'okay so'"),
+        ("And so.", "only an opening 'and so'"),
+        # ... but an opening that says something, asks, or answers is not held by this rule.
+        ("And so my fellow Americans, ask not what your country can do for you.", None),
+        ("So I'd like to book a table.", None),
+        ("So my car.", None),
+        ("And you?", None),
+        ("Okay.", None),
+        ("Now.", None),
+        ("My fellow Americans.", None),  # no opening: the other signals decide
         ("It is 5", None),  # a number, but nothing is being dictated
         ("", None),
     ],
@@ -51,7 +65,9 @@ def test_open_endings(words: str, why: str | None) -> None:
         # a transcript the recogniser left unpunctuated: hold
         (0.9, "And so my fellow Americans", True, 1500, False),
         # a partial (it may lag the speech) is read for open words only
-        (0.9, "And so my fellow Americans", False, 192, False),
+        (0.9, "What time do you open on Sundays", False, 192, False),
+        # only an opening, punctuated as a sentence: the words hold the turn
+        (0.98, "And so, my fellow Americans.", True, 1500, False),
     ],
 )
 def test_decide_without_history(verdict: float | None, words: str | None, final: bool, silence_ms: float,

@@ -361,3 +361,36 @@ def test_a_pause_that_sounded_unfinished_is_not_remembered() -> None:
     feed_run(det, [0.9] * 10 + [0.05] * 8)
     feed_run(det, [0.05] * 2 + [0.9] * 10, start=18)
     assert det.history.longest_ms is None
+
+
+# Silero's probabilities (32 ms windows) for the JFK clip from 0.22 s to 5.72 s:
+# "And so my fellow Americans" (speech to ~2.2 s), a breath at ~3.36 s and ~4.05 s, then
+# "ask not ..." from ~5.41 s. Probabilities of the clip, rounded: no audio is kept here.
+JFK_OPENING_PAUSE = [float(p) for p in """
+0.14 0.12 0.09 0.60 0.78 0.77 0.74 0.72 0.77 0.84 0.86 0.86 0.79 0.71 0.81 0.89 0.88 0.86 0.83 0.83 0.80
+0.80 0.78 0.78 0.83 0.85 0.85 0.84 0.76 0.76 0.76 0.82 0.86 0.83 0.73 0.72 0.84 0.83 0.85 0.83 0.81 0.80
+0.79 0.79 0.77 0.81 0.85 0.87 0.88 0.86 0.86 0.86 0.83 0.81 0.81 0.86 0.87 0.73 0.82 0.78 0.64 0.54 0.38
+0.28 0.20 0.15 0.13 0.08 0.07 0.08 0.07 0.06 0.06 0.07 0.05 0.04 0.04 0.04 0.03 0.03 0.03 0.03 0.03 0.04
+0.03 0.02 0.02 0.02 0.02 0.02 0.02 0.03 0.02 0.03 0.03 0.11 0.43 0.40 0.57 0.43 0.26 0.16 0.14 0.11 0.08
+0.11 0.28 0.24 0.37 0.24 0.18 0.14 0.12 0.08 0.04 0.03 0.02 0.18 0.33 0.62 0.66 0.56 0.33 0.34 0.33 0.24
+0.26 0.32 0.22 0.13 0.09 0.07 0.04 0.04 0.02 0.02 0.01 0.01 0.01 0.01 0.01 0.00 0.00 0.00 0.00 0.00 0.00
+0.01 0.00 0.00 0.00 0.00 0.00 0.00 0.00 0.00 0.00 0.00 0.00 0.00 0.01 0.01 0.63 0.87 0.88 0.89 0.90 0.90
+0.89 0.87 0.92 0.94""".split()]
+
+
+def test_an_opening_that_sounds_finished_holds_the_turn_through_the_speakers_pause() -> None:
+    # Smart Turn hears "And so my fellow Americans" as finished (0.98) and the recogniser
+    # punctuates it as a sentence, but it is only an opening: the turn is held, and
+    # the breaths in the pause say the caller is still there until "ask not ...".
+    det = SemanticTurnDetector(smart(smart_turn_max_silence_ms=1500), FakeModel(0.98, 0.13, 0.01, 0.01))
+    signals: list[tuple[int, Signal]] = []
+    for i, p in enumerate(JFK_OPENING_PAUSE):
+        det.feed(np.zeros(SAMPLES, dtype=np.float32))
+        got = det.update(p, W)
+        if Signal.PAUSE in got:
+            det.hear_words(det.expect_words(), "And so my fellow Americans.")
+        signals.extend((i, s) for s in got)
+    kinds = [s for _, s in signals]
+    assert Signal.END not in kinds, signals
+    assert kinds[-1] is Signal.RESUME and signals[-1][0] == len(JFK_OPENING_PAUSE) - 10
+    assert det.history.longest_ms is not None  # the pause sounded finished: remembered

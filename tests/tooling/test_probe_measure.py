@@ -169,6 +169,7 @@ def test_a_reply_heard_while_the_caller_still_speaks_fails_the_turn_and_says_why
     # The server took the caller's pause for the end of the turn: it sent a transcript
     # and reply audio before the clip was over, and the caller's next words barged in.
     tr = TurnTracker(TurnRecord(0, 0, "jfk.wav"), RATE, timings_grace_s=0.0)
+    tr.speech_started(0.5)
     tr.on_event(ev("transcript.final", item_id="i1", text="And so my fellow Americans"), 3.0)
     tr.on_event(ev("response.started", response_id="r1"), 3.1)
     tr.on_event(ev("response.audio.started", response_id="r1"), 3.2)
@@ -188,8 +189,8 @@ def test_a_reply_heard_while_the_caller_still_speaks_fails_the_turn_and_says_why
     assert rec.voice_to_voice_ms == pytest.approx(500.0)
     assert (rec.early_ends, rec.overlap_ms, rec.replies_while_speaking) == (1, 300.0, ["r1"])
     assert rec.errors == [
-        "talked over the caller: 300 ms of reply audio while they were still speaking "
-        "(the server ended their turn early after 'And so my fellow Americans')"
+        "talked over the caller: 300 ms of reply audio while they were still speaking, from 2.8 s into "
+        "their speech (4.7 s before its end); the server had ended their turn after 'And so my fellow Americans'"
     ]
     assert any("1 barge-in(s) the probe did not make" in n for n in rec.notes)
 
@@ -474,6 +475,18 @@ async def test_driver_against_a_scripted_server(scripted_url: str, say_clip: Any
     cfg = ProbeConfig(url=scripted_url, clips=(say_clip,), turns=2, gap_s=0.1, timeout_s=5.0, stagger_s=0.05)
     records = await asyncio.wait_for(run_level(cfg, 2), 30)
     _check_records(records, 2, 2)
+
+
+async def test_the_turn_limit_counts_from_the_end_of_the_clip(scripted_url: str, tmp_path: Path) -> None:
+    # A clip longer than the limit is still answered in time: the caller's own speech is
+    # not the server's time.
+    from voicebot.probe.client import ProbeConfig, run_level
+
+    wav = tmp_path / "long.wav"
+    sf.write(wav, np.concatenate([tone(1.5, -20.0, 22050), silence(0.1, 22050)]), 22050)
+    cfg = ProbeConfig(url=scripted_url, clips=(load_clip(str(wav), RATE),), turns=1, gap_s=0.0, timeout_s=1.0)
+    records = await asyncio.wait_for(run_level(cfg, 1), 30)
+    assert [(r.status, r.errors) for r in records] == [("ok", [])]
 
 
 async def test_a_session_keeps_no_reply_audio_unless_it_is_saved(

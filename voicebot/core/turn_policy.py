@@ -10,6 +10,9 @@ turn when the silence reaches it, and never later than ``max_silence_ms``.
 - Words that leave the sentence grammatically open ("... and", "so", "because", a
   comma, an article or preposition, a list or a number being dictated) hold the turn to
   ``max_silence_ms`` whatever the audio sounds like: a caller who stops there goes on.
+  So do words that are only an opening: connectives and at most an address ("And so,
+  my fellow Americans.", "Well, um.", "So, everyone."), however they are punctuated:
+  a speaker who has said nothing yet is taking a breath, not giving the turn away.
 - A verdict of "unfinished" holds it to ``max_silence_ms`` too (as before).
 - A verdict of "finished" on a transcript that ends without a sentence mark holds it
   too: the recogniser punctuates what sounds finished.
@@ -46,6 +49,20 @@ _NUMBER = re.compile(r"(?:\d|\b(?:zero|oh|one|two|three|four|five|six|seven|eigh
 _DICTATION = re.compile(r"\b(?:number|phone|code|digits?|zip|postcode|account|card|pin)\b", re.I)
 _WORD = re.compile(r"[A-Za-z']+")
 _SENTENCE_END = ".!?…"
+# Words a turn opens with before it says anything. At least one of _GOING_ON must be
+# among them: "Now." or "Okay." alone answers a question, "And so." or "Well." does not.
+_GOING_ON = frozenset("and so but or well also plus because um uh er erm".split())
+_OPENERS = _GOING_ON | frozenset("now then anyway okay ok alright right".split())
+# Whom the speaker addresses: said after an opening, it still opens ("And so, my
+# fellow Americans", "So, ladies and gentlemen").
+_ADDRESS = re.compile(
+    r"(?:(?:my|our|you)\s+)?(?:(?:dear|fellow|good|old)\s+)*"
+    r"(?:[a-z']+|ladies and gentlemen)",
+)
+_ADDRESSEES = frozenset(
+    """friend friends americans citizens countrymen colleagues folks people everyone everybody
+    guys all team ladies gentlemen sir ma'am madam mate pal buddy""".split()
+)
 
 
 def open_ending(words: str) -> str | None:
@@ -62,7 +79,30 @@ def open_ending(words: str) -> str | None:
     last = _WORD.fullmatch(stripped.split()[-1].strip(".!?…\"'()"))
     if stripped[-1:] not in _SENTENCE_END and last and last.group().lower() in _OPEN_WORDS:
         return f"open word {last.group().lower()!r}"
+    if not stripped.endswith("?") and (opening := only_an_opening(stripped)):
+        return f"only an opening {opening!r}"
     return None
+
+
+def only_an_opening(words: str) -> str | None:
+    """The opening ``words`` are all of (connectives, then at most whom they address),
+    or None when they say something."""
+    said = [w.lower() for w in _WORD.findall(words)]
+    n = 0
+    while n < len(said) and said[n] in _OPENERS:
+        n += 1
+    if not _GOING_ON.intersection(said[:n]):
+        return None
+    rest = " ".join(said[n:])
+    if rest and not (_ADDRESS.fullmatch(rest) and _addressee(rest)):
+        return None
+    return " ".join(said)
+
+
+def _addressee(words: str) -> bool:
+    """``words`` name whom the speaker addresses ("my fellow Americans", "everyone")."""
+    last = words.split()[-1]
+    return last in _ADDRESSEES or words.startswith(("fellow ", "my fellow ", "our fellow ", "my dear ", "dear "))
 
 
 @dataclass(frozen=True)

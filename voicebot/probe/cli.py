@@ -102,7 +102,7 @@ def add_probe_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
         "--timeout-s",
         type=_bounded(float, 1, 3600),
         default=30.0,
-        help="limit per turn; a late turn is recorded as failed (default: %(default)s)",
+        help="limit per turn, from the end of its clip (the reply included); a late turn is recorded as failed (default: %(default)s)",
     )
     p.add_argument(
         "--connect-timeout-s",

@@ -299,8 +299,10 @@ class _Session:
                 keep_audio_s=keep_s,
             )
             self.tracker = tracker
-            self.play(clip, None, tracker.speech_ended)
-            timed_out = not await self._wait(tracker, time.monotonic() + cfg.timeout_s)
+            self.play(clip, tracker.speech_started, tracker.speech_ended)
+            # The limit counts from the end of the clip: the caller's own speech is not the
+            # server's time, and a long clip would otherwise leave a reply too little of it.
+            timed_out = not await self._wait(tracker, time.monotonic() + clip.duration_s + cfg.timeout_s)
             self.stop_clip()  # after a timeout the clip may still be playing
             self.records.append(
                 tracker.finish(time.monotonic(), timed_out=timed_out, reason=self._reason(tracker))

@@ -95,8 +95,10 @@ class TurnTracker:
         self._reply_samples = 0
         self._reply_last_samples = 0
         self._reply_max_gap = 0.0
+        self.speech_start_t: float | None = None
         self.speech_end_t: float | None = None
         self.onset_t: float | None = None
+        self._overlap_t: float | None = None  # when reply audio was first heard over the caller
         # barge-in
         self.barge_state = (
             "off" if barge_after_s is None else "waiting"
@@ -108,6 +110,9 @@ class TurnTracker:
         self._last_barged_audio_t: float | None = None
 
     # ----------------------------------------------------------- driver -> tracker
+    def speech_started(self, t: float) -> None:
+        self.speech_start_t = t
+
     def speech_ended(self, t: float) -> None:
         self.speech_end_t = t
         self._detector.reset()  # only audio after the end of speech counts
@@ -130,6 +135,8 @@ class TurnTracker:
             loud = self._detector.loud_ms(pcm)
             if loud:
                 self.record.overlap_ms += loud
+                if self._overlap_t is None:
+                    self._overlap_t = t
                 if self._playing is not None and self._playing not in self.record.replies_while_speaking:
                     self.record.replies_while_speaking.append(self._playing)
         elif self.onset_t is None and self._detector.feed_pcm16(pcm):
@@ -250,6 +257,17 @@ class TurnTracker:
                 return rid
         return None
 
+    def _talked_over(self) -> str:
+        """Why a turn whose reply was heard over the caller failed: how much, where in
+        their speech it began, and the words the server had taken for the whole turn."""
+        why = f"talked over the caller: {self.record.overlap_ms:.0f} ms of reply audio while they were still speaking"
+        at, start, end = self._overlap_t, self.speech_start_t, self.speech_end_t
+        if at is not None and start is not None and end is not None:
+            why += f", from {max(0.0, at - start):.1f} s into their speech ({max(0.0, end - at):.1f} s before its end)"
+        if self._early_transcripts:
+            why += f"; the server had ended their turn after {self._early_transcripts[0]!r}"
+        return why
+
     def _timeout_reason(self) -> str:
         """What the turn was still waiting for when its time ran out."""
         if self.speech_end_t is None:
@@ -304,10 +322,7 @@ class TurnTracker:
             cuts = "; ".join(repr(t) for t in self._early_transcripts)
             rec.notes.append(f"the server ended the turn {rec.early_ends} time(s) before the caller finished, after {cuts}")
         if rec.overlap_ms:
-            rec.errors.append(
-                f"talked over the caller: {rec.overlap_ms:.0f} ms of reply audio while they were still speaking"
-                + (f" (the server ended their turn early after {self._early_transcripts[0]!r})" if self._early_transcripts else "")
-            )
+            rec.errors.append(self._talked_over())
         if self._unprovoked_barge_ins:
             rec.notes.append(
                 f"{self._unprovoked_barge_ins} barge-in(s) the probe did not make: the caller went on "
