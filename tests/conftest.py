@@ -42,14 +42,28 @@ def models_config() -> ModelsConfig:
     return ModelsConfig(cache_dir=cache, offline=True)
 
 
+_POOLS: list[EnginePool] = []  # the engine_pool of this test process, once made
+_POOLED = pytest.StashKey[set[str]]()  # the modules whose tests use it
+
+
 @pytest.fixture(scope="session")
 async def engine_pool() -> AsyncIterator[EnginePool]:
     """Engines shared by the in-process servers of this test process (tests/servers.py)."""
     from servers import EnginePool
 
     pool = EnginePool()
+    _POOLS.append(pool)
     yield pool
+    _POOLS.remove(pool)
     await pool.aclose()
+
+
+@pytest.fixture(scope="module", autouse=True)
+async def _pool_released_for_other_modules(request: pytest.FixtureRequest) -> None:
+    """A module that uses no pooled server runs without the pool's engines in memory (an
+    LLM's processes take GBs, beside the engines or servers the module starts itself)."""
+    if _POOLS and request.node.nodeid not in request.config.stash.get(_POOLED, set()):
+        await _POOLS[0].aclose()
 
 
 @pytest.fixture(scope="session")
@@ -134,6 +148,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return item.nodeid.split("::", 1)[0]
 
     with_engines = {module(item) for item in items if item.get_closest_marker("engines")}
+    config.stash[_POOLED] = {module(item) for item in items if "engine_pool" in item.fixturenames}
 
     def rank(item: pytest.Item) -> int:
         path = module(item)

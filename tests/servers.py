@@ -78,11 +78,12 @@ class EnginePool:
 
     A stage is reused when its config section (and resolved model) is the same, apart
     from ``llm.max_tokens``, which the session reads from its own config for every reply.
-    At most ``max_llms`` LLMs are kept (each is an engine core and a worker process): a
-    new one closes the one used longest ago.
+    At most ``max_llms`` LLMs are kept (each is an engine core and a worker process, up to
+    GBs): a new one closes the one used longest ago. tests/conftest.py orders the modules
+    by LLM, so one is enough, and releases the pool before a module that does not use it.
     """
 
-    def __init__(self, max_llms: int = 2) -> None:
+    def __init__(self, max_llms: int = 1) -> None:
         self.max_llms = max_llms
         self._stages: dict[tuple[str, str], Any] = {}  # (stage, key) -> started engine
         self._turn_models: dict[str, EndOfTurn | None] = {}
@@ -114,6 +115,7 @@ class EnginePool:
             await self._stages.pop(key).aclose()
 
     async def aclose(self) -> None:
+        """Close every engine (the pool stays usable: the next borrow starts them again)."""
         stages, self._stages = list(self._stages.values()), {}
         results = await asyncio.gather(*(e.aclose() for e in stages), return_exceptions=True)
         await reap_children()
