@@ -45,6 +45,11 @@ from voicebot.server.run import uvicorn_config
 from voicebot.server.state import ServerState
 
 ROOT = Path(__file__).resolve().parents[1]
+# For servers whose replies are the random test LLM's tokens, mostly CJK that espeak-ng
+# spells out at length and the server plays out in real time (a 4-token reply was ~15 s):
+# twice the rate halves that wait. Not for a test that transcribes a reply or barges into
+# one (at this rate whisper-tiny hears nothing, and a reply can end before the barge-in).
+FAST_SPEECH = "tts.speed=2.0"
 MIC_RATE = 16000
 OUT_RATE = 16000  # what NativeCall asks the server to send
 FRAME = 320  # 20 ms at 16 kHz

@@ -13,7 +13,14 @@ from collections.abc import AsyncIterator
 
 import pytest
 from coqui_weights import tiny_vits
-from servers import EnginePool, NativeCall, RunningServer, running_server, server_errors
+from servers import (
+    FAST_SPEECH,
+    EnginePool,
+    NativeCall,
+    RunningServer,
+    running_server,
+    server_errors,
+)
 from speech import Clip
 
 from voicebot.config import ModelsConfig, load_config
@@ -32,7 +39,7 @@ async def server(engine_pool: EnginePool, models_config: ModelsConfig, tmp_path_
     except ImportError as exc:
         pytest.fail(f"coqui-tts is not installed ({exc}): pip install 'voicebot[coqui]'")
     cfg = load_config("configs/test.yaml", [
-        f"models.cache_dir={models_config.cache_dir}",
+        f"models.cache_dir={models_config.cache_dir}", FAST_SPEECH,
         "tts.engine=coqui",
         f"tts.model={model}",  # the generic setting: tts.coqui_model for this engine
         "llm.max_tokens=4",  # the random test LLM's words: a short reply, spoken in real time

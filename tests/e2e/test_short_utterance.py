@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile as sf
-from servers import EnginePool, RunningServer, running_server
+from servers import FAST_SPEECH, EnginePool, RunningServer, running_server
 from speech import Clip
 
 from voicebot.audio import ASR_RATE, Resampler, float_to_pcm16, pcm16_to_float, resample
@@ -53,7 +53,7 @@ def telephone_word(clips: list[Clip]) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 async def server(engine_pool: EnginePool, models_config: ModelsConfig) -> AsyncIterator[RunningServer]:
-    cfg = load_config("configs/test.yaml", [f"models.cache_dir={models_config.cache_dir}", "llm.max_tokens=2"])
+    cfg = load_config("configs/test.yaml", [f"models.cache_dir={models_config.cache_dir}", FAST_SPEECH, "llm.max_tokens=2"])
     async with running_server(cfg, pool=engine_pool) as running:
         yield running
 

@@ -32,6 +32,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 from servers import (
+    FAST_SPEECH,
     EnginePool,
     NativeCall,
     RunningServer,
@@ -56,7 +57,7 @@ STAGES = {"endpointing", "asr", "llm", "first_clause", "tts", "playout"}
 async def server(engine_pool: EnginePool, models_config: ModelsConfig) -> AsyncIterator[RunningServer]:
     # A few tokens a reply: the random test model's words are seconds of espeak each, and
     # what is checked is that every stage shows, not how long the reply is.
-    cfg = load_config("configs/test.yaml", [f"models.cache_dir={models_config.cache_dir}", "llm.max_tokens=4",
+    cfg = load_config("configs/test.yaml", [f"models.cache_dir={models_config.cache_dir}", FAST_SPEECH, "llm.max_tokens=4",
                                             "server.transports=[native,realtime,twilio,webrtc]"])
     async with running_server(cfg, pool=engine_pool) as running:
         yield running

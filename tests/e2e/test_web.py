@@ -15,7 +15,7 @@ from typing import Any
 import jiwer
 import pytest
 from browser import PageLog, chromium, write_mic_wav
-from servers import EnginePool, RunningServer, running_server
+from servers import FAST_SPEECH, EnginePool, RunningServer, running_server
 from speech import Clip
 
 from voicebot.config import ModelsConfig, load_config
@@ -37,7 +37,7 @@ async def server(engine_pool: EnginePool, models_config: ModelsConfig) -> AsyncI
     cfg = load_config(
         REPO / "configs/test.yaml",
         [
-            f"models.cache_dir={models_config.cache_dir}",
+            f"models.cache_dir={models_config.cache_dir}", FAST_SPEECH,
             "llm.max_tokens=12",
             f"server.web_root={REPO / 'web'}",
             "server.transports=[webrtc]",

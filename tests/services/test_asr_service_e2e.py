@@ -18,7 +18,15 @@ from pathlib import Path
 
 import jiwer
 import pytest
-from servers import OUT_RATE, EnginePool, NativeCall, RunningServer, running_server, service_process
+from servers import (
+    FAST_SPEECH,
+    OUT_RATE,
+    EnginePool,
+    NativeCall,
+    RunningServer,
+    running_server,
+    service_process,
+)
 from speech import Clip
 
 from voicebot.config import ModelsConfig, load_config
@@ -48,7 +56,7 @@ async def frontend(engine_pool: EnginePool,
     cfg = load_config(
         "configs/test.yaml",
         [
-            f"models.cache_dir={models_config.cache_dir}",
+            f"models.cache_dir={models_config.cache_dir}", FAST_SPEECH,
             "asr.backend=remote",
             f"asr.remote.url={asr_service[1]}",
             "asr.remote.retries=1",

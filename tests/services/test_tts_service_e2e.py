@@ -21,7 +21,15 @@ from typing import Any
 
 import pytest
 import websockets
-from servers import OUT_RATE, EnginePool, NativeCall, RunningServer, running_server, service_process
+from servers import (
+    FAST_SPEECH,
+    OUT_RATE,
+    EnginePool,
+    NativeCall,
+    RunningServer,
+    running_server,
+    service_process,
+)
 from speech import Clip
 
 from voicebot.config import ModelsConfig, TtsConfig, load_config
@@ -78,7 +86,7 @@ async def frontend(engine_pool: EnginePool,
     cfg = load_config(
         "configs/test.yaml",
         [
-            f"models.cache_dir={models_config.cache_dir}",
+            f"models.cache_dir={models_config.cache_dir}", FAST_SPEECH,
             "tts.engine=piper",
             f"tts.voice={VOICE}",
             "tts.backend=remote",

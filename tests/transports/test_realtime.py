@@ -23,7 +23,7 @@ import pytest
 import websockets
 from fakes import StepClock
 from openai import AsyncOpenAI
-from servers import EnginePool, running_server, server_errors
+from servers import FAST_SPEECH, EnginePool, running_server, server_errors
 from speech import Clip
 
 from voicebot.audio import dbfs, float_to_pcm16, pcm16_to_float, resample
@@ -595,7 +595,7 @@ class Running:
 @pytest.fixture(scope="module")
 async def server(engine_pool: EnginePool, models_config: ModelsConfig) -> AsyncIterator[Running]:
     cfg = load_config("configs/test.yaml", [
-        f"models.cache_dir={models_config.cache_dir}",
+        f"models.cache_dir={models_config.cache_dir}", FAST_SPEECH,
         "llm.max_tokens=12",
         f"server.api_key={KEY}",
         "server.max_message_bytes=262144",

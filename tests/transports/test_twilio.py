@@ -24,7 +24,7 @@ import httpx
 import numpy as np
 import pytest
 import websockets
-from servers import EnginePool, RunningServer, running_server, server_errors
+from servers import FAST_SPEECH, EnginePool, RunningServer, running_server, server_errors
 from speech import Clip
 
 from voicebot.audio import dbfs, resample
@@ -261,7 +261,7 @@ async def server(engine_pool: EnginePool, models_config: ModelsConfig) -> AsyncI
     cfg = load_config(
         "configs/test.yaml",
         [
-            f"models.cache_dir={models_config.cache_dir}",
+            f"models.cache_dir={models_config.cache_dir}", FAST_SPEECH,
             "llm.max_tokens=12",
             "telephony.hangup_digit='*'",
             "telephony.dtmf_terminator='#'",

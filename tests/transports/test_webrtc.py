@@ -17,7 +17,7 @@ import jiwer
 import numpy as np
 import pytest
 from aiortc import RTCConfiguration, RTCPeerConnection
-from servers import EnginePool, RunningServer, running_server
+from servers import FAST_SPEECH, EnginePool, RunningServer, running_server
 from speech import Clip
 
 from voicebot.audio import dbfs, float_to_pcm16, pcm16_to_float
@@ -35,7 +35,7 @@ _FRAME_16K = 320  # 20 ms at 16 kHz
 @pytest.fixture(scope="module")
 async def server(engine_pool: EnginePool, models_config: ModelsConfig) -> AsyncIterator[RunningServer]:
     cfg = load_config(
-        "configs/test.yaml", [f"models.cache_dir={models_config.cache_dir}", "llm.max_tokens=12"]
+        "configs/test.yaml", [f"models.cache_dir={models_config.cache_dir}", FAST_SPEECH, "llm.max_tokens=12"]
     )
     async with running_server(cfg, pool=engine_pool) as running:
         yield running
