@@ -115,7 +115,7 @@ def whisper_tiny_dir(bundle_dir: Callable[[str], str]) -> str:
 # the end: the modules with servers of their own by decreasing time, then the modules
 # whose in-process servers borrow engines from the process's pool (tests/servers.py),
 # grouped by the LLM they run so that each process starts each LLM once (the pool keeps
-# two), then the other modules with a real engine, then the fast tier, whose short
+# one), then the other modules with a real engine, then the fast tier, whose short
 # modules fill the last gaps. xdist hands the modules out in this order only with
 # --no-loadscope-reorder (the Makefile passes it): by default it reorders them by their
 # number of tests, the most first, which put the one-test soak last. Order only: every
