@@ -30,7 +30,6 @@ import numpy as np
 import psutil
 import pytest
 import websockets
-from servers import running_server
 
 from voicebot.config import Config, ModelsConfig, load_config
 from voicebot.engines.registry import Engines, load_engines
@@ -78,17 +77,8 @@ def engine_builds() -> list[str]:
     return found
 
 
-def zombies() -> list[int]:
-    out = []
-    for p in psutil.Process().children():
-        with contextlib.suppress(psutil.Error):
-            if p.status() == psutil.STATUS_ZOMBIE:
-                out.append(p.pid)
-    return out
-
-
-def engine_core() -> psutil.Process | None:
-    for p in psutil.Process().children():
+def engine_core(parent: psutil.Process | None = None) -> psutil.Process | None:
+    for p in (parent or psutil.Process()).children():
         with contextlib.suppress(psutil.Error):
             if p.name().startswith("VLLM") and p.status() != psutil.STATUS_ZOMBIE:
                 return p
@@ -382,50 +372,6 @@ async def reply_completes(port: int) -> dict[str, Any]:
         await ws.close()
 
 
-@pytest.mark.engines
-async def test_killed_vllm_engine_core_ends_calls_reports_and_recovers(models_config: ModelsConfig) -> None:
-    cfg = make_config(models_config)
-    async with running_server(cfg) as server:
-        http = httpx.AsyncClient(base_url=server.http, timeout=10)
-        assert (await http.get("/healthz")).status_code == 200
-        ws = await native_call(server.port)
-        assert (await next_event(ws, kinds=("session.started",)))["type"] == "session.started"
-
-        core = engine_core()
-        assert core is not None
-        core.kill()
-
-        # The call in progress gets an error event and is ended.
-        error = await next_event(ws, 15, kinds=("error",))
-        assert error["code"] == "engine_failed" and error["fatal"] is True, error
-        assert "llm" in error["message"]
-        with pytest.raises(websockets.ConnectionClosed):
-            await next_event(ws, 10)
-        # /healthz says why, and a new call is refused with that reason.
-        health = await http.get("/healthz")
-        body = health.json()
-        assert health.status_code == 503 and body["status"] == "unhealthy", body
-        assert "llm: vLLM engine dead" in body["error"], body
-        refused = await native_call(server.port)
-        event = await next_event(refused, kinds=("error", "session.started"))
-        assert event["type"] == "error" and "vLLM engine dead" in event["message"], event
-        await refused.close()
-
-        # The supervised restart brings the service back in the same process.
-        t0 = time.monotonic()
-        await until(lambda: server.state.engines and server.state.engines.failure() is None, 180, "the LLM restart")
-        print(f"LLM back {time.monotonic() - t0:.1f} s after the failure was reported")
-        health = await http.get("/healthz")
-        assert health.status_code == 200 and health.json()["engines"]["llm"]["restarts"] == 1
-        done = await reply_completes(server.port)
-        assert done["type"] == "response.done" and done["status"] == "completed", done
-        await http.aclose()
-    # The lifespan closed every engine: no vLLM process, no zombie, no engine thread is left.
-    await until(lambda: not engine_processes(), 10, "vLLM processes to exit")
-    assert zombies() == []
-    await until(lambda: not engine_threads(), 10, f"engine threads to end: {engine_threads()}")
-
-
 # ------------------------------------------------------------------- drain (e2e)
 def free_port() -> int:
     with socket.socket() as s:
@@ -467,11 +413,66 @@ def serve_subprocess(models_config: ModelsConfig, port: int, *overrides: str) ->
         log.close()
 
 
+# One server process for both stories: each start of the test engines costs ~50 s.
 @pytest.mark.engines
-async def test_sigterm_drains_the_call_then_exits_0(models_config: ModelsConfig) -> None:
+async def test_a_killed_engine_core_is_reported_and_restarted_then_sigterm_drains_and_exits_0(
+    models_config: ModelsConfig,
+) -> None:
     port = free_port()
     with serve_subprocess(models_config, port, "server.drain_timeout_s=30") as proc:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as http:
+            await until_ready(proc, http)
+            await killed_engine_check(proc, port, http)
         await drain_check(proc, port)
+
+
+async def until_ready(proc: subprocess.Popen[bytes], http: httpx.AsyncClient) -> None:
+    deadline = time.monotonic() + 180
+    while True:
+        assert proc.poll() is None, "the server exited while starting"
+        with contextlib.suppress(httpx.TransportError):
+            if (await http.get("/healthz")).status_code == 200:
+                return
+        assert time.monotonic() < deadline, "server did not become ready"
+        await asyncio.sleep(0.5)
+
+
+async def killed_engine_check(proc: subprocess.Popen[bytes], port: int, http: httpx.AsyncClient) -> None:
+    ws = await native_call(port)
+    assert (await next_event(ws, kinds=("session.started",)))["type"] == "session.started"
+
+    core = engine_core(psutil.Process(proc.pid))
+    assert core is not None
+    core.kill()
+
+    # The call in progress gets an error event and is ended.
+    error = await next_event(ws, 15, kinds=("error",))
+    assert error["code"] == "engine_failed" and error["fatal"] is True, error
+    assert "llm" in error["message"]
+    with pytest.raises(websockets.ConnectionClosed):
+        await next_event(ws, 10)
+    # /healthz says why, and a new call is refused with that reason.
+    health = await http.get("/healthz")
+    body = health.json()
+    assert health.status_code == 503 and body["status"] == "unhealthy", body
+    assert "llm: vLLM engine dead" in body["error"], body
+    refused = await native_call(port)
+    event = await next_event(refused, kinds=("error", "session.started"))
+    assert event["type"] == "error" and "vLLM engine dead" in event["message"], event
+    await refused.close()
+
+    # The supervised restart brings the service back in the same process, with a new
+    # engine core, and calls are answered again.
+    t0 = time.monotonic()
+
+    async def restarted() -> bool:
+        r = await http.get("/healthz")
+        return r.status_code == 200 and r.json()["engines"]["llm"]["restarts"] == 1
+
+    await until_async(restarted, bool, 180)
+    print(f"LLM back {time.monotonic() - t0:.1f} s after the failure was reported")
+    done = await reply_completes(port)
+    assert done["type"] == "response.done" and done["status"] == "completed", done
 
 
 async def drain_check(proc: subprocess.Popen[bytes], port: int) -> None:
@@ -483,15 +484,11 @@ async def drain_check(proc: subprocess.Popen[bytes], port: int) -> None:
             except httpx.TransportError:
                 return None
 
-        async def ready() -> bool:
-            assert proc.poll() is None, "the server exited while starting"
-            r = await healthz()
-            return r is not None and r.status_code == 200
-
-        deadline = time.monotonic() + 180
-        while not await ready():
-            assert time.monotonic() < deadline, "server did not become ready"
-            await asyncio.sleep(0.5)
+        await until_ready(proc, http)
+        # What the server logs from here on is the drain's and the exit's.
+        logged_before = len(server_log(proc))
+        engines = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                   if "resource_tracker" not in " ".join(p.cmdline())]
 
         # The random test model's 24 tokens are CJK that espeak-ng spells out for over
         # a minute: 3 tokens at 4x speed make a reply of a few seconds.
@@ -544,8 +541,14 @@ async def drain_check(proc: subprocess.Popen[bytes], port: int) -> None:
         assert idle_closed.value.rcvd is not None and idle_closed.value.rcvd.code == 1001, idle_closed.value.rcvd
         code = await asyncio.to_thread(proc.wait, 30)
         assert code == 0
+        # No engine process outlives the server (the restarted engine core and its worker).
+        _, alive = await asyncio.to_thread(psutil.wait_procs, engines, 10)
+        assert not alive, [p.pid for p in alive]
         await asyncio.to_thread(psutil.wait_procs, tracker, 10)
         out = server_log(proc)
+        # Shared memory is checked over the whole run: the killed engine core's rings too.
+        assert "leaked shared_memory" not in out, out[-3000:]
+        out = out[logged_before:]
         assert "Traceback" not in out and "Exception in ASGI application" not in out, out[-3000:]
         # vLLM force-kills an engine core that outlives its shutdown grace, before it
         # unlinks its shared-memory rings (voicebot/engines/shm.py releases them).

@@ -9,21 +9,49 @@ shuts its engine client down from one (``MPClient.shutdown``), and what lives on
 ``call_soon_threadsafe``. Callers stop using the engine first (``_engine = None``, decodes
 cancelled): a request started during the shutdown would open sockets from the loop. The
 output handler is cancelled here on the loop before the thread starts (see ``_shut_down``).
+
+An engine core can also die before its shutdown (a crash, the OOM killer, a kill): its
+processes can then no longer be asked what shared memory they hold, so what they held is
+listed once the engine runs (:func:`listed`) and released at its shutdown as well.
 """
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass, field
 from typing import Any
+
+import psutil
 
 from voicebot.engines import shm
 
 
-async def shut_down(engine: Any) -> None:
+@dataclass(frozen=True)
+class Listed:
+    """An engine's processes and what they held in /dev/shm (its rings and locks, made
+    at start-up), listed while it ran."""
+
+    procs: list[psutil.Process] = field(default_factory=list)
+    held: set[str] = field(default_factory=set)
+
+
+async def listed(engine: Any) -> Listed:
+    """The engine's processes and their shared memory, now (call once it runs)."""
+
+    def read() -> Listed:
+        procs = shm.tree(_engine_pids(engine))
+        return Listed(procs, shm.held(procs))
+
+    return await asyncio.to_thread(read)
+
+
+async def shut_down(engine: Any, started: Listed | None = None) -> None:
     """Stop the engine's output handler on this loop, then ``engine.shutdown()`` on a
-    thread. Runs to the end even if cancelled (then re-raises): the caller has already
-    dropped its reference, and a half-closed engine would leave its processes behind."""
-    closing = asyncio.ensure_future(_shut_down(engine))
+    thread, then release the shared memory its processes left (also what ``started``
+    listed, for an engine core that died first). Runs to the end even if cancelled (then
+    re-raises): the caller has already dropped its reference, and a half-closed engine
+    would leave its processes behind."""
+    closing = asyncio.ensure_future(_shut_down(engine, started or Listed()))
     try:
         await asyncio.shield(closing)
     except asyncio.CancelledError:
@@ -33,7 +61,7 @@ async def shut_down(engine: Any) -> None:
         raise
 
 
-async def _shut_down(engine: Any) -> None:
+async def _shut_down(engine: Any, started: Listed) -> None:
     # The output handler first. vLLM cancels it only after the engine core has exited
     # (~5 s later), from its thread; in between, the closed output socket hands the
     # handler an EngineDeadError, which it logs as "AsyncLLM output_handler failed" with
@@ -45,9 +73,11 @@ async def _shut_down(engine: Any) -> None:
         await asyncio.wait([handler], timeout=5.0)
     # vLLM force-kills an engine core that outlives its shutdown grace, before it can
     # unlink its shared-memory rings and semaphores (voicebot/engines/shm.py): listed now,
-    # released after.
+    # released after, with what they held at start-up (the processes of a dead engine
+    # core are gone, or orphaned out of its tree: they are waited for too).
     procs = await asyncio.to_thread(shm.tree, _engine_pids(engine))
-    rings = await asyncio.to_thread(shm.held, procs)
+    procs += [p for p in started.procs if p not in procs]
+    rings = await asyncio.to_thread(shm.held, procs) | started.held
     await asyncio.to_thread(engine.shutdown)
     await asyncio.to_thread(shm.release_after, procs, rings, 5.0)
 

@@ -40,7 +40,7 @@ from voicebot.engines.asr.agreement import continuation_after
 from voicebot.engines.asr.engine import AsrEngine
 from voicebot.engines.asr.jobs import DecodeJob, unless_abandoned
 from voicebot.engines.asr.loop_guard import WHISPER_MAX_TARGET_TOKENS, token_budget
-from voicebot.engines.vllm_shutdown import shut_down
+from voicebot.engines.vllm_shutdown import Listed, listed, shut_down
 from voicebot.errors import EngineError, ModelError
 
 if TYPE_CHECKING:
@@ -118,9 +118,11 @@ class VllmWhisper:
         self._engine: AsyncLLM | None = None
         self._tokenizer: Any = None
         self._task_ids: dict[str, int] = {}
+        self._started = Listed()
 
     async def start(self) -> None:
         self._engine = engine = await asyncio.to_thread(self._build)
+        self._started = await listed(engine)  # its processes and shared memory, for its shutdown
         self._tokenizer = engine.get_tokenizer()
         tok = self._tokenizer
         for name in ("<|startoftranscript|>", "<|transcribe|>", "<|notimestamps|>"):
@@ -181,7 +183,7 @@ class VllmWhisper:
     async def aclose(self) -> None:
         engine, self._engine = self._engine, None
         if engine is not None:
-            await shut_down(engine)  # off the loop: it joins the engine-core process
+            await shut_down(engine, self._started)  # off the loop: it joins the engine-core process
 
     def prompt_ids(self, language: str | None, prefix: str) -> list[int]:
         ids = [self._task_ids["<|startoftranscript|>"]]

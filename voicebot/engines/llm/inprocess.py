@@ -22,7 +22,7 @@ from voicebot.config import LlmConfig
 from voicebot.engines.contracts import GenerationStats, Lane, TextDelta
 from voicebot.engines.llm.dtype import resolve_dtype
 from voicebot.engines.llm.lanes import LaneEngine
-from voicebot.engines.vllm_shutdown import shut_down
+from voicebot.engines.vllm_shutdown import Listed, listed, shut_down
 from voicebot.errors import ModelError
 
 if TYPE_CHECKING:
@@ -54,6 +54,7 @@ class LlmEngine(LaneEngine):
     def __init__(self, cfg: LlmConfig, model_path: str, tokenizer_path: str | None = None) -> None:
         super().__init__(cfg, model_path, tokenizer_path)
         self._engine: AsyncLLM | None = None
+        self._started = Listed()  # its processes and shared memory, for its shutdown
 
     # ----------------------------------------------------------------- lifecycle
     async def start(self, cancel: threading.Event | None = None) -> None:
@@ -69,6 +70,7 @@ class LlmEngine(LaneEngine):
         self._engine = engine
         self._tokenizer = engine.get_tokenizer()
         try:
+            self._started = await listed(engine)
             await self._preload_tools()
         except BaseException:
             await self.aclose()
@@ -138,7 +140,7 @@ class LlmEngine(LaneEngine):
         engine, self._engine = self._engine, None
         if engine is not None:
             try:
-                await shut_down(engine)  # off the loop: it joins the engine-core process
+                await shut_down(engine, self._started)  # off the loop: it joins the engine-core process
             finally:
                 _no_del_after_shutdown(engine)
 
