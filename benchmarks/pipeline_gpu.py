@@ -1211,6 +1211,20 @@ def fc_weights_main(out: Path, *, tiny: bool) -> int:
 
 
 # ============================================================== plot
+def summary_levels(item: str) -> tuple[str, list[dict[str, Any]]]:
+    """``[LABEL=]PATH[,PATH...]``: the label (else the first file's folder) and the measured
+    levels of every file, by callers (several runs of one layout make one line; a level
+    measured twice keeps the later file's)."""
+    label, _, paths = item.rpartition("=")
+    files = paths.split(",")
+    by_n: dict[int, dict[str, Any]] = {}
+    for path in files:
+        for lv in results_of(json.loads(Path(path).read_text()))["levels"]:
+            if lv["v2v_ms"]["n"]:
+                by_n[lv["sessions"]] = lv
+    return label or Path(files[0]).parent.name, [by_n[n] for n in sorted(by_n)]
+
+
 def plot_main(args: argparse.Namespace) -> int:
     """Left: v2v p50/p95 against N per run; right: per-stage p95 against N per run."""
     import matplotlib
@@ -1218,12 +1232,7 @@ def plot_main(args: argparse.Namespace) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = []
-    for item in args.summary:
-        label, _, path = item.rpartition("=")
-        summary = results_of(json.loads(Path(path).read_text()))
-        levels = [lv for lv in sorted(summary["levels"], key=lambda lv: lv["sessions"]) if lv["v2v_ms"]["n"]]
-        runs.append((label or Path(path).parent.name, levels))
+    runs = [summary_levels(item) for item in args.summary]
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.6))
     all_ns: set[int] = set()
     for k, (label, levels) in enumerate(runs):
@@ -1344,7 +1353,7 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("stop", help="stop the servers recorded in OUT (--detach, llm-server)")
     st.add_argument("--out", required=True)
     pl = sub.add_parser("plot", help="plot v2v p50/p95 and stage p95 against N")
-    pl.add_argument("summary", nargs="+", help="[LABEL=]OUT/pipeline.json, one per run")
+    pl.add_argument("summary", nargs="+", help="[LABEL=]OUT/pipeline.json[,OUT2/pipeline.json ...], one line each")
     pl.add_argument("--png", required=True)
     pl.add_argument("--title")
     return p

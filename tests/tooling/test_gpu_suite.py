@@ -147,3 +147,21 @@ def test_the_gpu_sampler_reads_nvidia_smi() -> None:
     pg = pipeline_gpu()
     assert pg.parse_gpu_sample("87, 61234\n[N/A], 100\n3, 5\n") == [(87.0, 61234.0), (3.0, 5.0)]
     assert pg.parse_gpu_sample("") == []
+
+
+def test_the_plot_joins_runs_of_one_layout_into_one_line(tmp_path: Path) -> None:
+    import json
+
+    def level(n: int, p95: float) -> dict[str, Any]:
+        return {"sessions": n, "v2v_ms": {"n": 2 * n, "p95": p95}}
+
+    a, b = tmp_path / "a" / "pipeline.json", tmp_path / "b" / "pipeline.json"
+    a.parent.mkdir()
+    b.parent.mkdir()
+    a.write_text(json.dumps({"levels": [level(64, 900.0), level(16, 500.0)]}))
+    b.write_text(json.dumps({"benchmark": "pipeline_gpu", "results": {"levels": [
+        level(32, 700.0), level(64, 950.0), {"sessions": 128, "v2v_ms": {"n": 0, "p95": None}}]}}))
+    label, levels = pipeline_gpu().summary_levels(f"K=1={a},{b}")
+    assert label == "K=1"
+    assert [(lv["sessions"], lv["v2v_ms"]["p95"]) for lv in levels] == [(16, 500.0), (32, 700.0), (64, 950.0)]
+    assert pipeline_gpu().summary_levels(str(a))[0] == "a"
