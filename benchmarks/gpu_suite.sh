@@ -10,16 +10,24 @@
 #                                                    gpu_carries.sh built, e.g. .gpu)
 #   benchmarks/gpu_suite.sh run DEST OUT [LEVEL ...] stage, then the run at these numbers of callers
 #                                                    (default: 16 32 48 64 96) into OUT/run-<time>/
+#   benchmarks/gpu_suite.sh services DEST SVC        stage, then start the shared services detached into
+#                                                    SVC (the LLM, then the ASR service, then the TTS
+#                                                    service, each once the last is up; they outlive the
+#                                                    call), for a later `run` with SUITE_SVC=SVC
 #   --dry-run (after the verb): print what would run, run nothing (any machine)
 #
 # Environment: SUITE_FRONTENDS (2), SUITE_TURNS (2), SUITE_WALL_S (480: no level starts that would
 # end after it; a call may run 600 s), SUITE_ARGS (more pipeline_gpu.py flags, e.g. "--set
-# asr.encoder_pad_s=1.0" or "--set asr.partials=false"), PYTHON (python3).
+# asr.encoder_pad_s=1.0" or "--set asr.partials=false"), PYTHON (python3),
+# SUITE_ASR (whisper: one shared Whisper-on-vLLM service; fastconformer: each frontend's own
+# streaming FastConformer on the GPU, random weights of the real shape built on the machine, no
+# ASR service), SUITE_SVC (a folder `services` started them into: `run` uses those services),
+# SUITE_MAX (the largest level the services admit, for `services`: 256).
 # What DEST holds and the calls that bring it: benchmarks/gpu_carries.sh. Staged copies live under
 # $HOME (vllm-site, voicebot-site, gpu-models), so a later call on the same machine carries nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-verb=${1:?usage: gpu_suite.sh stage DEST | run DEST OUT [LEVEL ...]  [--dry-run after the verb]}
+verb=${1:?usage: gpu_suite.sh stage DEST | run DEST OUT [LEVEL ...] | services DEST SVC  [--dry-run after the verb]}
 shift
 DRY=0
 if [ "${1:-}" = --dry-run ]; then DRY=1; shift; fi
@@ -55,13 +63,66 @@ plugin_entry_point() {  # voicebot runs from the repo copy, not pip-installed: v
   do_ sh -c "printf '[vllm.general_plugins]\nvoicebot_windowed_whisper = voicebot.vllm_plugin:register\n' > $d/entry_points.txt"
 }
 
+ASR=${SUITE_ASR:-whisper}
+case "$ASR" in whisper|fastconformer) ;; *) echo "SUITE_ASR: whisper or fastconformer, not $ASR" >&2; exit 2 ;; esac
+FC_DIR=$MODELS/fastconformer  # random weights of the real shape, built on the machine (too big to carry)
+
+environment() {
+  export PYTHONPATH="$PWD:$HOME/vllm-site:$HOME/voicebot-site:$MODELS/fwstub${PYTHONPATH:+:$PYTHONPATH}"
+  export HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
+  plugin_entry_point
+}
+
+# The flags every pipeline_gpu.py verb of the documented layout takes: the config, the LLM's
+# shape and share, Kokoro in the TTS service, admission of MOST callers (split over the
+# frontends, but the services see all of it, with a few slots to spare), SUITE_ARGS last.
+common_flags() {
+  local most=$1
+  FLAGS=(--config configs/gpu-asr-service.yaml --gpu-dummy --llm-memory 0.45 --llm-dir "$MODELS/qwen7b"
+    --set tts.engine=kokoro --set tts.kokoro_model=random --set tts.voice=af_heart --set tts.workers=2
+    --set tts.max_batch=64 --set asr.partial_interval_ms=4000 --set "server.max_sessions=$((most + 8))"
+    --set "vad.smart_turn_model=$MODELS/smart-turn" --set models.offline=true)
+  # shellcheck disable=SC2206  # SUITE_ARGS is a list of flags
+  FLAGS+=(${SUITE_ARGS:-})
+}
+
+# The ASR of SUITE_ASR in a run: the shared Whisper service, or each frontend's FastConformer.
+asr_flags() {
+  if [ "$ASR" = fastconformer ]; then
+    ASR_FLAGS=(--fastconformer "$FC_DIR")
+  else
+    ASR_FLAGS=(--remote-asr --whisper-memory 0.15 --whisper-dir "$MODELS/whisper-turbo")
+  fi
+}
+
+fc_weights() {
+  [ "$ASR" = fastconformer ] && do_ "$PY" benchmarks/pipeline_gpu.py fc-weights --out "$FC_DIR"
+  return 0
+}
+
+services() {
+  local svc=${1:?SVC: the folder the services record themselves in}
+  stage
+  environment
+  common_flags "${SUITE_MAX:-256}"
+  do_ mkdir -p "$svc"
+  do_ "$PY" benchmarks/pipeline_gpu.py llm-server "${FLAGS[@]}" --start-timeout-s 480 --out "$svc"
+  fc_weights  # on the CPU while the LLM compiles
+  local after=$svc/llm_server.json
+  if [ "$ASR" = whisper ]; then
+    do_ "$PY" benchmarks/pipeline_gpu.py asr-server "${FLAGS[@]}" --whisper-memory 0.15 \
+      --whisper-dir "$MODELS/whisper-turbo" --start-timeout-s 480 --after "$after" --wait --out "$svc"
+    after=$svc/asr_server.json
+  fi
+  do_ "$PY" benchmarks/pipeline_gpu.py tts-server "${FLAGS[@]}" --start-timeout-s 480 --after "$after" --wait \
+    --out "$svc"
+}
+
 run() {
   local out=${1:?OUT: the folder the run folders go in}
   shift
   local levels=("$@")
   [ ${#levels[@]} -gt 0 ] || levels=(16 32 48 64 96)
-  # Every server admits the largest level (split over the frontends, but the services see
-  # all of it), with a few slots to spare.
   local most=0 n
   for n in "${levels[@]}"; do [ "$n" -gt "$most" ] && most=$n; done
   stage
@@ -70,19 +131,18 @@ run() {
   local k=1
   while [ -e "$dir" ]; do k=$((k + 1)); dir="${dir%-[0-9]}-$k"; done  # never the last run's folder
   do_ mkdir -p "$dir"
-  export PYTHONPATH="$PWD:$HOME/vllm-site:$HOME/voicebot-site:$MODELS/fwstub${PYTHONPATH:+:$PYTHONPATH}"
-  export HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
-  plugin_entry_point
-  # shellcheck disable=SC2086  # SUITE_ARGS is a list of flags
-  do_ "$PY" benchmarks/pipeline_gpu.py run --config configs/gpu-asr-service.yaml --gpu-dummy \
-    --remote-llm --remote-asr --remote-tts --frontends "${SUITE_FRONTENDS:-2}" \
-    --llm-memory 0.45 --whisper-memory 0.15 --llm-dir "$MODELS/qwen7b" --whisper-dir "$MODELS/whisper-turbo" \
-    --audio "$MODELS"/audio/*.wav --sessions "${levels[@]}" --turns "${SUITE_TURNS:-2}" \
-    --start-timeout-s 300 --keep-going --max-wall-s "${SUITE_WALL_S:-480}" \
-    --set tts.engine=kokoro --set tts.kokoro_model=random --set tts.voice=af_heart --set tts.workers=2 \
-    --set tts.max_batch=64 --set asr.partial_interval_ms=4000 --set "server.max_sessions=$((most + 8))" \
-    --set "vad.smart_turn_model=$MODELS/smart-turn" --set models.offline=true \
-    ${SUITE_ARGS:-} --out "$dir"
+  environment
+  fc_weights
+  common_flags "$most"
+  asr_flags
+  local svc=()
+  if [ -n "${SUITE_SVC:-}" ]; then  # the services `services` started: used, not started again
+    svc=(--llm-url "$SUITE_SVC/llm_server.json" --tts-url "$SUITE_SVC/tts_server.json")
+    [ "$ASR" = whisper ] && svc+=(--asr-url "$SUITE_SVC/asr_server.json")
+  fi
+  do_ "$PY" benchmarks/pipeline_gpu.py run "${FLAGS[@]}" --remote-llm --remote-tts "${ASR_FLAGS[@]}" "${svc[@]}" \
+    --frontends "${SUITE_FRONTENDS:-2}" --audio "$MODELS"/audio/*.wav --sessions "${levels[@]}" \
+    --turns "${SUITE_TURNS:-2}" --start-timeout-s 300 --keep-going --max-wall-s "${SUITE_WALL_S:-480}" --out "$dir"
   do_ "$PY" benchmarks/pipeline_gpu.py plot "$dir/pipeline.json" --png "$dir/pipeline.png"
   do_ sh -c "nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > $dir/device.txt"
   # A call brings back 8 files of $OUT: the summary, its plot and the device stay files, the rest
@@ -94,5 +154,6 @@ run() {
 case "$verb" in
   stage) stage ;;
   run) run "$@" ;;
-  *) echo "unknown verb $verb: stage | run" >&2; exit 2 ;;
+  services) services "$@" ;;
+  *) echo "unknown verb $verb: stage | run | services" >&2; exit 2 ;;
 esac

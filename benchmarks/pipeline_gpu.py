@@ -52,6 +52,14 @@ every frontend's clauses, its launches off the frontends' GILs) and the frontend
 (``tts-server`` starts one detached). Level rows add its cores, clause / chunk counts in the
 level and its peak clauses running and engine queue.
 
+Streaming ASR in the frontends (``--fastconformer DIR``): each frontend runs its own
+``asr.backend: fastconformer`` (a pool of stream slots, one batched step per chunk for all
+its callers; on the GPU in bf16 under --gpu-dummy), so there is no ASR service; the
+frontends start together (none sizes a vLLM engine). ``fc-weights --out DIR`` builds DIR
+with random weights of the real shape (Nemotron Speech Streaming 0.6B), as no checkpoint
+can be fetched on the GPU machines. Level rows on a machine with ``nvidia-smi`` add the
+GPU's busy share (mean and peak) and memory in use.
+
 Benchmark patches (``serve`` and ``asr-serve`` modes only, chosen by ``--gpu-dummy``; all stated in the JSON):
 - Whisper on vLLM and the LLM run with ``load_format="dummy"``: random weights of the real
   shapes (no weights can be downloaded on the GPU machines). Speed does not depend on the
@@ -62,6 +70,9 @@ Benchmark patches (``serve`` and ``asr-serve`` modes only, chosen by ``--gpu-dum
   timing) but the text vLLM streams to the session is rewritten into a fixed English
   reply, one word per token, so the TTS synthesises realistic speech (random tokens are
   mostly CJK fragments that espeak/Piper would spell out for a minute).
+- The FastConformer (``--fastconformer``): random weights emit a symbol at every try, so the
+  greedy RNN-T is capped at ``--fc-max-symbols`` a frame and a stream keeps only the tokens a
+  transcript of its audio would have (the same ``--asr-tokens-per-s``, ``--asr-max-tokens``).
 - Whisper's engine starts once the LLM's is up (both on one GPU: see serialize_gpu_starts).
 The VAD, turn-taking, sessions, playout and TTS are the server's own, unpatched.
 """
@@ -74,6 +85,7 @@ import contextlib
 import json
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -99,8 +111,45 @@ STAGES = ("endpointing_ms", "asr_final_ms", "llm_ttft_ms", "first_clause_ms", "t
 
 
 # ============================================================== serve: the server child
+def transcript_budget(buffered_s: float, tokens_per_s: float, cap: int) -> int:
+    """Tokens a real transcript of ``buffered_s`` seconds of speech has (random weights: forced)."""
+    return max(1, min(cap, round(buffered_s * tokens_per_s)))
+
+
+def install_fastconformer_patches(opts: dict[str, Any]) -> None:
+    """The streaming FastConformer with random weights: a real model's symbol rate and lengths.
+
+    Random weights emit a symbol at every decode iteration, so the greedy RNN-T would always
+    run to ``max_symbols_per_step`` and every transcript would be 10 words per 80 ms. The decode
+    is capped at ``max_symbols`` a frame (a batch of real speech runs about as many: the most any
+    of its streams emits in one frame, plus the blank that ends it), and a stream keeps only
+    the tokens a real transcript of its audio would have, so partials, finals and the LLM's
+    prompts are of real length.
+    """
+    from voicebot.engines.asr import fastconformer as fc
+    from voicebot.engines.asr import fastconformer_model as fm
+
+    per_s, cap, symbols = float(opts["tokens_per_s"]), int(opts["max_tokens"]), int(opts["max_symbols"])
+    original_load = fm.load_model
+    original_deliver = fc.FastConformerStream.deliver
+
+    def load_model(*args: Any, **kwargs: Any) -> Any:
+        model = original_load(*args, **kwargs)
+        model.config.max_symbols_per_step = model.max_symbols_per_step = symbols
+        return model
+
+    def deliver(self: Any, generation: int, kept: bool, ids: list[int], step_s: float) -> None:
+        room = transcript_budget(self.buffered_s, per_s, cap) - len(self._tokens)
+        original_deliver(self, generation, kept, ids[: max(0, room)], step_s)
+
+    fm.load_model = load_model
+    fc.FastConformerStream.deliver = deliver  # type: ignore[method-assign]
+
+
 def install_patches(opts: dict[str, Any]) -> None:
     """Benchmark-only changes to the server process (see the module docstring)."""
+    if opts.get("fastconformer"):
+        install_fastconformer_patches(opts["fastconformer"])
     if opts.get("whisper"):
         import voicebot.engines.asr.vllm_whisper as asr_vllm
 
@@ -273,12 +322,36 @@ def http_json(url: str, timeout: float = 5.0) -> tuple[int, dict[str, Any]]:
         return exc.code, {}
 
 
+def frontends_hold_vllm(args: argparse.Namespace) -> bool:
+    """Whether a frontend starts a vLLM engine of its own (the LLM, or Whisper on vLLM)."""
+    in_process_llm = not args.remote_llm
+    vllm_whisper = args.gpu_dummy and not args.remote_asr and not getattr(args, "fastconformer", None)
+    return bool(in_process_llm or vllm_whisper)
+
+
 def patch_options(args: argparse.Namespace) -> dict[str, Any]:
     opts: dict[str, Any] = {"script_replies": bool(getattr(args, "script_replies", False)),
                             "remote_llm": bool(getattr(args, "remote_llm", False))}
-    if args.gpu_dummy:
+    if args.gpu_dummy and getattr(args, "fastconformer", None):
+        opts["fastconformer"] = {"tokens_per_s": args.asr_tokens_per_s, "max_tokens": args.asr_max_tokens,
+                                 "max_symbols": args.fc_max_symbols}
+    elif args.gpu_dummy:
         opts["whisper"] = {"tokens_per_s": args.asr_tokens_per_s, "max_tokens": args.asr_max_tokens}
     return opts
+
+
+def fastconformer_sets(args: argparse.Namespace) -> list[str]:
+    """Each frontend's own streaming FastConformer (``--fastconformer``): its slots hold the
+    frontend's share of the largest level twice over (a call holds one, a committed turn still
+    decoding another), on the GPU in bf16 under --gpu-dummy (--set can change any of it)."""
+    if not getattr(args, "fastconformer", None):
+        return []
+    per_frontend = -(-max(args.sessions) // max(1, args.frontends))
+    sets = ["asr.backend=fastconformer", f"asr.fastconformer.model={Path(args.fastconformer).resolve()}",
+            f"asr.fastconformer.max_streams={2 * per_frontend + 8}"]
+    if args.gpu_dummy:
+        sets += ["asr.fastconformer.device=cuda", "asr.fastconformer.dtype=bfloat16"]
+    return sets
 
 
 def whisper_sets(args: argparse.Namespace) -> list[str]:
@@ -307,7 +380,10 @@ def server_overrides(args: argparse.Namespace, llm_url: str | None = None, asr_u
                      tts_url: str | None = None) -> list[str]:
     sets = [f"server.max_sessions={max(args.sessions) + 8}", "server.transports=[native]"]
     if args.gpu_dummy:
-        sets += [*whisper_sets(args), f"llm.model={Path(args.llm_dir).resolve()}", "models.offline=true"]
+        asr = fastconformer_sets(args) if getattr(args, "fastconformer", None) else whisper_sets(args)
+        sets += [*asr, f"llm.model={Path(args.llm_dir).resolve()}", "models.offline=true"]
+    elif getattr(args, "fastconformer", None):
+        sets += fastconformer_sets(args)
         if not args.remote_llm:
             sets += ["llm.load_format=dummy", f"llm.gpu_memory_utilization={args.llm_memory}"]
     if args.remote_llm:
@@ -346,6 +422,10 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> float:
+        self.spawn()
+        return self.wait()
+
+    def spawn(self) -> None:
         args = self.args
         cmd = [sys.executable, str(Path(__file__).resolve()), "serve", "--config", args.config,
                "--host", "127.0.0.1", "--port", str(self.port)]
@@ -355,21 +435,25 @@ class Server:
         (self.out / f"server{self.suffix}_cmd.json").write_text(
             json.dumps({"cmd": cmd, "patches": patch_options(args)}, indent=1))
         log = self.log_path.open("ab")
-        t0 = time.monotonic()
+        self.t0 = time.monotonic()
         # its own session: with --detach it outlives this script (and the device call)
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
         (self.out / f"server{self.suffix}.pid").write_text(f"{self.proc.pid} {self.port}\n")
-        deadline = t0 + args.start_timeout_s
+
+    def wait(self) -> float:
+        """Seconds from spawn() until /healthz says ready."""
+        assert self.proc is not None
+        deadline = self.t0 + self.args.start_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}; see {self.log_path}")
             with contextlib.suppress(OSError):
                 status, body = http_json(self.http + "/healthz", 2.0)
                 if status == 200 and body.get("ready"):
-                    return time.monotonic() - t0
+                    return time.monotonic() - self.t0
             time.sleep(1.0)
-        raise RuntimeError(f"server not ready within {args.start_timeout_s:.0f} s; see {self.log_path}")
+        raise RuntimeError(f"server not ready within {self.args.start_timeout_s:.0f} s; see {self.log_path}")
 
     def stop(self) -> None:
         proc = self.proc
@@ -682,6 +766,47 @@ def stop_recorded(out: Path) -> list[int]:
     return stopped
 
 
+def parse_gpu_sample(text: str) -> list[tuple[float, float]]:
+    """``nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader,nounits``:
+    (busy %, MiB in use) per GPU; lines that are not two numbers (``[N/A]``) are skipped."""
+    rows = []
+    for line in text.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        with contextlib.suppress(ValueError):
+            if len(parts) == 2:
+                rows.append((float(parts[0]), float(parts[1])))
+    return rows
+
+
+class GpuSampler(threading.Thread):
+    """The GPU's busy share (the fraction of each sample period a kernel ran, as nvidia-smi
+    reports it) every second of a level: mean and peak, and the memory in use at its peak.
+    A busy GPU at 100% can still have room (small kernels); an idle one is no cap."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.stop_flag = threading.Event()
+        self.busy: list[float] = []
+        self.mem_mib: list[float] = []
+
+    def run(self) -> None:
+        cmd = ["nvidia-smi", "--query-gpu=utilization.gpu,memory.used", "--format=csv,noheader,nounits"]
+        while not self.stop_flag.wait(1.0):
+            with contextlib.suppress(OSError, subprocess.SubprocessError):
+                out = subprocess.run(cmd, capture_output=True, text=True, timeout=5).stdout
+                for busy, mem in parse_gpu_sample(out)[:1]:  # the first GPU: the runs use one
+                    self.busy.append(busy)
+                    self.mem_mib.append(mem)
+
+    def summary(self) -> dict[str, Any]:
+        self.stop_flag.set()
+        self.join(6)
+        if not self.busy:
+            return {"samples": 0}
+        return {"samples": len(self.busy), "busy_mean_pct": round(sum(self.busy) / len(self.busy), 1),
+                "busy_max_pct": max(self.busy), "mem_used_max_mib": max(self.mem_mib)}
+
+
 class HealthSampler(PeakSampler):
     """/healthz: sessions, engine queues (max seen)."""
 
@@ -849,7 +974,8 @@ def run_main(args: argparse.Namespace) -> int:
         "weights": "dummy (random, real shapes)" if args.gpu_dummy else "real",
         "frontends": len(args.url) if args.url else args.frontends if args.remote_llm else 1,
         "llm": "remote: one vLLM OpenAI server" if args.remote_llm else "in-process",
-        "asr": "remote: one shared ASR service (voicebot asr-serve)" if args.remote_asr else "in each frontend",
+        "asr": "remote: one shared ASR service (voicebot asr-serve)" if args.remote_asr
+        else "each frontend's own streaming FastConformer" if args.fastconformer else "in each frontend",
         "tts": "remote: one shared TTS service (voicebot tts-serve)" if args.remote_tts else "in each frontend",
         # set when this run was started under an NVIDIA MPS daemon: its servers are MPS clients
         "cuda_mps_pipe_directory": os.environ.get("CUDA_MPS_PIPE_DIRECTORY"),
@@ -908,10 +1034,18 @@ def run_main(args: argparse.Namespace) -> int:
             count = args.frontends if multi else 1
             frontends = [Server(args, out, k if multi else None, llm_url, asr_url, tts_url) for k in range(count)]
             run_info["server_start_s"] = []
-            for k, server in enumerate(frontends):  # one after the other: each sizes vLLM from free memory
-                print(f"starting frontend {k} ({args.config}) ...", flush=True)
+            # One after the other when a frontend holds a vLLM engine (each sizes its memory from
+            # what is free); else all at once.
+            together = not frontends_hold_vllm(args)
+            if together:
+                for k, server in enumerate(frontends):
+                    print(f"starting frontend {k} ({args.config}) ...", flush=True)
+                    server.spawn()
+            for k, server in enumerate(frontends):
+                if not together:
+                    print(f"starting frontend {k} ({args.config}) ...", flush=True)
                 try:
-                    run_info["server_start_s"].append(round(server.start(), 1))
+                    run_info["server_start_s"].append(round(server.wait() if together else server.start(), 1))
                 except Exception:
                     print(server.log_path.read_text(errors="replace")[-4000:], file=sys.stderr)
                     raise
@@ -958,6 +1092,9 @@ def run_main(args: argparse.Namespace) -> int:
             meters = {k: ServiceMeter(str(u), svc_pid[k], IN_LEVEL[k]) for k, u in svc_url.items() if u}
             for meter in meters.values():
                 meter.begin()
+            gpu = GpuSampler() if shutil.which("nvidia-smi") else None
+            if gpu is not None:
+                gpu.start()
             llm0, t0 = tree_cpu(llm_pid), time.monotonic()
             result = asyncio.run(run_level_measured(cfg, n))
             last_wall = time.monotonic() - t0
@@ -976,6 +1113,8 @@ def run_main(args: argparse.Namespace) -> int:
                     peaks[key] = max(peaks.get(key, val), val)
             row = summarize_level(n, result.records, result.stats.as_dict(), last_wall, peaks)
             row["frontends"] = len(urls)
+            if gpu is not None:
+                row["gpu"] = gpu.summary()
             if len(urls) > 1:
                 row["server_peaks_by_frontend"] = [s.peaks for s in samplers]
             row["server"] = merge_costs([server_cost(a, b, c, d) for a, b, c, d in zip(loop0, loop1, eng0, eng1,
@@ -1003,7 +1142,7 @@ def run_main(args: argparse.Namespace) -> int:
                   f"asr service {(row.get('asr_service') or {}).get('cores')} cores "
                   f"peaks {(row.get('asr_service') or {}).get('peaks')}  "
                   f"tts service {(row.get('tts_service') or {}).get('cores')} cores "
-                  f"peaks {(row.get('tts_service') or {}).get('peaks')}  "
+                  f"peaks {(row.get('tts_service') or {}).get('peaks')}  gpu {row.get('gpu')}  "
                   f"{last_wall:.0f} s {'FAIL: ' + '; '.join(row['fails']) if row['fails'] else ''}", flush=True)
             if row["fails"] and not args.keep_going:
                 break
@@ -1056,7 +1195,36 @@ def llm_server_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def fc_weights_main(out: Path, *, tiny: bool) -> int:
+    """The model directory ``--fastconformer`` loads: random weights of the real shape (or tiny),
+    built here because no checkpoint can be fetched on the GPU machines."""
+    if (out / "random.json").is_file():
+        print(f"{out}: already built", flush=True)
+        return 0
+    from voicebot.engines.asr.fastconformer_model import build_random_model
+
+    t0 = time.monotonic()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    build_random_model(out, tiny=tiny)
+    print(f"{out}: built in {time.monotonic() - t0:.0f} s", flush=True)
+    return 0
+
+
 # ============================================================== plot
+def summary_levels(item: str) -> tuple[str, list[dict[str, Any]]]:
+    """``[LABEL=]PATH[,PATH...]``: the label (else the first file's folder) and the measured
+    levels of every file, by callers (several runs of one layout make one line; a level
+    measured twice keeps the later file's)."""
+    label, _, paths = item.rpartition("=")
+    files = paths.split(",")
+    by_n: dict[int, dict[str, Any]] = {}
+    for path in files:
+        for lv in results_of(json.loads(Path(path).read_text()))["levels"]:
+            if lv["v2v_ms"]["n"]:
+                by_n[lv["sessions"]] = lv
+    return label or Path(files[0]).parent.name, [by_n[n] for n in sorted(by_n)]
+
+
 def plot_main(args: argparse.Namespace) -> int:
     """Left: v2v p50/p95 against N per run; right: per-stage p95 against N per run."""
     import matplotlib
@@ -1064,12 +1232,7 @@ def plot_main(args: argparse.Namespace) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = []
-    for item in args.summary:
-        label, _, path = item.rpartition("=")
-        summary = results_of(json.loads(Path(path).read_text()))
-        levels = [lv for lv in sorted(summary["levels"], key=lambda lv: lv["sessions"]) if lv["v2v_ms"]["n"]]
-        runs.append((label or Path(path).parent.name, levels))
+    runs = [summary_levels(item) for item in args.summary]
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.6))
     all_ns: set[int] = set()
     for k, (label, levels) in enumerate(runs):
@@ -1164,6 +1327,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ONE shared TTS service (voicebot tts-serve) for all frontends (tts.backend remote)")
     r.add_argument("--tts-url", help="a TTS service already up (default: OUT/tts_server.json's, else start one)")
     r.add_argument("--script-replies", action=argparse.BooleanOptionalAction, default=True)
+    r.add_argument("--fastconformer", metavar="DIR",
+                   help="each frontend runs its own streaming FastConformer (asr.backend fastconformer) from "
+                        "this model directory (`fc-weights` builds one with random weights); not with --remote-asr")
+    r.add_argument("--fc-max-symbols", type=int, default=3,
+                   help="--gpu-dummy with --fastconformer: the greedy RNN-T's symbols per frame (random weights "
+                        "emit at every try; a batch of real speech runs about this many)")
     asr = sub.add_parser("asr-server", help="start the shared ASR service of --remote-asr runs, detached")
     add_model_args(asr)
     add_whisper_args(asr)
@@ -1178,10 +1347,13 @@ def build_parser() -> argparse.ArgumentParser:
     ls = sub.add_parser("llm-server", help="start the LLM server of --remote-llm runs, detached")
     add_model_args(ls)
     ls.add_argument("--wait", action="store_true", help="return once it answers /health")
+    fw = sub.add_parser("fc-weights", help="build a FastConformer model directory with random weights (--fastconformer)")
+    fw.add_argument("--out", required=True, help="the model directory (kept if already built)")
+    fw.add_argument("--tiny", action="store_true", help="two layers, 64 wide (CPU runs); else the real 0.6B shape")
     st = sub.add_parser("stop", help="stop the servers recorded in OUT (--detach, llm-server)")
     st.add_argument("--out", required=True)
     pl = sub.add_parser("plot", help="plot v2v p50/p95 and stage p95 against N")
-    pl.add_argument("summary", nargs="+", help="[LABEL=]OUT/pipeline.json, one per run")
+    pl.add_argument("summary", nargs="+", help="[LABEL=]OUT/pipeline.json[,OUT2/pipeline.json ...], one line each")
     pl.add_argument("--png", required=True)
     pl.add_argument("--title")
     return p
@@ -1200,6 +1372,10 @@ def main() -> int:
     args = build_parser().parse_args()
     if args.command == "run" and args.frontends > 1 and not args.remote_llm:
         build_parser().error("--frontends > 1 needs --remote-llm (one LLM for all frontends)")
+    if args.command == "run" and args.fastconformer and args.remote_asr:
+        build_parser().error("--fastconformer runs in each frontend: not with --remote-asr")
+    if args.command == "fc-weights":
+        return fc_weights_main(Path(args.out), tiny=args.tiny)
     if args.command == "run":
         return run_main(args)
     if args.command == "llm-server":

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 SUITE = ROOT / "benchmarks" / "gpu_suite.sh"
@@ -79,3 +80,88 @@ def test_the_scripts_parse() -> None:
     for script in ("gpu_suite.sh", "gpu_carries.sh"):
         proc = subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / script)], capture_output=True, text=True)
         assert proc.returncode == 0, f"{script}: {proc.stderr}"
+
+
+def test_the_fastconformer_run_puts_a_streaming_asr_in_each_frontend_and_uses_the_services_started(
+        tmp_path: Path) -> None:
+    import os
+
+    svc = tmp_path / "svc"
+    env = dict(os.environ, SUITE_ASR="fastconformer", SUITE_SVC=str(svc), SUITE_FRONTENDS="4")
+    lines = dry_run(tmp_path / "gpu", tmp_path / "out", "96", "320", env=env)
+    weights = [cmd for cmd in lines if cmd[1:3] == ["benchmarks/pipeline_gpu.py", "fc-weights"]]
+    assert weights and lines.index(weights[0]) < lines.index(next(c for c in lines if c[2:3] == ["run"]))
+    pg = pipeline_gpu()
+    args = pg.build_parser().parse_args(run_command(lines))
+    assert args.fastconformer == weights[0][-1] and not args.remote_asr and args.frontends == 4
+    assert args.llm_url == f"{svc}/llm_server.json" and args.tts_url == f"{svc}/tts_server.json"
+    assert args.asr_url is None
+    sets = pg.server_overrides(args)
+    assert not any(s.startswith("asr.backend=") and s != "asr.backend=fastconformer" for s in sets), sets
+    assert "asr.fastconformer.device=cuda" in sets and "asr.fastconformer.dtype=bfloat16" in sets
+    assert "asr.fastconformer.max_streams=168" in sets  # 320 callers over 4 frontends, twice, and 8
+    opts = pg.patch_options(args)
+    assert "whisper" not in opts and opts["fastconformer"]["max_symbols"] == args.fc_max_symbols
+    assert not pg.frontends_hold_vllm(args), "the frontends start together"
+
+
+def test_the_services_verb_starts_each_service_after_the_last(tmp_path: Path) -> None:
+    import os
+
+    pg = pipeline_gpu()
+    svc = tmp_path / "svc"
+    for asr, kinds in (("whisper", ["llm-server", "asr-server", "tts-server"]), ("fastconformer", ["llm-server", "tts-server"])):
+        proc = subprocess.run(["bash", str(SUITE), "services", "--dry-run", str(tmp_path / "gpu"), str(svc)],
+                              capture_output=True, text=True, timeout=30, env=dict(os.environ, SUITE_ASR=asr))
+        assert proc.returncode == 0, proc.stderr
+        cmds = [shlex.split(line)[2:] for line in proc.stdout.splitlines()
+                if shlex.split(line)[1:2] == ["benchmarks/pipeline_gpu.py"] and "-server" in line]
+        assert [c[0] for c in cmds] == kinds
+        parsed = [pg.build_parser().parse_args(c) for c in cmds]
+        assert all(Path(a.out) == svc and a.gpu_dummy for a in parsed)
+        assert [a.after for a in parsed[1:]] == [f"{svc}/{k.removesuffix('-server')}_server.json" for k in kinds[:-1]]
+
+
+def test_random_weights_keep_a_real_transcript_length(monkeypatch: Any) -> None:
+    from types import SimpleNamespace
+
+    from voicebot.engines.asr import fastconformer as fc
+    from voicebot.engines.asr import fastconformer_model as fm
+
+    pg = pipeline_gpu()
+    assert [pg.transcript_budget(s, 3.0, 24) for s in (0.0, 0.5, 2.0, 20.0)] == [1, 2, 6, 24]
+    got: list[list[int]] = []
+    model = SimpleNamespace(config=SimpleNamespace(max_symbols_per_step=10), max_symbols_per_step=10)
+    monkeypatch.setattr(fc.FastConformerStream, "deliver", lambda self, g, kept, ids, s: got.append(ids))
+    monkeypatch.setattr(fm, "load_model", lambda *a, **k: model)
+    pg.install_fastconformer_patches({"tokens_per_s": 3.0, "max_tokens": 24, "max_symbols": 3})
+    assert fm.load_model("dir", "cuda", "bfloat16") is model and model.config.max_symbols_per_step == 3
+    stream = SimpleNamespace(buffered_s=2.0, _tokens=[7, 7, 7, 7])
+    fc.FastConformerStream.deliver(stream, 0, True, list(range(20)), 0.1)  # type: ignore[arg-type]
+    stream._tokens = [7] * 6
+    fc.FastConformerStream.deliver(stream, 0, False, list(range(20)), 0.1)  # type: ignore[arg-type]
+    assert got == [[0, 1], []]  # 2 s of speech: 6 tokens in all
+
+
+def test_the_gpu_sampler_reads_nvidia_smi() -> None:
+    pg = pipeline_gpu()
+    assert pg.parse_gpu_sample("87, 61234\n[N/A], 100\n3, 5\n") == [(87.0, 61234.0), (3.0, 5.0)]
+    assert pg.parse_gpu_sample("") == []
+
+
+def test_the_plot_joins_runs_of_one_layout_into_one_line(tmp_path: Path) -> None:
+    import json
+
+    def level(n: int, p95: float) -> dict[str, Any]:
+        return {"sessions": n, "v2v_ms": {"n": 2 * n, "p95": p95}}
+
+    a, b = tmp_path / "a" / "pipeline.json", tmp_path / "b" / "pipeline.json"
+    a.parent.mkdir()
+    b.parent.mkdir()
+    a.write_text(json.dumps({"levels": [level(64, 900.0), level(16, 500.0)]}))
+    b.write_text(json.dumps({"benchmark": "pipeline_gpu", "results": {"levels": [
+        level(32, 700.0), level(64, 950.0), {"sessions": 128, "v2v_ms": {"n": 0, "p95": None}}]}}))
+    label, levels = pipeline_gpu().summary_levels(f"K=1={a},{b}")
+    assert label == "K=1"
+    assert [(lv["sessions"], lv["v2v_ms"]["p95"]) for lv in levels] == [(16, 500.0), (32, 700.0), (64, 950.0)]
+    assert pipeline_gpu().summary_levels(str(a))[0] == "a"
