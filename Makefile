@@ -31,8 +31,10 @@ run: install
 
 # Test processes (pytest-xdist): most of an end-to-end test's time is real-time audio
 # and waits, so two share two cores well. A module runs whole in one process (its
-# server is started once), in the order of tests/conftest.py (longest first): without
-# --no-loadscope-reorder xdist hands out the modules with the most tests first instead.
+# server is started once), and so does a group of modules that share an LLM
+# (tests/conftest.py's scheduler), in the order of tests/conftest.py
+# (longest first): without --no-loadscope-reorder xdist hands out the units with the
+# most tests first instead.
 # TEST_WORKERS=0 runs in this process (e.g. for a debugger).
 TEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from speech import Clip, load_clips
@@ -134,13 +134,37 @@ _FIRST = (
     "services/test_tts_service_e2e.py",
     "e2e/test_coqui_call.py",
     "transports/test_webrtc.py",
-    # Qwen2.5-Coder-0.5B-Instruct on configs/test.yaml's engine settings
+    # configs/default.yaml's LLM (servers.cpu_default_llm): one process runs these three
     "e2e/test_voice_loop.py",
     "e2e/test_tools_e2e.py",
-    # configs/default.yaml's LLM
     "e2e/test_clients_realtime.py",
     "engines/test_llm_shutdown.py",
 )
+# Modules that xdist runs in one process, one after the other (a group is one unit of
+# work, as a module is otherwise): they borrow one LLM from the process's pool, which two
+# processes would each start (~50 s).
+_TOGETHER = {
+    "e2e/test_voice_loop.py": "cpu-default-llm",
+    "e2e/test_tools_e2e.py": "cpu-default-llm",
+    "e2e/test_clients_realtime.py": "cpu-default-llm",
+}
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, absent with -p no:xdist
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`--dist loadfile` (the Makefile's), with the modules of ``_TOGETHER`` as one unit.
+    (xdist's own `--dist loadgroup` marks tests by renaming them, which this pytest's
+    node ids do not show.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModulesAndGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return next((group for tail, group in _TOGETHER.items() if path.endswith(tail)), path)
+
+    return ModulesAndGroups(config, log)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -32,7 +32,7 @@ import uvicorn
 from aiohttp import web
 
 from voicebot.audio import float_to_pcm16, pcm16_to_float
-from voicebot.config import Config
+from voicebot.config import Config, LlmConfig, load_config
 from voicebot.engines.contracts import EndOfTurn
 from voicebot.engines.registry import Engines, import_transformers_once, load_engines, resolve_specs
 from voicebot.engines.startup import reap_children, start_all
@@ -52,6 +52,14 @@ ROOT = Path(__file__).resolve().parents[1]
 FAST_SPEECH = "tts.speed=2.0"
 MIC_RATE = 16000
 OUT_RATE = 16000  # what NativeCall asks the server to send
+
+
+def cpu_default_llm(max_tokens: int) -> LlmConfig:
+    """configs/default.yaml's LLM (Qwen2.5-Coder-0.5B-Instruct, what `make run` serves) at
+    temperature 0, for the modules whose replies must be real words: with one section they
+    borrow one engine from the pool, and tests/conftest.py runs them in one test process
+    (an engine start is ~50 s)."""
+    return load_config("configs/default.yaml", ["llm.temperature=0.0", f"llm.max_tokens={max_tokens}"]).llm
 FRAME = 320  # 20 ms at 16 kHz
 PROTOCOL_PATHS = {"native": "/ws", "realtime": "/v1/realtime", "twilio": "/twilio"}  # WebRTC: HTTP signalling
 

@@ -26,7 +26,14 @@ import websockets
 from aiohttp import web
 from clients.harness import chunks, pcm24k, speak
 from openai import AsyncOpenAI
-from servers import EnginePool, RunningServer, running_server, serve_routes, server_errors
+from servers import (
+    EnginePool,
+    RunningServer,
+    cpu_default_llm,
+    running_server,
+    serve_routes,
+    server_errors,
+)
 
 from voicebot.config import ModelsConfig, ServerToolConfig, load_config
 
@@ -65,8 +72,6 @@ async def webhook() -> AsyncIterator[Webhook]:
 async def server(engine_pool: EnginePool, models_config: ModelsConfig, webhook: Webhook) -> AsyncIterator[RunningServer]:
     cfg = load_config("configs/test.yaml", [
         f"models.cache_dir={models_config.cache_dir}",
-        "llm.model=bundle:qwen2.5-coder-0.5b-instruct",
-        "llm.max_tokens=48",
         "tts.engine=piper",
         "tts.voice=bundle:piper-en_US-joe-medium",
         f"server.api_key={KEY}",
@@ -74,6 +79,7 @@ async def server(engine_pool: EnginePool, models_config: ModelsConfig, webhook: 
         "server.transports=[native,realtime]",
         "tools.filler_after_ms=300",
     ])
+    cfg.llm = cpu_default_llm(max_tokens=48)
     cfg.tools.server = [ServerToolConfig(name="get_weather", description=WEATHER_TOOL["description"],
                                          parameters=WEATHER_SCHEMA, url=webhook.url, timeout_s=20)]
     async with running_server(cfg, pool=engine_pool) as running:

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 import jiwer
 import pytest
 import websockets
-from servers import OUT_RATE, EnginePool, NativeCall, RunningServer, running_server
+from servers import OUT_RATE, EnginePool, NativeCall, RunningServer, cpu_default_llm, running_server
 from speech import Clip
 
 from voicebot.audio import dbfs, resample
@@ -40,13 +40,11 @@ async def server(engine_pool: EnginePool, models_config: ModelsConfig) -> AsyncI
         "configs/test.yaml",
         [
             f"models.cache_dir={models_config.cache_dir}",
-            "llm.model=bundle:qwen2.5-coder-0.5b-instruct",
-            "llm.max_tokens=48",
-            "llm.max_num_seqs=4",
             "server.max_sessions=3",
             "server.transports=[native]",
         ],
     )
+    cfg.llm = cpu_default_llm(max_tokens=48)
     async with running_server(cfg, pool=engine_pool) as running:
         yield running
 
