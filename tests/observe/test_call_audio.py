@@ -221,6 +221,12 @@ def test_record_audio_needs_a_record_dir() -> None:
 
 
 # ------------------------------------------------------------- a whole call
+def the_record(directory: Path) -> tuple[str, dict]:
+    """The one call record in ``directory``: its file name and its JSON."""
+    (name,) = [n for n in os.listdir(directory) if n.endswith(".json")]
+    return name, json.loads((directory / name).read_text(encoding="utf-8"))
+
+
 async def test_a_calls_wav_sits_beside_its_record_with_the_barge_in_cut(tokenizer, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     metrics = Metrics()
     telemetry = Telemetry(TelemetryConfig(record_dir=str(tmp_path), record_audio=True), metrics, environ={})
@@ -245,9 +251,7 @@ async def test_a_calls_wav_sits_beside_its_record_with_the_barge_in_cut(tokenize
         await c.close()
     await telemetry.aclose()
 
-    (record_name,) = [n for n in os.listdir(tmp_path) if n.endswith(".json")]
-    with open(tmp_path / record_name, encoding="utf-8") as f:  # noqa: ASYNC230 (a test's small file)
-        record = json.load(f)
+    record_name, record = the_record(tmp_path)
     ref = record["audio"]
     assert ref["file"] == record_name.replace(".json", ".wav") and ref["complete"]
     assert ref["sample_rate"] == RATE and ref["channels"] == ["caller", "bot"]
@@ -292,9 +296,7 @@ async def test_a_reply_the_client_truncates_after_it_ended_is_recorded_as_heard(
         await c.close()
     await telemetry.aclose()
 
-    (record_name,) = [n for n in os.listdir(tmp_path) if n.endswith(".json")]
-    with open(tmp_path / record_name, encoding="utf-8") as f:  # noqa: ASYNC230 (a test's small file)
-        record = json.load(f)
+    _, record = the_record(tmp_path)
     (reply,) = [r for t in record["turns"] for r in t["replies"]]
     assert reply["text"] == done.full_text
     assert reply["heard"] == heard and reply["played_ms"] == end_ms
