@@ -96,6 +96,7 @@ class ServerProcess:
     overrides: tuple[str, ...] = ()
     port: int = 0
     log_path: Path = Path("artifacts/server.log")
+    env: dict[str, str] | None = None  # the server's environment (None: this one's)
     proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -114,7 +115,7 @@ class ServerProcess:
         for item in self.overrides:
             args += ["--set", item]
         log = self.log_path.open("wb")
-        self.proc = subprocess.Popen(args, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(args, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=self.env)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

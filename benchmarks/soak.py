@@ -19,8 +19,12 @@ config, default configs/test.yaml) so it can watch the process from outside. The
    and the admitted ones' voice-to-voice p95 is compared with the first run's.
 
 Memory: a linear fit of RSS over the soak after ``--warmup-s``, in MB per hour and per
-session-hour (divided by the callers). Writes JSON; prints a table; the exit code is 1
-when a leak target is missed (``--strict``).
+session-hour (divided by the callers); and the growth of the idle RSS from before the
+first call (a sample right after start-up, before the warm-up calls) to the end (idle,
+``--end-settle-s`` after the last call, so past a heap trim), nothing left out.
+``--allocator`` picks the allocator settings the server runs with, to compare them.
+Writes JSON; prints a table; the exit code is 1 when a leak target is missed
+(``--strict``).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import random
 import sys
 import time
@@ -49,6 +54,23 @@ from voicebot.probe.turn import TurnRecord  # noqa: E402
 
 DEFAULT_AUDIO = ["goforward.wav", "librivox_0880.wav", "librivox_0930.wav"]
 PROTOCOLS = ("native", "realtime", "twilio", "webrtc")
+# The allocator settings a run's server has (config overrides, environment):
+# - server: its own (server.malloc_arena_max: glibc's arenas capped in the server
+#   process at start-up; server.heap_trim_interval_s: malloc_trim after calls end);
+# - server+env: those, and MALLOC_ARENA_MAX in the environment, which also reaches
+#   vLLM's engine core (a child process the server's own setting does not touch);
+# - glibc: none of them, glibc's defaults (8 arenas per core, no trim).
+ALLOCATORS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
+    "server": ((), {}),
+    "server+env": ((), {"MALLOC_ARENA_MAX": "2"}),
+    "glibc": (("server.malloc_arena_max=0", "server.heap_trim_interval_s=0"), {}),
+}
+
+
+def server_env(allocator: str) -> dict[str, str]:
+    """This environment without glibc's malloc tunables, plus the allocator's own."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+    return {**env, **ALLOCATORS[allocator][1]}
 
 
 def url_for(server: ServerProcess, protocol: str) -> str:
@@ -300,6 +322,23 @@ def idle_trend(checkpoints: list[dict[str, Any]], warmup_h: float = 0.0) -> dict
     return out
 
 
+def idle_growth(before: dict[str, Any], warm: dict[str, Any], after: dict[str, Any], session_hours: float,
+                calls: int) -> dict[str, Any]:
+    """The idle RSS at the end against before the first call: everything the calls left,
+    the warm-up's included (caches and arenas filling as much as any leak); ``warm``:
+    the idle sample after the warm-up calls, to tell the first calls' share."""
+    out: dict[str, Any] = {"session_hours": round(session_hours, 4), "calls": calls,
+                           "heap_trims": after.get("heap_trims")}
+    for key, col in (("main", "rss_mb"), ("tree", "tree_rss_mb")):
+        grown = after[col] - before[col]
+        out[f"{key}_before_mb"], out[f"{key}_after_mb"] = before[col], after[col]
+        out[f"{key}_mb"] = round(grown, 2)
+        out[f"{key}_warmup_mb"] = round(warm[col] - before[col], 2)
+        out[f"{key}_mb_per_session_hour"] = round(grown / session_hours, 2) if session_hours else None
+        out[f"{key}_kb_per_call"] = round(1024 * grown / calls, 1) if calls else None
+    return out
+
+
 def leaks(baseline: dict[str, Any], final: dict[str, Any]) -> dict[str, Any]:
     fam_b, fam_f = baseline["task_families"], final["task_families"]
     grown = {k: fam_f.get(k, 0) - fam_b.get(k, 0) for k in set(fam_b) | set(fam_f)
@@ -350,12 +389,17 @@ def print_table(result: dict[str, Any]) -> None:
     for s in result["samples"]:
         print(f"{s['t'] - t0:6.0f} {s['rss_mb']:8.1f} {s['tree_rss_mb']:8.1f} {s['fds']:5d} {s['threads']:4d} "
               f"{s['tasks']:6d} {s['sessions']:5d} {(s['llm_running'] or 0) + (s['llm_background_waiting'] or 0):4d}")
-    c, lk, tr = result["calls"], result["leaks"], result["rss_trend"]
+    c, lk, tr, ig = result["calls"], result["leaks"], result["rss_trend"], result["idle_growth"]
     print(f"\ncalls: {c['placed']} placed, {c['completed']} completed, {c['dropped']} dropped abruptly, "
           f"{c['failed']} failed; {c['barge_turns']} barge-in turns; v2v p50/p95 "
           f"{result['v2v_ms']['p50']}/{result['v2v_ms']['p95']} ms over {result['v2v_ms']['n']} turns")
     print(f"leaks after the soak: sessions {lk['sessions']}, vLLM requests {lk['llm_unfinished']}, "
           f"tasks {lk['tasks']:+d}, fds {lk['fds']:+d} {lk['fd_kinds_changed'] or ''}, threads {lk['threads']:+d}")
+    print(f"idle RSS from before the first call to {ig['session_hours']:.3f} session-hours later "
+          f"({ig['calls']} calls, allocator {result['config']['allocator']}): server "
+          f"{ig['main_before_mb']:.1f} -> {ig['main_after_mb']:.1f} MB ({ig['main_mb']:+.1f}, the warm-up calls "
+          f"{ig['main_warmup_mb']:+.1f}), tree {ig['tree_before_mb']:.1f} -> {ig['tree_after_mb']:.1f} MB "
+          f"({ig['tree_mb']:+.1f}, the warm-up calls {ig['tree_warmup_mb']:+.1f})")
     if "tree_mb_per_hour" in tr:
         print(f"RSS trend after warm-up ({tr['n']} samples, {tr['span_s']} s): tree "
               f"{tr['tree_mb_per_hour']:+.1f} MB/h = {tr['tree_mb_per_session_hour']:+.2f} MB/session-hour; "
@@ -402,12 +446,14 @@ async def mark_heap(server: ServerProcess, after_s: float, frames: int) -> None:
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     clips = tuple(load_clip(p, 16000) for p in args.audio)
-    server = ServerProcess(config=args.config, overrides=(*SERVER_SET, *args.set),
-                           log_path=Path(args.server_log))
+    server = ServerProcess(config=args.config, overrides=(*SERVER_SET, *ALLOCATORS[args.allocator][0], *args.set),
+                           log_path=Path(args.server_log), env=server_env(args.allocator))
     t_start = time.time()
     await asyncio.to_thread(server.start)
     try:
         soak = Soak(args, server, clips)
+        await asyncio.sleep(args.settle_s)
+        before = await asyncio.to_thread(server.sample)  # no call yet
         baseline = await soak.warm_up()
         heap_mark = asyncio.create_task(mark_heap(server, args.heap_mark_s, args.heap)) if args.heap else None
         await soak.soak()
@@ -415,6 +461,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         final = await asyncio.to_thread(server.wait_idle, 60.0)
         await asyncio.sleep(args.settle_s)
         final = await asyncio.to_thread(server.sample)
+        # Idle past a heap trim (server.heap_trim_interval_s) before the growth's last sample.
+        await asyncio.sleep(max(0.0, args.end_settle_s - args.settle_s))
+        idle_end = await asyncio.to_thread(server.sample)
         heap_growth = None
         if heap_mark is not None:
             heap_mark.cancel()
@@ -435,6 +484,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "baseline": baseline,
         "final": final,
         "leaks": leaks(baseline, final),
+        "before_first_call": before,
+        "idle_end": idle_end,
+        "idle_growth": idle_growth(before, baseline, idle_end, soak.call_time_s / 3600.0,
+                                   len(args.protocols) + soak.calls["placed"]),
         "rss_trend": rss_trend(soak.samples, args.warmup_s, args.sessions),
         "checkpoints": soak.checkpoints,
         "idle_trend": idle_trend(soak.checkpoints, args.idle_warmup_h),
@@ -455,6 +508,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default="configs/test.yaml", help="server config (default: %(default)s)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="server config override, after " + " ".join(SERVER_SET))
+    p.add_argument("--allocator", choices=list(ALLOCATORS), default="server",
+                   help="the server's allocator settings: its own (server), those and MALLOC_ARENA_MAX=2 in its "
+                        "environment for vLLM's engine core too (server+env), or glibc's defaults (glibc) "
+                        "(default: %(default)s)")
     p.add_argument("--sessions", type=int, default=2, help="concurrent callers (default: %(default)s)")
     p.add_argument("--minutes", type=float, default=2.0, help="soak length (default: %(default)s)")
     p.add_argument("--protocols", type=lambda s: s.split(","), default=["native", "realtime", "twilio"],
@@ -466,6 +523,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sample-s", type=float, default=5.0, help="sampling period (default: %(default)s)")
     p.add_argument("--warmup-s", type=float, default=30.0, help="soak time left out of the RSS fit (default: %(default)s)")
     p.add_argument("--settle-s", type=float, default=3.0, help="quiet time before the final sample")
+    p.add_argument("--end-settle-s", type=float, default=40.0,
+                   help="quiet time before the idle-growth sample: over server.heap_trim_interval_s (default: %(default)s)")
     p.add_argument("--overload-turns", type=int, default=2, help="turns per caller in the overload phase (0: skip)")
     p.add_argument("--checkpoint-min", type=float, default=0.0,
                    help="every this many minutes, let the server go idle and sample it (0: never)")

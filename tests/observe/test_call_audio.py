@@ -90,10 +90,25 @@ def test_a_cut_reply_keeps_what_the_caller_heard_and_the_next_reply_plays_after(
         tl.bot("resp_2", frame, T0 + 3.0 + i * 0.02)
         if (block := tl.take(T0 + 3.0 + i * 0.02)) is not None:
             blocks.append(block)
-    tl.reply_ended("resp_2")
     audio = whole(tl, blocks)
     assert runs(audio[:, 1]) == [(1.0, 1.9), (3.0, 3.5)]
     assert np.allclose(audio[int(1.0 * RATE) : int(1.9 * RATE), 1], 0.5, atol=1e-4)
+
+
+def test_a_reply_truncated_after_it_ended_loses_only_its_own_unheard_audio() -> None:
+    # A Realtime client truncates a reply it played from its own buffer once the next
+    # reply's audio was already sent: the next reply stays whole.
+    tl = StereoTimeline(T0)
+    for frame in frames(1.0, 0.5):
+        tl.bot("resp_1", frame, T0 + 1.0)  # sent at once: plays 1.0-2.0 s
+    for frame in frames(0.5, 0.25):
+        tl.bot("resp_2", frame, T0 + 1.1)  # plays 2.0-2.5 s
+    tl.cut("resp_1", 0.4)
+    tl.cut("resp_1", 0.6)  # a later, longer truncate takes nothing back
+    tl.cut("resp_0", 0.0)  # a reply never placed: nothing to do
+    audio = whole(tl, [])
+    assert runs(audio[:, 1]) == [(1.0, 1.4), (2.0, 2.5)]
+    assert np.allclose(audio[int(2.0 * RATE) : int(2.5 * RATE), 1], 0.25, atol=1e-4)
 
 
 def test_a_hang_up_drops_the_reply_audio_sent_ahead_of_it() -> None:
@@ -206,6 +221,12 @@ def test_record_audio_needs_a_record_dir() -> None:
 
 
 # ------------------------------------------------------------- a whole call
+def the_record(directory: Path) -> tuple[str, dict]:
+    """The one call record in ``directory``: its file name and its JSON."""
+    (name,) = [n for n in os.listdir(directory) if n.endswith(".json")]
+    return name, json.loads((directory / name).read_text(encoding="utf-8"))
+
+
 async def test_a_calls_wav_sits_beside_its_record_with_the_barge_in_cut(tokenizer, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     metrics = Metrics()
     telemetry = Telemetry(TelemetryConfig(record_dir=str(tmp_path), record_audio=True), metrics, environ={})
@@ -230,9 +251,7 @@ async def test_a_calls_wav_sits_beside_its_record_with_the_barge_in_cut(tokenize
         await c.close()
     await telemetry.aclose()
 
-    (record_name,) = [n for n in os.listdir(tmp_path) if n.endswith(".json")]
-    with open(tmp_path / record_name, encoding="utf-8") as f:  # noqa: ASYNC230 (a test's small file)
-        record = json.load(f)
+    record_name, record = the_record(tmp_path)
     ref = record["audio"]
     assert ref["file"] == record_name.replace(".json", ".wav") and ref["complete"]
     assert ref["sample_rate"] == RATE and ref["channels"] == ["caller", "bot"]
@@ -251,3 +270,37 @@ async def test_a_calls_wav_sits_beside_its_record_with_the_barge_in_cut(tokenize
     assert abs(bot[0][1] - bot[0][0] - first.played_ms / 1000) < 0.021
     assert abs(sum(b - a for a, b in bot[1:]) - second.played_ms / 1000) < 0.021
     assert metrics.call_audio.labels("written")._value.get() == 1
+
+
+async def test_a_reply_the_client_truncates_after_it_ended_is_recorded_as_heard(tokenizer, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    # An OpenAI Realtime client plays the reply from its own buffer and, when its
+    # caller talks over it, truncates the item at what was played: the reply had long
+    # been sent (and done) on the server's side.
+    telemetry = Telemetry(TelemetryConfig(record_dir=str(tmp_path), record_audio=True), Metrics(), environ={})
+    engines = make_engines(tokenizer, word_delay=0.01)
+    clock = clock_of(engines)
+    session = Session(engines, SessionSettings.from_config(engines.cfg), clock=clock, observer=telemetry.observer())
+    async with session:
+        t0 = clock.monotonic()
+        c = Caller(session, clock)
+        await c.speak(600)
+        await c.silence(500)
+        started = await c.wait_for(ev.ResponseAudioStarted)
+        audio_at = clock.monotonic() - t0
+        done = await c.wait_for(ev.ResponseDone, timeout=20)
+        assert done.status == "completed" and done.played_ms > 600
+        end_ms = done.played_ms // 2
+        heard = session.truncate(started.item_id, end_ms)
+        assert heard and heard != done.full_text
+        await c.silence(200)
+        await c.close()
+    await telemetry.aclose()
+
+    _, record = the_record(tmp_path)
+    (reply,) = [r for t in record["turns"] for r in t["replies"]]
+    assert reply["text"] == done.full_text
+    assert reply["heard"] == heard and reply["played_ms"] == end_ms
+    assert reply["truncated"]["audio_end_ms"] == end_ms
+    audio, _ = sf.read(tmp_path / record["audio"]["file"], dtype="float32")
+    (bot,) = runs(audio[:, 1])
+    assert abs(bot[0] - audio_at) < 0.03 and abs(bot[1] - bot[0] - end_ms / 1000) < 0.021

@@ -138,15 +138,33 @@ async def test_a_failing_observer_never_reaches_the_call(tokenizer, caplog) -> N
     assert len(failures) == 1, "logged once per call"
 
 
+def in_memory_tracer(include_text: bool) -> tuple[CallTracer, InMemorySpanExporter]:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return CallTracer(provider.get_tracer("t"), include_text=include_text), exporter
+
+
 def test_a_calls_details_are_on_its_span_and_numbers_only_with_include_text() -> None:
     for include_text in (False, True):
-        exporter = InMemorySpanExporter()
-        provider = TracerProvider()
-        provider.add_span_processor(SimpleSpanProcessor(exporter))
-        tracer = CallTracer(provider.get_tracer("t"), include_text=include_text)
+        tracer, exporter = in_memory_tracer(include_text)
         tracer.started("sess_1", "twilio", 10.0)
         tracer.details({"carrier": "twilio", "carrier_call_id": "CA1", "from": "+15550100001", "to": "+15550100002"})
         tracer.ended("call ended", 12.0)
         (call,) = exporter.get_finished_spans()
         assert call.attributes["voicebot.carrier_call_id"] == "CA1" and call.attributes["voicebot.carrier"] == "twilio"
         assert ("voicebot.from" in call.attributes) is include_text and ("voicebot.to" in call.attributes) is include_text
+
+
+def test_a_client_truncate_is_an_event_of_the_call_span_with_the_words_only_with_include_text() -> None:
+    # The reply's turn span ended with the reply; the truncate comes later, from the client.
+    for include_text in (False, True):
+        tracer, exporter = in_memory_tracer(include_text)
+        tracer.started("sess_1", "openai-realtime", 10.0)
+        tracer.event(ev.ReplyTruncated("resp_1", "item_1", 700, "It is"), 11.5)
+        tracer.ended("client closed", 12.0)
+        (call,) = exporter.get_finished_spans()
+        (event,) = call.events
+        assert event.name == "truncated" and event.timestamp == call.start_time + 1_500_000_000
+        assert event.attributes["voicebot.response_id"] == "resp_1" and event.attributes["voicebot.played_ms"] == 700
+        assert (event.attributes.get("voicebot.heard") == "It is") is include_text

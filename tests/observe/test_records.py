@@ -69,3 +69,18 @@ def test_tool_calls_meet_their_results_and_client_replies_get_a_turn() -> None:
     assert call == {"call_id": "call_1", "name": "weather", "arguments": '{"city": "Oslo"}', "result": '{"sky": "clear"}'}
     assert doc["errors"] == [{"at_s": 3.5, "code": "invalid_value", "message": "bad", "fatal": False}]
     assert doc["summary"]["tool_calls"] == 1 and doc["summary"]["errors"] == 1
+
+
+def test_a_client_truncate_after_the_reply_ended_says_what_was_heard() -> None:
+    rec = CallRecorder(max_turns=10, max_text_chars=100)
+    rec.started("sess_1", "openai-realtime", 100.0)
+    rec.event(ev.TranscriptFinal("item_u1", "what is the weather"), 101.0)
+    rec.event(ev.ResponseStarted("resp_1", "item_r1"), 101.5)
+    rec.event(ev.ResponseDone("resp_1", "item_r1", "completed", "It is sunny and warm.", "It is sunny and warm.", 1800),
+              103.3)
+    rec.event(ev.ReplyTruncated("resp_1", "item_r1", 700, "It is"), 103.5)
+    rec.event(ev.ReplyTruncated("resp_9", "item_r9", 100, "nothing"), 103.6)  # never told: ignored
+    (reply,) = rec.document()["turns"][0]["replies"]
+    assert reply["status"] == "completed" and reply["text"] == "It is sunny and warm."
+    assert reply["heard"] == "It is" and reply["played_ms"] == 700
+    assert reply["truncated"] == {"at_s": 3.5, "audio_end_ms": 700}

@@ -10,9 +10,10 @@ Both sides are placed on one timeline, the call's clock from its start, at 16 kH
   sends faster than real time is laid end to end, ahead of the clock.
 - the bot's audio where the caller heard it: a frame plays when it is sent or when the
   frames before it have played, whichever is later. A reply cut short (a barge-in, a
-  cancel) keeps only what the call reports the caller heard of it: its audio sent but
-  not played is taken back out, which is why the last ``HOLD_S`` of the timeline stay
-  in memory before they are written.
+  cancel, a Realtime client's truncate, even after the reply ended) keeps only what
+  the call reports the caller heard of it: its audio sent but not played is taken back
+  out, which is why the last ``HOLD_S`` of the timeline stay in memory before they are
+  written.
 
 :class:`StereoTimeline` is that placement, synchronous and without I/O;
 :class:`CallAudio` feeds it from a call (a :class:`~voicebot.session.observer.AudioTap`
@@ -43,6 +44,7 @@ CHANNELS = ("caller", "bot")
 HOLD_S = 3.0
 BLOCK_S = 0.5  # written this often: small writes, and little lost in a crash
 JITTER_S = 0.1  # a caller's chunk this much later than the last one's end is still contiguous
+_RECENT_REPLIES = 4  # replies a client can still truncate (as many as the session keeps)
 
 
 class _Channel:
@@ -58,13 +60,23 @@ class _Channel:
 
     def truncate(self, at: int) -> None:
         """Drop everything from sample ``at`` on."""
-        while self.segments and self.segments[-1][0] >= at:
-            self.segments.pop()
-        if self.segments:
-            start, audio = self.segments[-1]
-            if start + audio.size > at:
-                self.segments[-1] = (start, audio[: at - start])
-        self.end = min(self.end, at)
+        self.remove(at, max(self.end, at))
+
+    def remove(self, lo: int, hi: int) -> None:
+        """Drop samples ``lo``..``hi`` (silence in their place)."""
+        kept: deque[tuple[int, np.ndarray]] = deque()
+        for start, audio in self.segments:
+            end = start + audio.size
+            if end <= lo or start >= hi:
+                kept.append((start, audio))
+                continue
+            if start < lo:
+                kept.append((start, audio[: lo - start]))
+            if end > hi:
+                kept.append((hi, audio[hi - start :]))
+        self.segments = kept
+        if hi >= self.end:
+            self.end = min(self.end, lo)
 
     def take(self, start: int, stop: int) -> np.ndarray:
         """Samples ``start``..``stop`` (silence where nothing was placed); what lies
@@ -98,7 +110,8 @@ class StereoTimeline:
         self.max_samples = int(min(max_s * rate, 2**31 // 4 - 1))  # a WAV's 4 GiB, at 4 bytes a frame
         self.left, self.right = _Channel(), _Channel()
         self.written = 0  # samples handed out by take()
-        self._reply: tuple[str, int] | None = None  # the reply playing and its first sample
+        # Recent replies' [first sample, end sample], so that a cut finds its reply.
+        self._replies: dict[str, list[int]] = {}
         self.truncated = False  # the call outlasted max_s: its audio past that is not kept
 
     def at(self, now: float) -> int:
@@ -111,25 +124,28 @@ class StereoTimeline:
 
     def bot(self, reply_id: str, audio: np.ndarray, now: float) -> None:
         place = max(self.right.end, self.at(now), self.written)
-        if self._reply is None or self._reply[0] != reply_id:
-            self._reply = (reply_id, place)
+        span = self._replies.get(reply_id)
+        if span is None:
+            span = self._replies[reply_id] = [place, place]
+            while len(self._replies) > _RECENT_REPLIES:
+                self._replies.pop(next(iter(self._replies)))
         self._place(self.right, place, audio)
+        span[1] = place + audio.size
 
     def cut(self, reply_id: str, heard_s: float) -> None:
-        """Reply ``reply_id`` was heard for ``heard_s`` only: the rest of it goes."""
-        if self._reply is None or self._reply[0] != reply_id:
+        """Reply ``reply_id`` was heard for ``heard_s`` only: the rest of it goes
+        (what was already written stays)."""
+        span = self._replies.get(reply_id)
+        if span is None:
             return
-        self.right.truncate(max(self._reply[1] + int(heard_s * self.rate), self.written))
-        self._reply = None
-
-    def reply_ended(self, reply_id: str) -> None:
-        if self._reply is not None and self._reply[0] == reply_id:
-            self._reply = None
+        at = max(span[0] + int(heard_s * self.rate), self.written)
+        if at < span[1]:
+            self.right.remove(at, span[1])
+            span[1] = at
 
     def hang_up(self, now: float) -> None:
         """The call ended: bot audio sent ahead of ``now`` was never heard."""
         self.right.truncate(max(self.at(now), self.written))
-        self._reply = None
 
     def take(self, now: float | None, block: int = 0) -> np.ndarray | None:
         """Interleaved PCM16 frames (n, 2) up to ``now`` less the hold, once there are
@@ -218,16 +234,17 @@ class CallAudio:
         pass
 
     def event(self, event: ev.SessionEvent, now: float) -> None:
-        if self._timeline is None or not isinstance(event, ev.ResponseDone):
+        if self._timeline is None:
             return
-        rid = event.response_id
-        if event.status == "completed":
-            if self._resampler.response_id == rid:
-                self._timeline.bot(rid, self._resampler.flush(), now)
-            self._timeline.reply_ended(rid)
-        else:
-            self._resampler.reset()
-            self._timeline.cut(rid, event.played_ms / 1000)
+        match event:
+            case ev.ResponseDone(response_id=rid, status="completed"):
+                if self._resampler.response_id == rid:
+                    self._timeline.bot(rid, self._resampler.flush(), now)
+            case ev.ResponseDone(response_id=rid, played_ms=played_ms):
+                self._resampler.reset()
+                self._timeline.cut(rid, played_ms / 1000)
+            case ev.ReplyTruncated(response_id=rid, played_ms=played_ms):
+                self._timeline.cut(rid, played_ms / 1000)
 
     def stages(self, stages: TurnStages) -> None:
         pass

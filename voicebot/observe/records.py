@@ -33,8 +33,10 @@ CALLER_REASONS = frozenset({
 })
 
 _MAX_ERRORS = 100  # errors kept in one record (the first ones)
-_MAX_REPLIES_PER_TURN = 32
-_MAX_DETAILS = 16  # what a transport tells of a call: a few ids and numbers  # tool rounds and client-created replies under one turn
+_MAX_REPLIES_PER_TURN = 32  # tool rounds and client-created replies under one turn
+_MAX_DETAILS = 16  # what a transport tells of a call: a few ids and numbers
+# Replies ended that a client can still truncate (as many as the session keeps).
+_RECENT_REPLIES = 4
 
 
 def hung_up_by(reason: str) -> str:
@@ -69,6 +71,7 @@ class CallRecorder:
         self._turns: list[_Turn] = []
         self._turns_left_out = 0
         self._replies: dict[str, dict[str, Any]] = {}  # by response id, until done
+        self._ended_replies: dict[str, dict[str, Any]] = {}  # the last few done, by response id
         self._timings: dict[str, dict[str, Any]] = {}  # TurnTimings by response id, until done
         self._tool_calls: dict[str, dict[str, Any]] = {}  # by call id, for their results
         self._errors: list[dict[str, Any]] = []
@@ -121,6 +124,11 @@ class CallRecorder:
                     reply["barge_in"] = {"at_s": self._at(now), "played_ms": played_ms, "heard": self._cut(heard)}
             case ev.ResponseDone():
                 self._done(event, now)
+            case ev.ReplyTruncated(response_id, _, played_ms, heard):
+                reply = self._replies.get(response_id) or self._ended_replies.get(response_id)
+                if reply is not None:
+                    reply.update(heard=self._cut(heard), played_ms=played_ms,
+                                 truncated={"at_s": self._at(now), "audio_end_ms": played_ms})
             case ev.ErrorEvent(code, message, _, fatal):
                 self._counts["errors"] += 1
                 if len(self._errors) < _MAX_ERRORS:
@@ -204,7 +212,7 @@ class CallRecorder:
         reply: dict[str, Any] = {
             "response_id": response_id, "at_s": self._at(now), "status": None, "text": None,
             "heard": None, "played_ms": 0, "finish_reason": None, "timings": None,
-            "tokens": None, "tool_calls": [], "barge_in": None,
+            "tokens": None, "tool_calls": [], "barge_in": None, "truncated": None,
         }
         turn.replies.append(reply)
         self._replies[response_id] = reply
@@ -217,6 +225,9 @@ class CallRecorder:
         timings = self._timings.pop(done.response_id, None)
         if reply is None:
             return
+        self._ended_replies[done.response_id] = reply
+        while len(self._ended_replies) > _RECENT_REPLIES:
+            self._ended_replies.pop(next(iter(self._ended_replies)))
         reply.update(
             status=done.status,
             text=self._cut(done.full_text),

@@ -161,6 +161,12 @@ class CallTracer:
                 if self._text:
                     attrs["voicebot.heard"] = heard
                 self._pending.append(("barge_in", attrs, now))
+            case ev.ReplyTruncated(response_id, _, played_ms, heard) if self._call is not None:
+                # A client's truncate comes after its reply's turn span ended: the call's.
+                attrs = {"voicebot.response_id": response_id, "voicebot.played_ms": played_ms}
+                if self._text:
+                    attrs["voicebot.heard"] = heard
+                self._call.add_event("truncated", attrs, timestamp=self._wall(now))
             case ev.ToolCallDone(response_id, call):
                 attrs = {"voicebot.tool.name": call.name, "voicebot.tool.call_id": call.call_id}
                 if self._text:

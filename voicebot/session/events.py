@@ -129,6 +129,18 @@ class BargeIn:
 
 
 @dataclass(frozen=True)
+class ReplyTruncated:
+    """A client said how much of a reply its caller heard (Realtime
+    ``conversation.item.truncate``), often after the reply ended on the server's side:
+    told to the call's observer only, the client already knows."""
+
+    response_id: str
+    item_id: str
+    played_ms: int
+    heard_text: str
+
+
+@dataclass(frozen=True)
 class TurnTimings:
     """Per-turn stage latencies in milliseconds (None where a stage did not happen)."""
 
@@ -172,6 +184,7 @@ SessionEvent = (
     | ToolCallDone
     | ToolResult
     | BargeIn
+    | ReplyTruncated
     | TurnTimings
     | Dtmf
     | ErrorEvent

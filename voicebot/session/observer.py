@@ -3,7 +3,8 @@
 
 A call tells its observer four things, each on the call's clock (``now``, seconds):
 it started, every event it told its client (audio frames excepted: nothing here is
-per frame), the marks of a reply's stages when it ends, and why the call ended. The
+per frame) and a client's truncation of a reply (``ReplyTruncated``), the marks of a
+reply's stages when it ends, and why the call ended. The
 observer only records; it never decides anything about the call and must not raise
 (an observer that fails is the observer's problem, not the call's).
 
@@ -78,7 +79,8 @@ class CallObserver(Protocol):
         ...
 
     def event(self, event: SessionEvent, now: float) -> None:
-        """An event the call told its client (never a reply's audio frame)."""
+        """An event the call told its client (never a reply's audio frame), or a
+        client's ``ReplyTruncated``."""
         ...
 
     def stages(self, stages: TurnStages) -> None: ...

@@ -41,6 +41,7 @@ from voicebot.session.background import BackgroundWork
 from voicebot.session.clock import REAL_CLOCK, Clock
 from voicebot.session.events import (
     ErrorEvent,
+    ReplyTruncated,
     SessionEvent,
     TranscriptFinal,
     TranscriptPartial,
@@ -396,11 +397,15 @@ class Session:
 
     def truncate(self, item_id: str, audio_end_ms: int) -> str | None:
         """The client heard ``audio_end_ms`` of reply ``item_id``: keep only that."""
-        playout = self.speaker.heard.get(item_id)
-        if playout is None:
+        recent = self.speaker.heard.get(item_id)
+        if recent is None:
             return None
-        heard = playout.heard_text(int(audio_end_ms * playout.sample_rate / 1000))
+        response_id, playout = recent
+        played_ms = min(audio_end_ms, 1000 * playout.taken // playout.sample_rate)
+        heard = playout.heard_text(int(played_ms * playout.sample_rate / 1000))
         self.conversation.replace(item_id, heard)
+        # The call's record and audio keep what was heard, as after a barge-in.
+        self.observer.event(ReplyTruncated(response_id, item_id, played_ms, heard), self.clock.monotonic())
         return heard
 
     def set_played(self, ms: int) -> None:

@@ -50,8 +50,9 @@ class Speaker:
         self._wake = asyncio.Event()  # pacer: a response was released or got audio
         # What a transport says was really played of the live reply (set_played), in ms.
         self.played_override: int | None = None
-        # Playouts of recent replies, so a client can still truncate them to what it heard.
-        self.heard: dict[str, Playout] = {}
+        # Recent replies' ids and playouts by item id, so a client can still truncate
+        # them to what it heard.
+        self.heard: dict[str, tuple[str, Playout]] = {}
 
     @property
     def live(self) -> Response | None:
@@ -237,7 +238,7 @@ class Speaker:
             played = max(0, resp.playout.taken - lead)
         self.played_override = None
         heard = resp.playout.heard_text(played) if status != "completed" else resp.full_text
-        self.heard[resp.item_id] = resp.playout
+        self.heard[resp.item_id] = (resp.id, resp.playout)
         while len(self.heard) > 4:  # only recent replies can still be truncated
             self.heard.pop(next(iter(self.heard)))
         self._reply_ends[resp.id] = (1000 * played // rate, heard)
