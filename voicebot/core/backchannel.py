@@ -14,13 +14,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-# English acknowledgements and fillers; whole entries may be two words ("got it").
-DEFAULT_BACKCHANNEL_WORDS: tuple[str, ...] = (
-    "mm-hmm", "mm hmm", "mhm", "mm", "hmm", "hm", "uh-huh", "uh huh", "uh", "um", "ah", "oh", "huh",
-    "yeah", "yes", "yep", "yup", "ok", "okay", "right", "sure", "alright", "all right", "i see", "got it",
-    "cool", "nice", "great", "wow", "exactly", "indeed", "true", "of course", "thanks", "thank you",
-)
-
 _NOT_A_WORD = re.compile(r"[^\w\s'-]+")
 
 
@@ -46,7 +39,7 @@ class FalseInterruptions:
     speech_before_s: float = 0.0
 
     @classmethod
-    def of(cls, words: Iterable[str] = DEFAULT_BACKCHANNEL_WORDS, **kw: Any) -> FalseInterruptions:
+    def of(cls, words: Iterable[str], **kw: Any) -> FalseInterruptions:
         return cls(frozenset(" ".join(words_of(w)) for w in words if words_of(w)), **kw)
 
     def as_dict(self) -> dict[str, Any]:

@@ -189,13 +189,13 @@ class CallCore:
             # the caller is taking the floor.
             actions += self._interrupt()
         fi = self.false_interruptions
+        if self.reply is not None and self.interrupt_response and fi is not None and self.replying:
+            # Not yet known to be a turn: pause the reply, tell the client nothing.
+            self.turn_seq += 1
+            self.open_item = self.new_item_id()
+            self.overlap = _Overlap(self.open_item, self.reply.id, now - fi.speech_before_s)
+            return [*actions, ev.PauseReply(self.reply.id), ev.OpenTurn(self.open_item, announce=False)]
         if self.reply is not None and self.interrupt_response:
-            if fi is not None and self.replying:
-                # Not yet known to be a turn: pause the reply, tell the client nothing.
-                self.turn_seq += 1
-                self.open_item = self.new_item_id()
-                self.overlap = _Overlap(self.open_item, self.reply.id, now - fi.speech_before_s)
-                return [*actions, ev.PauseReply(self.reply.id), ev.OpenTurn(self.open_item, announce=False)]
             actions += self._cancel("interrupted", report=True)
         self.turn_seq += 1
         self.open_item = self.new_item_id()
@@ -215,11 +215,11 @@ class CallCore:
         o, self.overlap = self.overlap, None
         if o is None:
             return []
-        # The speech first, then the reply it cut, as OpenAI's server reports them.
-        actions: list[ev.Action] = [ev.AnnounceTurn(o.item_id)]
+        # The reply it cut, then the speech, as a barge-in that cut at once is reported.
+        actions: list[ev.Action] = []
         if self.reply is not None and self.reply.id == o.reply_id:
             actions += self._cancel("interrupted", report=True)
-        return actions
+        return [*actions, ev.AnnounceTurn(o.item_id)]
 
     def _resume(self, turn: _Turn) -> list[ev.Action]:
         """The speech over the paused reply was no turn: the reply goes on."""
@@ -279,12 +279,13 @@ class CallCore:
             assert self.false_interruptions is not None
             if self.false_interruptions.is_backchannel(text):
                 return self._resume(turn)
-            actions = self._interrupt()
-            if any(isinstance(a, ev.StopReply) for a in actions):
-                # The reply keeps what was heard of it, before this turn (its ReplyEnded).
+            if self.reply is not None and self.reply.id == o.reply_id:
+                # Cut; the history keeps what was heard of it first, then this turn: both
+                # follow its ReplyEnded.
+                self.overlap = None
                 self._after_reply[o.reply_id] = (turn, text)
-                return actions
-            return actions + self._turn_transcribed(turn, text)
+                return self._cancel("interrupted", report=True)
+            return self._interrupt() + self._turn_transcribed(turn, text)
         return self._turn_transcribed(turn, text)
 
     def _turn_transcribed(self, turn: _Turn, text: str) -> list[ev.Action]:
@@ -340,8 +341,8 @@ class CallCore:
         self.stopping.pop(r.id, None)
         actions += self.background.reply_ended(kept, e.computed if kept else None)
         after = self._after_reply.pop(r.id, None)
-        if after is not None:
-            actions += self._turn_transcribed(*after)
+        if after is not None:  # the speech that cut it, a turn now
+            actions += [ev.AnnounceTurn(after[0].item_id), *self._turn_transcribed(*after)]
         return actions
 
     # ------------------------------------------------------------------ history

@@ -8,11 +8,12 @@ from typing import Any
 
 import pytest
 
+from voicebot.config import DEFAULT_BACKCHANNEL_WORDS
 from voicebot.core import CallCore
 from voicebot.core import events as ev
 from voicebot.core.backchannel import FalseInterruptions
 
-FI = FalseInterruptions.of(max_words=3, max_speech_s=1.5, speech_before_s=0.2)
+FI = FalseInterruptions.of(DEFAULT_BACKCHANNEL_WORDS, max_words=3, max_speech_s=1.5, speech_before_s=0.2)
 
 
 class History:
@@ -106,7 +107,7 @@ def test_a_word_in_a_partial_makes_it_a_barge_in_at_once() -> None:
     c.handle(ev.SpeechStart(), 10.0)
     assert c.handle(ev.Partial("Okay"), 10.2) == []
     cut = c.handle(ev.Partial("Okay, wait", "Okay,", "wait"), 10.4)
-    assert cut == [ev.AnnounceTurn("item_t_4"), ev.StopReply(rid, "interrupted", True),
+    assert cut == [ev.StopReply(rid, "interrupted", True), ev.AnnounceTurn("item_t_4"),
                    ev.EmitPartial("item_t_4", "Okay,", "wait")]
     assert c.handle(ev.ReplyEnded(rid, "interrupted", "Once upon"), 10.4) == [ev.ReportReply(rid, "interrupted")]
     c.handle(ev.TurnEnd(), 11.0)
@@ -120,10 +121,10 @@ def test_words_only_in_the_final_cut_the_reply_before_the_turn_is_in_the_history
     c.handle(ev.SpeechStart(), 10.0)
     c.handle(ev.TurnEnd(), 10.6)
     cut = c.handle(ev.Transcribed("item_t_4", "Stop."), 10.7)
-    assert cut == [ev.AnnounceTurn("item_t_4"), ev.StopReply(rid, "interrupted", True)]
+    assert cut == [ev.StopReply(rid, "interrupted", True)], "the speech is told of after the cut reply"
     ended = c.handle(ev.ReplyEnded(rid, "interrupted", "Once upon"), 10.7)
-    assert kinds(ended) == ["ReportReply", "TurnTranscribed", "StartReply"]
-    assert ended[1] == ev.TurnTranscribed("item_t_4", "Stop.")
+    assert kinds(ended) == ["ReportReply", "AnnounceTurn", "TurnTranscribed", "StartReply"]
+    assert ended[1:3] == [ev.AnnounceTurn("item_t_4"), ev.TurnTranscribed("item_t_4", "Stop.")]
     assert roles(c) == [("user", "tell me a story"), ("assistant", "Once upon"), ("user", "Stop.")]
 
 
@@ -132,11 +133,11 @@ def test_speech_that_goes_on_too_long_is_a_barge_in_whatever_its_words() -> None
     c.handle(ev.SpeechStart(), 10.0)  # speech since 9.8 (the detector's barge-in threshold)
     assert c.handle(ev.Partial(""), 11.0) == [], "1.2 s of speech with no words yet: still judged"
     assert kinds(c.handle(ev.Quiet(), 11.2)) == ["RequestPartial"] and c.overlap is not None
-    assert c.handle(ev.Partial(""), 11.4) == [ev.AnnounceTurn("item_t_4"), ev.StopReply(rid, "interrupted", True),
+    assert c.handle(ev.Partial(""), 11.4) == [ev.StopReply(rid, "interrupted", True), ev.AnnounceTurn("item_t_4"),
                                               ev.EmitPartial("item_t_4", "", "")]
     c2, rid2 = replying_core()
     c2.handle(ev.SpeechStart(), 10.0)
-    assert c2.handle(ev.Quiet(), 11.4) == [ev.AnnounceTurn("item_t_4"), ev.StopReply(rid2, "interrupted", True),
+    assert c2.handle(ev.Quiet(), 11.4) == [ev.StopReply(rid2, "interrupted", True), ev.AnnounceTurn("item_t_4"),
                                            ev.RequestPartial()]
 
 
@@ -145,7 +146,8 @@ def test_more_speech_while_the_last_is_judged_takes_the_floor() -> None:
     c.handle(ev.SpeechStart(), 10.0)
     c.handle(ev.TurnEnd(), 10.6)
     again = c.handle(ev.SpeechStart(), 10.8)
-    assert again == [ev.AnnounceTurn("item_t_4"), ev.StopReply(rid, "interrupted", True), ev.OpenTurn("item_t_5")]
+    assert again == [ev.StopReply(rid, "interrupted", True), ev.AnnounceTurn("item_t_4"), ev.OpenTurn("item_t_5")], \
+        "the first speech becomes a turn, and cuts the reply"
     c.handle(ev.ReplyEnded(rid, "interrupted", "Once upon"), 10.8)
     assert kinds(c.handle(ev.Transcribed("item_t_4", "Mm-hmm."), 10.9)) == ["TurnTranscribed"], \
         "told of, so transcribed; not answered: the caller went on"
