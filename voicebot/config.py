@@ -269,12 +269,25 @@ class TtsConfig(_Section):
         return self
 
 
+# English acknowledgements and fillers (vad.backchannel_words); an entry may be two words.
+DEFAULT_BACKCHANNEL_WORDS: tuple[str, ...] = (
+    "mm-hmm", "mm hmm", "mhm", "mm", "hmm", "hm", "uh-huh", "uh huh", "uh", "um", "ah", "oh", "huh",
+    "yeah", "yes", "yep", "yup", "ok", "okay", "right", "sure", "alright", "all right", "i see", "got it",
+    "cool", "nice", "great", "wow", "exactly", "indeed", "true", "of course", "thanks", "thank you",
+)
+
+
 class VadConfig(_Section):
     threshold: float = Field(0.5, ge=0.01, le=0.99, description="Silero speech probability that counts as speech.")
     min_speech_ms: int = Field(120, ge=0, le=5000, description="Speech needed before a turn starts.")
     min_silence_ms: int = Field(400, ge=100, le=10_000, description="Silence that ends the user's turn.")
     speculative_silence_ms: int = Field(160, ge=0, le=10_000, description="Silence after which the reply is prepared speculatively.")
-    barge_in_min_ms: int = Field(200, ge=0, le=5000, description="Speech over the reply needed to interrupt it.")
+    barge_in_min_ms: int = Field(200, ge=0, le=5000, description="Speech over the reply needed to interrupt it (with resume_false_interruption: to pause it).")
+    # False interruptions (voicebot/core/backchannel.py, docs/protocol.md 'Barge-in').
+    resume_false_interruption: bool = Field(True, description="Speech over a reply pauses its audio instead of cutting it; the client hears of the speech (speech_started, barge_in / response.done interrupted, Twilio's clear) only once it is a turn: a word that is not in backchannel_words, more than backchannel_max_words words, or speech longer than backchannel_max_ms. A backchannel ('mm-hmm', 'okay') or a noise resumes the reply where it paused, after its end of turn and final transcript, with no new turn. False: barge_in_min_ms of speech cuts the reply at once.")
+    backchannel_words: list[str] = Field(default_factory=lambda: list(DEFAULT_BACKCHANNEL_WORDS), max_length=500, description="Words (or two-word phrases) that acknowledge rather than interrupt, in the conversation's language; matched without case or punctuation.")
+    backchannel_max_words: int = Field(3, ge=1, le=20, description="Most words a backchannel has ('okay, yeah' is two).")
+    backchannel_max_ms: int = Field(1500, ge=200, le=10_000, description="Speech over a paused reply lasting longer than this (ms, from its start to its last sound) is an interruption whatever its words: a long noise does not hold the reply paused.")
     prefix_padding_ms: int = Field(300, ge=0, le=5000, description="Audio kept from before speech onset.")
     # End of turn by meaning as well as silence (voicebot/session/turns.py, docs/benchmarks.md).
     turn_detector: Literal["silence", "smart_turn"] = Field("silence", description="'silence': the turn ends after min_silence_ms of silence; 'smart_turn': at each pause the Smart Turn model hears whether the turn sounds finished: the turn ends at once if so, else after up to smart_turn_max_silence_ms.")

@@ -67,6 +67,9 @@ class Metrics:
         self.sessions = Counter("voicebot_sessions", "Sessions opened.", ["transport"], registry=r)
         self.turns = Counter("voicebot_turns", "User turns committed.", registry=r)
         self.barge_ins = Counter("voicebot_barge_ins", "Replies interrupted by the caller.", registry=r)
+        self.false_interruptions = Counter(
+            "voicebot_false_interruptions",
+            "Replies paused by speech that was no turn (a backchannel, a noise) and resumed.", registry=r)
         self.errors = Counter("voicebot_errors", "Errors sent to clients, by code.", ["code"], registry=r)
         self.queue_depth = Gauge("voicebot_queue_depth", "Jobs waiting per engine queue.", ["queue"], registry=r)
         self.engine_up = Gauge("voicebot_engine_up", "1 while the engine works, 0 while failed or restarting.", ["engine"], registry=r)

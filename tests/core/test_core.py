@@ -10,8 +10,10 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from voicebot.config import DEFAULT_BACKCHANNEL_WORDS
 from voicebot.core import CallCore
 from voicebot.core import events as ev
+from voicebot.core.backchannel import FalseInterruptions
 
 
 @dataclass(frozen=True, eq=False)  # compared by identity, as the real history's
@@ -280,6 +282,8 @@ class Shell:
         self.finals: list[str] = []
         self.prefills: list[int] = []
         self.summaries: list[int] = []
+        self.hidden: set[str] = set()  # turns opened over a paused reply, not yet announced
+        self.forgotten: set[str] = set()
 
     def feed(self, event: ev.Event) -> None:
         self.run(self.c.handle(event))
@@ -300,6 +304,21 @@ class Shell:
                     self.done.add(rid)
                 case ev.ReportReply(rid):
                     self.done.add(rid)
+                case ev.OpenTurn(item, announce):
+                    if not announce:
+                        self.hidden.add(item)
+                case ev.AnnounceTurn(item):
+                    assert item in self.hidden
+                    self.hidden.discard(item)
+                case ev.ForgetTurn(item):
+                    assert item in self.hidden
+                    self.hidden.discard(item)
+                    self.forgotten.add(item)
+                case ev.EmitPartial(item) | ev.TurnTranscribed(item):
+                    assert item not in self.hidden and item not in self.forgotten, "the client sees no hidden turn"
+                case ev.PauseReply(rid) | ev.ResumeReply(rid):
+                    assert self.c.reply is not None and self.c.reply.id == rid, "only the live reply pauses"
+                    assert self.c.reply.released, "only a reply the caller hears"
                 case ev.StartFinal(item) | ev.CommitTurn(item):
                     self.finals.append(item)
                 case ev.StartPrefill(pid):
@@ -322,10 +341,11 @@ events = st.one_of(
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(events, max_size=60), st.booleans(), st.integers(min_value=40, max_value=200))
-def test_random_calls_keep_the_invariants(script: list[Any], prefills: bool, budget: int) -> None:
+@given(st.lists(events, max_size=60), st.booleans(), st.integers(min_value=40, max_value=200), st.booleans())
+def test_random_calls_keep_the_invariants(script: list[Any], prefills: bool, budget: int, fi: bool) -> None:
     h = FakeHistory(budget=budget)
-    c = CallCore(h, tag="t", prefills=prefills, summaries=True, block_size=4, warm_turn=True)
+    c = CallCore(h, tag="t", prefills=prefills, summaries=True, block_size=4, warm_turn=True,
+                 false_interruptions=FalseInterruptions.of(DEFAULT_BACKCHANNEL_WORDS) if fi else None)
     shell = Shell(c)
     shell.feed(ev.Started())
     for step in script:
@@ -365,8 +385,8 @@ def test_random_calls_keep_the_invariants(script: list[Any], prefills: bool, bud
         elif isinstance(step, tuple):
             shell.feed(ev.Partial(step[1]))
             shell.feed(ev.AddItem("user", step[1], c.new_item_id()))
-        if step == "speech" and r is not None and r.released and c.interrupt_response:
-            # A barge-in: the history holds what was heard of the reply, not what it wrote.
+        if r is not None and r.id in shell.heard:
+            # Cut (a barge-in): the history holds what was heard of the reply, not what it wrote.
             kept = [m for m in h.messages if m.item_id == r.item_id]
             assert [m.content for m in kept] in ([shell.heard[r.id]], []), "only what was heard"
         assert c.background.holders <= 2 and (c.background.prefill is None or c.reply is None), \

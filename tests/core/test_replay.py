@@ -1,5 +1,6 @@
 """A call recorded with session.record replays to the same decisions, from its events
-alone: the turn ends, the replies started and released, the barge-in."""
+alone: the turn ends, the replies started and released, the reply paused by speech
+and the barge-in its words made of it."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ async def test_a_recorded_call_replays_to_its_decisions(tokenizer, tmp_path: Pat
         await c.silence(500)  # a pause (speculation), then the end of the turn
         await c.wait_for(ev.ResponseAudioStarted)
         await c.pause(0.6)
-        await c.speak(260)  # a barge-in
+        await c.speak(260)  # speech over the reply pauses it
+        c.session.listener.asr.hear("Hold on")  # type: ignore[attr-defined]  # words: a barge-in
         barge = await c.wait_for(ev.BargeIn)
         sid = c.session.id
     recorded = tmp_path / f"{sid}.jsonl"
@@ -36,8 +38,9 @@ async def test_a_recorded_call_replays_to_its_decisions(tokenizer, tmp_path: Pat
     start = decisions[1][1]
     assert isinstance(start, ce.StartReply) and start.gated, "prepared at the pause, released at the end"
     assert start.reply_id == barge.response_id
+    pause = next(a for _, a in decisions if isinstance(a, ce.PauseReply))
     stop = next(a for _, a in decisions if isinstance(a, ce.StopReply))
-    assert stop == ce.StopReply(barge.response_id, "interrupted", True)
+    assert pause == ce.PauseReply(barge.response_id) and stop == ce.StopReply(barge.response_id, "interrupted", True)
     times = [t for t, _ in decisions]
     assert times == sorted(times) and 0.3 < times[2] - times[0] < 1.2, times
 

@@ -244,6 +244,7 @@ async def test_a_calls_wav_sits_beside_its_record_with_the_barge_in_cut(tokenize
         await c.pause(0.6)
         talks_over = clock.monotonic() - t0
         await c.speak(400)  # the caller talks over the reply
+        session.listener.asr.hear("Hold on")  # type: ignore[attr-defined]  # words: a barge-in
         await c.wait_for(ev.BargeIn)
         await c.silence(600)
         await until(clock, lambda: len(c.of(ev.ResponseDone)) == 2, timeout=20)

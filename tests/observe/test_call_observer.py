@@ -37,6 +37,7 @@ async def _barge_in_then_a_full_reply(tokenizer, observer: CallObserver) -> tupl
         await c.wait_for(ev.ResponseAudioStarted)
         await c.pause(0.6)
         await c.speak(400)  # the caller talks over the reply
+        session.listener.asr.hear("Hold on")  # type: ignore[attr-defined]  # words: a barge-in
         await c.wait_for(ev.BargeIn)
         await c.silence(600)
         await until(clock, lambda: len(c.of(ev.ResponseDone)) == 2, timeout=20)

@@ -121,7 +121,8 @@ async def test_barge_in_stops_playout_and_history_keeps_the_played_words(tokeniz
         await c.wait_for(ev.ResponseAudioStarted)
         await c.pause(0.6)  # about six words (100 ms each) played
         t0 = c.clock.monotonic()
-        await c.speak(260)
+        await c.speak(260)  # pauses the reply
+        c.session.listener.asr.hear("Hold on")  # type: ignore[attr-defined]  # words: a barge-in
         barge = await c.wait_for(ev.BargeIn)
         assert c.clock.monotonic() - t0 < 0.5
         frames_at_barge = len(c.of(ev.ResponseAudio))
@@ -148,6 +149,7 @@ async def test_speech_before_the_reply_is_heard_stops_it_without_a_barge_in(toke
         await c.wait_for(ev.ResponseStarted)
         assert not c.of(ev.ResponseAudio)
         await c.speak(300)
+        c.session.listener.asr.hear("and for two people")  # type: ignore[attr-defined]
         done = await c.wait_for(ev.ResponseDone)
         assert done.status == "interrupted" and done.played_ms == 0 and done.text == ""
         assert not c.of(ev.BargeIn) and not c.of(ev.ResponseAudio)
@@ -291,6 +293,7 @@ async def test_no_text_of_a_reply_follows_its_response_done(tokenizer) -> None: 
         assert resp is not None and not session.outbox.data_room() and not resp.deltas.empty(), "text is waiting for room"
         for _ in range(12):  # the caller speaks over it
             session.push_audio(np.full(FRAME, 0.1, dtype=np.float32), RATE)
+        session.listener.asr.hear("Hold on")  # type: ignore[attr-defined]  # words: a barge-in
         for _ in range(20):
             await asyncio.sleep(0)
         seen = drain(session)
@@ -498,6 +501,9 @@ async def test_an_interrupted_reply_drops_its_queued_audio(tokenizer, how: str) 
         if how == "barge_in":
             for _ in range(12):  # 240 ms of speech over the reply
                 session.push_audio(np.full(FRAME, 0.1, dtype=np.float32), RATE)
+            session.listener.asr.hear("Hold on")  # type: ignore[attr-defined]  # words: a barge-in
+            for _ in range(5):  # the partial reaches the call
+                await asyncio.sleep(0)
         else:
             assert session.cancel_response()
         after = drain(session)

@@ -14,6 +14,10 @@ It owns:
   and a reply prepared *gated*; the end of the turn releases it, speech cancels it;
 - the one live reply: started, released, cut by a barge-in (the history keeps what
   was heard), its tool rounds;
+- false interruptions: speech over a reply pauses it; the speech is a turn (the reply
+  is cut, the client told of both) only once its words or its length say so, and a
+  backchannel or a noise resumes the reply where it paused, unseen by the client
+  (:mod:`voicebot.core.backchannel`);
 - the conversation's budget and background LLM work (:mod:`voicebot.core.background`).
 """
 
@@ -26,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from voicebot.core import events as ev
+from voicebot.core.backchannel import FalseInterruptions
 from voicebot.core.background import Background, History
 
 
@@ -45,6 +50,16 @@ class _Turn:
     reply: str | None = None  # the reply prepared for it speculatively
 
 
+@dataclass
+class _Overlap:
+    """Speech over a released reply, not yet known to be a turn: the reply is paused
+    and the client has been told of neither."""
+
+    item_id: str  # the turn the speech opened
+    reply_id: str  # the reply it paused
+    speech_from: float  # when the speech began (the call's clock)
+
+
 class CallCore:
     def __init__(
         self,
@@ -57,6 +72,7 @@ class CallCore:
         prefills: bool = False,
         summaries: bool = False,
         block_size: int | Callable[[], int] = 16,
+        false_interruptions: FalseInterruptions | None = None,
         log: logging.Logger | logging.LoggerAdapter[Any] | None = None,
     ) -> None:
         self.history = history
@@ -64,6 +80,8 @@ class CallCore:
         self.create_response = create_response
         self.interrupt_response = interrupt_response
         self.warm_turn = warm_turn
+        # None: speech over a reply cuts it at once.
+        self.false_interruptions = false_interruptions
         self.background = Background(history, prefills=prefills, summaries=summaries, block_size=block_size,
                                      reply_live=lambda: self.reply is not None or bool(self.stopping), log=log)
         self._ids = itertools.count(1)
@@ -73,6 +91,10 @@ class CallCore:
         self.turns: dict[str, _Turn] = {}  # ended or committed, transcript not yet in
         self.reply: Reply | None = None  # the one live reply
         self.stopping: dict[str, Reply] = {}  # cancelled, their ReplyEnded still due
+        self.overlap: _Overlap | None = None  # speech over the paused reply, being judged
+        # A turn whose speech cut a reply at its transcript: it follows the reply's end
+        # in the history (by reply id; at most one).
+        self._after_reply: dict[str, tuple[_Turn, str]] = {}
         self.closed = False
 
     def new_item_id(self) -> str:
@@ -89,21 +111,30 @@ class CallCore:
         bg = self.background
         match event:
             case ev.SpeechStart():
-                return self._speech_start()
+                return self._speech_start(now)
             case ev.Quiet():
                 # Decode now, unless a partial that saw the speech to its end is decoded
                 # or decoding: it becomes the final (the ASR stream decides).
-                return [ev.RequestPartial()]
+                return [*self._overlap_too_long(now), ev.RequestPartial()]
             case ev.Pause():
                 return self._speculate()
             case ev.Resume():
-                return self._drop_speculation()
+                return self._overlap_too_long(now) + self._drop_speculation()
             case ev.TurnEnd():
                 return self._end_turn()
             case ev.Partial(text, confirmed, tentative):
                 if self.open_item is None:
                     return []
-                actions: list[ev.Action] = [ev.EmitPartial(self.open_item, confirmed, tentative)]
+                actions: list[ev.Action] = []
+                if self.overlap is not None and self.overlap.item_id == self.open_item:
+                    actions += self._overlap_too_long(now)
+                    if self.overlap is not None:
+                        fi = self.false_interruptions
+                        assert fi is not None
+                        if fi.is_backchannel(text):
+                            return []  # still only a backchannel: the client sees nothing yet
+                        actions += self._interrupt()
+                actions.append(ev.EmitPartial(self.open_item, confirmed, tentative))
                 if self.warm_turn and self.create_response:
                     # The caller's words so far: at the end of the turn its prompt
                     # prefills only what came after their last whole cache block.
@@ -151,20 +182,63 @@ class CallCore:
         raise TypeError(f"not an event: {event!r}")
 
     # ------------------------------------------------------------------ turns
-    def _speech_start(self) -> list[ev.Action]:
+    def _speech_start(self, now: float) -> list[ev.Action]:
         actions: list[ev.Action] = []
+        if self.overlap is not None:
+            # Speech again while the last speech over the reply is still being judged:
+            # the caller is taking the floor.
+            actions += self._interrupt()
+        fi = self.false_interruptions
+        if self.reply is not None and self.interrupt_response and fi is not None and self.replying:
+            # Not yet known to be a turn: pause the reply, tell the client nothing.
+            self.turn_seq += 1
+            self.open_item = self.new_item_id()
+            self.overlap = _Overlap(self.open_item, self.reply.id, now - fi.speech_before_s)
+            return [*actions, ev.PauseReply(self.reply.id), ev.OpenTurn(self.open_item, announce=False)]
         if self.reply is not None and self.interrupt_response:
             actions += self._cancel("interrupted", report=True)
         self.turn_seq += 1
         self.open_item = self.new_item_id()
         return [*actions, ev.OpenTurn(self.open_item)]
 
+    def _overlap_too_long(self, now: float) -> list[ev.Action]:
+        """Speech over the paused reply that has gone on this long is a turn, whatever
+        its words (say, a long noise the recogniser makes nothing of)."""
+        o, fi = self.overlap, self.false_interruptions
+        if o is None or fi is None or o.item_id != self.open_item or now - o.speech_from <= fi.max_speech_s:
+            return []
+        return self._interrupt()
+
+    def _interrupt(self) -> list[ev.Action]:
+        """The speech over the paused reply is a turn: the client is told of it, and
+        the reply is cut where it paused (a barge-in)."""
+        o, self.overlap = self.overlap, None
+        if o is None:
+            return []
+        # The reply it cut, then the speech, as a barge-in that cut at once is reported.
+        actions: list[ev.Action] = []
+        if self.reply is not None and self.reply.id == o.reply_id:
+            actions += self._cancel("interrupted", report=True)
+        return [*actions, ev.AnnounceTurn(o.item_id)]
+
+    def _resume(self, turn: _Turn) -> list[ev.Action]:
+        """The speech over the paused reply was no turn: the reply goes on."""
+        o, self.overlap = self.overlap, None
+        assert o is not None
+        actions: list[ev.Action] = [ev.ForgetTurn(o.item_id)]
+        if turn.reply is not None and self.reply is not None and turn.reply == self.reply.id:
+            # The paused reply ended meanwhile and this one was prepared for the speech.
+            actions += self._cancel("cancelled", report=False)
+        if self.reply is not None and self.reply.id == o.reply_id:
+            actions.append(ev.ResumeReply(o.reply_id))
+        return actions
+
     def _speculate(self) -> list[ev.Action]:
         if self.open_item is None or not self.create_response:
             return []
         if self.replying:
-            # Speech over a reply that it did not interrupt (interrupt_response off):
-            # that reply plays on; the turn is transcribed as usual.
+            # Speech over a reply that it did not interrupt (interrupt_response off),
+            # or that it paused and may yet resume: no reply of its own is prepared.
             return []
         actions = self._drop_speculation()  # never two of one turn
         turn = self.pending = _Turn(self.open_item, self.turn_seq)
@@ -200,6 +274,22 @@ class CallCore:
         if turn is None:
             return []
         text = text.strip()
+        o = self.overlap
+        if o is not None and o.item_id == item_id:
+            assert self.false_interruptions is not None
+            if self.false_interruptions.is_backchannel(text):
+                return self._resume(turn)
+            if self.reply is not None and self.reply.id == o.reply_id:
+                # Cut; the history keeps what was heard of it first, then this turn: both
+                # follow its ReplyEnded.
+                self.overlap = None
+                self._after_reply[o.reply_id] = (turn, text)
+                return self._cancel("interrupted", report=True)
+            return self._interrupt() + self._turn_transcribed(turn, text)
+        return self._turn_transcribed(turn, text)
+
+    def _turn_transcribed(self, turn: _Turn, text: str) -> list[ev.Action]:
+        item_id = turn.item_id
         actions: list[ev.Action] = [ev.TurnTranscribed(item_id, text)]
         own = turn.reply is not None and self.reply is not None and turn.reply == self.reply.id
         if not text:  # a noise the VAD took for speech
@@ -249,7 +339,11 @@ class CallCore:
         if self.reply is r:
             self.reply = None
         self.stopping.pop(r.id, None)
-        return actions + self.background.reply_ended(kept, e.computed if kept else None)
+        actions += self.background.reply_ended(kept, e.computed if kept else None)
+        after = self._after_reply.pop(r.id, None)
+        if after is not None:  # the speech that cut it, a turn now
+            actions += [ev.AnnounceTurn(after[0].item_id), *self._turn_transcribed(*after)]
+        return actions
 
     # ------------------------------------------------------------------ history
     def _append(self, role: str, text: str, item_id: str, **kw: Any) -> list[ev.Action]:

@@ -161,7 +161,26 @@ Event = (
 
 @dataclass(frozen=True)
 class OpenTurn:
-    """The caller started speaking: a new turn, its audio from the pre-speech padding."""
+    """The caller started speaking: a new turn, its audio from the pre-speech padding.
+    ``announce`` False: speech over a paused reply, not yet known to be a turn; the
+    client is told of it (:class:`AnnounceTurn`) only once it is one."""
+
+    item_id: str
+    announce: bool = True
+
+
+@dataclass(frozen=True)
+class AnnounceTurn:
+    """Speech over a paused reply is a turn after all: tell the client of it now (its
+    start, and its end if it ended already)."""
+
+    item_id: str
+
+
+@dataclass(frozen=True)
+class ForgetTurn:
+    """Speech over a paused reply was no turn (a backchannel, a noise): the client is
+    never told of it."""
 
     item_id: str
 
@@ -231,6 +250,20 @@ class ReleaseReply:
 
 
 @dataclass(frozen=True)
+class PauseReply:
+    """Speech started over the reply: stop sending its audio, keep the rest queued."""
+
+    reply_id: str
+
+
+@dataclass(frozen=True)
+class ResumeReply:
+    """The speech was no turn: send the paused reply's audio on from where it stopped."""
+
+    reply_id: str
+
+
+@dataclass(frozen=True)
 class StopReply:
     """Cancel the reply's work; answer with :class:`ReplyEnded` (text: what was heard
     when ``report``, else None)."""
@@ -277,7 +310,7 @@ class CancelSummary:
 
 
 Action = (
-    OpenTurn | RequestPartial | EmitPartial | StartFinal | CancelFinal | EndTurn | CommitTurn | ResetInput
-    | TurnTranscribed | StartReply | ReleaseReply | StopReply | ReportReply | StartPrefill
+    OpenTurn | AnnounceTurn | ForgetTurn | RequestPartial | EmitPartial | StartFinal | CancelFinal | EndTurn
+    | CommitTurn | ResetInput | TurnTranscribed | StartReply | ReleaseReply | PauseReply | ResumeReply | StopReply | ReportReply | StartPrefill
     | CancelPrefill | StartSummary | CancelSummary
 )

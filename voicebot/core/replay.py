@@ -16,6 +16,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from voicebot.core import events as ev
+from voicebot.core.backchannel import FalseInterruptions
 from voicebot.core.call import CallCore
 
 _EVENTS: dict[str, type] = {
@@ -26,8 +27,8 @@ _EVENTS: dict[str, type] = {
                 ev.SummaryDone)
 }
 # The decisions a replay shows (the rest is bookkeeping: partials, finals, prefills).
-SHOWN = (ev.OpenTurn, ev.EndTurn, ev.CommitTurn, ev.StartReply, ev.ReleaseReply, ev.StopReply, ev.ReportReply,
-         ev.StartSummary)
+SHOWN = (ev.OpenTurn, ev.AnnounceTurn, ev.ForgetTurn, ev.EndTurn, ev.CommitTurn, ev.StartReply, ev.ReleaseReply,
+         ev.PauseReply, ev.ResumeReply, ev.StopReply, ev.ReportReply, ev.StartSummary)
 
 
 def header(core: CallCore, budget_tokens: int) -> str:
@@ -35,6 +36,7 @@ def header(core: CallCore, budget_tokens: int) -> str:
     return json.dumps({"call": {
         "tag": core.tag, "create_response": core.create_response, "interrupt_response": core.interrupt_response,
         "warm_turn": core.warm_turn, "prefills": bg.prefills, "summaries": bg.summaries, "budget": budget_tokens,
+        "false_interruptions": fi.as_dict() if (fi := core.false_interruptions) is not None else None,
     }})
 
 
@@ -136,6 +138,9 @@ def replay(lines: Iterable[str]) -> Iterator[tuple[float, ev.Action]]:
     it = iter(lines)
     settings = json.loads(next(it))["call"]
     budget = settings.pop("budget")
+    fi = settings.pop("false_interruptions", None)
+    if fi is not None:
+        settings["false_interruptions"] = FalseInterruptions(**{**fi, "words": frozenset(fi["words"])})
     core = CallCore(WordHistory(budget), **settings)
     for text in it:
         if text.strip():

@@ -85,6 +85,9 @@ class Listener:
         self._last_speech_wall: float | None = None
         self._speech_end_asr_s: float | None = None
         self.turns: dict[str, Turn] = {}  # by item id, until their transcript is in
+        # A turn opened over a paused reply, its speech events held until the core says it
+        # is one (announce) or not (forget); a newer one replaces it, so at most one.
+        self._unannounced: tuple[str, list[SpeechStarted | SpeechStopped]] | None = None
         self.input_ms = 0.0
         self.last_input = self._clock.monotonic()
 
@@ -301,7 +304,7 @@ class Listener:
         self.call.feed(_SIGNALS[sig])
         return sig is Signal.SPEECH_START
 
-    def open_turn(self, item_id: str) -> None:
+    def open_turn(self, item_id: str, announce: bool = True) -> None:
         self._turn_open_at = self._clock.monotonic()
         self._last_speech_wall = self._clock.monotonic()
         self.asr.reset()
@@ -309,14 +312,37 @@ class Listener:
         # Speech lasted at least to here (the window that started the turn is not counted
         # below): never a stale end of the previous turn's speech.
         self._speech_end_asr_s = self.asr.buffered_s
-        self.call.emit(SpeechStarted(audio_ms=int(self.input_ms), item_id=item_id))
+        started = SpeechStarted(audio_ms=int(self.input_ms), item_id=item_id)
+        if announce:
+            self.call.emit(started)
+        else:
+            self._unannounced = (item_id, [started])
 
     def end_turn(self, item_id: str) -> None:
         turn = self.turns[item_id]
         turn.speech_end = self._last_speech_wall
         turn.committed_at = self._clock.monotonic()
-        self.call.emit(SpeechStopped(audio_ms=int(self.input_ms), item_id=item_id))
+        self._emit_or_hold(SpeechStopped(audio_ms=int(self.input_ms), item_id=item_id))
         self.call.spawn(self._complete_turn(turn), "turn")
+
+    def _emit_or_hold(self, event: SpeechStopped) -> None:
+        if self._unannounced is not None and self._unannounced[0] == event.item_id:
+            self._unannounced[1].append(event)
+        else:
+            self.call.emit(event)
+
+    def announce(self, item_id: str) -> None:
+        """The speech over the paused reply is a turn: its held events go out now."""
+        if self._unannounced is not None and self._unannounced[0] == item_id:
+            _, held = self._unannounced
+            self._unannounced = None
+            for event in held:
+                self.call.emit(event)
+
+    def forget(self, item_id: str) -> None:
+        """It was no turn: the client never hears of it."""
+        if self._unannounced is not None and self._unannounced[0] == item_id:
+            self._unannounced = None
 
     def _new_turn(self, item_id: str, final: asyncio.Task[Transcript]) -> Turn:
         turn = Turn(item_id, final, asr_started=self._clock.monotonic())

@@ -146,6 +146,7 @@ class Response:
         self._constraint = constraint
         self._calls: dict[int, tuple[str, str, str]] = {}  # parser index -> call_id, item_id, name
         self.audio_started = False  # the client was told its audio started (it may be playing it)
+        self.paused_at: float | None = None  # speech over it paused its audio (the call's clock)
         self.generated = False  # LLM and TTS finished
         self.drained = asyncio.Event()  # generated, and the pacer sent the last sample
         self._room = asyncio.Event()

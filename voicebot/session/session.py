@@ -31,9 +31,10 @@ from typing import TextIO
 import numpy as np
 
 from voicebot.affinity import bind_session
-from voicebot.config import Config
+from voicebot.config import Config, VadConfig
 from voicebot.core import CallCore, replay
 from voicebot.core import events as ce
+from voicebot.core.backchannel import FalseInterruptions
 from voicebot.engines.registry import Engines
 from voicebot.errors import BadMessage, VoicebotError
 from voicebot.metrics import Metrics
@@ -66,6 +67,15 @@ class SessionLog(logging.LoggerAdapter):
         # The id also as a field: JSON logs carry it as call_id (voicebot/observe/logs.py).
         kwargs["extra"] = {**kwargs.get("extra", {}), "call_id": self.extra["session"]}  # type: ignore[index]
         return f"[{self.extra['session']}] {msg}", kwargs  # type: ignore[index]
+
+
+def false_interruptions(vad: VadConfig) -> FalseInterruptions | None:
+    """What speech over a reply may be and still resume it (None: it cuts the reply)."""
+    if not vad.resume_false_interruption:
+        return None
+    return FalseInterruptions.of(vad.backchannel_words, max_words=vad.backchannel_max_words,
+                                 max_speech_s=vad.backchannel_max_ms / 1000,
+                                 speech_before_s=vad.barge_in_min_ms / 1000)
 
 
 def _first_leaf(exc: BaseException) -> BaseException:
@@ -127,6 +137,7 @@ class Session:
             prefills=cfg.llm.warm_prefix and cfg.llm.background_concurrency > 0 and engines.llm.keeps_prefills,
             summaries=cfg.llm.background_concurrency > 0,
             block_size=lambda: self.engines.llm.block_size,
+            false_interruptions=false_interruptions(self.settings.vad),
             log=self.log,
         )
         # The live reply and the pacer (voicebot/session/speaker.py), background LLM work.
@@ -444,8 +455,12 @@ class Session:
     # ------------------------------------------------------------------ actions
     def _act(self, action: ce.Action) -> None:  # noqa: C901 (one case per action)
         match action:
-            case ce.OpenTurn(item_id):
-                self.listener.open_turn(item_id)
+            case ce.OpenTurn(item_id, announce):
+                self.listener.open_turn(item_id, announce)
+            case ce.AnnounceTurn(item_id):
+                self.listener.announce(item_id)
+            case ce.ForgetTurn(item_id):
+                self.listener.forget(item_id)
             case ce.RequestPartial():
                 # Decode now, unless a partial that saw the speech to its end is decoded
                 # or decoding: it becomes the final (tests/session/test_turns_partials.py).
@@ -468,6 +483,10 @@ class Session:
                 self.speaker.start(action)
             case ce.ReleaseReply(reply_id):
                 self.speaker.release(self.speaker.replies[reply_id])
+            case ce.PauseReply(reply_id):
+                self.speaker.pause(reply_id)
+            case ce.ResumeReply(reply_id):
+                self.speaker.resume(reply_id)
             case ce.StopReply(reply_id, status, report):
                 self.speaker.stop(reply_id, status, report)
             case ce.ReportReply(reply_id, status):

@@ -104,6 +104,24 @@ class Speaker:
         resp.release()
         self._wake.set()
 
+    def pause(self, reply_id: str) -> None:
+        """Speech over the reply: send no more of its audio; the rest waits, queued."""
+        resp = self.replies.get(reply_id)
+        if resp is not None and resp.paused_at is None:
+            resp.paused_at = self._clock.monotonic()
+
+    def resume(self, reply_id: str) -> None:
+        """The speech was no turn: the pacer sends the reply on from where it paused."""
+        resp = self.replies.get(reply_id)
+        if resp is None or resp.paused_at is None:
+            return
+        paused_ms = 1000 * (self._clock.monotonic() - resp.paused_at)
+        resp.paused_at = None
+        if self.call.metrics:
+            self.call.metrics.false_interruptions.inc()
+        self.call.log.info("false interruption: reply resumed after %.0f ms paused", paused_ms)
+        self._wake.set()
+
     async def _drive(self, resp: Response, turn: Turn | None) -> None:
         results: list[str] | None = None  # server tools' results, when the reply called them
         try:
@@ -233,9 +251,12 @@ class Speaker:
         elif self.played_override is not None:
             played = int(self.played_override * rate / 1000)
         else:
-            # The client holds up to the lead in its buffer: that part was not heard.
-            lead = int(self.cfg.session.playout_lead_ms * rate / 1000)
-            played = max(0, resp.playout.taken - lead)
+            # The client holds up to the lead in its buffer: that part was not heard,
+            # unless the reply was paused long enough for the client to play it out.
+            lead_s = self.cfg.session.playout_lead_ms / 1000
+            if resp.paused_at is not None:
+                lead_s = max(0.0, lead_s - (self._clock.monotonic() - resp.paused_at))
+            played = max(0, resp.playout.taken - int(lead_s * rate))
         self.played_override = None
         heard = resp.playout.heard_text(played) if status != "completed" else resp.full_text
         self.heard[resp.item_id] = (resp.id, resp.playout)
@@ -291,7 +312,8 @@ class Speaker:
         lead_s = self.cfg.session.playout_lead_ms / 1000.0
         while True:
             resp = self.live
-            if resp is None or not resp.released.is_set() or resp.playout.queued_samples == 0:
+            if (resp is None or not resp.released.is_set() or resp.paused_at is not None
+                    or resp.playout.queued_samples == 0):
                 # Woken by a release or by new audio in the playout (no polling).
                 self._wake.clear()
                 await self._wake.wait()
@@ -306,7 +328,7 @@ class Speaker:
             self.call.emit(ResponseAudioStarted(resp.id, resp.item_id))
             self._report_timings(resp)
         base = self._clock.monotonic() - resp.playout.taken / rate
-        while self.live is resp:
+        while self.live is resp and resp.paused_at is None:
             due = (self._clock.monotonic() - base + lead_s) * rate
             while resp.playout.taken + frame <= due or (
                 resp.playout.queued_samples and resp.playout.taken < due and resp.generated
@@ -324,7 +346,7 @@ class Speaker:
                 resp.notify_drained()
                 if resp.generated and resp.playout.queued_samples == 0:
                     resp.drained.set()
-                if self.live is not resp:
+                if self.live is not resp or resp.paused_at is not None:
                     return
             if resp.playout.queued_samples == 0:
                 return  # underrun or done: the outer loop waits for more
