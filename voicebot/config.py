@@ -244,6 +244,8 @@ class TtsConfig(_Section):
     workers: int = Field(1, ge=1, le=64, description="Synthesis threads shared by all sessions.")
     queue_size: int = Field(64, ge=1, le=100_000, description="Clauses waiting for a synthesis thread.")
     speed: float = Field(1.0, ge=0.25, le=4.0, description="Speaking rate multiplier.")
+    piper_noise_scale: float | None = Field(None, ge=0.0, le=2.0, description="Piper: the variation of the voice's sound (VITS noise scale); None: the voice's own (0.667 for most). 0: the same audio for the same text every time (tests).")
+    piper_noise_w: float | None = Field(None, ge=0.0, le=2.0, description="Piper: the variation of phoneme lengths (VITS noise w); None: the voice's own (0.8 for most). 0: the same timing every time.")
     intra_op_threads: int = Field(0, ge=0, le=256, description="Piper: onnxruntime threads per synthesis (0: onnxruntime's default, one per core). 1-2 on a many-core host lets tts.workers scale without each synthesis taking every core (docs/gpu-results.md, 'Why the GPU configs are what they are').")
     kokoro_model: str = Field("hexgrad/Kokoro-82M", description="Kokoro (or tts.model): a Hugging Face repo id or a directory with config.json, one .pth and voices/NAME.pt (or kokoro-js NAME.bin); 'random': random weights of the real shape with real-length speech, for GPU measurements only.")
     device: str = Field("auto", description="Kokoro and Coqui: torch device (auto: cuda if available, else cpu).")

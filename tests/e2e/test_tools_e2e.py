@@ -74,6 +74,10 @@ async def server(engine_pool: EnginePool, models_config: ModelsConfig, webhook: 
         f"models.cache_dir={models_config.cache_dir}",
         "tts.engine=piper",
         "tts.voice=bundle:piper-en_US-joe-medium",
+        # Piper samples noise: the same question spoken twice differs, and whisper-tiny
+        # heard "Paris" as "pairs" in 1 of 8 takes. Without it, one take, always heard.
+        "tts.piper_noise_scale=0.0",
+        "tts.piper_noise_w=0.0",
         f"server.api_key={KEY}",
         "server.input_burst_ms=60000",  # the question is uploaded faster than real time
         "server.transports=[native,realtime]",

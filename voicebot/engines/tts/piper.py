@@ -148,7 +148,9 @@ class PiperTts(PooledTts):
             return
         pv = await self._voice(voice)
         syn = SynthesisConfig(
-            length_scale=pv.config.length_scale / resolve_speed(speed, self._cfg.speed)
+            length_scale=pv.config.length_scale / resolve_speed(speed, self._cfg.speed),
+            noise_scale=self._cfg.piper_noise_scale,  # None: the voice's own
+            noise_w_scale=self._cfg.piper_noise_w,
         )
         jobs = ((partial(_synth_sentence, pv, s, syn, self.sample_rate), None) for s in sentences)
         # aclosing: closing this generator must close the inner one now, not at GC.
