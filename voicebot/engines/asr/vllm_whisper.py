@@ -182,8 +182,9 @@ class VllmWhisper:
 
     async def aclose(self) -> None:
         engine, self._engine = self._engine, None
+        started, self._started = self._started, Listed()  # not carried to a later engine
         if engine is not None:
-            await shut_down(engine, self._started)  # off the loop: it joins the engine-core process
+            await shut_down(engine, started)  # off the loop: it joins the engine-core process
 
     def prompt_ids(self, language: str | None, prefix: str) -> list[int]:
         ids = [self._task_ids["<|startoftranscript|>"]]

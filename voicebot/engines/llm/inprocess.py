@@ -138,9 +138,10 @@ class LlmEngine(LaneEngine):
 
     async def aclose(self) -> None:
         engine, self._engine = self._engine, None
+        started, self._started = self._started, Listed()  # not carried to a later engine
         if engine is not None:
             try:
-                await shut_down(engine, self._started)  # off the loop: it joins the engine-core process
+                await shut_down(engine, started)  # off the loop: it joins the engine-core process
             finally:
                 _no_del_after_shutdown(engine)
 
