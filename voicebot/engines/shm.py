@@ -17,8 +17,8 @@ glibc's temporary name (``sem.XXXXXX``, linked to its real name and unlinked), s
 are found by inode: the ``sem.mp-*`` file with the inode of a ``sem.*`` mapping.
 
 So what an engine's processes hold is listed while they run (:func:`held`: segments and
-semaphores), and released once they are gone (:func:`release_after`), except what this
-process maps itself.
+semaphores), and released once they are gone (:func:`release_after`, which kills those
+that outlive their engine), except what this process maps itself.
 """
 
 from __future__ import annotations
@@ -99,15 +99,24 @@ def held(procs: Iterable[psutil.Process]) -> set[str]:
 
 
 def release_after(procs: list[psutil.Process], names: set[str], timeout_s: float) -> list[str]:
-    """Once ``procs`` have exited (at most ``timeout_s``), release what they left of
-    ``names``. If one still runs, nothing: a live process unlinks its own at its exit
-    (and would complain of one unlinked under it); nor what this process maps."""
+    """Once ``procs`` have exited, release what they left of ``names`` (not what this
+    process maps itself). They are processes that should be gone: those still running
+    after ``timeout_s`` are killed first. A vLLM worker whose engine core was killed
+    exits on its own once it notices, which took over 5 s on a loaded machine; left to
+    it, the core's rings (which the worker maps but did not make) stayed until the
+    server's exit."""
     if not names:
         return []
     _, alive = psutil.wait_procs(procs, timeout=timeout_s)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+            log.warning("engine process %d still running after its engine's shutdown: killed", p.pid)
     if alive:
-        log.debug("engine processes %s still running: their shared memory is left to them",
-                  [p.pid for p in alive])
+        _, alive = psutil.wait_procs(alive, timeout=5.0)
+    if alive:  # not even SIGKILL (uninterruptible sleep): it unlinks its own, if it can
+        log.warning("engine processes %s survived SIGKILL: their shared memory is left to them",
+                    [p.pid for p in alive])
         return []
     return release(names - held([psutil.Process()]))
 
