@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import uvicorn
 from aiohttp import web
+from running_time import HARD_LIMIT, running_clock
 
 from voicebot.audio import float_to_pcm16, pcm16_to_float
 from voicebot.config import Config, LlmConfig, load_config
@@ -294,12 +295,15 @@ class NativeCall:
             return time.monotonic()
 
     async def wait_for(self, kind: str, timeout: float = 60.0, after: int = 0, **match: object) -> dict[str, Any]:
-        """The first event of ``kind`` (from index ``after`` on) whose fields match."""
-        async with asyncio.timeout(timeout):
+        """The first event of ``kind`` (from index ``after`` on) whose fields match;
+        TimeoutError after ``timeout`` s of this process's running time (tests/running_time.py)."""
+        async with running_clock() as clock:
             while True:
                 for e in self.events[after:]:
                     if e["type"] == kind and all(e.get(k) == v for k, v in match.items()):
                         return e
+                if clock.elapsed() > timeout or clock.wall() > HARD_LIMIT * timeout:
+                    raise TimeoutError(f"no {kind} event in {clock.wall():.1f} s ({clock.stalled:.1f} s stalled)")
                 await asyncio.sleep(0.02)
 
     async def turn(self, audio: np.ndarray, timeout: float = 60.0) -> dict[str, Any]:
@@ -350,7 +354,7 @@ def service_process(command: str, *args: str) -> Iterator[tuple[subprocess.Popen
         cwd=ROOT,
         stdout=subprocess.PIPE,
         text=True,
-        start_new_session=True,
+        process_group=0,  # not a session: autogroup would give it a share of the cores of its own
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
     try:

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import pytest
 from llm_tier import Tier, _spawn, finished_over, finished_requests, llm_tier, unfinished_requests
+from running_time import until
 from servers import NativeCall, RunningServer, running_server
 from speech import Clip
 
@@ -130,8 +131,11 @@ async def tier(bundle_dir: Callable[[str], str]) -> AsyncIterator[Tier]:
     model = bundle_dir("qwen3-tiny-random")
     # --enforce-eager: no torch.compile warm-up (46 s of a 95 s start on this machine).
     # --enable-log-requests: the kill test finds the server that holds a reply in its log.
+    # own_session=False: in sessions of their own, kernel autogroup gave the two servers
+    # two shares of the cores against one for the whole test run, and the other test
+    # process's calls stood still for seconds while they started.
     async with llm_tier(model, 2, policy="sticky_least_loaded", server_extra=["--enforce-eager", "--enable-log-requests"],
-                        max_model_len=MAX_MODEL_LEN) as t:
+                        max_model_len=MAX_MODEL_LEN, own_session=False) as t:
         yield t
 
 
@@ -164,12 +168,7 @@ async def server(tier: Tier, models_config: ModelsConfig) -> AsyncIterator[Runni
 
 
 async def wait_until(pred: Callable[[], Any], timeout: float, what: str) -> None:
-    try:
-        async with asyncio.timeout(timeout):
-            while not await pred():
-                await asyncio.sleep(0.05)
-    except TimeoutError:
-        raise AssertionError(f"{what} (waited {timeout:g} s)") from None
+    await until(pred, timeout, what)  # running time: a starved CI process does not fail it
 
 
 def long_request_holders(tier: Tier, offsets: list[int]) -> list[int]:

@@ -24,6 +24,7 @@ import httpx
 import numpy as np
 import pytest
 import websockets
+from running_time import until
 from servers import FAST_SPEECH, EnginePool, RunningServer, running_server, server_errors
 from speech import Clip
 
@@ -358,10 +359,7 @@ class FakeTwilio:
 
 
 async def wait_for(cond: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
+    await until(cond, timeout, what)  # running time: a starved CI process does not fail it
 
 
 @contextlib.asynccontextmanager
