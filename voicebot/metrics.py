@@ -7,7 +7,7 @@ own :class:`Metrics`. Buckets are chosen for voice latencies (tens of ms to seco
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
 from prometheus_client import (
@@ -42,7 +42,10 @@ class StageLatencies(Protocol):
     @property
     def voice_to_voice_ms(self) -> float | None: ...
 
-_LATENCY_BUCKETS = (0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0)
+# Fine below 1.5 s, where turns are judged; above it, steps that keep p95/p99 of a slow
+# minute readable (histogram_quantile interpolates inside one bucket).
+_LATENCY_BUCKETS = (0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0,
+                    5.0, 6.0, 8.0, 10.0, 15.0)
 
 
 class Metrics:
@@ -87,6 +90,13 @@ class Metrics:
         self.call_audio = Counter("voicebot_call_audio", "Calls' WAVs (telemetry.record_audio) by outcome: written, failed (unwritable directory, full disk), dropped (the writer was behind: the WAV stops early).", ["outcome"], registry=r)
         self.webhooks = Counter("voicebot_call_webhooks", "End-of-call webhooks by outcome: delivered, failed (after its attempts), dropped (queue full, or given up at shutdown).", ["outcome"], registry=r)
         ProcessCollector(registry=r)
+
+    def serve_transports(self, transports: Iterable[str]) -> None:
+        """Each served protocol's call counters from 0, before its first call: a labelled
+        counter that appears at its first event is missed by ``rate()`` for that event."""
+        for transport in transports:
+            self.sessions.labels(transport)
+            self.active_sessions.labels(transport)
 
     def observe_turn(self, t: StageLatencies) -> None:
         pairs = (

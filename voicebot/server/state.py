@@ -61,6 +61,7 @@ class ServerState:
         self.api_keys = edge.load_api_keys(self.cfg.server)
         self.telemetry = Telemetry(self.cfg.telemetry, self.metrics)
         self.metrics.capacity.set(self.cfg.server.max_sessions)
+        self.metrics.serve_transports(self.cfg.server.transports)
         self.heap = HeapTrimmer(self.cfg.server.heap_trim_interval_s, on_trim=self.metrics.heap_trims.inc)
 
     @property
