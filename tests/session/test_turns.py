@@ -344,6 +344,20 @@ def test_a_caller_who_went_on_after_an_end_of_turn_is_waited_for_longer_next_tim
     assert end_index(signals) == 30 + 14
 
 
+def test_speech_soon_after_a_forgotten_turn_is_not_a_caller_going_on() -> None:
+    # A backchannel over the reply ended as a turn and was then judged no turn (the
+    # session forgets it): the caller speaking again 320 ms later is not a pause they
+    # went on after, and the next turn is not held longer for it.
+    det = SemanticTurnDetector(smart(), FakeModel(0.9, 0.9, 0.9))
+    first = feed_run(det, [0.9] * 10 + [0.05] * 8)
+    assert end_index(first) == 15
+    det.forget_turn_end()
+    feed_run(det, [0.05] * 2 + [0.9] * 10, start=18)
+    assert det.history.longest_ms is None
+    signals = feed_run(det, [0.05] * 20, start=30)
+    assert end_index(signals) == 30 + 5  # ended at the check, as the first
+
+
 def test_a_pause_that_sounded_finished_is_remembered_even_while_its_words_held_it() -> None:
     # "And so my fellow Americans" [1 s] "ask not ...": the verdict said finished, the
     # turn waited for the pause's words, and the caller went on before they came. At

@@ -340,9 +340,11 @@ class Listener:
                 self.call.emit(event)
 
     def forget(self, item_id: str) -> None:
-        """It was no turn: the client never hears of it."""
+        """It was no turn: the client never hears of it, nor does this caller's pause
+        history (speech soon after it is no caller going on after an end of turn)."""
         if self._unannounced is not None and self._unannounced[0] == item_id:
             self._unannounced = None
+        self.detector.forget_turn_end()
 
     def _new_turn(self, item_id: str, final: asyncio.Task[Transcript]) -> Turn:
         turn = Turn(item_id, final, asr_started=self._clock.monotonic())

@@ -86,6 +86,10 @@ class TurnDetector(Protocol):
 
     def reset(self) -> None: ...
 
+    def forget_turn_end(self) -> None:
+        """The turn that ended last was no turn (a backchannel or a noise over a reply):
+        speech soon after it is not a caller going on after a pause."""
+
 
 class EndOfTurnModel(Protocol):
     """What :class:`SemanticTurnDetector` needs of a model (a fake in unit tests)."""
@@ -111,6 +115,9 @@ class SilenceTurnDetector:
 
     def feed(self, audio16k: np.ndarray) -> None:
         """Silence alone decides: the audio itself is not needed."""
+
+    def forget_turn_end(self) -> None:
+        """No history of pauses to keep it out of."""
 
     def update(self, prob: float, window_ms: float, bot_speaking: bool = False) -> list[Signal]:
         self.clock_ms += window_ms
@@ -306,6 +313,9 @@ class SemanticTurnDetector(SilenceTurnDetector):
                 self.history.went_on_after(self._silence_at_end + max(0.0, gap))
             self._ended_at_ms = None
         return out
+
+    def forget_turn_end(self) -> None:
+        self._ended_at_ms = None
 
     def _close_turn(self) -> None:
         self._ended_at_ms, self._silence_at_end = self.clock_ms, self._silence_run
