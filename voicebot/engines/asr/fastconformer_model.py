@@ -317,7 +317,13 @@ def load_model(path: str, device: str, dtype: str) -> Any:
 
     model = NemotronAsrStreamingForRNNT.from_pretrained(path, dtype=getattr(torch, dtype))
     model.config.encoder_config._attn_implementation = "sdpa"
-    return model.to(device).eval().requires_grad_(False)
+    model = model.to(device).eval().requires_grad_(False)
+    # The prediction network's LSTM, moved to the GPU, keeps weights that are not one
+    # contiguous chunk: cuDNN then compacts them at every call (and warns each time).
+    for module in model.modules():
+        if isinstance(module, torch.nn.RNNBase):
+            module.flatten_parameters()
+    return model
 
 
 def load_tokenizer(path: str) -> Any:
