@@ -76,9 +76,17 @@ def roles(c: CallCore) -> list[tuple[str, str]]:
     ("I see.", True), ("Thank you.", True), ("", True), ("  ...  ", True),
     ("Wait.", False), ("No.", False), ("Okay, so what about tomorrow?", False), ("yes yes yes yes", False),
     ("I", False), ("see", False),
+    # Hums as whisper-base wrote a spoken "Mm-hmm." in different takes.
+    ("M-M-M", True), ("Mmm.", True), ("Hmmm?", True), ("mhmm", True), ("Hmm-mm.", True), ("Mm, okay.", True),
+    ("Mom.", False), ("Uh-uh.", False), ("hm hm hm hm", False),
 ])
 def test_what_is_only_a_backchannel(text: str, backchannel: bool) -> None:
     assert FI.is_backchannel(text) is backchannel
+
+
+def test_hums_are_only_backchannels_while_asked() -> None:
+    words_only = FalseInterruptions.of(DEFAULT_BACKCHANNEL_WORDS, hums=False)
+    assert not words_only.is_backchannel("M-M-M") and words_only.is_backchannel("Mm-hmm.")
 
 
 def test_a_backchannel_over_the_reply_pauses_it_then_resumes_it_unseen() -> None:

@@ -15,6 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 _NOT_A_WORD = re.compile(r"[^\w\s'-]+")
+# A hum, however the recogniser spells it ("mm-hmm", "mhm", "hmmm", "M-M-M"): letters m
+# and h only. Whisper writes the same "mm-hmm" differently from one take to the next.
+_HUM = re.compile(r"[mh]+(?:-[mh]+)*")
 
 
 def words_of(text: str) -> list[str]:
@@ -26,7 +29,8 @@ def words_of(text: str) -> list[str]:
 class FalseInterruptions:
     """What speech over a reply may be and still not be a turn.
 
-    ``words``: backchannel entries (lower case; an entry may be two words);
+    ``words``: backchannel entries (lower case; an entry may be two words); ``hums``:
+    any hum is one too ("mhmm", "m-m-m": m and h only);
     ``max_words``: a backchannel has at most this many words; ``max_speech_s``: speech
     over the reply lasting longer than this (from its start to its last sound) is a
     turn whatever its words; ``speech_before_s``: speech the detector heard before it
@@ -34,6 +38,7 @@ class FalseInterruptions:
     """
 
     words: frozenset[str]
+    hums: bool = True
     max_words: int = 3
     max_speech_s: float = 1.5
     speech_before_s: float = 0.0
@@ -43,7 +48,7 @@ class FalseInterruptions:
         return cls(frozenset(" ".join(words_of(w)) for w in words if words_of(w)), **kw)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"words": sorted(self.words), "max_words": self.max_words, "max_speech_s": self.max_speech_s,
+        return {"words": sorted(self.words), "hums": self.hums, "max_words": self.max_words, "max_speech_s": self.max_speech_s,
                 "speech_before_s": self.speech_before_s}
 
     def is_backchannel(self, text: str) -> bool:
@@ -56,7 +61,7 @@ class FalseInterruptions:
         while i < len(words):
             if i + 1 < len(words) and f"{words[i]} {words[i + 1]}" in self.words:
                 i += 2
-            elif words[i] in self.words:
+            elif words[i] in self.words or (self.hums and _HUM.fullmatch(words[i])):
                 i += 1
             else:
                 return False

@@ -73,7 +73,7 @@ def false_interruptions(vad: VadConfig) -> FalseInterruptions | None:
     """What speech over a reply may be and still resume it (None: it cuts the reply)."""
     if not vad.resume_false_interruption:
         return None
-    return FalseInterruptions.of(vad.backchannel_words, max_words=vad.backchannel_max_words,
+    return FalseInterruptions.of(vad.backchannel_words, hums=vad.backchannel_hums, max_words=vad.backchannel_max_words,
                                  max_speech_s=vad.backchannel_max_ms / 1000,
                                  speech_before_s=vad.barge_in_min_ms / 1000)
 
