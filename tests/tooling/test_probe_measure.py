@@ -271,6 +271,55 @@ def test_barge_in_measures_event_and_playout_stop() -> None:
     assert [r["status"] for r in rec.replies] == ["interrupted", "completed"]
 
 
+def backchannel_turn(*, cut: bool) -> TurnRecord:
+    """A reply heard from 1.3 s; "mm-hmm" spoken over it at 1.9 s; the server pauses its
+    audio 0.7 s and resumes (or takes it as a barge-in)."""
+    tr = TurnTracker(TurnRecord(0, 0, "a.wav"), RATE, barge_after_s=0.6, backchannel=True, timings_grace_s=0.0)
+    tr.speech_ended(1.0)
+    tr.on_event(ev("response.started", response_id="r1"), 1.2)
+    tr.on_event(ev("response.audio.started", response_id="r1"), 1.3)
+    for t in (1.3, 1.5, 1.7, 1.9, 2.0):
+        tr.on_audio(pcm(tone(0.02, -20.0)), t)
+    assert tr.barge_due(2.0)
+    tr.barge_speech_started(2.0)
+    tr.barge_clip_ended(2.5)
+    if cut:
+        tr.on_event(ev("barge_in", response_id="r1", played_ms=700, heard_text="x"), 2.6)
+        tr.on_event(ev("response.done", response_id="r1", status="interrupted", text="x", full_text="x y"), 2.6)
+        tr.on_event(ev("response.started", response_id="r2"), 3.0)
+        tr.on_event(ev("response.audio.started", response_id="r2"), 3.1)
+        tr.on_audio(pcm(tone(0.02, -20.0)), 3.1)
+        tr.on_event(ev("response.done", response_id="r2", status="completed", text="z", full_text="z"), 3.5)
+    else:
+        for t in (2.7, 2.9, 3.1):  # paused from 2.0 to 2.7
+            tr.on_audio(pcm(tone(0.02, -20.0)), t)
+        tr.on_event(ev("response.done", response_id="r1", status="completed", text="x y", full_text="x y"), 3.5)
+    assert tr.finished(3.5)
+    return tr.finish(3.5)
+
+
+def test_a_backchannel_that_the_reply_goes_on_after_is_measured_as_a_pause() -> None:
+    rec = backchannel_turn(cut=False)
+    assert rec.status == "ok", rec.errors
+    assert rec.backchannel == {"resumed": True, "paused_ms": pytest.approx(700.0)}
+    assert rec.barge_in is None
+
+
+def test_a_backchannel_that_cut_the_reply_fails_the_turn() -> None:
+    rec = backchannel_turn(cut=True)
+    assert rec.status == "failed"
+    assert rec.backchannel is not None and rec.backchannel["resumed"] is False
+    assert any("backchannel" in e for e in rec.errors), rec.errors
+
+
+def test_the_report_says_how_often_replies_went_on_and_how_long_they_paused() -> None:
+    report = build_report({"url": "ws://x"}, [(1, [backchannel_turn(cut=False), backchannel_turn(cut=True)])])
+    level = report["levels"][0]
+    assert level["backchannel"]["resumed"] == 1 and level["backchannel"]["n"] == 2
+    assert level["backchannel"]["paused_ms"]["p50"] == pytest.approx(700.0)
+    assert "reply went on 1 of 2, paused p50 700" in format_table(report)
+
+
 def test_fatal_error_ends_the_turn_as_failed() -> None:
     tr = TurnTracker(TurnRecord(0, 0, "a.wav"), RATE)
     tr.on_event(ev("error", code="capacity_exceeded", message="full", fatal=True), 0.5)

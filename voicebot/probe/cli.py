@@ -146,6 +146,12 @@ def add_probe_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
         metavar="PATH",
         help="clip to barge in with (default: the next --audio clip)",
     )
+    p.add_argument(
+        "--backchannel-audio",
+        metavar="PATH",
+        help="speak this clip (an 'mm-hmm', an 'okay') over each reply, --barge-in-after-ms "
+        "into it, and measure how long the reply pauses: a turn passes if the reply goes on",
+    )
     p.add_argument("--system-prompt", help="session.start system_prompt")
     p.add_argument("--voice", help="session.start voice")
     p.add_argument("--token", help="API key, sent as 'Authorization: Bearer'")
@@ -190,7 +196,13 @@ def run_probe(args: argparse.Namespace) -> int:
     clips = tuple(
         load_clip(p, args.sample_rate, threshold_dbfs=args.threshold_dbfs) for p in args.audio
     )
+    if args.backchannel_audio and (args.barge_in or args.barge_in_audio):
+        raise ConfigError("--backchannel-audio speaks over the reply in place of --barge-in: give one of them")
     barge_clip = None
+    if args.backchannel_audio:
+        barge_clip = load_clip(
+            args.backchannel_audio, args.sample_rate, threshold_dbfs=args.threshold_dbfs
+        )
     if args.barge_in_audio:
         barge_clip = load_clip(
             args.barge_in_audio, args.sample_rate, threshold_dbfs=args.threshold_dbfs
@@ -210,8 +222,9 @@ def run_probe(args: argparse.Namespace) -> int:
         timeout_s=args.timeout_s,
         connect_timeout_s=args.connect_timeout_s,
         threshold_dbfs=args.threshold_dbfs,
-        barge_after_s=args.barge_in_after_ms / 1000 if args.barge_in else None,
+        barge_after_s=args.barge_in_after_ms / 1000 if args.barge_in or args.backchannel_audio else None,
         barge_clip=barge_clip,
+        backchannel=bool(args.backchannel_audio),
         token=args.token,
         start_fields=start_fields,
         save_audio=args.save_audio,
@@ -245,7 +258,8 @@ def run_probe(args: argparse.Namespace) -> int:
         "gap_ms": args.gap_ms,
         "timeout_s": cfg.timeout_s,
         "threshold_dbfs": cfg.threshold_dbfs,
-        "barge_in_after_ms": args.barge_in_after_ms if args.barge_in else None,
+        "barge_in_after_ms": args.barge_in_after_ms if args.barge_in or args.backchannel_audio else None,
+        "backchannel_audio": args.backchannel_audio,
     }
     report = build_report(config, levels, probe=costs)
     print(format_table(report))

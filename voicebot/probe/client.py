@@ -70,6 +70,7 @@ class ProbeConfig:
     threshold_dbfs: float = -40.0
     barge_after_s: float | None = None  # None: no barge-in
     barge_clip: Clip | None = None  # None: the next clip in the cycle
+    backchannel: bool = False  # barge_clip is a backchannel: the reply should go on
     token: str | None = None
     start_fields: dict[str, Any] = field(default_factory=dict)
     save_audio: Path | None = None
@@ -295,6 +296,7 @@ class _Session:
                 record,
                 self.client.output_rate,
                 barge_after_s=cfg.barge_after_s,
+                backchannel=cfg.backchannel,
                 threshold_dbfs=cfg.threshold_dbfs,
                 keep_audio_s=keep_s,
             )

@@ -64,6 +64,13 @@ def summarize(records: list[TurnRecord]) -> dict[str, Any]:
                 b["playout_stop_ms"] for b in barged if b["playout_stop_ms"] is not None
             ),
         }
+    backchannels = [r.backchannel for r in records if r.backchannel is not None]
+    if backchannels:
+        out["backchannel"] = {
+            "resumed": sum(bool(b["resumed"]) for b in backchannels),
+            "n": len(backchannels),
+            "paused_ms": percentiles(b["paused_ms"] for b in backchannels if b["resumed"]),
+        }
     return out
 
 
@@ -114,6 +121,12 @@ def format_table(report: dict[str, Any]) -> str:
                 f"{'':>8} barge-in: barge_in event p50 {_ms(b['event']['p50'])} p95 {_ms(b['event']['p95'])}"
                 f", playout stop p50 {_ms(b['playout_stop']['p50'])} p95 {_ms(b['playout_stop']['p95'])}"
                 f" (n={b['playout_stop']['n']})"
+            )
+        if "backchannel" in lv:
+            b = lv["backchannel"]
+            lines.append(
+                f"{'':>8} backchannel: reply went on {b['resumed']} of {b['n']}, paused p50"
+                f" {_ms(b['paused_ms']['p50'])} p95 {_ms(b['paused_ms']['p95'])} max {_ms(b['paused_ms']['max'])}"
             )
     failed = [t for t in report["turns"] if t["status"] != "ok"]
     for t in failed[:10]:

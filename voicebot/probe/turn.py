@@ -39,6 +39,9 @@ class TurnRecord:
     voice_to_voice_ms: float | None = None
     timings: dict[str, Any] = field(default_factory=dict)  # the server's turn.timings
     barge_in: dict[str, float | None] | None = None  # event_ms, playout_stop_ms
+    # With a backchannel spoken over the reply (--backchannel-audio): whether the reply
+    # went on (completed, no barge_in) and its longest silence from the backchannel on.
+    backchannel: dict[str, Any] | None = None  # resumed, paused_ms
     # Reply audio received after the end of speech: how much, over how long, the longest
     # gap between chunks. Audio / span under 1 means the reply arrived slower than real
     # time (the server's TTS or pacing fell behind): the caller heard it stall.
@@ -71,6 +74,7 @@ class TurnTracker:
         output_rate: int,
         *,
         barge_after_s: float | None = None,
+        backchannel: bool = False,
         threshold_dbfs: float = THRESHOLD_DBFS,
         timings_grace_s: float = 1.0,
         keep_audio_s: float = 60.0,
@@ -78,6 +82,7 @@ class TurnTracker:
         self.record = record
         self.output_rate = output_rate
         self.barge_after_s = barge_after_s
+        self.backchannel = backchannel  # what is spoken over the reply should not cut it
         self.timings_grace_s = timings_grace_s
         self._detector = OnsetDetector(output_rate, threshold_dbfs)
         self._keep = int(keep_audio_s * output_rate)
@@ -108,6 +113,7 @@ class TurnTracker:
         self.barge_end_t: float | None = None
         self._barge_event_t: float | None = None
         self._last_barged_audio_t: float | None = None
+        self._paused = 0.0  # longest gap in the barged reply's audio from the barge speech on
 
     # ----------------------------------------------------------- driver -> tracker
     def speech_started(self, t: float) -> None:
@@ -142,6 +148,8 @@ class TurnTracker:
         elif self.onset_t is None and self._detector.feed_pcm16(pcm):
             self.onset_t = t
         if self.barge_speech_t is not None and self._playing == self._barged:
+            since = max(self.barge_speech_t, self._last_barged_audio_t or self.barge_speech_t)
+            self._paused = max(self._paused, t - since)
             self._last_barged_audio_t = t
         if self.speech_end_t is not None:
             if self._reply_first_t is None:
@@ -225,6 +233,16 @@ class TurnTracker:
             or primary in self._timings
             or now - (done.done_t or now) >= self.timings_grace_s
         )
+
+    def _finish_backchannel(self, rec: TurnRecord) -> None:
+        barged = self._responses.get(self._barged or "")
+        status = (barged.done or {}).get("status") if barged is not None else None
+        resumed = self._barge_event_t is None and status == "completed"
+        rec.backchannel = {"resumed": resumed, "paused_ms": round(1000.0 * self._paused, 1)}
+        if self._barge_event_t is not None:
+            rec.errors.append("the backchannel spoken over the reply cut it (barge_in)")
+        elif status != "completed":
+            rec.errors.append(f"the reply did not go on after the backchannel (status {status})")
 
     def _last_speech_t(self) -> float | None:
         return self.barge_end_t if self.barge_state == "sent" else self.speech_end_t
@@ -328,7 +346,9 @@ class TurnTracker:
                 f"{self._unprovoked_barge_ins} barge-in(s) the probe did not make: the caller went on "
                 "speaking over a reply the server had started early"
             )
-        if self.barge_state == "sent" and self.barge_speech_t is not None:
+        if self.barge_state == "sent" and self.barge_speech_t is not None and self.backchannel:
+            self._finish_backchannel(rec)
+        elif self.barge_state == "sent" and self.barge_speech_t is not None:
             t0 = self.barge_speech_t
             rec.barge_in = {
                 "event_ms": None
