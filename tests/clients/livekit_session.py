@@ -17,7 +17,7 @@ from livekit.agents.voice import io
 from livekit.plugins import openai as lk_openai
 from servers import RunningServer
 
-from .harness import KEY, PCM_RATE, chunks
+from .harness import KEY, PCM_RATE, chunks, live_chunks
 
 
 class WavInput(io.AudioInput):
@@ -32,6 +32,11 @@ class WavInput(io.AudioInput):
 
     def push(self, pcm: bytes) -> None:
         for chunk in chunks(pcm, ms=20):
+            self._frames.put_nowait(rtc.AudioFrame(chunk, PCM_RATE, 1, len(chunk) // 2))
+
+    async def say(self, pcm: bytes) -> None:
+        """``pcm`` as a room's microphone delivers it: a 20 ms frame every 20 ms."""
+        async for chunk in live_chunks(pcm, ms=20):
             self._frames.put_nowait(rtc.AudioFrame(chunk, PCM_RATE, 1, len(chunk) // 2))
 
 
