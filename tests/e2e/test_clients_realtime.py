@@ -12,7 +12,8 @@ talking over the reply):
   server: WAV input, a sink for output; GA protocol, LiveKit's default) each hear the
   long turn (:func:`long_turn`, streamed in real time, no greeting first), and its reply
   is barged in on;
-- LiveKit also replying to ``generate_reply``.
+- LiveKit also replying to ``generate_reply``, on the GA protocol and on the beta one
+  (LiveKit's legacy Azure mode).
 
 One server for all three, on the CPU default (configs/default.yaml: Qwen2.5-Coder-0.5B-Instruct,
 whisper tiny.en, Piper), real engines: a server start is most of this module's time.
@@ -28,7 +29,7 @@ import json
 import re
 from collections.abc import AsyncIterator
 from difflib import SequenceMatcher
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import pytest
@@ -275,9 +276,11 @@ async def test_pipecat_long_turn_and_barge_in_without_an_error(server: RunningSe
 
 
 # ---------------------------------------------------------------------- LiveKit
-async def test_livekit_generate_reply_and_barge_in(server: RunningServer, interruption: bytes) -> None:
+@pytest.mark.parametrize("protocol", ["ga", "beta"])
+async def test_livekit_generate_reply_and_barge_in(server: RunningServer, interruption: bytes,
+                                                   protocol: Literal["ga", "beta"]) -> None:
     with server_errors() as logged, wire_log() as wire:
-        async with livekit_session(server) as (session, mic, speaker, errors, generations):
+        async with livekit_session(server, protocol) as (session, mic, speaker, errors, generations):
             # generate_reply resolves on the response.created that carries its metadata
             # back (else it fails with "generate_reply timed out" after 10 s).
             handle = session.generate_reply(instructions="Say hello.")
@@ -300,6 +303,9 @@ async def test_livekit_generate_reply_and_barge_in(server: RunningServer, interr
             # "Cancellation failed" answer is the only error it may get, and it ignores it.
             assert all(e["error"]["message"].startswith("Cancellation failed") for e in wire.errors()), wire.errors()
             assert not errors, errors
+            # The names LiveKit's Azure mode asked for: it maps them back to GA ones itself.
+            names = (bool(wire.of("conversation.item.created")), bool(wire.of("conversation.item.added")))
+            assert names == ((True, False) if protocol == "beta" else (False, True)), wire.types()
     assert not logged, [r.getMessage() for r in logged]
 
 
