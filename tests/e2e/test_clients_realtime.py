@@ -83,7 +83,11 @@ def long_turn(speech_clips: list[Clip]) -> tuple[bytes, str]:
     [0.7 s] unless to be rather cold hearted and rather selfish is to be ill-disposed"
     (two LibriVox clips of one sentence, the reader's breath at its comma lengthened to
     0.7 s of silence), then a second of silence. Streamed in real time, so that the pause
-    is one on the wire too."""
+    is one on the wire too. The reader's voice stays up at the comma: the end-of-turn
+    model hears the clause unfinished, so the server holds the pause (up to
+    vad.smart_turn_max_silence_ms). A pause as long after a sentence that sounds finished
+    ends the turn, for any client: that is the turn policy's call, measured by
+    benchmarks/turn_taking.py, not a client's."""
     first, second = (next(c for c in speech_clips if c.name.endswith(n)) for n in ("0880", "0890"))
     pause = np.zeros(int(0.7 * 16_000), np.float32)
     return pcm24k(np.concatenate([first.audio, pause, second.audio]), silence_s=1.0), f"{first.text} {second.text}"
