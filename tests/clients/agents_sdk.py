@@ -15,7 +15,7 @@ from agents import function_tool, set_tracing_disabled
 from agents.realtime import RealtimeAgent, RealtimeRunner, RealtimeSession
 from servers import RunningServer
 
-from .harness import KEY, TIMEOUT, WireLog, chunks
+from .harness import KEY, TIMEOUT, WireLog, chunks, live_chunks
 
 # The SDK's trace export goes to OpenAI's servers; a self-hosted deployment turns it off.
 set_tracing_disabled(True)
@@ -62,7 +62,9 @@ class Run:
 
 
 @contextlib.asynccontextmanager
-async def agent_session(server: RunningServer) -> AsyncIterator[Run]:
+async def agent_session(server: RunningServer, *, weather: bool = True) -> AsyncIterator[Run]:
+    """A session of the agent with the get_weather tool, or (``weather=False``) of a
+    plain voice agent with no tools."""
     calls: list[str] = []
 
     @function_tool
@@ -71,10 +73,13 @@ async def agent_session(server: RunningServer) -> AsyncIterator[Run]:
         calls.append(city)
         return json.dumps({"city": city, **FORECAST})
 
-    agent = RealtimeAgent(name="Assistant", instructions=INSTRUCTIONS, tools=[get_weather])
-    # Our server's tool_choice "required" forces the first reply after each user turn to
-    # call a tool; the reply after a function_call_output is free to answer (docs/realtime.md).
-    runner = RealtimeRunner(agent, config={"model_settings": {"tool_choice": "required"}})
+    if weather:
+        agent = RealtimeAgent(name="Assistant", instructions=INSTRUCTIONS, tools=[get_weather])
+        # Our server's tool_choice "required" forces the first reply after each user turn to
+        # call a tool; the reply after a function_call_output is free to answer (docs/realtime.md).
+        runner = RealtimeRunner(agent, config={"model_settings": {"tool_choice": "required"}})
+    else:
+        runner = RealtimeRunner(RealtimeAgent(name="Assistant", instructions="Be brief."))
     # Pointed at our server by URL and key, as a user of the SDK does.
     session = await runner.run(model_config={
         "url": f"ws://127.0.0.1:{server.port}/v1/realtime?model=voicebot", "api_key": KEY})
@@ -98,6 +103,12 @@ async def send_speech(run: Run, pcm: bytes) -> None:
     for chunk in chunks(pcm):
         await run.session.send_audio(chunk)
         await asyncio.sleep(0.01)  # ~10x real time: a client streaming a WAV
+
+
+async def say(run: Run, pcm: bytes) -> None:
+    """``pcm`` as an app streaming a microphone sends it, in real time."""
+    async for chunk in live_chunks(pcm, ms=20):
+        await run.session.send_audio(chunk)
 
 
 def no_errors(run: Run, wire: WireLog) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -57,6 +57,17 @@ def chunks(pcm: bytes, ms: int = 100) -> Iterator[bytes]:
     step = PCM_RATE * 2 * ms // 1000
     for i in range(0, len(pcm), step):
         yield pcm[i:i + step]
+
+
+async def live_chunks(pcm: bytes, ms: int = 20) -> AsyncIterator[bytes]:
+    """``chunks(pcm, ms)``, each when a live microphone would have it: chunk i at i x ms
+    after the first, on the wall clock, so a pause in the speech is a pause on the wire
+    (the tests otherwise upload speech faster than real time)."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    for i, chunk in enumerate(chunks(pcm, ms)):
+        await asyncio.sleep(max(0.0, start + i * ms / 1000 - loop.time()))
+        yield chunk
 
 
 class WireLog:

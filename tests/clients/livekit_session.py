@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Literal
 
 from livekit import rtc
 from livekit.agents import Agent, AgentSession
@@ -17,7 +17,7 @@ from livekit.agents.voice import io
 from livekit.plugins import openai as lk_openai
 from servers import RunningServer
 
-from .harness import KEY, PCM_RATE, chunks
+from .harness import KEY, PCM_RATE, chunks, live_chunks
 
 
 class WavInput(io.AudioInput):
@@ -32,6 +32,11 @@ class WavInput(io.AudioInput):
 
     def push(self, pcm: bytes) -> None:
         for chunk in chunks(pcm, ms=20):
+            self._frames.put_nowait(rtc.AudioFrame(chunk, PCM_RATE, 1, len(chunk) // 2))
+
+    async def say(self, pcm: bytes) -> None:
+        """``pcm`` as a room's microphone delivers it: a 20 ms frame every 20 ms."""
+        async for chunk in live_chunks(pcm, ms=20):
             self._frames.put_nowait(rtc.AudioFrame(chunk, PCM_RATE, 1, len(chunk) // 2))
 
 
@@ -79,10 +84,17 @@ class Sink(io.AudioOutput):
 
 @contextlib.asynccontextmanager
 async def agent_session(
-    server: RunningServer,
+    server: RunningServer, protocol: Literal["ga", "beta"] = "ga",
 ) -> AsyncIterator[tuple[AgentSession, WavInput, Sink, list[Any], list[Any]]]:
-    model = lk_openai.realtime.RealtimeModel(
-        base_url=f"http://127.0.0.1:{server.port}/v1", api_key=KEY, model="voicebot")  # by base URL only
+    if protocol == "ga":  # LiveKit's default
+        model = lk_openai.realtime.RealtimeModel(
+            base_url=f"http://127.0.0.1:{server.port}/v1", api_key=KEY, model="voicebot")  # by base URL only
+    else:
+        # LiveKit speaks the beta protocol only in its legacy Azure mode (api_version set);
+        # its Entra token goes as Authorization: Bearer, its api_key as Azure's api-key header.
+        model = lk_openai.realtime.RealtimeModel.with_azure(
+            azure_deployment="voicebot", base_url=f"http://127.0.0.1:{server.port}/v1/realtime",
+            entra_token=KEY, api_version="2024-10-01-preview")
     # No echo to cancel in a WAV: LiveKit otherwise ignores the caller for 3 s after the
     # agent starts speaking (AEC warm-up), an app setting, not a protocol matter.
     session = AgentSession(llm=model, aec_warmup_duration=None)

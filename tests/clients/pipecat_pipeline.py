@@ -17,7 +17,7 @@ from pipecat.services.openai.realtime.llm import OpenAIRealtimeLLMService
 from pipecat.workers.runner import WorkerRunner
 from servers import RunningServer
 
-from .harness import KEY, PCM_RATE, chunks
+from .harness import KEY, PCM_RATE, chunks, live_chunks
 
 
 class Tap(FrameProcessor):
@@ -40,6 +40,12 @@ async def feed(worker: PipelineWorker, pcm: bytes) -> None:
     for chunk in chunks(pcm):
         await worker.queue_frame(InputAudioRawFrame(audio=chunk, sample_rate=PCM_RATE, num_channels=1))
         await asyncio.sleep(0.01)
+
+
+async def feed_live(worker: PipelineWorker, pcm: bytes) -> None:
+    """``pcm`` as a transport's microphone delivers it, in real time."""
+    async for chunk in live_chunks(pcm, ms=20):
+        await worker.queue_frame(InputAudioRawFrame(audio=chunk, sample_rate=PCM_RATE, num_channels=1))
 
 
 @contextlib.asynccontextmanager
