@@ -58,6 +58,12 @@ class _Overlap:
     item_id: str  # the turn the speech opened
     reply_id: str  # the reply it paused
     speech_from: float  # when the speech began (the call's clock)
+    # When it fell quiet (QUIET), until it sounds again (RESUME): its length is measured
+    # to there, not to when a slow partial transcript of it arrives.
+    quiet_from: float | None = None
+
+    def length(self, now: float) -> float:
+        return (self.quiet_from if self.quiet_from is not None else now) - self.speech_from
 
 
 class CallCore:
@@ -115,10 +121,14 @@ class CallCore:
             case ev.Quiet():
                 # Decode now, unless a partial that saw the speech to its end is decoded
                 # or decoding: it becomes the final (the ASR stream decides).
+                if self.overlap is not None:
+                    self.overlap.quiet_from = now  # it sounded until now
                 return [*self._overlap_too_long(now), ev.RequestPartial()]
             case ev.Pause():
                 return self._speculate()
             case ev.Resume():
+                if self.overlap is not None:
+                    self.overlap.quiet_from = None  # it sounds again
                 return self._overlap_too_long(now) + self._drop_speculation()
             case ev.TurnEnd():
                 return self._end_turn()
@@ -205,7 +215,7 @@ class CallCore:
         """Speech over the paused reply that has gone on this long is a turn, whatever
         its words (say, a long noise the recogniser makes nothing of)."""
         o, fi = self.overlap, self.false_interruptions
-        if o is None or fi is None or o.item_id != self.open_item or now - o.speech_from <= fi.max_speech_s:
+        if o is None or fi is None or o.item_id != self.open_item or o.length(now) <= fi.max_speech_s:
             return []
         return self._interrupt()
 
