@@ -237,9 +237,9 @@ def test_compaction_ahead_of_the_budget_swaps_in_after_its_prefill() -> None:
         n += 1
         actions = c.handle(ev.AddItem("user", f"question number {n} about the weather", f"u{n}"))
         actions += c.handle(ev.AddItem("assistant", f"answer number {n} is sunny", f"a{n}"))
-        for a in actions:
+        for a in list(actions):
             if isinstance(a, ev.StartPrefill):
-                c.handle(ev.PrefillDone(a.prefill))
+                actions += c.handle(ev.PrefillDone(a.prefill))  # a summary waits for it
     summary = next(a for a in actions if isinstance(a, ev.StartSummary))
     head = list(summary.messages)
     assert h.messages[: len(head)] == head, "the history keeps the turns while they are summarised"
@@ -275,11 +275,12 @@ def _exchanges_until_a_compaction(c: CallCore) -> ev.StartSummary:
         n += 1
         actions = c.handle(ev.AddItem("user", f"question number {n} about the weather", f"u{n}"))
         actions += c.handle(ev.AddItem("assistant", f"answer number {n} is sunny", f"a{n}"))
-        for a in actions:
+        for a in list(actions):
             if isinstance(a, ev.StartPrefill):
-                c.handle(ev.PrefillDone(a.prefill))
-            if isinstance(a, ev.StartSummary):
-                return a
+                actions += c.handle(ev.PrefillDone(a.prefill))  # a summary waits for it
+        summary = next((a for a in actions if isinstance(a, ev.StartSummary)), None)
+        if summary is not None:
+            return summary
 
 
 def _compacting(h: FakeHistory) -> tuple[CallCore, ev.StartSummary]:
@@ -328,6 +329,30 @@ def test_a_compaction_swapped_in_at_the_budget_prefills_only_what_its_own_prefil
     warm = [a for a in ended if isinstance(a, ev.StartPrefill)]
     assert warm and list(warm[0].ids) == h.history_ids()
     assert warm[0].cached == done, f"{warm[0].cached} of {done} prefilled tokens known cached"
+
+
+def test_a_compactions_summary_waits_for_the_prefill_the_next_reply_needs() -> None:
+    # On one background slot a summary (its prompt, then a decode of seconds on the CPU)
+    # held back the prefill queued beside it: after a compaction swapped in, the turn
+    # appended during its prefill was still not prefilled when the caller's next turn
+    # ended, 7 s later (the next compaction's summary had started at the swap).
+    h = FakeHistory(budget=80)
+    c = core(history=h, prefills=True, summaries=True, block_size=4)
+    c.handle(ev.PrefillDone(c.background.prefill.id))  # type: ignore[union-attr]
+    n = 0
+    while len(h.history_ids()) + h.reserved + 31 <= 64:  # a reply of 30 words takes it past 80 %
+        n += 1
+        for a in c.handle(ev.AddItem("user", f"question {n}", f"u{n}")) + c.handle(ev.AddItem("assistant", "yes", f"a{n}")):
+            if isinstance(a, ev.StartPrefill):
+                c.handle(ev.PrefillDone(a.prefill))
+    assert not h.near_budget()
+    start = c.handle(ev.CreateReply())[-1]
+    assert isinstance(start, ev.StartReply)
+    ended = c.handle(ev.ReplyEnded(start.reply_id, "completed", " ".join(["sunny"] * 30), None, tuple(h.history_ids())))
+    assert h.near_budget() and not h.over_budget() and kinds(ended) == ["ReportReply", "StartPrefill"], "the prefill first"
+    p = ended[-1]
+    assert isinstance(p, ev.StartPrefill)
+    assert kinds(c.handle(ev.PrefillDone(p.prefill))) == ["StartSummary"], "then the compaction"
 
 
 def test_a_hard_trim_prefills_the_kept_history_first_and_swaps_its_summary_in_once_prefilled() -> None:

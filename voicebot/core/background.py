@@ -3,8 +3,9 @@
 Background work is what the caller does not wait for: prefilling the conversation so
 far into the prefix cache (so the next reply prefills only what is new), and
 summarising the turns that leave the history. At most one prefill and one summary run
-at once, never beside a live reply's start, and no prefill beside a trim's summary
-(one at a time: the kept history's prefill first, then the summary).
+at once, never beside a live reply's start, and no prefill beside a trim's summary. A
+summary starts only when no prefill runs: the prefill is what the next reply needs, and
+on one background slot a summary's decode (seconds) would hold it back.
 
 The budget has one path, the compaction: past ``compact_at`` of the budget the turns
 the next trim would drop are summarised while the history still holds them; once the
@@ -190,7 +191,7 @@ class Background:
                     # Swapped in once the history as it is now is prefilled: a turn appended
                     # while this ran is not in it, and the next reply would prefill it itself.
                     actions = self.warm()
-        return actions + self._summarise_when_idle()
+        return actions + self._summarise_when_idle() + self._compact_when_idle()
 
     # ------------------------------------------------------------------ the budget
     def trim(self) -> list[Action]:
@@ -242,9 +243,16 @@ class Background:
         self.summary = _Summary(self._next(), None)
         return [StartSummary(self.summary.id, tuple(dropped), self.history.summary)]
 
+    def _compact_when_idle(self) -> list[Action]:
+        return self.start_compaction() if self.history.near_budget() else []
+
     def start_compaction(self) -> list[Action]:
         if not self.prefills:
             return []  # nothing would keep the compacted history's prefill: trims do it all
+        if self.prefill is not None:
+            # What the next reply needs first: on one background slot the summary's prompt
+            # and its decode (seconds) held that prefill back. It starts when that is done.
+            return []
         if self.compaction is not None or self.summary is not None or self.unsummarised:
             return []  # one at a time; a trim's summary rewrites the system message first
         if self._reply_live():
@@ -284,7 +292,9 @@ class Background:
         self.compaction = None
         if not self.history.compact(c.head, c.summary):
             self.log.info("history changed while it was compacted: compacting again")
-        return self.trim() + self.warm()  # what came after the prefill began
+        if self.history.over_budget():
+            return self.trim()
+        return self.warm() + self._compact_when_idle()  # the history's prefill first (if any is due)
 
     # ------------------------------------------------------------------ replies
     def reply_started(self) -> list[Action]:
@@ -300,8 +310,7 @@ class Background:
             # than a prefill computed (a compaction swapped in at this reply's end).
             history = self.history.history_ids()
             self.warmed = max(common_prefix(history, computed), common_prefix(history, self.warmed), key=len)
-        actions: list[Action] = []
-        if kept and self.history.near_budget():
-            actions += self.start_compaction()  # held back while this reply was live
-        # A reply dropped unheard may have dropped a prefill; a trim's summary waits for both.
-        return actions + self.warm() + self._summarise_when_idle()
+        # A reply dropped unheard may have dropped a prefill; a trim's summary and a
+        # compaction held back while this reply was live wait for it.
+        actions = self.warm() + self._summarise_when_idle()
+        return actions + (self._compact_when_idle() if kept else [])
