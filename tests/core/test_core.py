@@ -229,18 +229,7 @@ def test_no_prefill_when_none_is_kept() -> None:
 
 def test_compaction_ahead_of_the_budget_swaps_in_after_its_prefill() -> None:
     h = FakeHistory(budget=60)
-    c = core(history=h, prefills=True, summaries=True, block_size=4)
-    c.handle(ev.PrefillDone(c.background.prefill.id))  # type: ignore[union-attr]
-    actions: list[ev.Action] = []
-    n = 0
-    while not any(isinstance(a, ev.StartSummary) for a in actions):
-        n += 1
-        actions = c.handle(ev.AddItem("user", f"question number {n} about the weather", f"u{n}"))
-        actions += c.handle(ev.AddItem("assistant", f"answer number {n} is sunny", f"a{n}"))
-        for a in list(actions):
-            if isinstance(a, ev.StartPrefill):
-                actions += c.handle(ev.PrefillDone(a.prefill))  # a summary waits for it
-    summary = next(a for a in actions if isinstance(a, ev.StartSummary))
+    c, summary = _compacting(h)
     head = list(summary.messages)
     assert h.messages[: len(head)] == head, "the history keeps the turns while they are summarised"
     written = c.handle(ev.SummaryDone(summary.summary, "they talked about the weather"))
