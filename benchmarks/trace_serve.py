@@ -15,11 +15,15 @@ engine core's clock too, so vLLM's own per-request timestamps line up):
     smart_turn the end-of-turn model's inference, start and end
     tts        one Piper sentence, start and end
     summary    a background history summary, start and end
+    history    the history's start changed: a compaction swapped in (``swap``), a trim's
+               summary swapped in (``summary``), turns dropped at the budget (``trim``)
     loop_lag   the event loop was late by more than 20 ms (something held it)
 
 ``--report`` prints, for every interactive LLM request, its TTFT split into vLLM's
 queue and prefill time and every piece of work that overlapped it, so a slow TTFT
-can be pinned on what ran at that moment. Nothing here changes what the server does.
+can be pinned on what ran at that moment; and the first reply after each change of the
+history's start (what a long call pays for its budget). Nothing here changes what the
+server does.
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ def install(path: str) -> None:
     from voicebot.engines.llm import inprocess as llm
     from voicebot.engines.tts import piper as tts_piper
     from voicebot.engines.turn import smart_turn
-    from voicebot.session import session
+    from voicebot.session import background, history, listener, session
 
     asr.LocalWhisper._decode = _span(  # type: ignore[method-assign]
         "asr", asr.LocalWhisper._decode,
@@ -105,20 +109,20 @@ def install(path: str) -> None:
 
     llm.LlmEngine._stream = traced_stream  # type: ignore[method-assign]
 
-    on_signal = session.Session._on_signal
+    on_signal = listener.Listener._on_signal
 
     def traced_signal(self: Any, sig: Any) -> bool:
-        _emit("signal", name=sig.value, at=time.monotonic(), session=self.id)
+        _emit("signal", name=sig.value, at=time.monotonic(), session=self.call.id)
         return on_signal(self, sig)
 
-    session.Session._on_signal = traced_signal  # type: ignore[method-assign]
+    listener.Listener._on_signal = traced_signal  # type: ignore[method-assign]
 
     smart_turn.SmartTurn._timed = _span(  # type: ignore[method-assign]
         "smart_turn", smart_turn.SmartTurn._timed, lambda self, audio: {"audio_s": round(audio.size / 16000, 3)}
     )
     tts_piper._synth_sentence = _span("tts", tts_piper._synth_sentence, lambda voice, text, *_: {"chars": len(text)})
 
-    summary_of = session.Session._summary_of
+    summary_of = background.BackgroundWork._summary_of
 
     async def traced_summary(self: Any, dropped: Any, earlier: Any) -> str:
         t0 = time.monotonic()
@@ -127,7 +131,24 @@ def install(path: str) -> None:
         finally:
             _emit("summary", start=t0, end=time.monotonic(), messages=len(dropped))
 
-    session.Session._summary_of = traced_summary  # type: ignore[method-assign]
+    background.BackgroundWork._summary_of = traced_summary  # type: ignore[method-assign]
+
+    compact, trim = history.Conversation.compact, history.Conversation.trim
+
+    def traced_compact(self: Any, head: Any, summary: Any) -> bool:
+        done = compact(self, head, summary)
+        if done:
+            _emit("history", what="swap" if head else "summary", at=time.monotonic(), tokens=self.token_count)
+        return done
+
+    def traced_trim(self: Any) -> Any:
+        dropped = trim(self)
+        if dropped:
+            _emit("history", what="trim", at=time.monotonic(), tokens=self.token_count)
+        return dropped
+
+    history.Conversation.compact = traced_compact  # type: ignore[method-assign]
+    history.Conversation.trim = traced_trim  # type: ignore[method-assign]
 
     aenter = session.Session.__aenter__
 
@@ -210,9 +231,29 @@ def report(path: Path) -> int:
     smart = smart_turn_cost(events)
     for k, v in smart.items():
         print(f"smart turn: {k}: {v}")
+    after = after_history(events, rows, llm_reqs)
+    for a in after:
+        print(f"after {a['what']:>7}: ttft {a['ttft_ms']:6.0f} ms  to prefill {a['prompt'] - a['cached']}"
+              f" of {a['prompt']}  ({a['after_s']:.1f} s after it)")
     write_result(path.with_suffix(".report.json"), "trace_serve", {"report": str(path)},
-                 {"ttft_ms": summarise_ms(r["ttft_ms"] for r in rows), "requests": rows, "smart_turn": smart})
+                 {"ttft_ms": summarise_ms(r["ttft_ms"] for r in rows), "requests": rows, "smart_turn": smart,
+                  "after_history": after, "ttft_after_history_ms": summarise_ms(a["ttft_ms"] for a in after)})
     return 0
+
+
+def after_history(events: list[dict], rows: list[dict], llm_reqs: list[dict]) -> list[dict[str, Any]]:
+    """The first interactive request (that produced a token) after each change of the
+    history's start: its prompt then starts with what a background prefill had to cover."""
+    submitted = {r["rid"]: r["submitted"] for r in llm_reqs}
+    replies = sorted(rows, key=lambda r: submitted[r["rid"]])
+    out = []
+    for h in sorted((e for e in events if e["kind"] == "history"), key=lambda e: e["at"]):
+        nxt = next((r for r in replies if submitted[r["rid"]] > h["at"]), None)
+        if nxt is not None:
+            out.append({"what": h["what"], "tokens": h["tokens"], "rid": nxt["rid"], "ttft_ms": nxt["ttft_ms"],
+                        "prompt": nxt["prompt"], "cached": nxt["cached"],
+                        "after_s": round(submitted[nxt["rid"]] - h["at"], 3)})
+    return out
 
 
 def smart_turn_cost(events: list[dict]) -> dict[str, dict[str, Any]]:

@@ -78,7 +78,7 @@ class FakeHistory:
         return head
 
     def _starts_with(self, head: list[Msg]) -> bool:
-        return bool(head) and len(head) <= len(self.messages) and all(a is b for a, b in zip(head, self.messages, strict=False))
+        return len(head) <= len(self.messages) and all(a is b for a, b in zip(head, self.messages, strict=False))
 
     def compacted_ids(self, head: list[Msg], summary: str | None) -> list[int] | None:
         if not self._starts_with(head):
@@ -229,18 +229,7 @@ def test_no_prefill_when_none_is_kept() -> None:
 
 def test_compaction_ahead_of_the_budget_swaps_in_after_its_prefill() -> None:
     h = FakeHistory(budget=60)
-    c = core(history=h, prefills=True, summaries=True, block_size=4)
-    c.handle(ev.PrefillDone(c.background.prefill.id))  # type: ignore[union-attr]
-    actions: list[ev.Action] = []
-    n = 0
-    while not any(isinstance(a, ev.StartSummary) for a in actions):
-        n += 1
-        actions = c.handle(ev.AddItem("user", f"question number {n} about the weather", f"u{n}"))
-        actions += c.handle(ev.AddItem("assistant", f"answer number {n} is sunny", f"a{n}"))
-        for a in actions:
-            if isinstance(a, ev.StartPrefill):
-                c.handle(ev.PrefillDone(a.prefill))
-    summary = next(a for a in actions if isinstance(a, ev.StartSummary))
+    c, summary = _compacting(h)
     head = list(summary.messages)
     assert h.messages[: len(head)] == head, "the history keeps the turns while they are summarised"
     written = c.handle(ev.SummaryDone(summary.summary, "they talked about the weather"))
@@ -266,6 +255,134 @@ def test_over_the_budget_first_the_hard_trim_summarises_after() -> None:
     assert isinstance(s, ev.StartSummary)
     c.handle(ev.SummaryDone(s.summary, "weather"))
     assert h.summary == "weather"
+
+
+def _exchanges_until_a_compaction(c: CallCore) -> ev.StartSummary:
+    """Client-side exchanges, every prefill done at once, until a compaction's summary starts."""
+    n = 0
+    while True:
+        n += 1
+        actions = c.handle(ev.AddItem("user", f"question number {n} about the weather", f"u{n}"))
+        actions += c.handle(ev.AddItem("assistant", f"answer number {n} is sunny", f"a{n}"))
+        for a in list(actions):
+            if isinstance(a, ev.StartPrefill):
+                actions += c.handle(ev.PrefillDone(a.prefill))  # a summary waits for it
+        summary = next((a for a in actions if isinstance(a, ev.StartSummary)), None)
+        if summary is not None:
+            return summary
+
+
+def _compacting(h: FakeHistory) -> tuple[CallCore, ev.StartSummary]:
+    c = core(history=h, prefills=True, summaries=True, block_size=4)
+    c.handle(ev.PrefillDone(c.background.prefill.id))  # type: ignore[union-attr]
+    return c, _exchanges_until_a_compaction(c)
+
+
+def test_a_compaction_swaps_in_once_what_was_appended_during_its_prefill_is_prefilled_too() -> None:
+    # The exchange appended while the compacted history was prefilled is not in what that
+    # prefill computed: swapped in at once, the next reply prefilled it itself (a time to
+    # first token seconds long on the CPU default, once per compaction).
+    h = FakeHistory(budget=80)
+    c, summary = _compacting(h)
+    p = c.handle(ev.SummaryDone(summary.summary, "they talked about the weather"))[0]
+    assert isinstance(p, ev.StartPrefill)
+    assert c.handle(ev.AddItem("user", "and what about the weekend then", "late")) == []
+    after = c.handle(ev.PrefillDone(p.prefill))
+    assert h.summary is None, "swapped in with a tail nobody prefilled"
+    assert kinds(after) == ["StartPrefill"]
+    tail = after[0]
+    assert isinstance(tail, ev.StartPrefill) and tail.cached == len(p.ids) // 4 * 4, "only what came after"
+    assert c.handle(ev.PrefillDone(tail.prefill)) == [] and h.summary == "they talked about the weather"
+    assert list(tail.ids) == h.history_ids(), "the history swapped in is the one prefilled"
+
+
+def test_a_compaction_swapped_in_at_the_budget_prefills_only_what_its_own_prefill_had_not() -> None:
+    # Replies come faster than a compaction: the reply that takes the history over the
+    # budget swaps it in before its prefill was done. What that prefill had computed
+    # is cached: the prefill after the reply goes on from there, not from the start
+    # (each piece over cached blocks is still a request: seconds before the tail).
+    h = FakeHistory(budget=80)
+    c, summary = _compacting(h)
+    p = c.handle(ev.SummaryDone(summary.summary, "they talked about the weather"))[0]
+    assert isinstance(p, ev.StartPrefill)
+    done = len(p.ids) // 4 * 4
+    c.handle(ev.PrefillProgress(p.prefill, done))
+    start = c.handle(ev.CreateReply())
+    assert start[0] == ev.CancelPrefill(p.prefill)
+    reply = start[-1]
+    assert isinstance(reply, ev.StartReply)
+    prompt = tuple(h.history_ids())
+    text = "it will be sunny and warm all week long with a light breeze from the west and no rain"
+    ended = c.handle(ev.ReplyEnded(reply.reply_id, "completed", text, None, prompt))
+    assert h.summary == "they talked about the weather" and not h.over_budget(), "swapped in at the budget"
+    warm = [a for a in ended if isinstance(a, ev.StartPrefill)]
+    assert warm and list(warm[0].ids) == h.history_ids()
+    assert warm[0].cached == done, f"{warm[0].cached} of {done} prefilled tokens known cached"
+
+
+def test_a_compactions_summary_waits_for_the_prefill_the_next_reply_needs() -> None:
+    # On one background slot a summary (its prompt, then a decode of seconds on the CPU)
+    # held back the prefill queued beside it: after a compaction swapped in, the turn
+    # appended during its prefill was still not prefilled when the caller's next turn
+    # ended, 7 s later (the next compaction's summary had started at the swap).
+    h = FakeHistory(budget=80)
+    c = core(history=h, prefills=True, summaries=True, block_size=4)
+    c.handle(ev.PrefillDone(c.background.prefill.id))  # type: ignore[union-attr]
+    n = 0
+    while len(h.history_ids()) + h.reserved + 31 <= 64:  # a reply of 30 words takes it past 80 %
+        n += 1
+        for a in c.handle(ev.AddItem("user", f"question {n}", f"u{n}")) + c.handle(ev.AddItem("assistant", "yes", f"a{n}")):
+            if isinstance(a, ev.StartPrefill):
+                c.handle(ev.PrefillDone(a.prefill))
+    assert not h.near_budget()
+    start = c.handle(ev.CreateReply())[-1]
+    assert isinstance(start, ev.StartReply)
+    ended = c.handle(ev.ReplyEnded(start.reply_id, "completed", " ".join(["sunny"] * 30), None, tuple(h.history_ids())))
+    assert h.near_budget() and not h.over_budget() and kinds(ended) == ["ReportReply", "StartPrefill"], "the prefill first"
+    p = ended[-1]
+    assert isinstance(p, ev.StartPrefill)
+    assert kinds(c.handle(ev.PrefillDone(p.prefill))) == ["StartSummary"], "then the compaction"
+
+
+def test_a_hard_trim_prefills_the_kept_history_first_and_swaps_its_summary_in_once_prefilled() -> None:
+    # Over the budget with no compaction ready: the oldest turns are dropped at once, which
+    # moves every kept token out of the cache. The kept history is what the next reply's
+    # prompt starts with: it is prefilled first, then the dropped turns are summarised, and
+    # the summary (a new system message) is swapped in only once the history with it is
+    # prefilled in turn. Before, the summary ran first and blocked prefills while it was
+    # written, so the next reply prefilled the whole kept history itself, and the one after
+    # the summary landed did it again.
+    h = FakeHistory(budget=80)
+    c, summary = _compacting(h)
+    head = list(summary.messages)
+    trimmed = c.handle(ev.AddItem("user", " ".join(["and"] + ["then"] * 14 + ["the weekend"]), "long"))
+    assert kinds(trimmed) == ["CancelSummary", "StartPrefill"], "the kept history first"
+    p = trimmed[-1]
+    assert isinstance(p, ev.StartPrefill) and list(p.ids) == h.history_ids() and not h.over_budget()
+    after = c.handle(ev.PrefillDone(p.prefill))
+    assert kinds(after) == ["StartSummary"]
+    s = after[0]
+    assert isinstance(s, ev.StartSummary) and list(s.messages[: len(head)]) == head
+    written = c.handle(ev.SummaryDone(s.summary, "weather"))
+    assert h.summary is None, "swapped in only once prefilled"
+    assert kinds(written) == ["StartPrefill"]
+    p2 = written[0]
+    assert isinstance(p2, ev.StartPrefill)
+    c.handle(ev.PrefillDone(p2.prefill))
+    assert h.summary == "weather" and list(p2.ids) == h.history_ids()
+
+
+def test_a_hard_trim_at_a_replys_end_prefills_after_the_reply_then_summarises() -> None:
+    h = FakeHistory(budget=80)
+    c, _ = _compacting(h)
+    start = c.handle(ev.CreateReply())[-1]
+    assert isinstance(start, ev.StartReply)
+    text = " ".join(["sunny"] * 20)
+    ended = c.handle(ev.ReplyEnded(start.reply_id, "completed", text, None, tuple(h.history_ids())))
+    assert kinds(ended) == ["CancelSummary", "ReportReply", "StartPrefill"], "the kept history first"
+    p = ended[-1]
+    assert isinstance(p, ev.StartPrefill) and list(p.ids) == h.history_ids()
+    assert kinds(c.handle(ev.PrefillDone(p.prefill))) == ["StartSummary"]
 
 
 # -------------------------------------------------------------- random event orders

@@ -384,7 +384,9 @@ async def test_old_turns_are_summarised_in_the_background(tokenizer) -> None:  #
         await until(c.clock, lambda: c.session.conversation.summary is not None)
         conv = c.session.conversation
         assert conv.token_count + conv.reply_tokens <= conv.budget_tokens
-        assert conv.summary == "Summary 1."
+        # The first written is of the turns dropped (at a budget this small the history is
+        # near it again once the summary is in, and a compaction may follow at once).
+        assert "Question number 0" in engines.llm.summary_prompts[0] and conv.summary.startswith("Summary ")
         assert conv.messages[-1].content.startswith("Answer number 5")
 
 
@@ -540,15 +542,18 @@ async def test_summaries_run_one_at_a_time_and_fold_every_dropped_turn(tokenizer
         await until(c.clock, lambda: engines.llm.summarising >= 1)
         long_exchange(c.session, 6, 6)  # more trims while it runs
         await until(c.clock, lambda: len(engines.llm.summary_prompts) >= 2 and not engines.llm.summarising)
-        await asyncio.sleep(0.4)  # a third (there should be none) would have started by now
+        await asyncio.sleep(0.4)  # a summary beside another (there should be none) would have started by now
         assert engines.llm.most_summarising == 1, "one summary at a time"
-        assert len(engines.llm.summary_prompts) == 2 and c.session.conversation.summary == "Summary 2."
-        first, second = engines.llm.summary_prompts
+        # Two for the trims (at a budget this small a compaction may follow the second).
+        bg = c.session.core.background
+        await until(c.clock, lambda: bg.summary is None and bg.compaction is None and bg.prefill is None)
+        assert c.session.conversation.summary == f"Summary {len(engines.llm.summary_prompts)}."
+        first, second = engines.llm.summary_prompts[:2]
         assert "(earlier: Summary 1.)" in second, "the second summary folds in the first"
         kept = {m.content for m in c.session.conversation.messages}
         for i in range(12):
             q = f"Question number {i} about"
-            assert any(q in p for p in (first, second)) or any(q in k for k in kept), f"turn {i} lost"
+            assert any(q in p for p in engines.llm.summary_prompts) or any(q in k for k in kept), f"turn {i} lost"
         assert not c.of(ev.ErrorEvent)
 
 

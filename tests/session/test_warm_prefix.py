@@ -48,25 +48,46 @@ async def reply_that_trims(c: Any) -> None:
 
 
 # ------------------------------------------------------------------ 1. summaries
-async def test_no_prefill_of_a_history_that_a_running_summary_replaces(tokenizer) -> None:  # type: ignore[no-untyped-def]
-    # A reply that trims the history starts a summary, then prefills the trimmed history
-    # at once. The summary lands seconds later and rewrites the system message: that
-    # prefill (the whole kept history, ~60 % of session.history_tokens) is wasted, and on
-    # the real engine it holds the one background slot ahead of the summary.
+async def test_a_trim_prefills_the_kept_history_first_and_swaps_its_summary_in_once_prefilled(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    # A reply that trims the history moves every kept token out of the prefix cache. Its
+    # summary ran first and no prefill ran beside it, so the next reply prefilled the
+    # whole kept history itself; then the summary landed and rewrote the system message
+    # at once, and the reply after that did it again. Now the kept history is prefilled
+    # first, the summary after it, and the summary is swapped in only once the history
+    # with it is prefilled.
     engines = make_engines(tokenizer, clock=REAL_CLOCK, word_delay=0.0)
     engines.llm.summary_delay = 0.3  # type: ignore[attr-defined]
+    llm = engines.llm
+    order: list[tuple[str, list[int]]] = []
+    warm, complete = llm.warm, llm.complete  # type: ignore[attr-defined]
+
+    async def logged_warm(ids: list[int], **kw: Any) -> None:
+        await warm(ids, **kw)
+        order.append(("warm", list(ids)))
+
+    async def logged_complete(ids: list[int], **kw: Any) -> str:
+        order.append(("summary", list(ids)))
+        return await complete(ids, **kw)  # type: ignore[no-any-return]
+
+    llm.warm, llm.complete = logged_warm, logged_complete  # type: ignore[attr-defined]
     async with call(engines, turn_detection=False, max_tokens=20) as c:
+        conv = c.session.conversation
+        swaps: list[bool] = []
+        set_summary = conv.set_summary
+
+        def logged_set_summary(text: str) -> None:
+            set_summary(text)
+            swaps.append(llm.warmed[-1] == conv.history_ids())  # type: ignore[attr-defined]
+
+        conv.set_summary = logged_set_summary  # type: ignore[method-assign]
         await reply_that_trims(c)
-        warmed_before = len(engines.llm.warmed)  # type: ignore[attr-defined]
-        await until(c.clock, lambda: c.session.conversation.summary is not None)
-        await until(c.clock, lambda: engines.llm.warmed[-1] == c.session.conversation.history_ids())  # type: ignore[attr-defined]
-        histories = [t for w in engines.llm.warmed  # type: ignore[attr-defined]
-                     if "Summarise the conversation" not in (t := tokenizer.decode(w))]  # a summary's own prompt
-        stale = [t for t in histories if "Earlier in this call" not in t]
-        assert not stale[1:], (
-            f"{len(stale) - 1} prefill(s) of a history without the summary that was being written "
-            f"(warms: {len(engines.llm.warmed)}, {warmed_before} by the reply's end)"  # type: ignore[attr-defined]
-        )
+        kept = conv.history_ids()
+        assert conv.summary is None and conv.messages[0].content != "Question number 0 about the weather in some faraway town?", \
+            "trimmed, its summary not in yet"
+        await until(c.clock, lambda: conv.summary is not None)
+    assert swaps == [True], "the summary swapped in before the history with it was prefilled"
+    first_summary = next(i for i, (kind, _) in enumerate(order) if kind == "summary")
+    assert ("warm", kept) in order[:first_summary], "the kept history prefilled before the summary ran"
 
 
 async def ask(c: Any, i: int) -> None:
@@ -291,9 +312,10 @@ async def test_a_prefill_does_not_take_the_background_place_a_summary_needs(toke
 
 async def test_a_summary_started_while_a_prefill_runs_gets_the_background_place(tokenizer, caplog) -> None:  # type: ignore[no-untyped-def]
     # A client's text that trims the history (add_text: no reply starts, so nothing
-    # cancels a prefill) starts a summary while the call's prefill still holds the one
+    # cancels a prefill) started a summary while the call's prefill still held the one
     # background slot: with no room to wait the summary was refused and the dropped turns
-    # lost (with room, it waited seconds for a prefill of a history it is about to rewrite).
+    # lost. The trim now replaces that prefill with the kept history's, and the summary
+    # takes the slot after it.
     engines = make_engines(tokenizer, clock=REAL_CLOCK, word_delay=0.0)
     cfg = engines.cfg.llm.model_copy(update={"background_concurrency": 1, "background_queue": 0})
     engines.cfg = engines.cfg.model_copy(update={"llm": cfg})
@@ -305,8 +327,9 @@ async def test_a_summary_started_while_a_prefill_runs_gets_the_background_place(
         conv = c.session.conversation
         conv.budget_tokens = conv.token_count + conv._reserved + 4
         c.session.add_text("user", "And what about the weather there the day after tomorrow?")
-        assert c.session.core.background.summary is not None, "the text trimmed the history"
-        await until(c.clock, lambda: c.session.core.background.summary is None, timeout=30)
+        assert c.session.core.background.unsummarised, "the text trimmed the history"
+        engines.llm.delay = 0.3  # type: ignore[attr-defined]  # the kept history's prefill, then the summary
+        await until(c.clock, lambda: conv.summary is not None, timeout=30)
         assert "summary of" not in caplog.text, caplog.text[-600:]
         assert conv.summary is not None, "the dropped turns were summarised"
 

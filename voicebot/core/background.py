@@ -3,15 +3,22 @@
 Background work is what the caller does not wait for: prefilling the conversation so
 far into the prefix cache (so the next reply prefills only what is new), and
 summarising the turns that leave the history. At most one prefill and one summary run
-at once, never beside a live reply's start, and no prefill beside a trim's summary
-(it rewrites the system message the prefill would cache).
+at once, never beside a live reply's start, and no prefill beside a trim's summary. A
+summary starts only when no prefill runs: the prefill is what the next reply needs, and
+on one background slot a summary's decode (seconds) would hold it back.
 
 The budget has one path, the compaction: past ``compact_at`` of the budget the turns
 the next trim would drop are summarised while the history still holds them; once the
 summary is written the history without them is prefilled, and swapped in when that
-prefill is done (replies until then use the history as it was, still cached). The
-hard trim (drop now, summarise after) is only its fallback: the history went over the
-budget before the compaction was ready, or no prefix cache keeps a prefill.
+prefill covers the history as it is then (what was appended meanwhile is prefilled
+first; replies until then use the history as it was, still cached). The history may
+still reach the budget first (replies come faster than a summary): a compaction whose
+summary is written is then swapped in at once, and its prefill goes on from what it
+had computed. The hard trim (drop now, summarise after) is the fallback when none is
+written, or no prefix cache keeps a prefill: dropping turns at the front moves every
+kept token, so the kept history is prefilled first, then the dropped turns are
+summarised, and that summary (a new system message) is swapped in as a compaction is,
+once the history with it is prefilled.
 
 Decisions only: the caller of :class:`Background` runs the actions it returns and
 reports back with :meth:`prefill_progress`, :meth:`prefill_done` and
@@ -60,7 +67,7 @@ def common_prefix(a: list[int], b: list[int] | tuple[int, ...]) -> list[int]:
 class Compaction:
     """The oldest turns being folded into the summary ahead of the budget."""
 
-    head: list[Any]  # the messages to drop, as they were (compared by identity)
+    head: list[Any]  # the messages to drop, as they were (compared by identity); none: a trim's summary
     earlier: str | None  # the summary when it started: kept if writing the new one fails
     summary: str | None = None
     written: bool = False
@@ -174,12 +181,17 @@ class Background:
         if p is None or p.id != pid:
             return []
         self.prefill = None
-        if not ok:
-            return []
-        self.warmed = p.ids[: p.whole]
-        if p.compaction is not None and p.compaction is self.compaction and not self._reply_live():
-            return self._apply(p.compaction)
-        return []
+        actions: list[Action] = []
+        if ok:
+            self.warmed = p.ids[: p.whole]
+            c = p.compaction
+            if c is not None:
+                c.warmed = self.warmed
+                if c is self.compaction and not self._reply_live():
+                    # Swapped in once the history as it is now is prefilled: a turn appended
+                    # while this ran is not in it, and the next reply would prefill it itself.
+                    actions = self.warm()
+        return actions + self._summarise_when_idle() + self._compact_when_idle()
 
     # ------------------------------------------------------------------ the budget
     def trim(self) -> list[Action]:
@@ -195,29 +207,53 @@ class Background:
             if self.summary is not None and self.summary.compaction is not None:
                 actions.append(CancelSummary(self.summary.id))
                 self.summary = None
-            if c is not None and c.written and h.compact(c.head, c.summary) and not h.over_budget():
-                return actions + self.warm()
+            if c is not None and c.written and h.compact(c.head, c.summary):
+                # Swapped in before its prefill was done: what that prefill computed is
+                # cached, and the next prefill goes on from there.
+                self.warmed = common_prefix(h.history_ids(), c.warmed)
+                if not h.over_budget():
+                    return actions + self.warm()
         dropped = h.trim()
-        if dropped and self.summaries:
+        if not dropped:
+            return actions
+        if self.summaries:
             self.unsummarised.extend(dropped)
             if len(self.unsummarised) > MAX_UNSUMMARISED:  # the summariser is far behind
                 del self.unsummarised[: len(self.unsummarised) - MAX_UNSUMMARISED]
-            if self.summary is None:
-                # A prefill's history is about to be rewritten, and it holds a background
-                # place the summary needs. The summary prefills again when it lands.
-                actions += self.cancel_prefill()
-                actions += self._summarise()
+        if self.summary is None:
+            # Nothing of the kept history is cached: it is the start of the next reply's
+            # prompt, so it is prefilled first (a prefill of the history before is of no use
+            # now), and the dropped turns are summarised after it.
+            actions += self.cancel_prefill()
+            actions += self.warm()
+            actions += self._summarise_when_idle()
         return actions
+
+    def _summarise_when_idle(self) -> list[Action]:
+        """A trim's dropped turns are summarised once no prefill runs or is due: the summary
+        holds the background place, and no prefill starts beside it."""
+        if not self.unsummarised or self.summary is not None:
+            return []
+        if self.prefills and (self.prefill is not None or self._reply_live()):
+            return []  # after the prefill, or the live reply's end
+        return self._summarise()
 
     def _summarise(self) -> list[Action]:
         dropped, self.unsummarised = self.unsummarised, []
         self.summary = _Summary(self._next(), None)
         return [StartSummary(self.summary.id, tuple(dropped), self.history.summary)]
 
+    def _compact_when_idle(self) -> list[Action]:
+        return self.start_compaction() if self.history.near_budget() else []
+
     def start_compaction(self) -> list[Action]:
         if not self.prefills:
             return []  # nothing would keep the compacted history's prefill: trims do it all
-        if self.compaction is not None or self.summary is not None:
+        if self.prefill is not None:
+            # What the next reply needs first: on one background slot the summary's prompt
+            # and its decode (seconds) held that prefill back. It starts when that is done.
+            return []
+        if self.compaction is not None or self.summary is not None or self.unsummarised:
             return []  # one at a time; a trim's summary rewrites the system message first
         if self._reply_live():
             # Its summary's prompt would be prefilled in the steps that carry the live
@@ -242,16 +278,23 @@ class Background:
             c.written = True
             return self.warm()
         if text is not None:
-            self.history.set_summary(text)
-        if self.unsummarised:  # dropped while it was written: folded into the next one
-            return self._summarise()
-        return self.warm()  # a new system message: nothing of the old prefix is cached
+            if self.prefills and not self.unsummarised:
+                # A new system message: nothing of the history after it would be cached.
+                # Swapped in as a compaction (dropping nothing more) once it is prefilled;
+                # replies until then use the kept history, prefilled already.
+                self.compaction = Compaction([], self.history.summary, text, written=True)
+            else:
+                self.history.set_summary(text)
+        # Dropped while it was written: folded into the next one, after the prefill.
+        return self.warm() + self._summarise_when_idle()
 
     def _apply(self, c: Compaction) -> list[Action]:
         self.compaction = None
         if not self.history.compact(c.head, c.summary):
             self.log.info("history changed while it was compacted: compacting again")
-        return self.trim() + self.warm()  # what came after the prefill began
+        if self.history.over_budget():
+            return self.trim()
+        return self.warm() + self._compact_when_idle()  # the history's prefill first (if any is due)
 
     # ------------------------------------------------------------------ replies
     def reply_started(self) -> list[Action]:
@@ -263,9 +306,11 @@ class Background:
         """``kept``: the reply went into the history; ``computed``: what its request
         left in the prefix cache (its prompt and all but its last token)."""
         if computed is not None:
-            # Prefill the history only where it has a whole block more than that.
-            self.warmed = common_prefix(self.history.history_ids(), computed)
-        actions: list[Action] = []
-        if kept and self.history.near_budget():
-            actions += self.start_compaction()  # held back while this reply was live
-        return actions + self.warm()  # a reply dropped unheard may have dropped a prefill
+            # Prefill the history only where it has a whole block more than that, or more
+            # than a prefill computed (a compaction swapped in at this reply's end).
+            history = self.history.history_ids()
+            self.warmed = max(common_prefix(history, computed), common_prefix(history, self.warmed), key=len)
+        # A reply dropped unheard may have dropped a prefill; a trim's summary and a
+        # compaction held back while this reply was live wait for it.
+        actions = self.warm() + self._summarise_when_idle()
+        return actions + (self._compact_when_idle() if kept else [])

@@ -103,7 +103,7 @@ class WordHistory:
 
     def _starts_with(self, head: list[Any]) -> bool:
         # By identity, as the real history: a message replaced since is another one.
-        return bool(head) and len(head) <= len(self.messages) and all(
+        return len(head) <= len(self.messages) and all(
             a is b for a, b in zip(head, self.messages, strict=False)
         )
 

@@ -376,9 +376,10 @@ class Conversation:
         return len(head) <= len(self.messages) and all(a is b for a, b in zip(head, self.messages, strict=False))
 
     def compacted_ids(self, head: list[Message], summary: str | None) -> list[int] | None:
-        """The history as :meth:`compact` would leave it: ``head`` dropped, ``summary`` in
-        the system message. None when the history no longer starts with ``head``."""
-        if not head or not self._starts_with(head):
+        """The history as :meth:`compact` would leave it: ``head`` dropped (none: a trim's
+        summary, the turns already gone), ``summary`` in the system message. None when the
+        history no longer starts with ``head``."""
+        if not self._starts_with(head):
             return None
         ids = self._encode(self._render([self._system_message((summary or "").strip())], False))
         for part in self._parts[len(head) :]:
@@ -388,7 +389,7 @@ class Conversation:
     def compact(self, head: list[Message], summary: str | None) -> bool:
         """Drop ``head`` and set ``summary`` at once: one change of the prompt's start, not
         two. False (nothing changed) when the history no longer starts with ``head``."""
-        if not head or not self._starts_with(head):
+        if not self._starts_with(head):
             return False
         self._drop(len(head))
         self.set_summary(summary or "")
