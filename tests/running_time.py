@@ -35,6 +35,14 @@ class RunningClock:
     def wall(self) -> float:
         return time.monotonic() - self.start
 
+    def over(self, timeout_s: float) -> bool:
+        """``timeout_s`` of running time have passed (or the hard limit of wall time)."""
+        return self.elapsed() > timeout_s or self.wall() > HARD_LIMIT * timeout_s
+
+    def waited(self) -> str:
+        stalled = f", of which {self.stalled:.1f} s stalled" if self.stalled else ""
+        return f"{self.wall():.1f} s{stalled}"
+
     async def tick(self) -> None:
         while True:
             due = time.monotonic() + TICK_S
@@ -66,7 +74,6 @@ async def until(cond: Callable[[], object], timeout_s: float, what: str) -> obje
                 got = await got
             if got:
                 return got
-            if clock.elapsed() > timeout_s or clock.wall() > HARD_LIMIT * timeout_s:
-                stalled = f", of which {clock.stalled:.1f} s stalled" if clock.stalled else ""
-                raise AssertionError(f"timed out waiting for {what} ({clock.wall():.1f} s{stalled})")
+            if clock.over(timeout_s):
+                raise AssertionError(f"timed out waiting for {what} ({clock.waited()})")
             await asyncio.sleep(0.02)

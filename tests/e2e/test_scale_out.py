@@ -167,10 +167,6 @@ async def server(tier: Tier, models_config: ModelsConfig) -> AsyncIterator[Runni
         yield running
 
 
-async def wait_until(pred: Callable[[], Any], timeout: float, what: str) -> None:
-    await until(pred, timeout, what)  # running time: a starved CI process does not fail it
-
-
 def long_request_holders(tier: Tier, offsets: list[int]) -> list[int]:
     """The servers that took a forced long reply's request since their logs were at
     ``offsets``: a server logs a request as it takes it, before its first token."""
@@ -282,7 +278,7 @@ async def cut_twice(server: RunningServer, tier: Tier, clip: np.ndarray) -> None
         return unfinished_requests((await tier.server_metrics())[owner]) == 0
 
     try:
-        await wait_until(idle, 15.0, "no request left on the call's server after the hang-up")
+        await until(idle, 15.0, "the call's server to hold no request after the hang-up")
     except AssertionError as e:
         raise AssertionError(f"{e}\n{tier.describe()}") from None
     after = (await tier.server_metrics())[owner]

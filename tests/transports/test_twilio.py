@@ -358,17 +358,13 @@ class FakeTwilio:
         return list(dict.fromkeys(p[0] for p in names if p and (p[2] if ended else p[1] == 0)))
 
 
-async def wait_for(cond: Any, timeout: float, what: str) -> None:
-    await until(cond, timeout, what)  # running time: a starved CI process does not fail it
-
-
 @contextlib.asynccontextmanager
 async def twilio_call(server: RunningServer, **custom: str) -> AsyncIterator[tuple[FakeTwilio, Session]]:
     before = set(server.state.sessions)
     async with websockets.connect(server.ws("/twilio")) as ws:
         call = FakeTwilio(ws)
         await call.start(**custom)
-        await wait_for(lambda: set(server.state.sessions) - before, 10, "the session")
+        await until(lambda: set(server.state.sessions) - before, 10, "the session")
         session = server.state.sessions[(set(server.state.sessions) - before).pop()]
         async with asyncio.TaskGroup() as tg:
             tasks = [tg.create_task(call.caller()), tg.create_task(call.listen())]
@@ -430,12 +426,12 @@ async def test_full_call_barge_in_dtmf_hangup(server: RunningServer, speech_clip
         events = spy(session)
         # Turn 1: the caller speaks; a reply starts playing.
         call.say(clips["0880"])
-        await wait_for(lambda: call.replies(ended=False), 40, "a reply")
+        await until(lambda: call.replies(ended=False), 40, "a reply")
         first = call.replies(ended=False)[0]
-        await wait_for(lambda: len(call.media_of(first)) >= 40, 20, "0.8 s of reply audio")
+        await until(lambda: len(call.media_of(first)) >= 40, 20, "0.8 s of reply audio")
         # Barge-in: speak over it. The server must clear, and cut history at the marks.
         call.say(clips["0930"])
-        await wait_for(lambda: any(r.data["event"] == "clear" for r in call.log), 20, "clear")
+        await until(lambda: any(r.data["event"] == "clear" for r in call.log), 20, "clear")
         barge = next(e for e in events if isinstance(e, ev.BargeIn))
         assert barge.response_id == first
         heard = [(t, p[1]) for t, n in call.echoed if n.startswith(first + ":") and (p := tm.parse_mark(n))]
@@ -453,19 +449,19 @@ async def test_full_call_barge_in_dtmf_hangup(server: RunningServer, speech_clip
         assert said == ([barge.heard_text.strip()] if barge.heard_text.strip() else [])
         assert len(barge.heard_text) < len(done.full_text)
         # Turn 2: the reply to the barge-in plays out whole: check its wire format.
-        await wait_for(lambda: [r for r in call.replies(ended=True) if r != first], 60, "a completed reply")
+        await until(lambda: [r for r in call.replies(ended=True) if r != first], 60, "a completed reply")
         second = [r for r in call.replies(ended=True) if r != first][0]
         check_paced_mulaw(call.media_of(second))
         # Keypad: digits reach the session and, at the terminator, the assistant.
         replies_before = len(call.replies(ended=False))
         for digit in "42#":
             await call.send("dtmf", dtmf={"track": "inbound_track", "digit": digit})
-        await wait_for(lambda: len(call.replies(ended=False)) > replies_before, 30, "a reply to the keypad")
+        await until(lambda: len(call.replies(ended=False)) > replies_before, 30, "a reply to the keypad")
         assert [e.digit for e in events if isinstance(e, ev.Dtmf)] == ["4", "2", "#"]
         assert any(m.role == "user" and m.content == "The caller pressed 4 2 on the keypad." for m in session.conversation.messages)
         # The hang-up digit ends the call: the server closes the stream.
         await call.send("dtmf", dtmf={"track": "inbound_track", "digit": "*"})
-        await wait_for(lambda: session.closed_reason is not None, 10, "hang-up")
+        await until(lambda: session.closed_reason is not None, 10, "hang-up")
         assert session.closed_reason == "hangup digit"
         await asyncio.wait_for(call.ws.wait_closed(), 10)
 
@@ -476,7 +472,7 @@ async def test_stop_ends_the_session(server: RunningServer) -> None:
         await asyncio.sleep(0.3)
         await call.send("stop", stop={"callSid": "CA1"})
         await asyncio.wait_for(call.ws.wait_closed(), 10)
-    await wait_for(lambda: session.id not in server.state.sessions, 5, "session closed")
+    await until(lambda: session.id not in server.state.sessions, 5, "session closed")
     assert session.closed_reason == "call ended"
 
 
@@ -490,11 +486,11 @@ async def test_carrier_messages_beyond_the_control_rate_are_dropped(
     async with twilio_call(server) as (call, session):
         for i in range(cfg.control_burst + 100):  # echoes of marks never sent: no effect but the cost
             await call.send("mark", mark={"name": f"flood{i}"})
-        await wait_for(lambda: "message_rate_exceeded" in caplog.text, 10, "the refusal in the log")
+        await until(lambda: "message_rate_exceeded" in caplog.text, 10, "the refusal in the log")
         await asyncio.sleep(2 / cfg.control_rate)  # a token or two back
         await call.send("stop", stop={"callSid": "CA1"})  # still heard: the call ends as asked
         await asyncio.wait_for(call.ws.wait_closed(), 10)
-    await wait_for(lambda: session.id not in server.state.sessions, 5, "session closed")
+    await until(lambda: session.id not in server.state.sessions, 5, "session closed")
     assert session.closed_reason == "call ended"
 
 
@@ -566,7 +562,7 @@ async def test_caller_hanging_up_logs_no_traceback(server: RunningServer) -> Non
             async with twilio_call(server) as (call, session):
                 await asyncio.sleep(0.3)
             # twilio_call closed the socket from our side: a hang-up without 'stop'.
-            await wait_for(lambda s=session: s.id not in server.state.sessions, 10, "session closed")
+            await until(lambda s=session: s.id not in server.state.sessions, 10, "session closed")
         await asyncio.sleep(0.5)
     assert not errors, [f"{r.name}: {r.getMessage()}" for r in errors]
 
