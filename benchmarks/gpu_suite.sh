@@ -21,7 +21,8 @@
 # asr.encoder_pad_s=1.0" or "--set asr.partials=false"), PYTHON (python3),
 # SUITE_ASR (whisper: one shared Whisper-on-vLLM service; fastconformer: each frontend's own
 # streaming FastConformer on the GPU, random weights of the real shape built on the machine, no
-# ASR service), SUITE_SVC (a folder `services` started them into: `run` uses those services),
+# ASR service; fastconformer-service: that FastConformer in one shared ASR service holding every
+# frontend's streams), SUITE_SVC (a folder `services` started them into: `run` uses those services),
 # SUITE_MAX (the largest level the services admit, for `services`: 256).
 # What DEST holds and the calls that bring it: benchmarks/gpu_carries.sh. Staged copies live under
 # $HOME (vllm-site, voicebot-site, gpu-models), so a later call on the same machine carries nothing.
@@ -64,7 +65,8 @@ plugin_entry_point() {  # voicebot runs from the repo copy, not pip-installed: v
 }
 
 ASR=${SUITE_ASR:-whisper}
-case "$ASR" in whisper|fastconformer) ;; *) echo "SUITE_ASR: whisper or fastconformer, not $ASR" >&2; exit 2 ;; esac
+case "$ASR" in whisper|fastconformer|fastconformer-service) ;;
+  *) echo "SUITE_ASR: whisper, fastconformer or fastconformer-service, not $ASR" >&2; exit 2 ;; esac
 FC_DIR=$MODELS/fastconformer  # random weights of the real shape, built on the machine (too big to carry)
 
 environment() {
@@ -90,13 +92,15 @@ common_flags() {
 asr_flags() {
   if [ "$ASR" = fastconformer ]; then
     ASR_FLAGS=(--fastconformer "$FC_DIR")
+  elif [ "$ASR" = fastconformer-service ]; then
+    ASR_FLAGS=(--remote-asr --fastconformer "$FC_DIR")
   else
     ASR_FLAGS=(--remote-asr --whisper-memory 0.15 --whisper-dir "$MODELS/whisper-turbo")
   fi
 }
 
 fc_weights() {
-  [ "$ASR" = fastconformer ] && do_ "$PY" benchmarks/pipeline_gpu.py fc-weights --out "$FC_DIR"
+  [ "$ASR" != whisper ] && do_ "$PY" benchmarks/pipeline_gpu.py fc-weights --out "$FC_DIR"
   return 0
 }
 
@@ -112,6 +116,10 @@ services() {
   if [ "$ASR" = whisper ]; then
     do_ "$PY" benchmarks/pipeline_gpu.py asr-server "${FLAGS[@]}" --whisper-memory 0.15 \
       --whisper-dir "$MODELS/whisper-turbo" --start-timeout-s 480 --after "$after" --wait --out "$svc"
+    after=$svc/asr_server.json
+  elif [ "$ASR" = fastconformer-service ]; then
+    do_ "$PY" benchmarks/pipeline_gpu.py asr-server "${FLAGS[@]}" --fastconformer "$FC_DIR" \
+      --sessions "${SUITE_MAX:-256}" --start-timeout-s 480 --after "$after" --wait --out "$svc"
     after=$svc/asr_server.json
   fi
   do_ "$PY" benchmarks/pipeline_gpu.py tts-server "${FLAGS[@]}" --start-timeout-s 480 --after "$after" --wait \
@@ -138,7 +146,7 @@ run() {
   local svc=()
   if [ -n "${SUITE_SVC:-}" ]; then  # the services `services` started: used, not started again
     svc=(--llm-url "$SUITE_SVC/llm_server.json" --tts-url "$SUITE_SVC/tts_server.json")
-    [ "$ASR" = whisper ] && svc+=(--asr-url "$SUITE_SVC/asr_server.json")
+    [ "$ASR" != fastconformer ] && svc+=(--asr-url "$SUITE_SVC/asr_server.json")
   fi
   do_ "$PY" benchmarks/pipeline_gpu.py run "${FLAGS[@]}" --remote-llm --remote-tts "${ASR_FLAGS[@]}" "${svc[@]}" \
     --frontends "${SUITE_FRONTENDS:-2}" --audio "$MODELS"/audio/*.wav --sessions "${levels[@]}" \

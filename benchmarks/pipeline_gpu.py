@@ -55,7 +55,9 @@ level and its peak clauses running and engine queue.
 Streaming ASR in the frontends (``--fastconformer DIR``): each frontend runs its own
 ``asr.backend: fastconformer`` (a pool of stream slots, one batched step per chunk for all
 its callers; on the GPU in bf16 under --gpu-dummy), so there is no ASR service; the
-frontends start together (none sizes a vLLM engine). ``fc-weights --out DIR`` builds DIR
+frontends start together (none sizes a vLLM engine). With ``--remote-asr`` too, ONE
+``voicebot asr-serve`` hosts it (``asr.remote.engine: fastconformer``: the service holds every
+frontend's streams, one step for all of them) and the frontends send it their callers' audio. ``fc-weights --out DIR`` builds DIR
 with random weights of the real shape (Nemotron Speech Streaming 0.6B), as no checkpoint
 can be fetched on the GPU machines. Level rows on a machine with ``nvidia-smi`` add the
 GPU's busy share (mean and peak) and memory in use.
@@ -287,7 +289,7 @@ def install_loop_route() -> None:
 def asr_serve_main(argv: list[str]) -> int:
     """The shared ASR service with the Whisper patches (random weights: forced lengths)."""
     opts = json.loads(os.environ.get(PATCH_ENV, "{}"))
-    install_patches({"whisper": opts["whisper"]} if opts.get("whisper") else {})
+    install_patches({k: opts[k] for k in ("whisper", "fastconformer") if opts.get(k)})
     from voicebot.cli import main as cli_main
 
     return cli_main(["asr-serve", *argv])
@@ -295,6 +297,8 @@ def asr_serve_main(argv: list[str]) -> int:
 
 def serve_main(argv: list[str]) -> int:
     opts = json.loads(os.environ.get(PATCH_ENV, "{}"))
+    if opts.get("remote_asr"):
+        opts.pop("fastconformer", None)  # the ASR service runs it, patched there
     install_patches(opts)
     # The transformers import race of remote LLM + vLLM Whisper is handled by load_engines.
     if opts.get("whisper") and not opts.get("remote_llm"):
@@ -331,7 +335,8 @@ def frontends_hold_vllm(args: argparse.Namespace) -> bool:
 
 def patch_options(args: argparse.Namespace) -> dict[str, Any]:
     opts: dict[str, Any] = {"script_replies": bool(getattr(args, "script_replies", False)),
-                            "remote_llm": bool(getattr(args, "remote_llm", False))}
+                            "remote_llm": bool(getattr(args, "remote_llm", False)),
+                            "remote_asr": bool(getattr(args, "remote_asr", False))}
     if args.gpu_dummy and getattr(args, "fastconformer", None):
         opts["fastconformer"] = {"tokens_per_s": args.asr_tokens_per_s, "max_tokens": args.asr_max_tokens,
                                  "max_symbols": args.fc_max_symbols}
@@ -340,13 +345,14 @@ def patch_options(args: argparse.Namespace) -> dict[str, Any]:
     return opts
 
 
-def fastconformer_sets(args: argparse.Namespace) -> list[str]:
-    """Each frontend's own streaming FastConformer (``--fastconformer``): its slots hold the
-    frontend's share of the largest level twice over (a call holds one, a committed turn still
-    decoding another), on the GPU in bf16 under --gpu-dummy (--set can change any of it)."""
+def fastconformer_sets(args: argparse.Namespace, *, service: bool = False) -> list[str]:
+    """The streaming FastConformer of ``--fastconformer``, each frontend's own or (``service``) the
+    shared ASR service's: its slots hold its share of the largest level twice over (a call holds
+    one, a committed turn still decoding another), on the GPU in bf16 under --gpu-dummy (--set
+    can change any of it)."""
     if not getattr(args, "fastconformer", None):
         return []
-    per_frontend = -(-max(args.sessions) // max(1, args.frontends))
+    per_frontend = -(-max(args.sessions) // (1 if service else max(1, args.frontends)))
     sets = ["asr.backend=fastconformer", f"asr.fastconformer.model={Path(args.fastconformer).resolve()}",
             f"asr.fastconformer.max_streams={2 * per_frontend + 8}"]
     if args.gpu_dummy:
@@ -394,6 +400,8 @@ def server_overrides(args: argparse.Namespace, llm_url: str | None = None, asr_u
         # after asr.backend=vllm above: the frontends hold no Whisper, the service does
         sets += ["asr.backend=remote", f"asr.remote.url={asr_url or 'ws://127.0.0.1:1'}",
                  f"asr.remote.concurrency={args.asr_frontend_concurrency}"]
+        if getattr(args, "fastconformer", None):
+            sets.append("asr.remote.engine=fastconformer")
     sets += voice_sets(args)
     if getattr(args, "remote_tts", False):
         # after the voice: the frontends hold no TTS engine, the service does
@@ -583,7 +591,9 @@ class ServiceServer:
         cmd = [sys.executable, str(Path(__file__).resolve()), f"{self.kind}-serve", "--config", args.config,
                "--host", "127.0.0.1", "--port", str(self.port)]
         sets = []
-        if self.kind == "asr" and args.gpu_dummy:
+        if self.kind == "asr" and getattr(args, "fastconformer", None):
+            sets += fastconformer_sets(args, service=True)
+        elif self.kind == "asr" and args.gpu_dummy:
             sets += whisper_sets(args)
         if self.kind == "tts":
             sets += voice_sets(args)
@@ -677,7 +687,8 @@ class ServiceStatsSampler(PeakSampler):
     """A shared service's queue depth and work running (peaks): the ASR service's decodes, the
     TTS service's clauses and its engine's queue."""
 
-    KEYS = ("queue_depth", "running", "open_connections", "engine_queue_depth")
+    KEYS = ("queue_depth", "running", "open_connections", "engine_queue_depth", "step_ms_p50", "step_ms_p95",
+            "step_rows_mean")
 
     def __init__(self, url: str) -> None:
         super().__init__()
@@ -689,7 +700,7 @@ class ServiceStatsSampler(PeakSampler):
 
 
 # A service's counters reported per level (their change over the level).
-IN_LEVEL = {"asr": ("finals", "partials", "dropped_partials", "cancelled", "failed"),
+IN_LEVEL = {"asr": ("finals", "partials", "dropped_partials", "cancelled", "failed", "steps", "refused_streams"),
             "tts": ("clauses", "chunks", "cancelled", "failed", "busy")}
 
 
@@ -974,7 +985,9 @@ def run_main(args: argparse.Namespace) -> int:
         "weights": "dummy (random, real shapes)" if args.gpu_dummy else "real",
         "frontends": len(args.url) if args.url else args.frontends if args.remote_llm else 1,
         "llm": "remote: one vLLM OpenAI server" if args.remote_llm else "in-process",
-        "asr": "remote: one shared ASR service (voicebot asr-serve)" if args.remote_asr
+        "asr": "remote: one shared ASR service (voicebot asr-serve) holding every stream of the streaming "
+               "FastConformer" if args.remote_asr and args.fastconformer
+        else "remote: one shared ASR service (voicebot asr-serve)" if args.remote_asr
         else "each frontend's own streaming FastConformer" if args.fastconformer else "in each frontend",
         "tts": "remote: one shared TTS service (voicebot tts-serve)" if args.remote_tts else "in each frontend",
         # set when this run was started under an NVIDIA MPS daemon: its servers are MPS clients
@@ -1328,8 +1341,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--tts-url", help="a TTS service already up (default: OUT/tts_server.json's, else start one)")
     r.add_argument("--script-replies", action=argparse.BooleanOptionalAction, default=True)
     r.add_argument("--fastconformer", metavar="DIR",
-                   help="each frontend runs its own streaming FastConformer (asr.backend fastconformer) from "
-                        "this model directory (`fc-weights` builds one with random weights); not with --remote-asr")
+                   help="the streaming FastConformer from this model directory (`fc-weights` builds one with "
+                        "random weights): in each frontend (asr.backend fastconformer), or with --remote-asr in "
+                        "the shared ASR service (asr.remote.engine fastconformer)")
     r.add_argument("--fc-max-symbols", type=int, default=3,
                    help="--gpu-dummy with --fastconformer: the greedy RNN-T's symbols per frame (random weights "
                         "emit at every try; a batch of real speech runs about this many)")
@@ -1338,6 +1352,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_whisper_args(asr)
     asr.add_argument("--wait", action="store_true", help="return once it answers")
     asr.add_argument("--after", help="start only once this LLM server (URL or llm_server.json) answers /health")
+    asr.add_argument("--fastconformer", metavar="DIR", help="host this streaming FastConformer instead of Whisper")
+    asr.add_argument("--fc-max-symbols", type=int, default=3, help="as for run")
+    asr.add_argument("--sessions", type=int, nargs="+", default=[256],
+                     help="with --fastconformer: the largest level it must hold (its stream slots)")
     tts = sub.add_parser("tts-server", help="start the shared TTS service of --remote-tts runs, detached")
     add_model_args(tts)
     tts.add_argument("--voice", help="Piper voice directory (sets tts.engine=piper; else the config's / --set's tts)")
@@ -1372,8 +1390,6 @@ def main() -> int:
     args = build_parser().parse_args()
     if args.command == "run" and args.frontends > 1 and not args.remote_llm:
         build_parser().error("--frontends > 1 needs --remote-llm (one LLM for all frontends)")
-    if args.command == "run" and args.fastconformer and args.remote_asr:
-        build_parser().error("--fastconformer runs in each frontend: not with --remote-asr")
     if args.command == "fc-weights":
         return fc_weights_main(Path(args.out), tiny=args.tiny)
     if args.command == "run":

@@ -83,13 +83,14 @@ class RemoteAsrConfig(_Section):
     for many frontends; each frontend keeps its streams (partials, agreement) and sends decodes."""
 
     url: str = Field("ws://127.0.0.1:8092", pattern=r"^wss?://[^\s?#]+$", description="WebSocket URL of the ASR service (voicebot asr-serve).")
-    engine: Literal["faster-whisper", "vllm"] = Field("faster-whisper", description="The engine `voicebot asr-serve` hosts when asr.backend is remote (the rest of the asr section configures it).")
+    engine: Literal["faster-whisper", "vllm", "fastconformer"] = Field("faster-whisper", description="The engine `voicebot asr-serve` hosts when asr.backend is remote (the rest of the asr section configures it). fastconformer: the service holds every call's stream (its audio is sent as it comes, partials and finals come back); the Whisper engines take one decode of a whole utterance at a time.")
     concurrency: int = Field(64, ge=1, le=4096, description="Decodes in flight from one frontend; more wait in its finals-first queue.")
     connect_timeout_s: float = Field(2.0, gt=0.0, le=60.0, description="Longest wait for a connection to the service.")
     decode_timeout_s: float = Field(15.0, gt=0.0, le=600.0, description="Longest wait for one decode's result (queueing included); then it fails, never retried.")
     retries: int = Field(2, ge=0, le=10, description="Further tries of a decode whose connection was lost before its result; never after it.")
     retry_backoff_s: float = Field(0.2, ge=0.0, le=10.0, description="Wait before the first retry; doubled for each further one.")
     startup_timeout_s: float = Field(300.0, ge=0.0, le=3600.0, description="How long a frontend's start-up waits for the service (vLLM Whisper compiles for minutes on a GPU).")
+    stream_flush_ms: int = Field(40, ge=1, le=1000, description="With engine fastconformer: every call's audio goes to the service in one frame at most this often (a control message such as a final's request goes at once, after the audio before it).")
 
 
 class WhisperVllmConfig(_Section):

@@ -105,12 +105,34 @@ def test_the_fastconformer_run_puts_a_streaming_asr_in_each_frontend_and_uses_th
     assert not pg.frontends_hold_vllm(args), "the frontends start together"
 
 
+def test_the_fastconformer_service_run_puts_every_stream_in_one_asr_service(tmp_path: Path) -> None:
+    import os
+
+    svc = tmp_path / "svc"
+    env = dict(os.environ, SUITE_ASR="fastconformer-service", SUITE_SVC=str(svc), SUITE_FRONTENDS="4")
+    pg = pipeline_gpu()
+    args = pg.build_parser().parse_args(run_command(dry_run(tmp_path / "gpu", tmp_path / "out", "96", "320", env=env)))
+    assert args.fastconformer and args.remote_asr and args.asr_url == f"{svc}/asr_server.json"
+    sets = pg.server_overrides(args, asr_url="ws://127.0.0.1:9")
+    # The frontends: the service's streams, none of their own (the last asr.backend wins).
+    assert [s for s in sets if s.startswith("asr.backend=")][-1] == "asr.backend=remote"
+    assert "asr.remote.engine=fastconformer" in sets
+    service = pg.ServiceServer(args, tmp_path / "out", "asr").command()
+    assert service[2] == "asr-serve"
+    service_sets = [service[i + 1] for i, a in enumerate(service) if a == "--set"]
+    assert "asr.backend=fastconformer" in service_sets and "asr.fastconformer.device=cuda" in service_sets
+    assert "asr.fastconformer.max_streams=648" in service_sets  # every caller of 320, twice, and 8
+    assert not any(s.startswith("asr.vllm.") for s in service_sets)
+    assert pg.patch_options(args)["fastconformer"]["max_symbols"] == args.fc_max_symbols
+
+
 def test_the_services_verb_starts_each_service_after_the_last(tmp_path: Path) -> None:
     import os
 
     pg = pipeline_gpu()
     svc = tmp_path / "svc"
-    for asr, kinds in (("whisper", ["llm-server", "asr-server", "tts-server"]), ("fastconformer", ["llm-server", "tts-server"])):
+    for asr, kinds in (("whisper", ["llm-server", "asr-server", "tts-server"]), ("fastconformer", ["llm-server", "tts-server"]),
+                       ("fastconformer-service", ["llm-server", "asr-server", "tts-server"])):
         proc = subprocess.run(["bash", str(SUITE), "services", "--dry-run", str(tmp_path / "gpu"), str(svc)],
                               capture_output=True, text=True, timeout=30, env=dict(os.environ, SUITE_ASR=asr))
         assert proc.returncode == 0, proc.stderr

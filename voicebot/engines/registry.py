@@ -28,6 +28,7 @@ from voicebot.errors import ModelError
 if TYPE_CHECKING:
     from voicebot.engines.asr.engine import AsrEngine
     from voicebot.engines.asr.fastconformer import FastConformerAsr
+    from voicebot.engines.asr.remote_streams import RemoteStreamingAsr
     from voicebot.engines.asr.vllm_whisper import WhisperVllmSettings
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ ENGINE_NAMES = ("asr", "llm", "tts")
 
 def create_asr(
     cfg: AsrConfig, model_path: str, *, settings: WhisperVllmSettings | None = None
-) -> AsrEngine | FastConformerAsr:
+) -> AsrEngine | FastConformerAsr | RemoteStreamingAsr:
     """The ASR engine ``cfg.backend`` names: faster-whisper (CPU, or CUDA 12), Whisper on vLLM,
     the shared ASR service (``model_path`` is then its URL) or the streaming FastConformer
     (``model_path``: asr.fastconformer.model, resolved). ``settings`` (benchmarks) replaces
@@ -53,6 +54,11 @@ def create_asr(
             **cfg.vllm.model_dump(), window_pad_s=cfg.encoder_pad_s, window_min_s=cfg.encoder_min_s
         )
         return VllmAsrEngine(cfg, model_path, agreement_n=cfg.agreement_n, settings=settings)
+    if cfg.backend == "remote" and cfg.remote.engine == "fastconformer":
+        # The service holds the streams (voicebot asr-serve with a streaming engine).
+        from voicebot.engines.asr.remote_streams import RemoteStreamingAsr
+
+        return RemoteStreamingAsr(cfg, model_path)
     if cfg.backend == "remote":  # the shared ASR service (voicebot asr-serve)
         from voicebot.engines.asr.remote import RemoteAsrEngine
 

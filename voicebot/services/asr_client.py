@@ -84,6 +84,7 @@ class AsrServiceClient(ServiceClient):
     service = "asr"
     protocol = PROTOCOL
     max_size = MAX_FRAME
+    hint = " (asr.remote.engine names a Whisper engine: does the service host a streaming one?)"
 
     def __init__(self, cfg: RemoteAsrConfig) -> None:
         super().__init__(cfg)

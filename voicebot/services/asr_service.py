@@ -15,6 +15,10 @@ partial finding it full is answered ``dropped``) in front of the engine's decode
 in flight for vLLM). A ``cancel`` or a closed connection takes queued jobs out and cancels
 running ones (vLLM aborts the request; a faster-whisper thread stops at its next checkpoint,
 before the encoder or the decoder, and the rest is ignored).
+
+A streaming engine (``asr.remote.engine: fastconformer``) is served differently: it keeps
+each call's encoder state, so the service holds the streams themselves and frontends send
+audio as it comes (:mod:`voicebot.services.asr_stream_service`, protocol 2).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import websockets
 from websockets.asyncio.server import ServerConnection, serve
@@ -35,11 +39,15 @@ from websockets.asyncio.server import ServerConnection, serve
 from voicebot.config import Config
 from voicebot.engines.asr.engine import AsrEngine
 from voicebot.engines.asr.jobs import DecodeAbandoned, DecodeJob, JobQueue, Priority
-from voicebot.errors import ConfigError, VoicebotError
+from voicebot.errors import VoicebotError
 from voicebot.services.asr_client import MAX_FRAME, PROTOCOL, unpack_decode
+from voicebot.services.asr_stream_client import MAX_FRAME as MAX_STREAM_FRAME
 from voicebot.services.serve import listen as listen_ws
 from voicebot.services.serve import run_service, serve_until_stopped
 from voicebot.services.wire import ServiceConn, is_id
+
+if TYPE_CHECKING:
+    from voicebot.services.asr_stream_service import StreamService
 
 __all__ = ["AsrService", "ServiceStats", "listen", "run_asr_service", "serve_asr"]
 
@@ -288,32 +296,40 @@ async def serve_asr(
     """Load the engine, serve until ``stop`` (or SIGINT/SIGTERM), close everything."""
     from voicebot.engines.registry import create_asr
     from voicebot.provision import resolve_model
+    from voicebot.provision.resolve import asr_model_ref
 
     backend = cfg.asr.remote.engine if cfg.asr.backend == "remote" else cfg.asr.backend
-    if backend == "fastconformer":
-        # The service's wire carries whole utterances per decode; a cache-aware stream
-        # needs its audio chunk by chunk: it runs in the frontend (asr.backend: fastconformer).
-        raise ConfigError("voicebot asr-serve hosts faster-whisper or vllm; asr.backend fastconformer runs in voicebot serve")
     acfg = cfg.asr.model_copy(update={"backend": backend})
     if cfg.models.offline:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    path = await asyncio.to_thread(resolve_model, acfg.model, cfg.models, pull=pull)
+    path = await asyncio.to_thread(resolve_model, asr_model_ref(acfg), cfg.models, pull=pull)
     t0 = time.perf_counter()
     engine = create_asr(acfg, path)
-    assert isinstance(engine, AsrEngine)  # not the FastConformer: refused above
     await engine.start()
-    slots = engine.decoder.slots
-    service = AsrService(engine, slots=slots, queue_size=acfg.queue_size, backend=backend)
-    service.start()
+    handler: AsrService | StreamService
+    if isinstance(engine, AsrEngine):
+        slots = engine.decoder.slots
+        handler = AsrService(engine, slots=slots, queue_size=acfg.queue_size, backend=backend)
+        handler.start()
+        what = f"{slots} decode slots"
+    else:
+        # A streaming engine keeps each call's encoder state: the service holds the streams.
+        from voicebot.engines.asr.fastconformer import FastConformerAsr
+        from voicebot.services.asr_stream_service import StreamService
+
+        assert isinstance(engine, FastConformerAsr)  # a service never builds the remote clients
+        handler = StreamService(engine, backend=backend)
+        what = f"{engine.fc.max_streams} stream slots, {engine.chunk_ms} ms chunks"
 
     def on_ready(url: str) -> None:
-        log.info("ASR service (%s, %s, %d slots) ready on %s in %.1f s", backend, path, slots, url,
+        log.info("ASR service (%s, %s, %s) ready on %s in %.1f s", backend, path, what, url,
                  time.perf_counter() - t0)
         if ready is not None:
             ready(url)
 
-    await serve_until_stopped(listen(service, host, port), stop or asyncio.Event(), on_ready,
-                              close=(service.aclose, engine.aclose), loop_stall_s=cfg.server.loop_stall_s)
+    max_size = MAX_FRAME if isinstance(handler, AsrService) else MAX_STREAM_FRAME
+    await serve_until_stopped(listen_ws(handler.handler, host, port, max_size=max_size), stop or asyncio.Event(),
+                              on_ready, close=(handler.aclose, engine.aclose), loop_stall_s=cfg.server.loop_stall_s)
 
 
 def run_asr_service(cfg: Config, host: str, port: int, *, pull: bool = True) -> int:

@@ -173,6 +173,7 @@ class ServiceClient:
     service: ClassVar[str]  # what the hello must say: "asr", "tts"
     protocol: ClassVar[int]
     max_size: ClassVar[int]  # the largest message the service may send
+    hint: ClassVar[str] = ""  # added to a protocol mismatch's message: what to check
 
     def __init__(self, cfg: RemoteServiceSettings) -> None:
         self.cfg = cfg
@@ -224,14 +225,17 @@ class ServiceClient:
                 raise
 
     async def _open(self) -> None:
-        ws, hello = await open_service(
-            self.cfg.url,
-            what=self.what,
-            service=self.service,
-            protocol=self.protocol,
-            open_timeout_s=self.cfg.connect_timeout_s,
-            max_size=self.max_size,
-        )
+        try:
+            ws, hello = await open_service(
+                self.cfg.url,
+                what=self.what,
+                service=self.service,
+                protocol=self.protocol,
+                open_timeout_s=self.cfg.connect_timeout_s,
+                max_size=self.max_size,
+            )
+        except ServiceMismatch as exc:
+            raise ServiceMismatch(f"{exc}{self.hint}") from None
         try:
             self.check_hello(hello)
         except BaseException:

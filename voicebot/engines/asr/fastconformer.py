@@ -23,6 +23,7 @@ step, and the slot tensors are touched by the step only.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -63,6 +64,8 @@ class FastConformerAsr:
         # One thread: steps run one at a time, and only it touches the slot tensors.
         self._executor: ThreadPoolExecutor | None = None
         self._closed = False
+        self.steps = 0
+        self._recent: collections.deque[tuple[float, int]] = collections.deque(maxlen=512)  # (seconds, rows)
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -150,6 +153,18 @@ class FastConformerAsr:
     def wake(self) -> None:
         self._due.set()
 
+    def step_stats(self) -> dict[str, float | int]:
+        """Steps run, and the last few hundred steps' time (p50, p95, ms) and rows (mean)."""
+        times = sorted(s for s, _ in self._recent)
+        if not times:
+            return {"steps": self.steps}
+
+        def ms(q: float) -> float:
+            return round(times[min(len(times) - 1, int(q * len(times)))] * 1000, 2)
+
+        return {"steps": self.steps, "step_ms_p50": ms(0.5), "step_ms_p95": ms(0.95),
+                "step_rows_mean": round(sum(n for _, n in self._recent) / len(times), 1)}
+
     def text(self, ids: list[int]) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=True)).strip()
 
@@ -181,6 +196,8 @@ class FastConformerAsr:
                         stream.reset()
                 continue
             step_s = time.perf_counter() - t0
+            self.steps += 1
+            self._recent.append((step_s, len(batch)))
             for (stream, generation, row), ids in zip(batch, tokens, strict=True):
                 stream.deliver(generation, row.keep, ids, step_s)
 
