@@ -126,6 +126,13 @@ class FastConformerConfig(_Section):
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights and activations dtype (bfloat16 on a GPU).")
     lookahead_frames: Literal[0, 1, 6, 13] = Field(1, description="Right context in 80 ms encoder frames: audio is encoded in chunks of (lookahead_frames + 1) x 80 ms, so partials lag by one chunk; the values the model was trained with.")
     max_streams: int = Field(64, ge=1, le=8192, description="Stream slots (each holds its encoder caches; a call holds one, plus one per committed turn still decoding); one more stream is refused with capacity_exceeded.")
+    cuda_graphs: bool = Field(False, description="Capture the batched step as CUDA graphs at start, one per padded stream count (powers of two and the halfway points between them, up to max_streams), and replay them: one launch instead of hundreds of small kernels per step, and no host sync until the step's tokens are read. Needs device cuda; start takes longer and the graphs hold GPU memory. Off: the same step runs eagerly.")
+
+    @model_validator(mode="after")
+    def _graphs_need_cuda(self) -> FastConformerConfig:
+        if self.cuda_graphs and self.device != "cuda":
+            raise ValueError("asr.fastconformer.cuda_graphs needs asr.fastconformer.device: cuda")
+        return self
 
 
 class AsrConfig(_Section):

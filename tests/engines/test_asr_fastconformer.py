@@ -208,3 +208,78 @@ async def test_the_registry_builds_it_and_a_stopped_engine_refuses_streams(speec
         assert (await asr.transcribe(np.zeros(0, np.float32))).text == ""
     with pytest.raises(EngineError):
         asr.stream()
+
+
+def _rows(audio: np.ndarray, lookahead: int, rng: random.Random) -> list[fm.Row]:
+    """A stream's rows as the engine takes them (slot 0; the schedule sets it): its chunks,
+    kept, with now and then a speculative final's padded chunk, not kept, and the last."""
+    first_mel, next_mel = fm.chunk_layout(lookahead)
+    pending = np.concatenate([np.zeros(fm.N_FFT // 2, np.float32), fm.preemphasise(audio, 0.0)])
+    rows, first = [], True
+    while True:
+        frames = first_mel if first else next_mel
+        need = fm.samples_for(frames)
+        if rng.random() < 0.2 or pending.size < need:
+            tail = np.zeros(need, np.float32)
+            tail[: min(need, pending.size)] = pending[:need]
+            rows.append(fm.Row(0, tail, first, keep=False))
+            if pending.size < need:
+                return rows
+        rows.append(fm.Row(0, pending[:need].copy(), first))
+        pending, first = pending[frames * fm.HOP :], False
+
+
+def _run(pool: fm.SlotPool, streams: list[tuple[list[fm.Row], int]]) -> tuple[list[list[list[int]]], list[int]]:
+    """Each stream's rows through ``pool``, one a step, from its join step on, as slots free
+    up (a closed stream's slot goes to the next one, which starts afresh): each row's tokens,
+    and the row count of every step."""
+    free = list(range(pool.slots - 1, -1, -1))
+    active: dict[int, tuple[int, int]] = {}  # stream -> (slot, next row)
+    waiting = list(range(len(streams)))
+    tokens: list[list[list[int]]] = [[] for _ in streams]
+    sizes: list[int] = []
+    clock = 0
+    while waiting or active:
+        for i in [i for i in waiting if streams[i][1] <= clock]:
+            if free:
+                active[i] = (free.pop(), 0)
+                waiting.remove(i)
+        batch = [(i, streams[i][0][k]) for i, (_, k) in active.items()]
+        if batch:
+            rows = [fm.Row(active[i][0], r.samples, r.first, r.keep) for i, r in batch]
+            sizes.append(len(rows))
+            for (i, _), ids in zip(batch, pool.step(rows), strict=True):
+                tokens[i].append(ids)
+                slot, k = active[i]
+                if k + 1 == len(streams[i][0]):
+                    free.append(active.pop(i)[0])
+                else:
+                    active[i] = (slot, k + 1)
+        clock += 1
+    return tokens, sizes
+
+
+def test_a_step_padded_to_fixed_row_counts_gives_each_stream_what_it_gets_alone(speech_clips: list[Clip]) -> None:
+    """The fixed-shape step (what CUDA graphs capture): rows padded to a bucket, first chunks
+    in the steady shape beside steady ones, finals' chunks that keep no state, slots reused,
+    streams joining at different times: every row's tokens are those of the stream alone."""
+    model = fm.load_model(str(tiny_fastconformer_dir()), "cpu", "float32")
+    rng = random.Random(11)
+    streams = []
+    for i in range(20):
+        clip = speech_clips[i % len(speech_clips)].audio
+        start = rng.randrange(0, clip.size // 3)
+        streams.append((_rows(clip[start : start + rng.randrange(8_000, 40_000)], 1, rng), rng.randrange(0, 40)))
+    pool = fm.SlotPool(model, 8, 1, buckets=fm.step_buckets(8))
+    together, sizes = _run(pool, streams)
+    alone = [_run(fm.SlotPool(model, 1, 1), [(rows, 0)])[0][0] for rows, _ in streams]
+    assert together == alone
+    assert sum(len(ids) for rows in alone for ids in rows) > 200  # the streams say something
+    assert {5, 7} & set(sizes) and max(sizes) == 8, sizes  # padded steps, and full ones
+    assert any(not r.keep for rows, _ in streams for r in rows[1:-1])
+
+
+def test_cuda_graphs_need_a_cuda_device() -> None:
+    model, _ = fm.random_model(tiny=True)
+    with pytest.raises(ValueError, match="CUDA"):
+        fm.SlotPool(model, 4, 1, cuda_graphs=True)

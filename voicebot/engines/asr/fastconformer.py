@@ -79,7 +79,8 @@ class FastConformerAsr:
 
         def load() -> tuple[Any, Any]:
             model = fm.load_model(self.model_path, fc.device, fc.dtype)
-            return fm.SlotPool(model, fc.max_streams, fc.lookahead_frames), fm.load_tokenizer(self.model_path)
+            pool = fm.SlotPool(model, fc.max_streams, fc.lookahead_frames, cuda_graphs=fc.cuda_graphs)
+            return pool, fm.load_tokenizer(self.model_path)
 
         try:
             self.pool, self.tokenizer = await loop.run_in_executor(self._executor, load)
@@ -87,8 +88,9 @@ class FastConformerAsr:
             raise ModelError(f"cannot load the FastConformer model {self.model_path!r}: {exc}") from exc
         self._free = list(range(fc.max_streams - 1, -1, -1))
         self._stepper = asyncio.create_task(self._run(), name="asr-fastconformer-steps")
-        log.info("FastConformer %s loaded in %.2f s on %s (%d stream slots, %d ms chunks)", self.model_path,
-                 time.perf_counter() - t0, fc.device, fc.max_streams, self.chunk_ms)
+        log.info("FastConformer %s loaded in %.2f s on %s (%d stream slots, %d ms chunks, %s)", self.model_path,
+                 time.perf_counter() - t0, fc.device, fc.max_streams, self.chunk_ms,
+                 f"CUDA graphs for {self.pool.buckets} streams" if fc.cuda_graphs else "eager")
 
     async def aclose(self) -> None:
         self._closed = True

@@ -10,22 +10,23 @@ keys/values of the last ``window`` frames (left-padded, with how many are real),
 convolution caches and the RNN-T prediction network's state -- and :meth:`SlotPool.step`
 runs ONE forward of the conformer layers for every stream given, each at its own point in
 its audio: the rows' left contexts are masked per row, the relative positions are the same
-for all (distances from the chunk), so a stream's output is the one it would get alone. Only
-the convolutional subsampling runs twice when some streams start their first chunk (that
-chunk is one mel frame plus ``8 r`` long, the others ``8 (r + 1)``).
+for all (distances from the chunk), so a stream's output is the one it would get alone. A
+stream's first chunk (one mel frame plus ``8 r``, the others ``8 (r + 1)``) runs in the
+steady chunk's shape, its leading frames standing for the padding its convolutions would add.
 
 Each step encodes a chunk of ``r + 1`` encoder frames (``(r + 1) * 80`` ms) per stream, every
 audio frame once, then decodes those frames greedily for all streams at once (up to
-``max_symbols_per_step`` symbols a frame, as transformers' ``generate``).
+``max_symbols_per_step`` symbols a frame, as transformers' ``generate``). Its shapes depend
+only on the number of rows and it waits for the device once, for its tokens: padded to a few
+row counts, it is captured as CUDA graphs (``asr.fastconformer.cuda_graphs``).
 
 Features are the model's log-mel (pre-emphasis, 25 ms Hann window in a 512-point FFT, 10 ms
 hop, Slaney mel, log with a 2^-24 floor, no normalisation), computed per chunk exactly as a
 ``center=True`` pass over the whole utterance would (:func:`log_mel`): a stream keeps the
 pre-emphasised samples it still needs, left-padded with half an FFT of zeros.
 
-This module imports torch and transformers only (a benchmark runs it on a bare GPU machine).
-CUDA graphs or ``torch.compile`` belong in :meth:`SlotPool.step`, whose shapes depend only on
-how many rows it is given (pad the row count to a few sizes to capture them).
+This module imports torch and transformers only (and :mod:`voicebot.engines.cuda_graphs`, torch
+only): a benchmark runs it on a bare GPU machine.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import json
 import math
 import shutil
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -151,21 +153,34 @@ class SlotPool:
 
     Not thread-safe: one step at a time, from one thread. A slot is fresh again when its
     next row says ``first`` (nothing needs clearing in between).
+
+    The step has fixed shapes for a given row count and no host sync until its tokens are
+    read: first chunks run in the steady chunk's shape (:class:`_SubsamplingCache`), the
+    greedy decode runs ``max_symbols_per_step`` symbol iterations per frame for every row,
+    masked, and rows write their state through an index (a row that keeps none -- a final's
+    padded last chunk, or a padding row -- writes to one spare slot nobody reads). With
+    ``buckets`` the rows are padded to the next of those counts, so a few shapes serve every
+    step; with ``cuda_graphs`` (``buckets`` default to :func:`step_buckets`) each count's step
+    is captured once as a CUDA graph and replayed. The captured function is the one that runs
+    eagerly otherwise.
     """
 
-    def __init__(self, model: Any, slots: int, lookahead: int) -> None:
-        from transformers.models.nemotron_asr_streaming.modeling_nemotron_asr_streaming import (
-            NemotronAsrStreamingEncoderCausalConvPaddingCache,
-        )
-
-        self._padding_cache_type = NemotronAsrStreamingEncoderCausalConvPaddingCache
+    def __init__(
+        self,
+        model: Any,
+        slots: int,
+        lookahead: int,
+        *,
+        buckets: Sequence[int] | None = None,
+        cuda_graphs: bool = False,
+    ) -> None:
         self.model = model
         self.slots = slots
         self.lookahead = lookahead
         enc_cfg = model.config.encoder_config
         self.chunk_frames = lookahead + 1  # encoder frames per chunk
-        self.first_mel = 1 + SUBSAMPLING * lookahead
-        self.next_mel = SUBSAMPLING * self.chunk_frames
+        self.first_mel, self.next_mel = chunk_layout(lookahead)
+        self.step_samples = samples_for(self.next_mel)  # every row's samples in a step
         # Frames a chunk attends to before itself: whole chunks of the model's left context.
         self.window = (enc_cfg.sliding_window - 1) // self.chunk_frames * self.chunk_frames
         self.blank = int(model.config.blank_token_id)
@@ -177,135 +192,231 @@ class SlotPool:
         heads = enc_cfg.num_attention_heads
         head_dim = enc_cfg.hidden_size // heads
         dev, dt = self.device, self.dtype
-        self.keys = [torch.zeros(slots, heads, self.window, head_dim, device=dev, dtype=dt) for _ in enc.layers]
+        self.spare = slots  # the slot that rows keeping no state write to
+        n = slots + 1
+        self.keys = [torch.zeros(n, heads, self.window, head_dim, device=dev, dtype=dt) for _ in enc.layers]
         self.values = [torch.zeros_like(k) for k in self.keys]
-        self.seen = torch.zeros(slots, dtype=torch.long, device=dev)  # real frames in the window
+        self.seen = torch.zeros(n, dtype=torch.long, device=dev)  # real frames in the window
         self.conv = {
-            f"conv.{i}": torch.zeros(slots, enc_cfg.hidden_size, layer.conv.depthwise_conv.left_pad, device=dev, dtype=dt)
+            f"conv.{i}": torch.zeros(n, enc_cfg.hidden_size, layer.conv.depthwise_conv.left_pad, device=dev, dtype=dt)
             for i, layer in enumerate(enc.layers)
         }
-        self.subsampling: dict[str, torch.Tensor] = {}  # shaped by the first steady step
+        convs = [enc.subsampling.conv_in, *(layer.depthwise_conv for layer in enc.subsampling.layers)]
+        self._lead = _first_chunk_lead(convs, self.next_mel - self.first_mel)
         dec = model.decoder
         layers, hidden = model.config.num_decoder_layers, model.config.decoder_hidden_size
         with torch.inference_mode():
+            # One steady chunk through the subsampling shapes its convolution caches.
+            probe = _SubsamplingCache({}, self._lead, torch.ones(1, dtype=torch.bool, device=dev))
+            enc.subsampling(torch.zeros(1, self.next_mel, enc_cfg.num_mel_bins, device=dev, dtype=dt), None,
+                            padding_cache=probe)
             blank = torch.full((1, 1), self.blank, dtype=torch.long, device=dev)
             out, (h0, c0) = dec.lstm(dec.embedding(blank))
             self._start = (h0, c0, dec.decoder_projector(out[:, 0]))
-        self.h = torch.zeros(layers, slots, hidden, device=dev, dtype=dt)
+        self.subsampling = {key: torch.zeros(n, *s.shape[1:], device=dev, dtype=dt) for key, s in probe.states.items()}
+        self.h = torch.zeros(layers, n, hidden, device=dev, dtype=dt)
         self.c = torch.zeros_like(self.h)
-        self.d = torch.zeros(slots, hidden, device=dev, dtype=dt)
+        self.d = torch.zeros(n, hidden, device=dev, dtype=dt)
+        if cuda_graphs and buckets is None:
+            buckets = step_buckets(slots)
+        self.buckets = sorted(set(buckets)) if buckets is not None else None
+        if self.buckets is not None and (self.buckets[0] < 1 or self.buckets[-1] < slots):
+            raise ValueError(f"step buckets {self.buckets} must be positive and reach {slots} rows")
+        self._graphs: dict[int, Any] = {}  # rows -> cuda_graphs.CapturedCall
+        self._staging: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # rows -> pinned host inputs
+        if cuda_graphs:
+            self._capture()
 
     def chunk_mel_frames(self, first: bool) -> int:
         return self.first_mel if first else self.next_mel
+
+    def rows_for(self, n: int) -> int:
+        """The rows a step of ``n`` streams runs: the next bucket, or ``n`` without buckets."""
+        if self.buckets is None:
+            return n
+        return next(b for b in self.buckets if b >= n)
 
     @torch.inference_mode()
     def step(self, rows: list[Row]) -> list[list[int]]:
         """Encode one chunk per row and decode it; the new token ids of each row."""
         if not rows:
             return []
-        idx = torch.tensor([r.slot for r in rows], device=self.device)
-        first = torch.tensor([r.first for r in rows], device=self.device)
-        keep = torch.tensor([r.keep for r in rows], device=self.device)
-        embeds = self._subsample(rows, idx)
-        frames = self._conformer(embeds, idx, first, keep)
-        return self._decode(frames, idx, first, keep)
+        if len(rows) > self.slots:
+            raise ValueError(f"{len(rows)} rows for {self.slots} slots")
+        size = self.rows_for(len(rows))
+        graph = self._graphs.get(size)
+        if graph is not None:
+            samples, meta = self._staging[size]
+            self._fill(rows, samples.numpy(), meta.numpy())
+            emitted = graph(samples, meta)
+        else:
+            samples_np = np.empty((size, self.step_samples), np.float32)
+            meta_np = np.empty((3, size), np.int64)
+            self._fill(rows, samples_np, meta_np)
+            emitted = self._forward(torch.from_numpy(samples_np).to(self.device), torch.from_numpy(meta_np).to(self.device))
+        table = emitted[: len(rows)].cpu().tolist()  # the step's one wait for the device
+        return [[k for k in row if k >= 0] for row in table]
 
-    def _subsample(self, rows: list[Row], idx: torch.Tensor) -> torch.Tensor:
+    def _fill(self, rows: list[Row], samples: np.ndarray, meta: np.ndarray) -> None:
+        """The step's inputs: each row's samples right-aligned (a first chunk is shorter),
+        and per row its slot, the slot its state goes to, and whether it starts afresh.
+        Padding rows start afresh and write to the spare slot."""
+        samples[:] = 0.0
+        meta[0], meta[1], meta[2] = self.spare, self.spare, 1
+        for i, row in enumerate(rows):
+            samples[i, self.step_samples - row.samples.size :] = row.samples
+            meta[0, i] = row.slot
+            meta[1, i] = row.slot if row.keep else self.spare
+            meta[2, i] = row.first
+
+    def _forward(self, samples: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+        """The whole step on device tensors of fixed shapes: (B, step_samples) samples and
+        (3, B) slots / write slots / first flags in; (B, frames x max_symbols) token ids out,
+        -1 where nothing was emitted. What a CUDA graph captures."""
+        slot, write, first = meta[0], meta[1], meta[2].bool()
+        embeds = self._subsample(self.mel(samples), slot, write, first)
+        frames = self._conformer(embeds, slot, write, first)
+        return self._decode(frames, slot, write, first)
+
+    def _subsample(self, feats: torch.Tensor, slot: torch.Tensor, write: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
         """The convolutional subsampling of each row's chunk: (B, r + 1, hidden)."""
         enc = self.model.encoder
-        out = torch.empty(len(rows), self.chunk_frames, enc.config.hidden_size, device=self.device, dtype=self.dtype)
-        for want_first in (True, False):
-            pick = [i for i, r in enumerate(rows) if r.first is want_first]
-            if not pick:
-                continue
-            segments = torch.from_numpy(np.stack([rows[i].samples for i in pick]))
-            feats = self.mel(segments)
-            cache = self._padding_cache_type()
-            at = torch.tensor(pick, device=self.device)
-            slots = idx[at]
-            if not want_first:
-                for key, state in self.subsampling.items():
-                    layer = cache.layers[key] = _steady_conv2d_layer(state[slots])
-                    layer.left_pad = state.shape[2]
-            embeds = enc.subsampling(feats, None, padding_cache=cache)
-            kept = torch.tensor([rows[i].keep for i in pick], device=self.device)
-            for key, layer in cache.layers.items():
-                if key not in self.subsampling:
-                    shape = (self.slots, *layer.cache.shape[1:])
-                    self.subsampling[key] = torch.zeros(shape, device=self.device, dtype=self.dtype)
-                self.subsampling[key][slots[kept]] = layer.cache[kept]
-            out[at] = embeds * enc.input_scale
+        fresh = first[:, None, None, None]
+        states = {key: torch.where(fresh, 0, s[slot]) for key, s in self.subsampling.items()}
+        cache = _SubsamplingCache(states, self._lead, first)
+        embeds = enc.subsampling(feats, None, padding_cache=cache)
+        for key, s in self.subsampling.items():
+            s.index_copy_(0, write, cache.states[key])
+        out: torch.Tensor = embeds * enc.input_scale
         return out
 
-    def _conformer(self, x: torch.Tensor, idx: torch.Tensor, first: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    def _conformer(self, x: torch.Tensor, slot: torch.Tensor, write: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
         enc = self.model.encoder
         q, w = self.chunk_frames, self.window
-        seen = torch.where(first, 0, self.seen[idx])
+        seen = torch.where(first, 0, self.seen[slot])
         # Row b's query frames see: its real window frames (the last seen[b] of w) and its own chunk.
         kv = torch.arange(w + q, device=self.device)
         allowed = (kv[None, :] >= w - seen[:, None]) | (kv[None, :] >= w)
         mask = allowed[:, None, None, :].expand(-1, 1, q, -1)
         fresh = first[:, None, None, None]
-        keys = [torch.where(fresh, 0, k[idx]) for k in self.keys]
-        values = [torch.where(fresh, 0, v[idx]) for v in self.values]
+        keys = [torch.where(fresh, 0, k[slot]) for k in self.keys]
+        values = [torch.where(fresh, 0, v[slot]) for v in self.values]
         kvw = _KvWindow(keys, values, w)
-        conv = _ConvCache({key: torch.where(first[:, None, None], 0, c[idx]) for key, c in self.conv.items()})
+        conv = _ConvCache({key: torch.where(first[:, None, None], 0, c[slot]) for key, c in self.conv.items()})
         positions = enc.encode_positions(x, cached_frames=w)
         for layer in enc.layers:
             x = layer(x, attention_mask=mask, position_embeddings=positions, past_key_values=kvw, padding_cache=conv)
-        kept = idx[keep]
         for i in range(len(self.keys)):
-            self.keys[i][kept] = kvw.keys[i][keep]
-            self.values[i][kept] = kvw.values[i][keep]
+            self.keys[i].index_copy_(0, write, kvw.keys[i])
+            self.values[i].index_copy_(0, write, kvw.values[i])
         for key, c in conv.caches.items():
-            self.conv[key][kept] = c[keep]
-        self.seen[kept] = torch.clamp(seen[keep] + q, max=w)
+            self.conv[key].index_copy_(0, write, c)
+        self.seen.index_copy_(0, write, torch.clamp(seen + q, max=w))
         out: torch.Tensor = self.model.encoder_projector(x)
         return out
 
-    def _decode(self, frames: torch.Tensor, idx: torch.Tensor, first: torch.Tensor, keep: torch.Tensor) -> list[list[int]]:
-        """Greedy RNN-T over the chunk's frames for every row at once."""
+    def _decode(self, frames: torch.Tensor, slot: torch.Tensor, write: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+        """Greedy RNN-T over the chunk's frames for every row at once: per frame,
+        ``max_symbols`` symbol iterations, a row emitting until its first blank and idle,
+        masked, through the rest (no host sync to stop early). The tokens as
+        (B, frames x max_symbols), -1 where none."""
         model, dec = self.model, self.model.decoder
         h0, c0, d0 = self._start
         fresh = first[None, :, None]
-        h = torch.where(fresh, h0, self.h[:, idx])
-        c = torch.where(fresh, c0, self.c[:, idx])
-        d = torch.where(first[:, None], d0[0], self.d[idx])
+        h = torch.where(fresh, h0, self.h[:, slot])
+        c = torch.where(fresh, c0, self.c[:, slot])
+        d = torch.where(first[:, None], d0[0], self.d[slot])
         emitted: list[torch.Tensor] = []
         for t in range(frames.shape[1]):
             f = frames[:, t]
-            active = torch.ones(len(idx), dtype=torch.bool, device=self.device)
+            active = torch.ones_like(first)
             for _ in range(self.max_symbols):
                 k = model.joint(d, f).argmax(-1)
                 emit = active & (k != self.blank)
-                if not bool(emit.any()):
-                    break
                 out, (h2, c2) = dec.lstm(dec.embedding(k)[:, None], (h, c))
                 d = torch.where(emit[:, None], dec.decoder_projector(out[:, 0]), d)
                 h = torch.where(emit[None, :, None], h2, h)
                 c = torch.where(emit[None, :, None], c2, c)
                 emitted.append(torch.where(emit, k, -1))
                 active = emit
-        kept = idx[keep]
-        self.h[:, kept], self.c[:, kept], self.d[kept] = h[:, keep], c[:, keep], d[keep]
-        if not emitted:
-            return [[] for _ in range(len(idx))]
-        table = torch.stack(emitted, 1).cpu().tolist()
-        return [[k for k in row if k >= 0] for row in table]
+        self.h.index_copy_(1, write, h)
+        self.c.index_copy_(1, write, c)
+        self.d.index_copy_(0, write, d)
+        return torch.stack(emitted, 1)
+
+    def _capture(self) -> None:
+        """One CUDA graph per bucket, the largest first (the smaller ones fit in its memory
+        pool). The warm-up runs every row as a padding row: the slots are untouched."""
+        from voicebot.engines.cuda_graphs import CapturedCall
+
+        if self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need the model on a CUDA device, not {self.device}")
+        assert self.buckets is not None
+        stream = torch.cuda.Stream(self.device)
+        pool = torch.cuda.graph_pool_handle()
+        with torch.inference_mode():
+            for size in reversed(self.buckets):
+                samples = torch.zeros(size, self.step_samples, device=self.device)
+                meta = torch.tensor([[self.spare] * size, [self.spare] * size, [1] * size], device=self.device)
+                self._graphs[size] = CapturedCall(self._forward, (samples, meta), stream=stream, pool=pool)
+                self._staging[size] = (torch.zeros(size, self.step_samples).pin_memory(),
+                                       torch.zeros(3, size, dtype=torch.long).pin_memory())
 
 
-def _steady_conv2d_layer(cache: torch.Tensor) -> Any:
-    """A subsampling conv cache layer that has seen a chunk already (no first-chunk padding)."""
-    from transformers.models.nemotron_asr_streaming.modeling_nemotron_asr_streaming import (
-        NemotronAsrStreamingEncoderCausalConv2dCacheLayer,
-    )
+class _SubsamplingCache:
+    """The convolutional subsampling's causal caches for one step (the ``padding_cache`` of
+    its convolutions' ``update`` protocol), every row in the steady chunk's shape.
 
-    layer = NemotronAsrStreamingEncoderCausalConv2dCacheLayer()
-    layer.cache = cache
-    layer.init_pad = 0
-    layer.is_first_chunk = False
-    layer.is_initialized = True
-    return layer
+    A stream's first chunk is shorter than the others (its convolutions pad it on the left
+    instead of reading a cache). It runs here as a steady chunk whose leading ``lead[key]``
+    frames are zeroed at every convolution: with a fresh (zero) cache that is exactly the
+    first chunk's own padding, and the outputs are the first chunk's (:func:`_first_chunk_lead`),
+    so one shape serves both kinds of rows."""
+
+    def __init__(self, states: dict[str, torch.Tensor], lead: dict[str, int], first: torch.Tensor) -> None:
+        self.states, self.lead, self.first = states, lead, first
+
+    def update(self, hidden: torch.Tensor, key: str, conv: nn.Module) -> torch.Tensor:
+        zeros = self.lead[key]
+        if zeros:
+            frame = torch.arange(hidden.shape[2], device=hidden.device)
+            hidden = hidden.masked_fill(self.first[:, None, None, None] & (frame < zeros)[None, None, :, None], 0.0)
+        state = self.states.get(key)
+        if state is None:  # shaping the slots' caches (SlotPool.__init__)
+            state = hidden.new_zeros(hidden.shape[0], hidden.shape[1], int(conv.left_pad), hidden.shape[3])
+        self.states[key] = hidden[:, :, hidden.shape[2] - state.shape[2] :]
+        return torch.cat([state, hidden], dim=2)
+
+
+def step_buckets(slots: int) -> list[int]:
+    """Row counts a step is padded to: powers of two and the halfway points between them
+    (1, 2, 3, 4, 6, 8, 12 ...) below ``slots``, and ``slots``: padding wastes at most a
+    third of a step, with two shapes per doubling of streams."""
+    out, b = {slots}, 1
+    while b < slots:
+        out |= {b, b + b // 2}
+        b *= 2
+    return sorted(x for x in out if x <= slots)
+
+
+def _first_chunk_lead(convs: list[Any], zeros: int) -> dict[str, int]:
+    """Per subsampling convolution (by cache key), how many leading frames of a first chunk
+    run in the steady shape stand for the first chunk's own left padding: ``zeros`` mel
+    frames at the first convolution. A fresh cache and ``z`` zeroed frames put the real
+    frames ``z + 1 - s`` frames later than the first chunk's padding would (a stride-``s``
+    convolution pads a first chunk with ``kernel - 1`` frames, a steady one reads
+    ``kernel - s`` cached): that is ``(z + 1) / s - 1`` whole outputs, zeroed in turn at the
+    next convolution, and none may be left at the end."""
+    lead = {}
+    for conv in convs:
+        lead[conv.cache_key] = zeros
+        stride = conv.stride[0]
+        if (zeros + 1) % stride or conv.left_pad_init - conv.left_pad != stride - 1:
+            raise ValueError(f"a first chunk cannot run in the steady shape through {conv.cache_key}")
+        zeros = (zeros + 1) // stride - 1
+    if zeros:
+        raise ValueError("a first chunk in the steady shape leaves padding frames after the subsampling")
+    return lead
 
 
 # -- loading ---------------------------------------------------------------------------------
@@ -315,9 +426,13 @@ def load_model(path: str, device: str, dtype: str) -> Any:
     """``NemotronAsrStreamingForRNNT`` from a directory or hub id, in eval mode on ``device``."""
     from transformers import NemotronAsrStreamingForRNNT
 
-    model = NemotronAsrStreamingForRNNT.from_pretrained(path, dtype=getattr(torch, dtype))
+    return ready(NemotronAsrStreamingForRNNT.from_pretrained(path, dtype=getattr(torch, dtype)), device, dtype)
+
+
+def ready(model: Any, device: str, dtype: str) -> Any:
+    """``model`` in eval mode on ``device`` in ``dtype``, with SDPA attention."""
     model.config.encoder_config._attn_implementation = "sdpa"
-    model = model.to(device).eval().requires_grad_(False)
+    model = model.to(device=device, dtype=getattr(torch, dtype)).eval().requires_grad_(False)
     # The prediction network's LSTM, moved to the GPU, keeps weights that are not one
     # contiguous chunk: cuDNN then compacts them at every call (and warns each time).
     for module in model.modules():
