@@ -200,13 +200,19 @@ def test_a_stale_turn_is_kept_but_not_answered() -> None:
 # reopens (one utterance, one transcript, one user item) and the client hears of neither
 # the turn's end nor the reply.
 
-def _unheard() -> tuple[CallCore, ev.StartReply]:
-    """A turn ended at a pause taken for its end; its reply released, no audio out yet."""
+def _ended_at_a_pause() -> tuple[CallCore, ev.StartReply]:
+    """A turn that paused (a reply prepared gated), then ended there."""
     c = core(reopen_unheard=True)
     c.handle(ev.SpeechStart())
     start = c.handle(ev.Pause())[1]
-    assert isinstance(start, ev.StartReply)
+    assert isinstance(start, ev.StartReply) and start.withdrawable
     assert c.handle(ev.TurnEnd()) == [ev.EndTurn("item_t_1", held=True)], "its end not told until the reply is heard"
+    return c, start
+
+
+def _unheard() -> tuple[CallCore, ev.StartReply]:
+    """A turn ended at a pause taken for its end; its reply released, no audio out yet."""
+    c, start = _ended_at_a_pause()
     assert c.handle(ev.Transcribed("item_t_1", "I would like to book")) == [
         ev.TurnTranscribed("item_t_1", "I would like to book"), ev.ReleaseReply(start.reply_id)]
     return c, start
@@ -231,11 +237,7 @@ def test_speech_before_a_word_of_the_reply_is_heard_reopens_the_turn() -> None:
 
 
 def test_speech_before_the_transcript_reopens_the_turn_and_drops_its_decode() -> None:
-    c = core(reopen_unheard=True)
-    c.handle(ev.SpeechStart())
-    start = c.handle(ev.Pause())[1]
-    assert isinstance(start, ev.StartReply)
-    c.handle(ev.TurnEnd())
+    c, start = _ended_at_a_pause()
     assert c.handle(ev.SpeechStart()) == [
         ev.StopReply(start.reply_id, "cancelled", False), ev.CancelFinal("item_t_1"), ev.ReopenTurn("item_t_1")]
     assert c.handle(ev.Transcribed("item_t_1", "I would like")) == [], "the dropped decode's result is stale"
@@ -252,11 +254,7 @@ def test_a_turn_without_speculation_reopens_before_its_reply_is_heard() -> None:
 
 
 def test_the_held_end_of_a_turn_is_told_when_no_reply_will_be_heard() -> None:
-    c = core(reopen_unheard=True)
-    c.handle(ev.SpeechStart())
-    start = c.handle(ev.Pause())[1]
-    assert isinstance(start, ev.StartReply)
-    c.handle(ev.TurnEnd())
+    c, start = _ended_at_a_pause()
     assert c.handle(ev.Transcribed("item_t_1", " ")) == [
         ev.TurnTranscribed("item_t_1", ""), ev.StopReply(start.reply_id, "cancelled", False),
         ev.RevealTurn("item_t_1")], "a noise: no reply follows"
@@ -278,6 +276,10 @@ def test_a_turn_is_held_only_where_it_may_reopen() -> None:
     c = core(reopen_unheard=True, create_response=False)  # no reply of the server's to withdraw
     c.handle(ev.SpeechStart())
     assert c.handle(ev.TurnEnd())[-1] == ev.EndTurn("item_t_1", held=False)
+    c = core(reopen_unheard=True)  # a turn the client committed: its reply is shown at once
+    c.handle(ev.Commit("u1"))
+    start = c.handle(ev.Transcribed("u1", "hello"))[-1]
+    assert isinstance(start, ev.StartReply) and not start.withdrawable
 
 
 def test_create_reply_replaces_the_live_one_and_tool_results_start_the_next_round() -> None:
