@@ -73,6 +73,10 @@ class Metrics:
         self.false_interruptions = Counter(
             "voicebot_false_interruptions",
             "Replies paused by speech that was no turn (a backchannel, a noise) and resumed.", registry=r)
+        self.reopened_turns = Counter(
+            "voicebot_reopened_turns",
+            "Turns taken for over too early: the caller went on before a word of the reply, which was withdrawn unseen.",
+            registry=r)
         self.errors = Counter("voicebot_errors", "Errors sent to clients, by code.", ["code"], registry=r)
         self.queue_depth = Gauge("voicebot_queue_depth", "Jobs waiting per engine queue.", ["queue"], registry=r)
         self.engine_up = Gauge("voicebot_engine_up", "1 while the engine works, 0 while failed or restarting.", ["engine"], registry=r)

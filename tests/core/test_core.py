@@ -51,6 +51,11 @@ class FakeHistory:
         if content.strip() or role == "tool":
             self.messages.append(Msg(role, content.strip(), item_id))
 
+    def delete(self, item_id: str) -> bool:
+        kept = [m for m in self.messages if m.item_id != item_id]
+        found, self.messages = len(kept) < len(self.messages), kept
+        return found
+
     def over_budget(self) -> bool:
         return len(self.history_ids()) + self.reserved > self.budget
 
@@ -189,6 +194,92 @@ def test_a_stale_turn_is_kept_but_not_answered() -> None:
     c.handle(ev.SpeechStart())  # the caller goes on before the transcript is in
     assert kinds(c.handle(ev.Transcribed("item_t_1", "wait"))) == ["TurnTranscribed"]
     assert c.reply is None and [m.content for m in c.history.messages] == ["wait"]  # type: ignore[attr-defined]
+
+
+# A reply the caller has not heard a word of is withdrawn when they go on: the turn
+# reopens (one utterance, one transcript, one user item) and the client hears of neither
+# the turn's end nor the reply.
+
+def _ended_at_a_pause() -> tuple[CallCore, ev.StartReply]:
+    """A turn that paused (a reply prepared gated), then ended there."""
+    c = core(reopen_unheard=True)
+    c.handle(ev.SpeechStart())
+    start = c.handle(ev.Pause())[1]
+    assert isinstance(start, ev.StartReply) and start.withdrawable
+    assert c.handle(ev.TurnEnd()) == [ev.EndTurn("item_t_1", held=True)], "its end not told until the reply is heard"
+    return c, start
+
+
+def _unheard() -> tuple[CallCore, ev.StartReply]:
+    """A turn ended at a pause taken for its end; its reply released, no audio out yet."""
+    c, start = _ended_at_a_pause()
+    assert c.handle(ev.Transcribed("item_t_1", "I would like to book")) == [
+        ev.TurnTranscribed("item_t_1", "I would like to book"), ev.ReleaseReply(start.reply_id)]
+    return c, start
+
+
+def test_speech_before_a_word_of_the_reply_is_heard_reopens_the_turn() -> None:
+    c, start = _unheard()
+    assert c.handle(ev.SpeechStart()) == [ev.StopReply(start.reply_id, "cancelled", False), ev.ReopenTurn("item_t_1")]
+    assert c.open_item == "item_t_1" and c.history.messages == [], "the turn goes on: not yet in the history"  # type: ignore[attr-defined]
+    assert c.handle(ev.ReplyEnded(start.reply_id, "cancelled")) == [], "dropped unheard, nothing reported"
+    again = c.handle(ev.Pause())
+    assert kinds(again) == ["StartFinal", "StartReply"] and again[0] == ev.StartFinal("item_t_1")
+    second = again[1]
+    assert isinstance(second, ev.StartReply) and second.turn == "item_t_1"
+    assert c.handle(ev.TurnEnd()) == [ev.EndTurn("item_t_1", held=True)]
+    c.handle(ev.Transcribed("item_t_1", "I would like to book a table for two"))
+    assert c.handle(ev.ReplyShown(second.reply_id)) == [ev.RevealTurn("item_t_1")]
+    assert [m.content for m in c.history.messages] == ["I would like to book a table for two"]  # type: ignore[attr-defined]
+    barge = c.handle(ev.SpeechStart())
+    assert barge == [ev.StopReply(second.reply_id, "interrupted", True), ev.OpenTurn("item_t_6")], \
+        "a reply heard is barged in on as before"
+
+
+def test_speech_before_the_transcript_reopens_the_turn_and_drops_its_decode() -> None:
+    c, start = _ended_at_a_pause()
+    assert c.handle(ev.SpeechStart()) == [
+        ev.StopReply(start.reply_id, "cancelled", False), ev.CancelFinal("item_t_1"), ev.ReopenTurn("item_t_1")]
+    assert c.handle(ev.Transcribed("item_t_1", "I would like")) == [], "the dropped decode's result is stale"
+    assert kinds(c.handle(ev.TurnEnd())) == ["StartFinal", "EndTurn"], "one final for the whole turn"
+
+
+def test_a_turn_without_speculation_reopens_before_its_reply_is_heard() -> None:
+    c = core(reopen_unheard=True)
+    c.handle(ev.SpeechStart())
+    c.handle(ev.TurnEnd())
+    start = c.handle(ev.Transcribed("item_t_1", "so"))[-1]
+    assert isinstance(start, ev.StartReply) and not start.gated
+    assert c.handle(ev.SpeechStart()) == [ev.StopReply(start.reply_id, "cancelled", False), ev.ReopenTurn("item_t_1")]
+
+
+def test_the_held_end_of_a_turn_is_told_when_no_reply_will_be_heard() -> None:
+    c, start = _ended_at_a_pause()
+    assert c.handle(ev.Transcribed("item_t_1", " ")) == [
+        ev.TurnTranscribed("item_t_1", ""), ev.StopReply(start.reply_id, "cancelled", False),
+        ev.RevealTurn("item_t_1")], "a noise: no reply follows"
+    assert kinds(c.handle(ev.SpeechStart())) == ["OpenTurn"]
+    # A reply that ends before it was shown (it wrote nothing) still tells its turn first.
+    c, start = _unheard()
+    assert c.handle(ev.ReplyEnded(start.reply_id, "completed", "")) == [
+        ev.RevealTurn("item_t_1"), ev.ReportReply(start.reply_id, "completed")]
+    # A client's command takes the floor from the held turn: it is told first.
+    c, start = _unheard()
+    assert c.handle(ev.CreateReply())[:2] == [ev.RevealTurn("item_t_1"),
+                                               ev.StopReply(start.reply_id, "cancelled", True)]
+
+
+def test_a_turn_is_held_only_where_it_may_reopen() -> None:
+    c = core()  # reopen_unheard off: the turn ends for the client at once, as before
+    c.handle(ev.SpeechStart())
+    assert c.handle(ev.TurnEnd())[-1] == ev.EndTurn("item_t_1", held=False)
+    c = core(reopen_unheard=True, create_response=False)  # no reply of the server's to withdraw
+    c.handle(ev.SpeechStart())
+    assert c.handle(ev.TurnEnd())[-1] == ev.EndTurn("item_t_1", held=False)
+    c = core(reopen_unheard=True)  # a turn the client committed: its reply is shown at once
+    c.handle(ev.Commit("u1"))
+    start = c.handle(ev.Transcribed("u1", "hello"))[-1]
+    assert isinstance(start, ev.StartReply) and not start.withdrawable
 
 
 def test_create_reply_replaces_the_live_one_and_tool_results_start_the_next_round() -> None:
@@ -401,6 +492,8 @@ class Shell:
         self.summaries: list[int] = []
         self.hidden: set[str] = set()  # turns opened over a paused reply, not yet announced
         self.forgotten: set[str] = set()
+        self.held: set[str] = set()  # ended turns the client has not been told of yet
+        self.shown: set[str] = set()  # replies the client was told of
 
     def feed(self, event: ev.Event) -> None:
         self.run(self.c.handle(event))
@@ -436,6 +529,18 @@ class Shell:
                 case ev.PauseReply(rid) | ev.ResumeReply(rid):
                     assert self.c.reply is not None and self.c.reply.id == rid, "only the live reply pauses"
                     assert self.c.reply.released, "only a reply the caller hears"
+                case ev.EndTurn(item, held):
+                    if held:
+                        self.held.add(item)
+                    assert len(self.held) <= 1, "one turn held at a time"
+                case ev.RevealTurn(item):
+                    assert item in self.held
+                    self.held.discard(item)
+                case ev.ReopenTurn(item):
+                    assert item in self.held
+                    self.held.discard(item)
+                    assert not any(self.live[r].turn == item for r in self.shown if r not in self.done), \
+                        "never a reply the client was told of"
                 case ev.StartFinal(item) | ev.CommitTurn(item):
                     self.finals.append(item)
                 case ev.StartPrefill(pid):
@@ -452,16 +557,18 @@ class Shell:
 words = st.sampled_from(["yes", "what is the weather like in Paris today", "tell me more about it please"])
 events = st.one_of(
     st.sampled_from(["speech", "quiet", "pause", "resume", "end", "clear", "create", "cancel", "complete",
-                     "fail", "final", "final_empty", "prefill", "summary", "summary_fail", "commit"]),
+                     "fail", "final", "final_empty", "prefill", "summary", "summary_fail", "commit", "shown"]),
     st.tuples(st.just("text"), words),
 )
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(events, max_size=60), st.booleans(), st.integers(min_value=40, max_value=200), st.booleans())
-def test_random_calls_keep_the_invariants(script: list[Any], prefills: bool, budget: int, fi: bool) -> None:
+@given(st.lists(events, max_size=60), st.booleans(), st.integers(min_value=40, max_value=200), st.booleans(),
+       st.booleans())
+def test_random_calls_keep_the_invariants(script: list[Any], prefills: bool, budget: int, fi: bool,
+                                          reopen: bool) -> None:
     h = FakeHistory(budget=budget)
-    c = CallCore(h, tag="t", prefills=prefills, summaries=True, block_size=4, warm_turn=True,
+    c = CallCore(h, tag="t", prefills=prefills, summaries=True, block_size=4, warm_turn=True, reopen_unheard=reopen,
                  false_interruptions=FalseInterruptions.of(DEFAULT_BACKCHANNEL_WORDS) if fi else None)
     shell = Shell(c)
     shell.feed(ev.Started())
@@ -483,6 +590,9 @@ def test_random_calls_keep_the_invariants(script: list[Any], prefills: bool, bud
             shell.feed(ev.Commit(c.new_item_id()))
         elif step == "create":
             shell.feed(ev.CreateReply())
+        elif step == "shown" and r is not None and r.released:
+            shell.shown.add(r.id)
+            shell.feed(ev.ReplyShown(r.id))
         elif step == "cancel":
             shell.feed(ev.CancelReply())
         elif step in ("complete", "fail") and r is not None and r.released:

@@ -141,9 +141,12 @@ async def test_barge_in_stops_playout_and_history_keeps_the_played_words(tokeniz
 
 async def test_speech_before_the_reply_is_heard_stops_it_without_a_barge_in(tokenizer) -> None:  # type: ignore[no-untyped-def]
     # The turn ended at a pause, but the caller went on before any reply audio was
-    # sent: the reply is dropped unheard, so the client gets no barge-in event.
+    # sent: the reply is dropped unheard, so the client gets no barge-in event. With
+    # vad.withdraw_unheard_reply off the client was told of both (by default it hears
+    # of neither and the turn goes on: test_session_reopen.py).
     engines = make_engines(tokenizer, word_delay=0.5)
-    async with call(engines) as c:
+    vad = engines.cfg.vad.model_copy(update={"withdraw_unheard_reply": False})
+    async with call(engines, vad=vad) as c:
         await c.speak(600)
         await c.silence(500)
         await c.wait_for(ev.ResponseStarted)
@@ -230,11 +233,13 @@ async def test_a_client_that_stops_reading_is_dropped_not_buffered(tokenizer, ca
     session = Session(engines, SessionSettings.from_config(engines.cfg), clock=clock)
     async with session:
         for _ in range(3):  # nobody reads events
+            if session.closing:
+                break
             for _ in range(40):
                 session.push_audio(np.full(FRAME, 0.1, dtype=np.float32), RATE)
             for _ in range(40):
                 session.push_audio(np.zeros(FRAME, dtype=np.float32), RATE)
-            await elapse(clock, 0.05)
+            await elapse(clock, 0.5)  # its reply's audio starts: the next speech is no longer its turn
         await until(clock, lambda: session.closed_reason is not None)
         assert session.closed_reason == "slow_consumer"
         assert session.outbox.qsize() <= 16
@@ -610,6 +615,7 @@ async def test_a_large_push_is_processed_in_slices_between_loop_turns(tokenizer)
         tick.cancel()
         assert max(per_turn.values()) <= 4, "at most ~100 ms of audio between two loop turns"
         assert sum(vad.windows) == 1000
+        await c.wait_for(ev.ResponseAudioStarted)  # the end of the turn is told with its reply
         assert [type(e) for e in c.events if isinstance(e, ev.SpeechStarted | ev.SpeechStopped)] == [
             ev.SpeechStarted,
             ev.SpeechStopped,

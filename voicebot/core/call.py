@@ -12,6 +12,9 @@ decides. Some actions ask for an answer: :class:`StartFinal` / :class:`EndTurn` 
 It owns:
 - turn-taking and speculation: when the caller pauses the final transcript is decoded
   and a reply prepared *gated*; the end of the turn releases it, speech cancels it;
+- a turn taken for over too early (``reopen_unheard``): its end is told to the client
+  only when its reply is heard (:class:`ReplyShown`); speech before that withdraws the
+  reply unheard and reopens the turn, so the caller's words stay one utterance;
 - the one live reply: started, released, cut by a barge-in (the history keeps what
   was heard), its tool rounds;
 - false interruptions: speech over a reply pauses it; the speech is a turn (the reply
@@ -41,6 +44,7 @@ class Reply:
     turn: str | None
     released: bool
     tool_round: int = 0
+    shown: bool = False  # the client was told of it (its first audio went out)
 
 
 @dataclass
@@ -48,6 +52,7 @@ class _Turn:
     item_id: str
     seq: int
     reply: str | None = None  # the reply prepared for it speculatively
+    committed: bool = False  # the client ended it (input commit): nothing to reopen
 
 
 @dataclass
@@ -79,6 +84,7 @@ class CallCore:
         summaries: bool = False,
         block_size: int | Callable[[], int] = 16,
         false_interruptions: FalseInterruptions | None = None,
+        reopen_unheard: bool = False,
         log: logging.Logger | logging.LoggerAdapter[Any] | None = None,
     ) -> None:
         self.history = history
@@ -88,6 +94,9 @@ class CallCore:
         self.warm_turn = warm_turn
         # None: speech over a reply cuts it at once.
         self.false_interruptions = false_interruptions
+        # A turn's end is told to the client with its reply's first audio; speech before
+        # that reopens the turn (False: told at once, and such speech is a new turn).
+        self.reopen_unheard = reopen_unheard
         self.background = Background(history, prefills=prefills, summaries=summaries, block_size=block_size,
                                      reply_live=lambda: self.reply is not None or bool(self.stopping), log=log)
         self._ids = itertools.count(1)
@@ -95,6 +104,7 @@ class CallCore:
         self.open_item: str | None = None  # the caller's turn being spoken
         self.pending: _Turn | None = None  # decoded speculatively, not yet ended
         self.turns: dict[str, _Turn] = {}  # ended or committed, transcript not yet in
+        self.held: _Turn | None = None  # ended, its end not yet told to the client (reopen_unheard)
         self.reply: Reply | None = None  # the one live reply
         self.stopping: dict[str, Reply] = {}  # cancelled, their ReplyEnded still due
         self.overlap: _Overlap | None = None  # speech over the paused reply, being judged
@@ -110,6 +120,11 @@ class CallCore:
     def replying(self) -> bool:
         """A reply is released to the caller and not finished."""
         return self.reply is not None and self.reply.released
+
+    @property
+    def audible(self) -> bool:
+        """A released reply that the client was told of: its audio may be playing."""
+        return self.reply is not None and self.reply.released and self.reply.shown
 
     # ------------------------------------------------------------------ dispatch
     def handle(self, event: ev.Event, now: float = 0.0) -> list[ev.Action]:  # noqa: C901 (one case per event)
@@ -154,23 +169,31 @@ class CallCore:
                 return self._transcribed(item_id, text)
             case ev.ReplyEnded():
                 return self._reply_ended(event)
+            case ev.ReplyShown(reply_id):
+                if self.reply is None or self.reply.id != reply_id:
+                    return []
+                self.reply.shown = True
+                return self._reveal()
             case ev.ToolResults(_, options, tool_round):
                 if self.reply is not None or self.closed:
                     return []
                 return self._start_reply(gated=False, turn=None, options=options, tool_round=tool_round + 1)
             case ev.Commit(item_id):
+                # A client's command takes the floor: the held turn is told first.
+                actions = self._reveal()
                 self.turn_seq += 1
-                self.turns[item_id] = _Turn(item_id, self.turn_seq)
-                return [ev.CommitTurn(item_id)]
+                self.turns[item_id] = _Turn(item_id, self.turn_seq, committed=True)
+                return [*actions, ev.CommitTurn(item_id)]
             case ev.Clear():
-                return [ev.ResetInput(), *self._drop_speculation()]
+                return [*self._reveal(), ev.ResetInput(), *self._drop_speculation()]
             case ev.CreateReply(options):
-                actions = self._cancel("cancelled", report=True)
+                actions = self._reveal() + self._cancel("cancelled", report=True)
                 return actions + self._start_reply(gated=False, turn=None, options=options)
             case ev.CancelReply(status, report):
-                return self._cancel(status, report=report)
+                return self._reveal() + self._cancel(status, report=report)
             case ev.AddItem(role, text, item_id, call_id, tool_calls):
-                return self._append(role, text, item_id, call_id=call_id, tool_calls=tool_calls)
+                actions = self._reveal()
+                return actions + self._append(role, text, item_id, call_id=call_id, tool_calls=tool_calls)
             case ev.ContextChanged():
                 return bg.warm()
             case ev.SettingsChanged(create_response, interrupt_response):
@@ -193,7 +216,10 @@ class CallCore:
 
     # ------------------------------------------------------------------ turns
     def _speech_start(self, now: float) -> list[ev.Action]:
-        actions: list[ev.Action] = []
+        reopened = self._reopen()
+        if reopened:
+            return reopened
+        actions: list[ev.Action] = self._reveal()
         if self.overlap is not None:
             # Speech again while the last speech over the reply is still being judged:
             # the caller is taking the floor.
@@ -275,8 +301,41 @@ class CallCore:
             actions.append(ev.StartFinal(turn.item_id))
         self.pending = None
         self.turns[turn.item_id] = turn
-        actions.append(ev.EndTurn(turn.item_id))
+        # Held only where a reply of ours follows that speech may still withdraw (not a
+        # turn spoken over a paused reply: the client hears of that one when it is one).
+        hold = (self.reopen_unheard and self.create_response and self.interrupt_response
+                and (self.overlap is None or self.overlap.item_id != turn.item_id))
+        if hold:
+            actions += self._reveal()  # never two held
+            self.held = turn
+        actions.append(ev.EndTurn(turn.item_id, held=hold))
         self.open_item = None
+        return actions
+
+    def _reveal(self) -> list[ev.Action]:
+        """The held turn's end goes to the client now: its reply is heard, or none will be,
+        or a client's command comes after it."""
+        turn, self.held = self.held, None
+        return [] if turn is None else [ev.RevealTurn(turn.item_id)]
+
+    def _reopen(self) -> list[ev.Action]:
+        """Speech after a held turn whose reply nobody heard yet: withdraw the reply unseen,
+        and the turn goes on (its transcript, decoded or decoding, is dropped: the turn's
+        final will cover all of its audio). Empty: the turn cannot reopen."""
+        turn, r = self.held, self.reply
+        if turn is None or self.open_item is not None or self.overlap is not None:
+            return []
+        if r is not None and (r.turn != turn.item_id or r.shown or r.tool_round):
+            return []
+        self.held = None
+        actions = self._cancel("cancelled", report=False)  # unheard: nothing to report
+        if self.turns.pop(turn.item_id, None) is not None:
+            actions.append(ev.CancelFinal(turn.item_id))
+        else:
+            self.history.delete(turn.item_id)  # type: ignore[attr-defined]
+        self.turn_seq += 1
+        self.open_item = turn.item_id
+        actions.append(ev.ReopenTurn(turn.item_id))
         return actions
 
     def _transcribed(self, item_id: str, text: str) -> list[ev.Action]:
@@ -302,8 +361,8 @@ class CallCore:
         item_id = turn.item_id
         actions: list[ev.Action] = [ev.TurnTranscribed(item_id, text)]
         own = turn.reply is not None and self.reply is not None and turn.reply == self.reply.id
-        if not text:  # a noise the VAD took for speech
-            return actions + (self._cancel("cancelled", report=False) if own else [])
+        if not text:  # a noise the VAD took for speech: no reply follows
+            return actions + (self._cancel("cancelled", report=False) if own else []) + self._reveal()
         actions += self._append("user", text, item_id)
         if turn.seq != self.turn_seq:
             return actions  # the caller is already speaking again: no reply to this turn
@@ -325,7 +384,8 @@ class CallCore:
         if turn is not None and gated:
             turn.reply = rid
         actions += self.background.reply_started()
-        actions.append(ev.StartReply(rid, self.reply.item_id, self.reply.turn, gated, options, tool_round))
+        withdrawable = self.reopen_unheard and self.interrupt_response and turn is not None and not turn.committed
+        actions.append(ev.StartReply(rid, self.reply.item_id, self.reply.turn, gated, options, tool_round, withdrawable))
         return actions
 
     def _cancel(self, status: str, *, report: bool) -> list[ev.Action]:
@@ -343,6 +403,7 @@ class CallCore:
         actions: list[ev.Action] = []
         kept = e.text is not None
         if kept:
+            actions += self._reveal()  # ended before it was shown (it said nothing): its turn first
             # Appended while it still holds the LLM: no compaction starts beside it.
             actions += self._append("assistant", e.text or "", r.item_id, token_ids=e.token_ids)
             actions.append(ev.ReportReply(r.id, e.status))

@@ -80,6 +80,15 @@ class ReplyEnded:
 
 
 @dataclass(frozen=True)
+class ReplyShown:
+    """The client is told of the released reply now: its first audio is going out (or,
+    with no audio, its text or its end). From here on speech over it is a barge-in; before,
+    it withdraws the reply unheard (``reopen_unheard``)."""
+
+    reply_id: str
+
+
+@dataclass(frozen=True)
 class ToolResults:
     """A completed reply's server tools ran and their results are in the history: the
     next round answers them."""
@@ -152,8 +161,8 @@ class SummaryDone:
 
 Event = (
     Started | Closing | SpeechStart | Quiet | Pause | Resume | TurnEnd | Partial | Transcribed | ReplyEnded
-    | ToolResults | Commit | Clear | CreateReply | CancelReply | AddItem | ContextChanged | SettingsChanged
-    | PrefillProgress | PrefillDone | SummaryDone
+    | ReplyShown | ToolResults | Commit | Clear | CreateReply | CancelReply | AddItem | ContextChanged
+    | SettingsChanged | PrefillProgress | PrefillDone | SummaryDone
 )
 
 # ---------------------------------------------------------------------- actions
@@ -211,7 +220,25 @@ class CancelFinal:
 
 @dataclass(frozen=True)
 class EndTurn:
-    """The caller's turn is over: report it; its final transcript completes it."""
+    """The caller's turn is over: report it; its final transcript completes it.
+    ``held``: the client is told of its end (and of its transcript) only at
+    :class:`RevealTurn`, when its reply is heard; until then it may reopen."""
+
+    item_id: str
+    held: bool = False
+
+
+@dataclass(frozen=True)
+class RevealTurn:
+    """Tell the client now of the held end of the turn, and of its transcript if it is in."""
+
+    item_id: str
+
+
+@dataclass(frozen=True)
+class ReopenTurn:
+    """The caller went on before a word of the turn's reply was heard: the turn is open
+    again, its audio so far kept (one utterance, one transcript), its held end never told."""
 
     item_id: str
 
@@ -242,6 +269,9 @@ class StartReply:
     gated: bool
     options: Any = None
     tool_round: int = 0
+    # Speech before its first audio withdraws it (reopen_unheard): the client is told of
+    # it only with that audio (or its end, if it has none).
+    withdrawable: bool = False
 
 
 @dataclass(frozen=True)
@@ -311,6 +341,6 @@ class CancelSummary:
 
 Action = (
     OpenTurn | AnnounceTurn | ForgetTurn | RequestPartial | EmitPartial | StartFinal | CancelFinal | EndTurn
-    | CommitTurn | ResetInput | TurnTranscribed | StartReply | ReleaseReply | PauseReply | ResumeReply | StopReply | ReportReply | StartPrefill
+    | RevealTurn | ReopenTurn | CommitTurn | ResetInput | TurnTranscribed | StartReply | ReleaseReply | PauseReply | ResumeReply | StopReply | ReportReply | StartPrefill
     | CancelPrefill | StartSummary | CancelSummary
 )

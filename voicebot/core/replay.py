@@ -22,20 +22,21 @@ from voicebot.core.call import CallCore
 _EVENTS: dict[str, type] = {
     cls.__name__: cls
     for cls in (ev.Started, ev.Closing, ev.SpeechStart, ev.Quiet, ev.Pause, ev.Resume, ev.TurnEnd, ev.Partial,
-                ev.Transcribed, ev.ReplyEnded, ev.ToolResults, ev.Commit, ev.Clear, ev.CreateReply, ev.CancelReply,
-                ev.AddItem, ev.ContextChanged, ev.SettingsChanged, ev.PrefillProgress, ev.PrefillDone,
+                ev.Transcribed, ev.ReplyEnded, ev.ReplyShown, ev.ToolResults, ev.Commit, ev.Clear, ev.CreateReply,
+                ev.CancelReply, ev.AddItem, ev.ContextChanged, ev.SettingsChanged, ev.PrefillProgress, ev.PrefillDone,
                 ev.SummaryDone)
 }
 # The decisions a replay shows (the rest is bookkeeping: partials, finals, prefills).
-SHOWN = (ev.OpenTurn, ev.AnnounceTurn, ev.ForgetTurn, ev.EndTurn, ev.CommitTurn, ev.StartReply, ev.ReleaseReply,
-         ev.PauseReply, ev.ResumeReply, ev.StopReply, ev.ReportReply, ev.StartSummary)
+SHOWN = (ev.OpenTurn, ev.AnnounceTurn, ev.ForgetTurn, ev.EndTurn, ev.RevealTurn, ev.ReopenTurn, ev.CommitTurn,
+         ev.StartReply, ev.ReleaseReply, ev.PauseReply, ev.ResumeReply, ev.StopReply, ev.ReportReply, ev.StartSummary)
 
 
 def header(core: CallCore, budget_tokens: int) -> str:
     bg = core.background
     return json.dumps({"call": {
         "tag": core.tag, "create_response": core.create_response, "interrupt_response": core.interrupt_response,
-        "warm_turn": core.warm_turn, "prefills": bg.prefills, "summaries": bg.summaries, "budget": budget_tokens,
+        "warm_turn": core.warm_turn, "reopen_unheard": core.reopen_unheard, "prefills": bg.prefills,
+        "summaries": bg.summaries, "budget": budget_tokens,
         "false_interruptions": fi.as_dict() if (fi := core.false_interruptions) is not None else None,
     }})
 
@@ -80,6 +81,11 @@ class WordHistory:
     def append(self, role: str, content: str, item_id: str | None = None, *_: Any, **__: Any) -> None:
         if content.strip() or role == "tool":
             self.messages.append((role, content.strip(), item_id))
+
+    def delete(self, item_id: str) -> bool:
+        kept = [m for m in self.messages if m[2] != item_id]
+        found, self.messages = len(kept) < len(self.messages), kept
+        return found
 
     def over_budget(self) -> bool:
         return len(self.history_ids()) + self.reserved > self.budget

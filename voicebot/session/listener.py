@@ -24,7 +24,7 @@ from voicebot.config import VadConfig
 from voicebot.core import events as ce
 from voicebot.engines.contracts import AsrStream, Transcript
 from voicebot.errors import BadAudio, VoicebotError
-from voicebot.session.events import SpeechStarted, SpeechStopped
+from voicebot.session.events import SessionEvent, SpeechStarted, SpeechStopped, TranscriptFinal
 from voicebot.session.turns import Signal, make_turn_detector
 
 if TYPE_CHECKING:
@@ -88,6 +88,9 @@ class Listener:
         # A turn opened over a paused reply, its speech events held until the core says it
         # is one (announce) or not (forget); a newer one replaces it, so at most one.
         self._unannounced: tuple[str, list[SpeechStarted | SpeechStopped]] | None = None
+        # An ended turn whose end (and transcript) the client hears of only with its
+        # reply's first audio: the core reveals it then, or reopens the turn (at most one).
+        self._held_end: tuple[str, list[SessionEvent]] | None = None
         self.input_ms = 0.0
         self.last_input = self._clock.monotonic()
 
@@ -215,7 +218,7 @@ class Listener:
         self._remember(audio)
         self.detector.feed(audio)  # a semantic detector hears the turn's audio at pauses
         pushed = False
-        bot_speaking = self.call.core.replying
+        bot_speaking = self.call.core.audible  # a reply the client was told of, not one still unheard
         for i, prob in enumerate(self._vad.process(audio)):
             if prob >= self.call.settings.vad.threshold and self.call.core.open_item is not None:
                 self._last_speech_wall = self._clock.monotonic()
@@ -318,12 +321,50 @@ class Listener:
         else:
             self._unannounced = (item_id, [started])
 
-    def end_turn(self, item_id: str) -> None:
+    def end_turn(self, item_id: str, held: bool = False) -> None:
         turn = self.turns[item_id]
         turn.speech_end = self._last_speech_wall
         turn.committed_at = self._clock.monotonic()
-        self._emit_or_hold(SpeechStopped(audio_ms=int(self.input_ms), item_id=item_id))
+        stopped = SpeechStopped(audio_ms=int(self.input_ms), item_id=item_id)
+        if held and not (self._unannounced is not None and self._unannounced[0] == item_id):
+            self._held_end = (item_id, [stopped])
+        else:
+            self._emit_or_hold(stopped)
         self.call.spawn(self._complete_turn(turn), "turn")
+
+    def emit_end(self, event: TranscriptFinal) -> None:
+        """A turn's transcript: held with its end while that is held."""
+        if self._held_end is not None and self._held_end[0] == event.item_id:
+            self._held_end[1].append(event)
+        else:
+            self._tell_end(event)
+
+    def _tell_end(self, event: SessionEvent) -> None:
+        self.call.emit(event)
+        # A turn is counted once its transcript is told: a reopened one only at its real end.
+        if isinstance(event, TranscriptFinal) and event.text and self.call.metrics:
+            self.call.metrics.turns.inc()
+
+    def reveal(self, item_id: str) -> None:
+        """The held end of the turn (and its transcript, if in) goes to the client now."""
+        if self._held_end is not None and self._held_end[0] == item_id:
+            _, held = self._held_end
+            self._held_end = None
+            for event in held:
+                self._tell_end(event)
+
+    def reopen_turn(self, item_id: str) -> None:
+        """The caller went on before hearing the reply: the turn is open again. Its audio
+        stays in the ASR stream (the final covers all of it: one transcript); the speech
+        now joins it after its pre-speech padding. The client never hears of the end."""
+        if self._held_end is not None and self._held_end[0] == item_id:
+            self._held_end = None
+        if self.call.metrics:
+            self.call.metrics.reopened_turns.inc()
+        self.call.log.info("turn reopened: the caller went on before the reply was heard")
+        self._last_speech_wall = self._clock.monotonic()
+        self.asr.push(np.concatenate(self._ring))
+        self._speech_end_asr_s = self.asr.buffered_s
 
     def _emit_or_hold(self, event: SpeechStopped) -> None:
         if self._unannounced is not None and self._unannounced[0] == event.item_id:
@@ -380,7 +421,8 @@ class Listener:
         try:
             self.call.feed(ce.Transcribed(turn.item_id, transcript.text))
         finally:
-            self.turns.pop(turn.item_id, None)
+            if self.turns.get(turn.item_id) is turn:  # a reopened turn has a new one by now
+                self.turns.pop(turn.item_id, None)
 
     def commit(self, item_id: str) -> None:
         # The turn's audio leaves with its own stream; a fresh one takes what follows.

@@ -149,6 +149,11 @@ class Response:
         self.paused_at: float | None = None  # speech over it paused its audio (the call's clock)
         self.generated = False  # LLM and TTS finished
         self.drained = asyncio.Event()  # generated, and the pacer sent the last sample
+        self.finished = asyncio.Event()  # generated (LLM and TTS over)
+        # The client was told of it (ResponseStarted). A reply that speech may still
+        # withdraw unheard is shown with its first audio (or its end, with none).
+        self.shown = asyncio.Event()
+        self.show_with_audio = False
         self._room = asyncio.Event()
         self._room.set()
 
@@ -178,6 +183,7 @@ class Response:
                 tg.create_task(self._synthesize(clauses))
         finally:
             self.generated = True
+            self.finished.set()
             self.deltas.put_nowait(None)
 
     async def _generate(self, clauses: asyncio.Queue[str | None]) -> None:

@@ -138,6 +138,7 @@ class Session:
             summaries=cfg.llm.background_concurrency > 0,
             block_size=lambda: self.engines.llm.block_size,
             false_interruptions=false_interruptions(self.settings.vad),
+            reopen_unheard=self.settings.vad.withdraw_unheard_reply,
             log=self.log,
         )
         # The live reply and the pacer (voicebot/session/speaker.py), background LLM work.
@@ -335,9 +336,7 @@ class Session:
         self.listener.input_ms = value
 
     def _transcribed(self, item_id: str, text: str) -> None:
-        self.emit(TranscriptFinal(item_id=item_id, text=text))
-        if text and self.metrics:
-            self.metrics.turns.inc()
+        self.listener.emit_end(TranscriptFinal(item_id=item_id, text=text))
 
     def describe(self, **fields: str) -> None:
         """What the transport knows of the call (the carrier's ids, the numbers), for
@@ -471,8 +470,12 @@ class Session:
                 self.listener.start_final(item_id)
             case ce.CancelFinal(item_id):
                 self.listener.cancel_final(item_id)
-            case ce.EndTurn(item_id):
-                self.listener.end_turn(item_id)
+            case ce.EndTurn(item_id, held):
+                self.listener.end_turn(item_id, held)
+            case ce.RevealTurn(item_id):
+                self.listener.reveal(item_id)
+            case ce.ReopenTurn(item_id):
+                self.listener.reopen_turn(item_id)
             case ce.CommitTurn(item_id):
                 self.listener.commit(item_id)
             case ce.ResetInput():

@@ -91,6 +91,9 @@ class Speaker:
             wind_down_tokens=self.cfg.llm.wind_down_tokens,
         )
         resp.prompt_tools, resp.tool_choice = plan.prompt_tools, plan.choice
+        # Speech before its first audio may withdraw a reply to the caller's turn: until
+        # then the client hears nothing of it (voicebot/core: reopen_unheard).
+        resp.show_with_audio = start.withdrawable and s.audio_output
         self.replies[resp.id] = resp
         if turn is not None:
             self._reply_turns[resp.id] = turn
@@ -188,9 +191,26 @@ class Speaker:
             self.call.emit(ToolResult(call.call_id, call.name, output))
         self.call.feed(ce.ToolResults(resp.id, resp.options, resp.tool_round))
 
+    def _show(self, resp: Response) -> None:
+        """Tell the client of the reply (once): its turn's held end first, then its start."""
+        if resp.shown.is_set():
+            return
+        resp.shown.set()
+        if self.live is resp:
+            self.call.feed(ce.ReplyShown(resp.id))
+        self.call.emit(ResponseStarted(resp.id, resp.item_id))
+
     async def _forward_text(self, resp: Response) -> None:
         await resp.released.wait()
-        self.call.emit(ResponseStarted(resp.id, resp.item_id))
+        if resp.show_with_audio and not resp.shown.is_set():
+            # The pacer shows it with its first audio; one that has none is shown at its end.
+            waits = {asyncio.ensure_future(resp.shown.wait()), asyncio.ensure_future(resp.finished.wait())}
+            try:
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waits:
+                    w.cancel()
+        self._show(resp)
         held: list[Delta | None] = []  # taken from the queue, for the next round
         while (delta := held.pop() if held else await resp.deltas.get()) is not None:
             if isinstance(delta, str):
@@ -288,6 +308,7 @@ class Speaker:
 
     def report_done(self, reply_id: str, status: str) -> None:
         resp = self.replies[reply_id]
+        self._show(resp)  # a reply ends on the wire only after it started there
         played_ms, heard = self._reply_ends[reply_id]
         if status == "interrupted" and resp.audio_started:
             # Only a reply whose audio started was barged in on: one stopped before
@@ -324,6 +345,9 @@ class Speaker:
         rate = resp.playout.sample_rate
         frame = rate * _FRAME_MS // 1000
         if resp.times.first_audio is not None and resp.playout.taken == 0:
+            self._show(resp)
+            if self.live is not resp:
+                return
             resp.audio_started = True
             self.call.emit(ResponseAudioStarted(resp.id, resp.item_id))
             self._report_timings(resp)
