@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from fakes import FakeLoopWatch
 
 from voicebot.config import LlmConfig, RemoteLlmConfig
 from voicebot.engines.contracts import GenerationStats, Lane
@@ -19,17 +20,7 @@ from voicebot.engines.llm.remote import RemoteLlmEngine, RemoteLlmError
 THRESHOLD = 3
 
 
-class FakeLoop:
-    def __init__(self, late: bool) -> None:
-        self.late = late
-        self.asked = 0
-
-    def was_late_since(self, started: float) -> bool:
-        self.asked += 1
-        return self.late
-
-
-def tier(failure: type[httpx.TransportError], loop: FakeLoop | None) -> RemoteLlmEngine:
+def tier(failure: type[httpx.TransportError], loop: FakeLoopWatch | None) -> RemoteLlmEngine:
     """An engine whose every request to the tier fails with ``failure`` (no retries)."""
 
     def answer(request: httpx.Request) -> httpx.Response:
@@ -52,13 +43,13 @@ async def fail_requests(engine: RemoteLlmEngine, n: int) -> None:
 
 
 async def test_connect_timeouts_mark_the_tier_down() -> None:
-    engine = tier(httpx.ConnectTimeout, FakeLoop(late=False))
+    engine = tier(httpx.ConnectTimeout, FakeLoopWatch(late=False))
     await fail_requests(engine, THRESHOLD)
     assert engine.dead_reason is not None and "3 requests failed in a row" in engine.dead_reason
 
 
 async def test_connect_timeouts_while_our_loop_was_late_do_not() -> None:
-    loop = FakeLoop(late=True)
+    loop = FakeLoopWatch(late=True)
     engine = tier(httpx.ConnectTimeout, loop)
     await fail_requests(engine, THRESHOLD * 2)
     assert engine.dead_reason is None and engine.late_loop_failures == THRESHOLD * 2 and loop.asked == THRESHOLD * 2
@@ -68,7 +59,7 @@ async def test_connect_timeouts_while_our_loop_was_late_do_not() -> None:
 
 
 async def test_a_refused_connection_is_the_tiers_however_late_our_loop() -> None:
-    loop = FakeLoop(late=True)
+    loop = FakeLoopWatch(late=True)
     engine = tier(httpx.ConnectError, loop)
     await fail_requests(engine, THRESHOLD)
     assert engine.dead_reason is not None and loop.asked == 0

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import websockets
 from fake_whisper import WAIT, WORDS, FakeWhisper, LoopingWhisper, audio
+from fakes import FakeLoopWatch
 
 from voicebot.config import AsrConfig, RemoteAsrConfig
 from voicebot.engines.asr.jobs import Priority
@@ -268,16 +269,6 @@ async def test_a_decode_with_no_answer_times_out_and_is_cancelled_at_the_service
         await until(lambda: len(fake.aborted) == 1)
 
 
-class FakeLoop:
-    """The frontend's loop watch (our LoopLateness): whether the loop was late for a wait."""
-
-    def __init__(self, late: bool) -> None:
-        self.late = late
-
-    def was_late_since(self, started: float) -> bool:
-        return self.late
-
-
 @pytest.mark.parametrize("late", [False, True])
 async def test_a_decode_timed_out_by_our_own_late_loop_is_not_the_services_failure(late: bool) -> None:
     fake = FakeWhisper()
@@ -286,7 +277,7 @@ async def test_a_decode_timed_out_by_our_own_late_loop_is_not_the_services_failu
     async with service(fake) as (svc, url):
         rcfg.url = url
         cfg = AsrConfig(backend="remote", partial_interval_ms=500, agreement_n=2, remote=rcfg)
-        async with RemoteAsrEngine(cfg, agreement_n=2, loop=FakeLoop(late)) as eng:
+        async with RemoteAsrEngine(cfg, agreement_n=2, loop=FakeLoopWatch(late)) as eng:
             with pytest.raises(EngineError) as err:
                 await asyncio.wait_for(eng.transcribe(audio(0.5)), WAIT)
             assert err.value.code == "asr_timeout"  # the caller's error is the same either way

@@ -17,6 +17,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 import numpy as np
 import pytest
 import websockets
+from fakes import FakeLoopWatch
 
 from voicebot.config import RemoteTtsConfig, TtsConfig, load_config
 from voicebot.engines.registry import create_tts
@@ -197,23 +198,13 @@ async def test_engine_errors_come_through_with_their_code_and_count_toward_healt
         assert svc.stats.failed == 2 and svc.stats.clauses == 1
 
 
-class FakeLoop:
-    """The frontend's loop watch (our LoopLateness): whether the loop was late for a wait."""
-
-    def __init__(self, late: bool) -> None:
-        self.late = late
-
-    def was_late_since(self, started: float) -> bool:
-        return self.late
-
-
 @pytest.mark.parametrize("late", [False, True])
 async def test_a_chunk_timed_out_by_our_own_late_loop_is_not_the_services_failure(late: bool) -> None:
     fake = ScriptedTts(hold=asyncio.Event())  # the second sentence never comes
     rcfg = RemoteTtsConfig(retries=1, retry_backoff_s=0.05, startup_timeout_s=2.0, chunk_timeout_s=0.3)
     async with service(fake) as (svc, url):
         rcfg.url = url
-        tts = RemoteTts(TtsConfig(backend="remote", remote=rcfg), loop=FakeLoop(late))
+        tts = RemoteTts(TtsConfig(backend="remote", remote=rcfg), loop=FakeLoopWatch(late))
         await tts.start()
         try:
             with pytest.raises(EngineError) as err:
