@@ -181,7 +181,7 @@ class ServiceClient:
 
     def __init__(self, cfg: RemoteServiceSettings, *, loop: LoopLateness | None = None) -> None:
         self.cfg = cfg
-        self._loop = loop
+        self._loop_watch = loop
         self.hello: dict[str, Any] | None = None
         self._ws: ClientConnection | None = None
         self._reader: asyncio.Task[None] | None = None
@@ -206,7 +206,7 @@ class ServiceClient:
     def _timed_out(self, message: str, code: str, started: float) -> EngineError:
         """A wait begun at ``started`` (``time.monotonic()``) ran out: the service's failure,
         or, when our own loop was late for half the wait or more, ours."""
-        if loop_was_late(self._loop, started):
+        if loop_was_late(self._loop_watch, started):
             return LateLoopTimeout(f"{message}; this server's event loop ran late for most of the wait", code=code)
         return EngineError(message, code=code)
 

@@ -96,7 +96,7 @@ class RemoteLlmEngine(LaneEngine):
 
     def __init__(self, cfg: LlmConfig, tokenizer_path: str, *, loop: LoopLateness | None = None) -> None:
         super().__init__(cfg, tokenizer_path, tokenizer_path)
-        self._loop = loop  # the server's loop watch: was a timeout ours?
+        self._loop_watch = loop  # the server's loop watch: was a timeout ours?
         self.remote = cfg.remote
         self._client: httpx.AsyncClient | None = None
         self._model: str | None = cfg.remote.model
@@ -253,7 +253,7 @@ class RemoteLlmEngine(LaneEngine):
     def _count_failure(self, exc: _Retryable, started: float) -> None:
         """A request failed after its retries: one more towards the tier's failure_threshold,
         unless its last try timed out while our own loop was late for most of that try's wait."""
-        if exc.timed_out and loop_was_late(self._loop, started):
+        if exc.timed_out and loop_was_late(self._loop_watch, started):
             self.late_loop_failures += 1
             log.warning("LLM request timed out (%s) while this server's event loop ran late for most of "
                         "its wait: not counted against the tier's health", exc)
