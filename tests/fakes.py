@@ -40,6 +40,19 @@ class StepClock:
         return self.t
 
 
+class FakeLoopWatch:
+    """The server's loop watch as an engine's client sees it (runtime/loop_lag.py's
+    LoopLateness): says whether the loop was late for a wait, and counts the questions."""
+
+    def __init__(self, late: bool) -> None:
+        self.late = late
+        self.asked = 0
+
+    def was_late_since(self, started: float) -> bool:
+        self.asked += 1
+        return self.late
+
+
 class FakeVadStream:
     """Speech is any window whose RMS is above 0.01."""
 

@@ -15,6 +15,7 @@ session goes on unless ``fatal`` is set.
     ├── CapacityError          no session slot / engine queue full (fatal for that session)
     ├── AuthError              missing or wrong credentials, or a browser origin not allowed (fatal)
     └── EngineError            an engine failed while serving a request
+        └── LateLoopTimeout    a request to an engine service timed out because our own loop was late
 
 Wire codes a client can act on (the class sets the default; raisers may refine it):
 
@@ -98,3 +99,11 @@ class AuthError(VoicebotError):
 
 class EngineError(VoicebotError):
     code = "engine_error"
+
+
+class LateLoopTimeout(EngineError):
+    """A request to an engine service (the ASR or TTS service) timed out after this
+    process's own event loop ran late for half its wait or more: the call's request failed
+    as any timeout does (the code stays the timeout's: ``asr_timeout``, ``tts_timeout``),
+    but the service's answer may have sat unread while the loop was stuck, so the engine's
+    health does not count it (voicebot/runtime/loop_lag.py)."""

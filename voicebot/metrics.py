@@ -88,6 +88,14 @@ class Metrics:
         self.loop_lag = Histogram("voicebot_event_loop_lag_seconds", "How late the event loop every call shares ran a 100 ms timer.",
                                   buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0), registry=r)
         self.loop_stalls = Counter("voicebot_event_loop_stalls", "Times the event loop did not run for server.loop_stall_s or longer.", registry=r)
+        self.admission_refusals = Counter(
+            "voicebot_admission_refusals",
+            "New sessions refused, by reason: loading, draining, engine_down, capacity (server.max_sessions), "
+            "per_client (server.max_sessions_per_client), loop_lag (server.admission_max_loop_lag_ms).", ["reason"], registry=r)
+        self.late_loop_timeouts = Counter(
+            "voicebot_late_loop_timeouts",
+            "Engine-client timeouts (LLM tier, ASR / TTS service) that fired after this server's event loop ran "
+            "late for half the wait or more: failed for the call, not counted against the engine's health.", registry=r)
         # What calls leave behind (voicebot/observe): a record or webhook that fails never
         # disturbs a call, so these are where an operator sees it.
         self.records = Counter("voicebot_call_records", "Call records by outcome: written, failed (unwritable directory, full disk), dropped (the writer was behind).", ["outcome"], registry=r)

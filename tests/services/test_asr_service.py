@@ -18,13 +18,14 @@ import numpy as np
 import pytest
 import websockets
 from fake_whisper import WAIT, WORDS, FakeWhisper, LoopingWhisper, audio
+from fakes import FakeLoopWatch
 
 from voicebot.config import AsrConfig, RemoteAsrConfig
 from voicebot.engines.asr.jobs import Priority
 from voicebot.engines.asr.remote import RemoteAsrEngine
 from voicebot.engines.asr.vllm_whisper import VllmAsrEngine, WhisperVllmSettings
 from voicebot.engines.registry import create_asr
-from voicebot.errors import EngineError, ModelError
+from voicebot.errors import EngineError, LateLoopTimeout, ModelError
 from voicebot.services.asr_client import pack_decode, unpack_decode
 from voicebot.services.asr_service import AsrService, listen
 
@@ -266,6 +267,23 @@ async def test_a_decode_with_no_answer_times_out_and_is_cancelled_at_the_service
             await asyncio.wait_for(eng.transcribe(audio(0.5)), WAIT)
         assert err.value.code == "asr_timeout"
         await until(lambda: len(fake.aborted) == 1)
+
+
+@pytest.mark.parametrize("late", [False, True])
+async def test_a_decode_timed_out_by_our_own_late_loop_is_not_the_services_failure(late: bool) -> None:
+    fake = FakeWhisper()
+    fake.hold = asyncio.Event()
+    rcfg = RemoteAsrConfig(retries=1, retry_backoff_s=0.05, startup_timeout_s=2.0, decode_timeout_s=0.3)
+    async with service(fake) as (svc, url):
+        rcfg.url = url
+        cfg = AsrConfig(backend="remote", partial_interval_ms=500, agreement_n=2, remote=rcfg)
+        async with RemoteAsrEngine(cfg, agreement_n=2, loop=FakeLoopWatch(late)) as eng:
+            with pytest.raises(EngineError) as err:
+                await asyncio.wait_for(eng.transcribe(audio(0.5)), WAIT)
+            assert err.value.code == "asr_timeout"  # the caller's error is the same either way
+            assert isinstance(err.value, LateLoopTimeout) is late
+            # What the supervisor's failure streak reads: only the service's own failures.
+            assert eng.stats.failed_decodes == (0 if late else 1)
 
 
 async def test_bad_frames_get_error_events_and_the_connection_goes_on() -> None:

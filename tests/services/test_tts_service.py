@@ -17,11 +17,12 @@ from collections.abc import AsyncGenerator, AsyncIterator
 import numpy as np
 import pytest
 import websockets
+from fakes import FakeLoopWatch
 
 from voicebot.config import RemoteTtsConfig, TtsConfig, load_config
 from voicebot.engines.registry import create_tts
 from voicebot.engines.tts.remote import RemoteTts
-from voicebot.errors import CapacityError, ConfigError, EngineError, ModelError
+from voicebot.errors import CapacityError, ConfigError, EngineError, LateLoopTimeout, ModelError
 from voicebot.services.tts_service import TtsService, listen
 
 WAIT = 10.0  # generous: only a hang reaches it
@@ -195,6 +196,25 @@ async def test_engine_errors_come_through_with_their_code_and_count_toward_healt
         assert [c.size async for c in tts.synthesize("fine.")] == [RATE // 10]
         assert tts.failure_streak == 0  # a success ends the streak
         assert svc.stats.failed == 2 and svc.stats.clauses == 1
+
+
+@pytest.mark.parametrize("late", [False, True])
+async def test_a_chunk_timed_out_by_our_own_late_loop_is_not_the_services_failure(late: bool) -> None:
+    fake = ScriptedTts(hold=asyncio.Event())  # the second sentence never comes
+    rcfg = RemoteTtsConfig(retries=1, retry_backoff_s=0.05, startup_timeout_s=2.0, chunk_timeout_s=0.3)
+    async with service(fake) as (svc, url):
+        rcfg.url = url
+        tts = RemoteTts(TtsConfig(backend="remote", remote=rcfg), loop=FakeLoopWatch(late))
+        await tts.start()
+        try:
+            with pytest.raises(EngineError) as err:
+                async for _ in tts.synthesize("one. two."):
+                    pass
+            assert err.value.code == "tts_timeout"  # the caller's error is the same either way
+            assert isinstance(err.value, LateLoopTimeout) is late
+            assert tts.failure_streak == (0 if late else 1)  # what the supervisor reads
+        finally:
+            await tts.aclose()
 
 
 async def test_a_service_that_goes_away_mid_clause_fails_it_without_a_hang() -> None:

@@ -273,6 +273,89 @@ def test_admission_ready_capacity_per_client_and_draining() -> None:
     assert err.value.code == "draining"
 
 
+class _Stage:
+    queue_depth = running = background_waiting = 0
+
+    def voices(self) -> list[str]:
+        return []
+
+
+class _HealthyEngines(_Engines):
+    """Enough of Engines for /healthz's body."""
+
+    health: dict[str, object] = {}
+    asr = tts = llm = _Stage()
+
+
+def late_loop(state: ServerState, lag_s: float, *, ago_s: float = 0.0) -> None:
+    """Ticks of the state's loop watch, every 100 ms over the last second (ending ``ago_s``
+    ago), each ``lag_s`` late: what a loop that late records."""
+    import time
+
+    assert state.loop is not None
+    now = time.monotonic() - ago_s
+    for i in range(10, -1, -1):
+        state.loop.history.observe(now - i * 0.1, lag_s)
+
+
+def test_a_late_loop_refuses_new_sessions_until_it_keeps_up_again() -> None:
+    from voicebot.runtime.loop_watch import LoopWatch
+
+    state = ServerState(Config(server=ServerConfig(admission_max_loop_lag_ms=300, admission_lag_window_s=5.0)))
+    state.engines = _HealthyEngines()  # type: ignore[assignment]
+    state.loop = LoopWatch(0.0)  # its samples are given below, as its tick records them
+    state.sessions["in-progress"] = None  # type: ignore[assignment]
+    late_loop(state, 0.002)
+    state.check_admission("10.0.0.1")
+    assert state.status() == ("ok", None) and state.health()["loop_lag_ms"] == 2.0
+
+    late_loop(state, 2.0)  # the loop ~2 s late at every tick: more work than its core runs
+    with pytest.raises(CapacityError, match="event loop ran .* ms late") as err:
+        state.check_admission("10.0.0.1")
+    assert err.value.code == "capacity_exceeded"  # what every transport already refuses with
+    assert edge.close_code(err.value.code) == 1013 and edge.http_status(err.value) == 429
+    assert state.metrics.admission_refusals.labels("loop_lag")._value.get() == 1
+    assert state.metrics.admission_refusals.labels("capacity")._value.get() == 0
+    status, reason = state.status()
+    assert status == "overloaded" and "server.admission_max_loop_lag_ms 300" in (reason or "")
+    assert state.health()["ready"] is False and state.health()["max_loop_lag_ms"] == 300
+    assert "in-progress" in state.sessions  # refusing new calls touches none in progress
+
+    # The late ticks leave the window; healthy ones follow: new sessions are admitted again.
+    state.loop.history = type(state.loop.history)(60.0, 0.1)
+    late_loop(state, 2.0, ago_s=6.0)
+    late_loop(state, 0.002)
+    state.check_admission("10.0.0.1")
+    assert state.status() == ("ok", None)
+
+    state.cfg.server.admission_max_loop_lag_ms = 0  # 0: never refused for lateness
+    late_loop(state, 5.0)
+    state.check_admission("10.0.0.1")
+    assert state.health()["loop_lag_ms"] is None
+
+
+def test_every_refusal_is_counted_by_its_reason() -> None:
+    state = ServerState(Config(server=ServerConfig(max_sessions=1, max_sessions_per_client=1)))
+    refusals = state.metrics.admission_refusals
+    with pytest.raises(NotReady):
+        state.check_admission(None)
+    state.engines = _Engines()  # type: ignore[assignment]
+    state.client_sessions["10.0.0.1"] = 1
+    with pytest.raises(CapacityError):
+        state.check_admission("10.0.0.1")
+    state.sessions["s"] = None  # type: ignore[assignment]
+    with pytest.raises(CapacityError):
+        state.check_admission(None)
+    state.engines.down = "tts: down"  # type: ignore[union-attr]
+    with pytest.raises(NotReady):
+        state.check_admission(None)
+    state.draining = True
+    with pytest.raises(NotReady):
+        state.check_admission(None)
+    counts = {r: refusals.labels(r)._value.get() for r in ("loading", "per_client", "capacity", "engine_down", "draining", "loop_lag")}
+    assert counts == {"loading": 1, "per_client": 1, "capacity": 1, "engine_down": 1, "draining": 1, "loop_lag": 0}
+
+
 def test_one_close_code_and_status_per_error() -> None:
     assert edge.close_code("unauthorized") == 1008
     for code in ("capacity_exceeded", "not_ready", "draining"):

@@ -24,6 +24,7 @@ from voicebot.engines.startup import reap_children, start_all
 from voicebot.engines.turn.smart_turn import load_smart_turn
 from voicebot.engines.turn.vad import SileroVad
 from voicebot.errors import ModelError
+from voicebot.runtime.loop_lag import LoopLateness
 
 if TYPE_CHECKING:
     from voicebot.engines.asr.engine import AsrEngine
@@ -37,12 +38,14 @@ ENGINE_NAMES = ("asr", "llm", "tts")
 
 
 def create_asr(
-    cfg: AsrConfig, model_path: str, *, settings: WhisperVllmSettings | None = None
+    cfg: AsrConfig, model_path: str, *, settings: WhisperVllmSettings | None = None,
+    loop: LoopLateness | None = None,
 ) -> AsrEngine | FastConformerAsr | RemoteStreamingAsr:
     """The ASR engine ``cfg.backend`` names: faster-whisper (CPU, or CUDA 12), Whisper on vLLM,
     the shared ASR service (``model_path`` is then its URL) or the streaming FastConformer
     (``model_path``: asr.fastconformer.model, resolved). ``settings`` (benchmarks) replaces
-    everything the config says of the vLLM engine, the encoder window included."""
+    everything the config says of the vLLM engine, the encoder window included. ``loop``:
+    the server's loop watch, which a remote engine's client asks whether a timeout was ours."""
     if cfg.backend == "fastconformer":
         from voicebot.engines.asr.fastconformer import FastConformerAsr
 
@@ -58,29 +61,30 @@ def create_asr(
         # The service holds the streams (voicebot asr-serve with a streaming engine).
         from voicebot.engines.asr.remote_streams import RemoteStreamingAsr
 
-        return RemoteStreamingAsr(cfg, model_path)
+        return RemoteStreamingAsr(cfg, model_path, loop=loop)
     if cfg.backend == "remote":  # the shared ASR service (voicebot asr-serve)
         from voicebot.engines.asr.remote import RemoteAsrEngine
 
-        return RemoteAsrEngine(cfg, model_path, agreement_n=cfg.agreement_n)
+        return RemoteAsrEngine(cfg, model_path, agreement_n=cfg.agreement_n, loop=loop)
     from voicebot.engines.asr.engine import AsrEngine
 
     return AsrEngine(cfg, model_path, agreement_n=cfg.agreement_n)
 
 
-def create_llm(cfg: LlmConfig, model_path: str, tokenizer_path: str | None = None) -> Llm:
+def create_llm(cfg: LlmConfig, model_path: str, tokenizer_path: str | None = None, *,
+               loop: LoopLateness | None = None) -> Llm:
     """The LLM ``cfg.backend`` names: vLLM in this process, or the remote tier over HTTP
     (then only the tokenizer is loaded here: ``tokenizer_path``, else ``model_path``)."""
     if cfg.backend == "remote":
         from voicebot.engines.llm.remote import RemoteLlmEngine
 
-        return RemoteLlmEngine(cfg, tokenizer_path or model_path)
+        return RemoteLlmEngine(cfg, tokenizer_path or model_path, loop=loop)
     from voicebot.engines.llm.inprocess import LlmEngine
 
     return LlmEngine(cfg, model_path, tokenizer_path)
 
 
-def create_tts(cfg: TtsConfig, voice_path: str | None) -> Tts:
+def create_tts(cfg: TtsConfig, voice_path: str | None, *, loop: LoopLateness | None = None) -> Tts:
     """The TTS engine ``cfg.engine`` names; ``voice_path`` is the engine's resolved model
     reference (:func:`voicebot.provision.resolve.tts_model_ref`): Piper's voice directory,
     Coqui's model directory or hub id. With ``cfg.backend: remote`` it is the client of the
@@ -88,7 +92,7 @@ def create_tts(cfg: TtsConfig, voice_path: str | None) -> Tts:
     if cfg.backend == "remote":
         from voicebot.engines.tts.remote import RemoteTts
 
-        return RemoteTts(cfg)
+        return RemoteTts(cfg, loop=loop)
     if cfg.engine == "piper":
         from voicebot.engines.tts.piper import PiperTts
 
@@ -119,15 +123,17 @@ class EngineSpecs:
     llm_path: str
     tokenizer_path: str | None
     voice_path: str | None
+    # The server's loop watch: a restarted engine's client asks it too.
+    loop: LoopLateness | None = None
 
     def asr(self) -> Asr:
-        return create_asr(self.cfg.asr, self.asr_path)
+        return create_asr(self.cfg.asr, self.asr_path, loop=self.loop)
 
     def llm(self) -> Llm:
-        return create_llm(self.cfg.llm, self.llm_path, self.tokenizer_path)
+        return create_llm(self.cfg.llm, self.llm_path, self.tokenizer_path, loop=self.loop)
 
     def tts(self) -> Tts:
-        return create_tts(self.cfg.tts, self.voice_path)
+        return create_tts(self.cfg.tts, self.voice_path, loop=self.loop)
 
 
 @dataclass
@@ -162,7 +168,7 @@ class Engines:
                 raise r
 
 
-async def resolve_specs(cfg: Config) -> EngineSpecs:
+async def resolve_specs(cfg: Config, loop: LoopLateness | None = None) -> EngineSpecs:
     """Resolve every model reference (building offline bundles if needed)."""
     from voicebot.provision import resolve_model
     from voicebot.provision.resolve import frontend_refs
@@ -179,7 +185,7 @@ async def resolve_specs(cfg: Config) -> EngineSpecs:
     asr_path = cfg.asr.remote.url if refs.asr is None else await asyncio.to_thread(resolve_model, refs.asr, m)
     # With a remote LLM tier the weights live on its servers: refs.llm is the tokenizer.
     llm_path = await asyncio.to_thread(resolve_model, refs.llm, m)
-    return EngineSpecs(cfg, asr_path, llm_path, await resolve(refs.tokenizer), await resolve(refs.voice))
+    return EngineSpecs(cfg, asr_path, llm_path, await resolve(refs.tokenizer), await resolve(refs.voice), loop)
 
 
 def import_transformers_once(cfg: Config) -> None:
@@ -202,9 +208,10 @@ def import_transformers_once(cfg: Config) -> None:
             import TTS.tts.models.xtts  # noqa: F401
 
 
-async def load_engines(cfg: Config) -> Engines:
-    """Resolve the models and start the engines: all of them, or none (see start_all)."""
-    specs = await resolve_specs(cfg)
+async def load_engines(cfg: Config, *, loop: LoopLateness | None = None) -> Engines:
+    """Resolve the models and start the engines: all of them, or none (see start_all).
+    ``loop``: the server's loop watch, for the remote engines' clients."""
+    specs = await resolve_specs(cfg, loop)
     asr, llm, tts = specs.asr(), specs.llm(), specs.tts()
     await asyncio.to_thread(import_transformers_once, cfg)
     # The LLM takes longest to start (engine-core process); load the rest meanwhile.

@@ -13,6 +13,11 @@ Two parts:
 
 A blocking call that holds the GIL (C code that does not release it) stops the thread
 too: then only the "was blocked" line comes, after the fact.
+
+The ticks of the last minute are kept (:mod:`voicebot.runtime.loop_lag`): the server's
+admission reads how late the loop has been lately (:meth:`LoopWatch.mean_lag`), and the
+engines' clients ask whether a timeout that fired measured our loop rather than their
+peer (:meth:`LoopWatch.was_late_since`).
 """
 
 from __future__ import annotations
@@ -29,20 +34,32 @@ from collections.abc import AsyncIterator, Callable
 from types import FrameType
 from typing import Any
 
+from voicebot.runtime.loop_lag import LagHistory
+
 log = logging.getLogger(__name__)
+
+# How long the ticks are kept: longer than the timeouts whose waits were_late_since judges
+# (a longer wait is judged on its last minute only).
+HISTORY_S = 60.0
 
 # Where asyncio calls a ready callback (Handle._run): every stack on the loop goes through it.
 _HANDLE_RUN = os.path.join("asyncio", "events.py")
 
 
 class LoopWatch:
+    """``stall_s``: how long a stall must be for its stack to be logged (0: no stack logs,
+    no thread; the lateness is still measured)."""
+
     def __init__(self, stall_s: float, *, interval_s: float = 0.1,
                  on_lag: Callable[[float], None] | None = None,
-                 on_stall: Callable[[], None] | None = None) -> None:
+                 on_stall: Callable[[], None] | None = None,
+                 on_late_timeout: Callable[[], None] | None = None) -> None:
         self.stall_s = stall_s
         self.interval_s = interval_s
         self._on_lag = on_lag
         self._on_stall = on_stall
+        self._on_late_timeout = on_late_timeout
+        self.history = LagHistory(HISTORY_S, interval_s)
         # The tick's last wake-up, and the one whose stall the thread reported (so a stall
         # is counted once, by whichever side sees it first). Both under _lock: the thread
         # checks and sets, the tick moves the beat on.
@@ -55,14 +72,42 @@ class LoopWatch:
         self._loop_thread = 0
         self.stalls = 0
         self.max_lag_s = 0.0
+        self.late_timeouts = 0  # timeouts was_late_since excused
 
     def start(self) -> None:
         """Start watching the running loop (from a coroutine on it)."""
         self._loop_thread = threading.get_ident()
         self._beat = time.monotonic()
         self._task = asyncio.get_running_loop().create_task(self._tick(), name="loop-watch")
-        self._thread = threading.Thread(target=self._watch, name="voicebot-loop-watch", daemon=True)
-        self._thread.start()
+        if self.stall_s > 0:
+            self._thread = threading.Thread(target=self._watch, name="voicebot-loop-watch", daemon=True)
+            self._thread.start()
+
+    # ------------------------------------------------------------ lateness
+    def pending_lag(self, now: float) -> float:
+        """How late the tick that is due now is (0 before the watch starts): while the
+        loop is stuck, the lateness no tick has recorded yet."""
+        if self._task is None:
+            return 0.0
+        return max(0.0, now - self._beat - self.interval_s)
+
+    def mean_lag(self, within_s: float) -> float:
+        """The mean lateness of the loop's ticks over the last ``within_s`` seconds (the
+        tick still due included): the admission's measure."""
+        now = time.monotonic()
+        return self.history.mean_lag(within_s, now, self.pending_lag(now))
+
+    def was_late_since(self, started: float) -> bool:
+        """Whether the loop ran late for at least half of the time since ``started``
+        (``time.monotonic()``): a timeout over that wait measured our loop, not the peer
+        (:class:`~voicebot.runtime.loop_lag.LoopLateness`). Each such answer is counted."""
+        now = time.monotonic()
+        late = self.history.was_late(started, now, self.pending_lag(now))
+        if late:
+            self.late_timeouts += 1
+            if self._on_late_timeout is not None:
+                self._on_late_timeout()
+        return late
 
     async def aclose(self) -> None:
         """Stop watching (a watch never started closes too)."""
@@ -86,11 +131,12 @@ class LoopWatch:
                 seen_by_thread = self._reported_beat == self._beat
                 self._beat = now
             self.max_lag_s = max(self.max_lag_s, lag)
+            self.history.observe(now, lag)
             if self._on_lag is not None:
                 self._on_lag(lag)
             # A stall the thread reported is at least stall_s late here too (both measure
             # past the same due time), so this line follows every stack the thread logged.
-            if lag >= self.stall_s:
+            if self.stall_s > 0 and lag >= self.stall_s:
                 if not seen_by_thread:
                     self._count_stall()  # the thread could not look (the GIL was held)
                 log.warning("the event loop was blocked for %.2f s: every call stalled with it", lag)

@@ -88,9 +88,12 @@ def create_app(cfg: Config, *, load: bool = True, state: ServerState | None = No
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
         supervisor: list[Supervisor] = []  # filled once the engines are up
         watch = None
-        if state.cfg.server.loop_stall_s > 0:
-            watch = LoopWatch(state.cfg.server.loop_stall_s, on_lag=state.metrics.loop_lag.observe,
-                              on_stall=state.metrics.loop_stalls.inc)
+        server = state.cfg.server
+        if server.loop_stall_s > 0 or server.admission_max_loop_lag_ms > 0:
+            watch = LoopWatch(server.loop_stall_s, on_lag=state.metrics.loop_lag.observe,
+                              on_stall=state.metrics.loop_stalls.inc,
+                              on_late_timeout=state.metrics.late_loop_timeouts.inc)
+            state.loop = watch  # admission reads it; it measures once started (after the load)
         runner = asyncio.create_task(_run_engines(state, load, supervisor, watch), name="engines")
         try:
             yield
@@ -143,7 +146,8 @@ async def _run_engines(state: ServerState, load: bool, supervisor: list[Supervis
         if not load:
             return
         try:
-            state.engines = await load_engines(state.cfg)
+            # The engines' clients ask the watch whether a timeout was our loop's.
+            state.engines = await load_engines(state.cfg, loop=watch)
         except asyncio.CancelledError:
             raise
         except Exception as exc:

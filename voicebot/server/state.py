@@ -17,6 +17,7 @@ from voicebot.errors import AuthError, CapacityError, VoicebotError
 from voicebot.metrics import Metrics
 from voicebot.observe.telemetry import Telemetry
 from voicebot.runtime.heap import HeapTrimmer
+from voicebot.runtime.loop_watch import LoopWatch
 from voicebot.server import edge
 from voicebot.session.session import Session
 from voicebot.session.settings import SessionSettings
@@ -27,6 +28,10 @@ log = logging.getLogger(__name__)
 class NotReady(VoicebotError):
     code = "not_ready"
     fatal = True
+
+
+# Why check_admission refused a new session: the label of voicebot_admission_refusals.
+REFUSAL_REASONS = ("loading", "draining", "engine_down", "capacity", "per_client", "loop_lag")
 
 
 @dataclass
@@ -46,6 +51,9 @@ class ServerState:
     shutdown_hooks: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     # Set on SIGTERM/SIGINT (voicebot/server/drain.py): no new sessions, /healthz 503.
     draining: bool = False
+    # How late the loop runs (voicebot/runtime/loop_watch.py; None: not watched): over
+    # server.admission_max_loop_lag_ms, new sessions are refused.
+    loop: LoopWatch | None = None
 
     # Keys from the environment / key file, read once (server.api_key is read per request).
     api_keys: tuple[str, ...] = ()
@@ -62,6 +70,8 @@ class ServerState:
         self.telemetry = Telemetry(self.cfg.telemetry, self.metrics)
         self.metrics.capacity.set(self.cfg.server.max_sessions)
         self.metrics.serve_transports(self.cfg.server.transports)
+        for reason in REFUSAL_REASONS:  # from 0: rate() misses a counter's first event
+            self.metrics.admission_refusals.labels(reason)
         self.heap = HeapTrimmer(self.cfg.server.heap_trim_interval_s, on_trim=self.metrics.heap_trims.inc)
 
     @property
@@ -120,23 +130,47 @@ class ServerState:
 
     # ------------------------------------------------------------- admission
     def check_admission(self, client: str | None = None) -> None:
-        """Raise NotReady / CapacityError unless a new session may start now.
+        """Raise NotReady / CapacityError unless a new session may start now (each
+        refusal counted by reason).
 
         ``client`` is the caller's address (None: not limited per client, e.g. Twilio, whose
         calls all come from Twilio's media servers)."""
+        try:
+            self._admit(client)
+        except _Refused as refused:
+            self.metrics.admission_refusals.labels(refused.reason).inc()
+            raise refused.error from None
+
+    def _admit(self, client: str | None) -> None:
         if self.engines is None:
-            raise NotReady(self.load_error or "the server is still loading its models; retry shortly")
+            raise _Refused("loading", NotReady(self.load_error or "the server is still loading its models; retry shortly"))
         if self.draining:
-            raise NotReady("the server is shutting down; retry on another instance", code="draining")
+            raise _Refused("draining", NotReady("the server is shutting down; retry on another instance", code="draining"))
         failure = self.engine_failure()
         if failure:  # an engine is down: say why instead of admitting a session that cannot work
-            raise NotReady(f"engine unavailable: {failure}")
+            raise _Refused("engine_down", NotReady(f"engine unavailable: {failure}"))
         cfg = self.cfg.server
         if len(self.sessions) >= cfg.max_sessions:
-            raise CapacityError(f"server at capacity ({cfg.max_sessions} sessions)")
+            raise _Refused("capacity", CapacityError(f"server at capacity ({cfg.max_sessions} sessions)"))
         limit = cfg.max_sessions_per_client
         if client is not None and limit is not None and self.client_sessions.get(client, 0) >= limit:
-            raise CapacityError(f"too many sessions from one address ({limit}); close one first")
+            raise _Refused("per_client", CapacityError(f"too many sessions from one address ({limit}); close one first"))
+        lag_ms = self.loop_lag_ms()
+        if lag_ms is not None and lag_ms > cfg.admission_max_loop_lag_ms:
+            # The calls in progress already wait this long for every callback: one more
+            # would make it worse for all of them (and its own audio would stutter).
+            raise _Refused("loop_lag", CapacityError(
+                f"server overloaded: its event loop ran {lag_ms:.0f} ms late on average over the last "
+                f"{cfg.admission_lag_window_s:g} s (server.admission_max_loop_lag_ms {cfg.admission_max_loop_lag_ms:g}); "
+                "retry shortly or on another instance"))
+
+    def loop_lag_ms(self) -> float | None:
+        """The loop's mean lateness that admission compares with its limit (None: not
+        checked: no watch, or server.admission_max_loop_lag_ms 0)."""
+        cfg = self.cfg.server
+        if self.loop is None or cfg.admission_max_loop_lag_ms <= 0:
+            return None
+        return self.loop.mean_lag(cfg.admission_lag_window_s) * 1000.0
 
     def count_error(self, code: str) -> None:
         """The one place the edge counts an error it answered with (a refused connection,
@@ -192,17 +226,26 @@ class ServerState:
         return None if self.engines is None else self.engines.failure()
 
     def status(self) -> tuple[str, str | None]:
-        """("ok" | "loading" | "failed" | "unhealthy" | "draining", reason); /healthz is 200 only for "ok"."""
+        """("ok" | "loading" | "failed" | "unhealthy" | "draining" | "overloaded", reason);
+        /healthz is 200 only for "ok". "overloaded": the loop is too late to admit new
+        sessions (a balancer sends them elsewhere meanwhile; the calls here go on)."""
         if self.draining:
             return "draining", "draining: the server is shutting down"
         if self.engines is None:
             return ("failed", self.load_error) if self.load_error else ("loading", "loading models")
         failure = self.engines.failure()
-        return ("unhealthy", failure) if failure else ("ok", None)
+        if failure:
+            return "unhealthy", failure
+        lag_ms = self.loop_lag_ms()
+        if lag_ms is not None and lag_ms > self.cfg.server.admission_max_loop_lag_ms:
+            return "overloaded", (f"the event loop ran {lag_ms:.0f} ms late on average "
+                                  f"(server.admission_max_loop_lag_ms {self.cfg.server.admission_max_loop_lag_ms:g})")
+        return "ok", None
 
     def health(self) -> dict[str, object]:
         e = self.engines
         status, reason = self.status()
+        lag_ms = self.loop_lag_ms()
         return {
             "ready": status == "ok",
             "status": status,
@@ -211,6 +254,9 @@ class ServerState:
             "voices": e.tts.voices() if e else [],
             "active_sessions": len(self.sessions),
             "capacity": self.cfg.server.max_sessions,
+            # The measure admission compares (None: not checked) and its limit.
+            "loop_lag_ms": None if lag_ms is None else round(lag_ms, 1),
+            "max_loop_lag_ms": self.cfg.server.admission_max_loop_lag_ms or None,
             "uptime_s": round(time.monotonic() - self.started_at, 1),
             "queues": {
                 "asr": e.asr.queue_depth if e else 0,
@@ -228,3 +274,11 @@ class ServerState:
         q.labels("tts").set(self.engines.tts.queue_depth)
         q.labels("llm_running").set(self.engines.llm.running)
         q.labels("llm_background_waiting").set(self.engines.llm.background_waiting)
+
+
+class _Refused(Exception):
+    """check_admission's refusal: the error to raise, and its reason for the counter."""
+
+    def __init__(self, reason: str, error: VoicebotError) -> None:
+        super().__init__(reason)
+        self.reason, self.error = reason, error

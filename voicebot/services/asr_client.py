@@ -28,6 +28,7 @@ import asyncio
 import itertools
 import json
 import logging
+import time
 from typing import Any
 
 import numpy as np
@@ -35,6 +36,7 @@ import websockets
 
 from voicebot.config import RemoteAsrConfig
 from voicebot.errors import EngineError
+from voicebot.runtime.loop_lag import LoopLateness
 from voicebot.services.wire import (
     CONNECT_ERRORS,
     ServiceClient,
@@ -86,8 +88,8 @@ class AsrServiceClient(ServiceClient):
     max_size = MAX_FRAME
     hint = " (asr.remote.engine names a Whisper engine: does the service host a streaming one?)"
 
-    def __init__(self, cfg: RemoteAsrConfig) -> None:
-        super().__init__(cfg)
+    def __init__(self, cfg: RemoteAsrConfig, *, loop: LoopLateness | None = None) -> None:
+        super().__init__(cfg, loop=loop)
         self.cfg: RemoteAsrConfig = cfg
         self._pending: dict[int, asyncio.Future[tuple[str, float]]] = {}
 
@@ -146,13 +148,14 @@ class AsrServiceClient(ServiceClient):
                 await ws.send(pack_decode(job_id, priority, prefix, language, audio))
             except websockets.ConnectionClosed as exc:
                 raise ServiceLost(f"connection to {self.cfg.url} lost: {exc}") from exc
+            started = time.monotonic()
             try:
                 async with asyncio.timeout(self.cfg.decode_timeout_s):
                     return await fut
             except TimeoutError:
                 self._send_soon(ws, {"type": "cancel", "id": job_id})
-                raise EngineError(
-                    f"ASR service gave no result in {self.cfg.decode_timeout_s:g} s", code="asr_timeout"
+                raise self._timed_out(
+                    f"ASR service gave no result in {self.cfg.decode_timeout_s:g} s", "asr_timeout", started
                 ) from None
         except asyncio.CancelledError:
             self._send_soon(ws, {"type": "cancel", "id": job_id})

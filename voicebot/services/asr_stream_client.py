@@ -44,6 +44,8 @@ import numpy as np
 import websockets
 
 from voicebot.config import RemoteAsrConfig
+from voicebot.errors import EngineError
+from voicebot.runtime.loop_lag import LoopLateness
 from voicebot.services.wire import (
     CONNECT_ERRORS,
     ServiceClient,
@@ -102,8 +104,8 @@ class AsrStreamsClient(ServiceClient):
     hint = " (asr.remote.engine says fastconformer: does the service host a Whisper engine?)"
 
     def __init__(self, cfg: RemoteAsrConfig, on_event: Callable[[dict[str, Any]], None],
-                 on_lost: Callable[[ServiceLost], None]) -> None:
-        super().__init__(cfg)
+                 on_lost: Callable[[ServiceLost], None], *, loop: LoopLateness | None = None) -> None:
+        super().__init__(cfg, loop=loop)
         self.cfg: RemoteAsrConfig = cfg
         self._on_event = on_event
         self._on_lost = on_lost
@@ -133,6 +135,10 @@ class AsrStreamsClient(ServiceClient):
         self._outbox.append(json.dumps(payload))
         self._wake.set()
         self._urgent.set()
+
+    def timed_out(self, message: str, code: str, started: float) -> EngineError:
+        """A stream's final not answered in time (the service's failure, or our late loop's)."""
+        return self._timed_out(message, code, started)
 
     def forget(self, stream: int) -> None:
         """A stream lost with its connection: its audio not yet sealed is not sent."""

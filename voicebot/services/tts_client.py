@@ -26,6 +26,7 @@ import asyncio
 import itertools
 import json
 import logging
+import time
 from collections import deque
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ from websockets.asyncio.client import ClientConnection
 
 from voicebot.config import RemoteTtsConfig
 from voicebot.errors import CapacityError, EngineError
+from voicebot.runtime.loop_lag import LoopLateness
 from voicebot.services.wire import (
     CONNECT_ERRORS,
     ServiceClient,
@@ -82,8 +84,8 @@ class TtsServiceClient(ServiceClient):
     protocol = PROTOCOL
     max_size = MAX_FRAME
 
-    def __init__(self, cfg: RemoteTtsConfig) -> None:
-        super().__init__(cfg)
+    def __init__(self, cfg: RemoteTtsConfig, *, loop: LoopLateness | None = None) -> None:
+        super().__init__(cfg, loop=loop)
         self.cfg: RemoteTtsConfig = cfg
         self._clauses: dict[int, _Clause] = {}
 
@@ -164,12 +166,13 @@ class TtsServiceClient(ServiceClient):
         """The clause's next chunk (acknowledged to the service), or None at its end."""
         while not clause.chunks and clause.end is None:
             clause.arrived.clear()
+            started = time.monotonic()
             try:
                 async with asyncio.timeout(self.cfg.chunk_timeout_s):
                     await clause.arrived.wait()
             except TimeoutError:
-                raise EngineError(
-                    f"TTS service sent no audio in {self.cfg.chunk_timeout_s:g} s", code="tts_timeout"
+                raise self._timed_out(
+                    f"TTS service sent no audio in {self.cfg.chunk_timeout_s:g} s", "tts_timeout", started
                 ) from None
         if clause.chunks:
             self._send_soon(ws, {"type": "ack", "id": clause.id})

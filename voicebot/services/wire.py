@@ -30,7 +30,8 @@ import websockets
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.asyncio.server import ServerConnection
 
-from voicebot.errors import EngineError, ModelError
+from voicebot.errors import EngineError, LateLoopTimeout, ModelError
+from voicebot.runtime.loop_lag import LoopLateness, loop_was_late
 
 __all__ = [
     "CONNECT_ERRORS",
@@ -167,7 +168,11 @@ class ServiceClient:
     """One multiplexed WebSocket to a service, many requests in flight matched by id: the
     connecting, the reader's loop and its end, fire-and-forget control messages and closing.
     A subclass says which service it wants and handles its messages (``_on_message``) and
-    what a lost connection means for its requests (``_lose_all``)."""
+    what a lost connection means for its requests (``_lose_all``).
+
+    ``loop``: the frontend's loop watch; a request that times out after the loop ran late
+    for most of its wait fails with :class:`~voicebot.errors.LateLoopTimeout`, which the
+    engine's health does not count (:meth:`_timed_out`)."""
 
     what: ClassVar[str]  # "ASR service": for messages
     service: ClassVar[str]  # what the hello must say: "asr", "tts"
@@ -175,8 +180,9 @@ class ServiceClient:
     max_size: ClassVar[int]  # the largest message the service may send
     hint: ClassVar[str] = ""  # added to a protocol mismatch's message: what to check
 
-    def __init__(self, cfg: RemoteServiceSettings) -> None:
+    def __init__(self, cfg: RemoteServiceSettings, *, loop: LoopLateness | None = None) -> None:
         self.cfg = cfg
+        self._loop_watch = loop
         self.hello: dict[str, Any] | None = None
         self._ws: ClientConnection | None = None
         self._reader: asyncio.Task[None] | None = None
@@ -197,6 +203,13 @@ class ServiceClient:
 
     def _on_message(self, msg: str | bytes) -> None:
         raise NotImplementedError
+
+    def _timed_out(self, message: str, code: str, started: float) -> EngineError:
+        """A wait begun at ``started`` (``time.monotonic()``) ran out: the service's failure,
+        or, when our own loop was late for half the wait or more, ours."""
+        if loop_was_late(self._loop_watch, started):
+            return LateLoopTimeout(f"{message}; this server's event loop ran late for most of the wait", code=code)
+        return EngineError(message, code=code)
 
     def _lose_all(self, lost: ServiceLost) -> None:
         """Fail every request in flight on the lost connection (no await: none may register meanwhile)."""

@@ -40,7 +40,7 @@ from voicebot.engines.asr.local import LocalWhisper
 from voicebot.engines.asr.loop_guard import LoopGuard
 from voicebot.engines.asr.stream import Utterance, as_mono_f32
 from voicebot.engines.contracts import AsrStats, Transcript
-from voicebot.errors import EngineError
+from voicebot.errors import EngineError, LateLoopTimeout
 
 __all__ = ["AsrEngine"]
 
@@ -206,6 +206,10 @@ class AsrEngine:
                 job.fail(EngineError("ASR engine closed"))
                 raise
             except DecodeAbandoned:
+                continue
+            except LateLoopTimeout as exc:  # our late loop's timeout: the call's error, not the engine's failure
+                log.warning("ASR decode failed: %s", exc)
+                job.fail(exc)
                 continue
             except Exception as exc:
                 self.stats.failed_decodes += 1

@@ -36,7 +36,8 @@ from voicebot.engines.asr.jobs import (
     DecodeJob,
     unless_abandoned,
 )
-from voicebot.errors import EngineError
+from voicebot.errors import EngineError, LateLoopTimeout
+from voicebot.runtime.loop_lag import LoopLateness
 from voicebot.services.asr_client import AsrServiceClient, PartialDropped
 from voicebot.services.wire import (
     connect_at_start,
@@ -106,6 +107,8 @@ class RemoteDecoder:
             return await decode
         except PartialDropped:
             raise DecodeDropped from None
+        except LateLoopTimeout:
+            raise DecodeAbandoned from None  # our late loop's, not the service's: not counted
         except EngineError as exc:
             # Counted as any failed decode (the supervisor's failure streak), but with the
             # service down every caller's partials fail: one log line per 10 s, not a
@@ -140,8 +143,11 @@ class RemoteAsrEngine(AsrEngine):
         *,
         agreement_n: int = 3,
         client: AsrServiceClient | None = None,
+        loop: LoopLateness | None = None,
     ) -> None:
-        self._remote = RemoteDecoder(cfg.remote, client or AsrServiceClient(cfg.remote))
+        """``loop``: the server's loop watch (a decode timed out by our own late loop is not
+        counted against the service's health)."""
+        self._remote = RemoteDecoder(cfg.remote, client or AsrServiceClient(cfg.remote, loop=loop))
         super().__init__(cfg, model_path or cfg.remote.url, agreement_n=agreement_n, decoder=self._remote)
 
     @property

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from typing import Any
 
 import numpy as np
@@ -25,6 +26,7 @@ from voicebot.engines.asr.partials import PartialQueue, PartialStream
 from voicebot.engines.asr.stream import as_mono_f32
 from voicebot.engines.contracts import AsrStats, Partial, Transcript
 from voicebot.errors import EngineError
+from voicebot.runtime.loop_lag import LoopLateness
 from voicebot.services.asr_stream_client import AsrStreamsClient
 from voicebot.services.wire import ServiceLost, connect_at_start
 
@@ -36,11 +38,12 @@ log = logging.getLogger(__name__)
 class RemoteStreamingAsr:
     """The :class:`~voicebot.engines.contracts.Asr` contract over the service's streams."""
 
-    def __init__(self, cfg: AsrConfig, model_path: str = "", *, client: AsrStreamsClient | None = None) -> None:
+    def __init__(self, cfg: AsrConfig, model_path: str = "", *, client: AsrStreamsClient | None = None,
+                 loop: LoopLateness | None = None) -> None:
         self.cfg = cfg
         self.model_path = model_path or cfg.remote.url
         self.stats = AsrStats()
-        self.client = client or AsrStreamsClient(cfg.remote, self._on_event, self._on_lost)
+        self.client = client or AsrStreamsClient(cfg.remote, self._on_event, self._on_lost, loop=loop)
         self._streams: dict[int, RemoteStream] = {}
         self._ids = itertools.count(1)
         self._closed = False
@@ -172,11 +175,13 @@ class RemoteStream(PartialStream):
         self.finals[fid] = waiter
         self.engine.client.control({"type": "finalize", "stream": self.id, "id": fid})
         timeout = self.engine.cfg.remote.decode_timeout_s
+        started = time.monotonic()
         try:
             async with asyncio.timeout(timeout):
                 return await waiter
         except TimeoutError:
-            raise EngineError(f"ASR service gave no final in {timeout:g} s", code="asr_timeout") from None
+            raise self.engine.client.timed_out(f"ASR service gave no final in {timeout:g} s", "asr_timeout",
+                                               started) from None
         finally:
             self.finals.pop(fid, None)
 

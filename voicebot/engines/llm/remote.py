@@ -23,6 +23,11 @@ the transport differs). What crosses the wire, and why:
   until then nothing was said and another try (the router picks a live server) is
   invisible; after it a retry would repeat words, so a broken stream is the reply's
   error (an error event; the call goes on and its next turn is routed afresh).
+- Health: ``llm.remote.failure_threshold`` requests failed in a row mark the tier down
+  (``/healthz`` 503, new calls refused). A request whose last try timed out after this
+  process's own event loop ran late for half its wait or more is not one of them (the
+  loop watch says so: :mod:`voicebot.runtime.loop_lag`): the tier's answer may have sat
+  unread while our loop was stuck, so that failure is the frontend's overload, not the tier's.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from voicebot.config import LlmConfig
 from voicebot.engines.contracts import GenerationStats, Lane, TextDelta
 from voicebot.engines.llm.lanes import LaneEngine
 from voicebot.errors import EngineError, ModelError
+from voicebot.runtime.loop_lag import LoopLateness, loop_was_late
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +63,12 @@ class RemoteLlmError(EngineError):
 
 
 class _Retryable(Exception):
-    """A try that failed before its first token: nothing was said, another try is invisible."""
+    """A try that failed before its first token: nothing was said, another try is invisible.
+    ``timed_out``: a timeout's (wall time ran out), not the tier's answer or refusal."""
+
+    def __init__(self, message: str, *, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out
 
 
 def load_tokenizer(path: str) -> Any:
@@ -83,14 +94,16 @@ def _plain(value: Any) -> Any:
 class RemoteLlmEngine(LaneEngine):
     """One HTTP client to the LLM tier, shared by every session of this frontend."""
 
-    def __init__(self, cfg: LlmConfig, tokenizer_path: str) -> None:
+    def __init__(self, cfg: LlmConfig, tokenizer_path: str, *, loop: LoopLateness | None = None) -> None:
         super().__init__(cfg, tokenizer_path, tokenizer_path)
+        self._loop_watch = loop  # the server's loop watch: was a timeout ours?
         self.remote = cfg.remote
         self._client: httpx.AsyncClient | None = None
         self._model: str | None = cfg.remote.model
         self._failures = 0  # requests failed in a row, after their retries
         self._last_error: str | None = None
         self.retries_total = 0
+        self.late_loop_failures = 0  # requests failed by a timeout of our late loop: not counted
 
     # ----------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -212,6 +225,7 @@ class RemoteLlmEngine(LaneEngine):
         retries = 0 if st.best_effort else r.retries
         try:
             for attempt in range(retries + 1):
+                started = time.monotonic()  # this try's wait: what its timeouts measure
                 try:
                     async with contextlib.aclosing(self._try(body, headers, st)) as stream:
                         async for delta in stream:
@@ -224,7 +238,7 @@ class RemoteLlmEngine(LaneEngine):
                         raise RemoteLlmError(f"remote LLM tier {r.url}: {exc}") from None
                     self._last_error = str(exc)
                     if attempt == retries:
-                        self._failures += 1
+                        self._count_failure(exc, started)
                         raise RemoteLlmError(
                             f"remote LLM tier {r.url}: no reply after {attempt + 1} tries: {exc}"
                         ) from None
@@ -235,6 +249,16 @@ class RemoteLlmEngine(LaneEngine):
                     await asyncio.sleep(delay)
         finally:
             self._done(rid, st)
+
+    def _count_failure(self, exc: _Retryable, started: float) -> None:
+        """A request failed after its retries: one more towards the tier's failure_threshold,
+        unless its last try timed out while our own loop was late for most of that try's wait."""
+        if exc.timed_out and loop_was_late(self._loop_watch, started):
+            self.late_loop_failures += 1
+            log.warning("LLM request timed out (%s) while this server's event loop ran late for most of "
+                        "its wait: not counted against the tier's health", exc)
+            return
+        self._failures += 1
 
     async def _try(self, body: dict[str, Any], headers: dict[str, str], st: GenerationStats) -> AsyncGenerator[TextDelta, None]:
         """One request. Raises _Retryable for a failure before the first token; closing
@@ -285,12 +309,13 @@ class RemoteLlmEngine(LaneEngine):
                                 yield TextDelta(text, len(ids), ids)
         except TimeoutError:
             if not got_token:
-                raise _Retryable(f"no first token within {self.remote.first_token_timeout_s:.1f} s") from None
+                raise _Retryable(f"no first token within {self.remote.first_token_timeout_s:.1f} s",
+                                 timed_out=True) from None
             raise RemoteLlmError("LLM stream timed out mid-reply") from None
         except (httpx.HTTPError, json.JSONDecodeError) as exc:
             what = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             if not got_token:
-                raise _Retryable(what) from None
+                raise _Retryable(what, timed_out=isinstance(exc, httpx.TimeoutException)) from None
             raise RemoteLlmError(f"LLM stream broke after {st.output_tokens} tokens: {what}",
                                  code="llm_stream_broken") from None
         if not done:

@@ -16,7 +16,9 @@ Failures: a connection lost before a clause's first audio is retried (``tts.remo
 on a new connection; once audio came, the clause fails with ``EngineError(code="tts_unavailable")``
 and the session reports it (an error event; the reply ends ``failed``). No next chunk within
 ``chunk_timeout_s`` fails with ``tts_timeout``. Health is the local engines' rule: syntheses
-failed in a row (``failure_streak``), which the supervisor turns into ``/healthz`` 503.
+failed in a row (``failure_streak``), which the supervisor turns into ``/healthz`` 503; a
+timeout after the frontend's own loop ran late for most of the wait is not counted
+(:class:`~voicebot.errors.LateLoopTimeout`).
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ import numpy as np
 
 from voicebot.config import TtsConfig
 from voicebot.engines.tts.text import clean_text
-from voicebot.errors import CapacityError, EngineError
+from voicebot.errors import CapacityError, EngineError, LateLoopTimeout
+from voicebot.runtime.loop_lag import LoopLateness
 from voicebot.services.tts_client import TtsServiceClient
 from voicebot.services.wire import connect_at_start
 
@@ -41,9 +44,10 @@ log = logging.getLogger(__name__)
 class RemoteTts:
     """The :class:`~voicebot.engines.contracts.Tts` contract, its syntheses run on the shared TTS service."""
 
-    def __init__(self, cfg: TtsConfig, *, client: TtsServiceClient | None = None) -> None:
+    def __init__(self, cfg: TtsConfig, *, client: TtsServiceClient | None = None,
+                 loop: LoopLateness | None = None) -> None:
         self._cfg = cfg
-        self.client = client or TtsServiceClient(cfg.remote)
+        self.client = client or TtsServiceClient(cfg.remote, loop=loop)
         # Until start() learns the service's rate: what the engines of this config would say.
         self.sample_rate = 24_000 if cfg.engine == "kokoro" else 22_050
         self._failure_streak = 0
@@ -99,6 +103,10 @@ class RemoteTts:
                         first = False
                         self._waiting -= 1
                     yield chunk
+        except LateLoopTimeout as exc:  # our loop's lateness, not the service's: no streak, no reset
+            self.failed += 1
+            self._last_error = exc
+            raise
         except EngineError as exc:  # not CapacityError: a full queue is the clause's problem, not the engine's
             self.failed += 1
             self._failure_streak += 1
