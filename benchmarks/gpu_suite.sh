@@ -22,7 +22,7 @@
 # SUITE_ASR (whisper: one shared Whisper-on-vLLM service; fastconformer: each frontend's own
 # streaming FastConformer on the GPU, random weights of the real shape built on the machine, no
 # ASR service; fastconformer-service: that FastConformer in one shared ASR service holding every
-# frontend's streams), SUITE_SVC (a folder `services` started them into: `run` uses those services),
+# frontend's streams), SUITE_FC_GRAPHS (1: the FastConformer's step in CUDA graphs), SUITE_SVC (a folder `services` started them into: `run` uses those services),
 # SUITE_MAX (the largest level the services admit, for `services`: 256).
 # What DEST holds and the calls that bring it: benchmarks/gpu_carries.sh. Staged copies live under
 # $HOME (vllm-site, voicebot-site, gpu-models), so a later call on the same machine carries nothing.
@@ -68,6 +68,8 @@ ASR=${SUITE_ASR:-whisper}
 case "$ASR" in whisper|fastconformer|fastconformer-service) ;;
   *) echo "SUITE_ASR: whisper, fastconformer or fastconformer-service, not $ASR" >&2; exit 2 ;; esac
 FC_DIR=$MODELS/fastconformer  # random weights of the real shape, built on the machine (too big to carry)
+FC_FLAGS=(--fastconformer "$FC_DIR")
+[ "${SUITE_FC_GRAPHS:-0}" = 1 ] && FC_FLAGS+=(--fc-cuda-graphs)
 
 environment() {
   export PYTHONPATH="$PWD:$HOME/vllm-site:$HOME/voicebot-site:$MODELS/fwstub${PYTHONPATH:+:$PYTHONPATH}"
@@ -91,9 +93,9 @@ common_flags() {
 # The ASR of SUITE_ASR in a run: the shared Whisper service, or each frontend's FastConformer.
 asr_flags() {
   if [ "$ASR" = fastconformer ]; then
-    ASR_FLAGS=(--fastconformer "$FC_DIR")
+    ASR_FLAGS=("${FC_FLAGS[@]}")
   elif [ "$ASR" = fastconformer-service ]; then
-    ASR_FLAGS=(--remote-asr --fastconformer "$FC_DIR")
+    ASR_FLAGS=(--remote-asr "${FC_FLAGS[@]}")
   else
     ASR_FLAGS=(--remote-asr --whisper-memory 0.15 --whisper-dir "$MODELS/whisper-turbo")
   fi
@@ -118,7 +120,7 @@ services() {
       --whisper-dir "$MODELS/whisper-turbo" --start-timeout-s 480 --after "$after" --wait --out "$svc"
     after=$svc/asr_server.json
   elif [ "$ASR" = fastconformer-service ]; then
-    do_ "$PY" benchmarks/pipeline_gpu.py asr-server "${FLAGS[@]}" --fastconformer "$FC_DIR" \
+    do_ "$PY" benchmarks/pipeline_gpu.py asr-server "${FLAGS[@]}" "${FC_FLAGS[@]}" \
       --sessions "${SUITE_MAX:-256}" --start-timeout-s 480 --after "$after" --wait --out "$svc"
     after=$svc/asr_server.json
   fi

@@ -357,6 +357,8 @@ def fastconformer_sets(args: argparse.Namespace, *, service: bool = False) -> li
             f"asr.fastconformer.max_streams={2 * per_frontend + 8}"]
     if args.gpu_dummy:
         sets += ["asr.fastconformer.device=cuda", "asr.fastconformer.dtype=bfloat16"]
+        if getattr(args, "fc_cuda_graphs", False):
+            sets.append("asr.fastconformer.cuda_graphs=true")
     return sets
 
 
@@ -1344,6 +1346,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the streaming FastConformer from this model directory (`fc-weights` builds one with "
                         "random weights): in each frontend (asr.backend fastconformer), or with --remote-asr in "
                         "the shared ASR service (asr.remote.engine fastconformer)")
+    r.add_argument("--fc-cuda-graphs", action="store_true",
+                   help="--gpu-dummy with --fastconformer: its step captured in CUDA graphs (asr.fastconformer.cuda_graphs)")
     r.add_argument("--fc-max-symbols", type=int, default=3,
                    help="--gpu-dummy with --fastconformer: the greedy RNN-T's symbols per frame (random weights "
                         "emit at every try; a batch of real speech runs about this many)")
@@ -1354,6 +1358,7 @@ def build_parser() -> argparse.ArgumentParser:
     asr.add_argument("--after", help="start only once this LLM server (URL or llm_server.json) answers /health")
     asr.add_argument("--fastconformer", metavar="DIR", help="host this streaming FastConformer instead of Whisper")
     asr.add_argument("--fc-max-symbols", type=int, default=3, help="as for run")
+    asr.add_argument("--fc-cuda-graphs", action="store_true", help="as for run")
     asr.add_argument("--sessions", type=int, nargs="+", default=[256],
                      help="with --fastconformer: the largest level it must hold (its stream slots)")
     tts = sub.add_parser("tts-server", help="start the shared TTS service of --remote-tts runs, detached")

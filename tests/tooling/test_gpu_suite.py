@@ -109,7 +109,8 @@ def test_the_fastconformer_service_run_puts_every_stream_in_one_asr_service(tmp_
     import os
 
     svc = tmp_path / "svc"
-    env = dict(os.environ, SUITE_ASR="fastconformer-service", SUITE_SVC=str(svc), SUITE_FRONTENDS="4")
+    env = dict(os.environ, SUITE_ASR="fastconformer-service", SUITE_SVC=str(svc), SUITE_FRONTENDS="4",
+               SUITE_FC_GRAPHS="1")
     pg = pipeline_gpu()
     args = pg.build_parser().parse_args(run_command(dry_run(tmp_path / "gpu", tmp_path / "out", "96", "320", env=env)))
     assert args.fastconformer and args.remote_asr and args.asr_url == f"{svc}/asr_server.json"
@@ -122,6 +123,7 @@ def test_the_fastconformer_service_run_puts_every_stream_in_one_asr_service(tmp_
     service_sets = [service[i + 1] for i, a in enumerate(service) if a == "--set"]
     assert "asr.backend=fastconformer" in service_sets and "asr.fastconformer.device=cuda" in service_sets
     assert "asr.fastconformer.max_streams=648" in service_sets  # every caller of 320, twice, and 8
+    assert "asr.fastconformer.cuda_graphs=true" in service_sets
     assert not any(s.startswith("asr.vllm.") for s in service_sets)
     assert pg.patch_options(args)["fastconformer"]["max_symbols"] == args.fc_max_symbols
 
