@@ -482,14 +482,26 @@ class Server:
 SERVED_NAME = "voicebot-llm"
 
 
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def wait_http_ok(url: str, timeout_s: float, proc: subprocess.Popen[bytes] | None = None,
-                 log: Path | None = None) -> float:
-    """Poll ``url`` until it answers 200; the seconds it took."""
+                 log: Path | None = None, pid: int | None = None) -> float:
+    """Poll ``url`` until it answers 200; the seconds it took. A server that exits meanwhile
+    (``proc``, or a detached one's ``pid``) fails the wait at once, with its log's tail."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:
-        if proc is not None and proc.poll() is not None:
+        gone = proc.poll() is not None if proc is not None else pid is not None and not pid_alive(pid)
+        if gone:
             tail = log.read_text(errors="replace")[-4000:] if log and log.exists() else ""
-            raise RuntimeError(f"{url}: the process exited with {proc.returncode}\n{tail}")
+            raise RuntimeError(f"{url}: the server exited before it answered\n{tail}")
         with contextlib.suppress(OSError):
             if http_json(url, 2.0)[0] == 200:
                 return time.monotonic() - t0
@@ -1183,12 +1195,14 @@ def run_main(args: argparse.Namespace) -> int:
 def service_server_main(args: argparse.Namespace, kind: str) -> int:
     """Start a shared service detached (its pid and URL in OUT/KIND_server.json)."""
     if args.after:  # another engine's start must be over first (vLLM sizes GPU memory from what is free)
-        url = json.loads(Path(args.after).read_text())["url"] if args.after.endswith(".json") else args.after
+        info = json.loads(Path(args.after).read_text()) if args.after.endswith(".json") else {"url": args.after}
+        url = info["url"]
         print(f"waiting for {url} before starting ...", flush=True)
         if url.startswith("ws"):
             wait_service_ready(url, args.start_timeout_s)
-        else:
-            wait_http_ok(url + "/health", args.start_timeout_s)
+        else:  # a recorded server that died (a bad model path) fails this at once, not after the timeout
+            log = Path(args.after).with_suffix(".log") if args.after.endswith(".json") else None
+            wait_http_ok(url + "/health", args.start_timeout_s, log=log, pid=info.get("pid"))
     server = ServiceServer(args, Path(args.out), kind)
     server.spawn()
     print(f"{kind.upper()} service starting: pid {server.proc.pid if server.proc else None} at {server.url}",
