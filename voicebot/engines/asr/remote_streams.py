@@ -160,7 +160,8 @@ class RemoteStream(PartialStream):
             return
         self._samples += audio.size
         if self._failed is None:  # a failed stream's utterance is lost until its next reset
-            self.engine.client.push(self.id, audio)
+            # A copy: it waits up to a flush, and the caller may reuse its buffer meanwhile.
+            self.engine.client.push(self.id, audio.copy())
 
     def request_partial(self, covering_s: float | None = None) -> None:
         """Nothing to ask: the service decodes every chunk as it arrives."""
