@@ -135,6 +135,18 @@ async def test_every_streams_audio_travels_in_few_frames(speech_clips: list[Clip
     assert max(frames) >= 3  # streams shared frames
 
 
+async def test_a_caller_that_reuses_its_buffer_is_heard_as_it_spoke(speech_clips: list[Clip]) -> None:
+    audio = speech_clips[3].audio[: 2 * 16_000]
+    async with _engine() as engine, service(engine) as (_, url), frontend(url, stream_flush_ms=200) as asr:
+        expected = (await engine.transcribe(audio)).text
+        buffer = np.empty(PIECE, np.float32)  # one buffer, refilled per frame, as a transport's
+        async with asr.stream() as stream:
+            for i in range(0, audio.size - PIECE + 1, PIECE):
+                buffer[:] = audio[i : i + PIECE]
+                stream.push(buffer)
+            assert (await asyncio.wait_for(stream.finalize(), WAIT)).text == expected
+
+
 async def test_a_full_service_refuses_a_stream_with_an_error_and_it_opens_at_its_next_turn(speech_clips: list[Clip]) -> None:
     audio = speech_clips[0].audio[:16_000]
     async with _engine(max_streams=2) as engine, service(engine) as (svc, url), frontend(url) as asr:
