@@ -482,13 +482,12 @@ class Server:
 SERVED_NAME = "voicebot-llm"
 
 
-def pid_alive(pid: int) -> bool:
+def group_alive(pid: int) -> bool:
+    """Whether the process group a detached server leads still has a process."""
     try:
-        os.kill(pid, 0)
+        os.killpg(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
     return True
 
 
@@ -498,7 +497,7 @@ def wait_http_ok(url: str, timeout_s: float, proc: subprocess.Popen[bytes] | Non
     (``proc``, or a detached one's ``pid``) fails the wait at once, with its log's tail."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:
-        gone = proc.poll() is not None if proc is not None else pid is not None and not pid_alive(pid)
+        gone = proc.poll() is not None if proc is not None else pid is not None and not group_alive(pid)
         if gone:
             tail = log.read_text(errors="replace")[-4000:] if log and log.exists() else ""
             raise RuntimeError(f"{url}: the server exited before it answered\n{tail}")
@@ -757,9 +756,7 @@ def recorded_url(path: Path, what: str) -> str | None:
     if not path.exists():
         return None
     info = json.loads(path.read_text())
-    try:
-        os.killpg(int(info["pid"]), 0)
-    except ProcessLookupError:
+    if not group_alive(int(info["pid"])):
         print(f"the recorded {what} (pid {info['pid']}) is gone: starting one", flush=True)
         path.unlink()
         return None
