@@ -16,7 +16,8 @@
 #                                                    call), for a later `run` with SUITE_SVC=SVC
 #   --dry-run (after the verb): print what would run, run nothing (any machine)
 #
-# Environment: SUITE_FRONTENDS (2), SUITE_TURNS (2), SUITE_WALL_S (480: no level starts that would
+# Environment: SUITE_FRONTENDS (2), SUITE_TURNS (2), SUITE_WARM (0: N, one unmeasured level of N
+# callers x 1 turn before the levels, so that fresh services' first bursts are no level's), SUITE_WALL_S (480: no level starts that would
 # end after it; a call may run 600 s), SUITE_ARGS (more pipeline_gpu.py flags, e.g. "--set
 # asr.encoder_pad_s=1.0" or "--set asr.partials=false"), PYTHON (python3),
 # SUITE_ASR (whisper: one shared Whisper-on-vLLM service; fastconformer: each frontend's own
@@ -152,7 +153,7 @@ run() {
   fi
   do_ "$PY" benchmarks/pipeline_gpu.py run "${FLAGS[@]}" --remote-llm --remote-tts "${ASR_FLAGS[@]}" "${svc[@]}" \
     --frontends "${SUITE_FRONTENDS:-2}" --audio "$MODELS"/audio/*.wav --sessions "${levels[@]}" \
-    --turns "${SUITE_TURNS:-2}" --start-timeout-s 300 --keep-going --max-wall-s "${SUITE_WALL_S:-480}" --out "$dir"
+    --turns "${SUITE_TURNS:-2}" --warm-level "${SUITE_WARM:-0}" --start-timeout-s 300 --keep-going --max-wall-s "${SUITE_WALL_S:-480}" --out "$dir"
   do_ "$PY" benchmarks/pipeline_gpu.py plot "$dir/pipeline.json" --png "$dir/pipeline.png"
   do_ sh -c "nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > $dir/device.txt"
   # A call brings back 8 files of $OUT: the summary, its plot and the device stay files, the rest

@@ -1099,6 +1099,18 @@ def run_main(args: argparse.Namespace) -> int:
         warm = asyncio.run(run_level_measured(replace(base, turns=1, stagger_s=0.5), len(urls)))
         print(f"warm-up calls: {[r.status for r in warm.records]} v2v {[r.voice_to_voice_ms for r in warm.records]} "
               f"errors {[r.errors for r in warm.records if r.errors]}", flush=True)
+        if args.warm_level:
+            # a burst of many first turns at once reaches shapes the warm-up calls did not (the LLM
+            # server's first large prefill batches, the TTS service's first large groups): on fresh
+            # services the first measured level paid for them in its first ~40 turns
+            t_w = time.monotonic()
+            wl = asyncio.run(run_level_measured(replace(base, turns=1, stagger_s=args.ramp_s / args.warm_level,
+                                                        workers=args.workers or auto_workers(args.warm_level)),
+                                                args.warm_level))
+            ok = sum(r.status == "ok" for r in wl.records)
+            print(f"warm-up level: {args.warm_level} callers x 1 turn, {ok} ok, {time.monotonic() - t_w:.0f} s "
+                  "(not measured)", flush=True)
+            run_info["warm_level"] = {"sessions": args.warm_level, "ok": ok}
         last_wall = 0.0
         for n in args.sessions:
             elapsed = time.monotonic() - t_start
@@ -1333,6 +1345,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--turns", type=int, default=3)
     r.add_argument("--gap-s", type=float, default=0.5)
     r.add_argument("--ramp-s", type=float, default=6.0, help="session starts spread over this long")
+    r.add_argument("--warm-level", type=int, default=0, metavar="N",
+                   help="before the levels, one unmeasured level of N callers x 1 turn (fresh services' first bursts)")
     r.add_argument("--turn-timeout-s", type=float, default=30.0)
     r.add_argument("--pause-s", type=float, default=3.0, help="between levels")
     r.add_argument("--workers", type=int, default=0, help="probe processes (0: probe's auto rule)")

@@ -70,10 +70,11 @@ def test_the_servers_admit_the_largest_level(tmp_path: Path) -> None:
 def test_the_default_levels_and_extra_flags_reach_the_run(tmp_path: Path) -> None:
     import os
 
-    env = dict(os.environ, SUITE_ARGS="--set asr.partials=false", SUITE_FRONTENDS="1")
+    env = dict(os.environ, SUITE_ARGS="--set asr.partials=false", SUITE_FRONTENDS="1", SUITE_WARM="64")
     args = pipeline_gpu().build_parser().parse_args(run_command(dry_run(tmp_path / "gpu", tmp_path / "out", env=env)))
     assert args.sessions == [16, 32, 48, 64, 96]
     assert args.frontends == 1 and "asr.partials=false" in args.set
+    assert args.warm_level == 64
 
 
 def test_the_scripts_parse() -> None:
