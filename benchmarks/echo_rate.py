@@ -15,6 +15,8 @@ ASR and TTS: the LLM engine of ``--config`` answers the same turns through the
 session's own prompt building (``Conversation``), from the reference texts or from the
 transcripts of an earlier pipeline run (``--transcripts``); it is for quick iteration
 on prompts and sampling, and for TTFT with nothing else competing (``--concurrency 1``).
+Given a benchmarks/turn_taking.py JSON as ``--transcripts``, text mode answers that
+run's spoken prompts (read passages, JFK) instead, as one call with ``--turns-per-call 8``.
 
 Echo (per reply): the share of the reply's content words (lower-cased words minus a
 fixed list of function words, see ``STOPWORDS``; counted with repeats) that also occur
@@ -274,6 +276,22 @@ def calls_of(items: list[Item], per_call: int) -> list[list[Item]]:
     return [items[i : i + per_call] for i in range(0, len(items), per_call)]
 
 
+def text_turns(items: list[Item], transcripts: Path | None) -> list[tuple[Item, str]]:
+    """Text mode's turns: each item's reference text, or what an earlier run heard: an
+    echo_rate pipeline JSON (its transcripts, by clip), or a turn_taking JSON (the
+    transcripts of its first variant's turns, in order, instead of this set: a caller
+    who reads passages aloud; ``--turns-per-call`` as its turns for one call as there)."""
+    if transcripts is None:
+        return [(it, it.reference) for it in items]
+    doc = results_of(json.loads(transcripts.read_text()))
+    if "variants" in doc:  # turn_taking.py
+        return [(Item(Path(t["prompt"]), t["transcript"]), t["transcript"]) for t in doc["variants"][0]["turns"]]
+    heard = {it.clip.name: it.reference for it in items}
+    for t in doc["turns"]:
+        heard[t["clip"]] = t["heard"]
+    return [(it, heard[it.clip.name]) for it in items]
+
+
 # --------------------------------------------------------------------- pipeline
 async def run_pipeline_call(url: str, index: int, items: list[Item], args: argparse.Namespace) -> list[Turn]:
     from voicebot.probe.client import ProbeConfig, run_level
@@ -443,7 +461,8 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, default=4, help="calls at once")
     p.add_argument("--timeout-s", type=float, default=90.0)
     p.add_argument("--clips", type=Path, default=ROOT / "artifacts" / "echo" / "clips")
-    p.add_argument("--transcripts", type=Path, help="text mode: the transcripts of this pipeline JSON")
+    p.add_argument("--transcripts", type=Path, help="text mode: the transcripts of this pipeline JSON, or of a "
+                   "benchmarks/turn_taking.py JSON (its spoken prompts instead of this set)")
     p.add_argument("--warm", action="store_true", help="text mode: cache the system prompt before timing")
     p.add_argument("--variants", type=Path, help="text mode: JSON list of {name, system_prompt, temperature, "
                    "max_tokens, wind_down_tokens, repetition_penalty}")
@@ -465,11 +484,7 @@ def main() -> int:
     if args.mode == "pipeline":
         runs = [(default, asyncio.run(run_pipeline(calls_of(items, args.turns_per_call), args)))]
     else:
-        heard = {it.clip.name: it.reference for it in items}
-        if args.transcripts:
-            for t in results_of(json.loads(args.transcripts.read_text()))["turns"]:
-                heard[t["clip"]] = t["heard"]
-        pairs = [(it, heard[it.clip.name]) for it in items]
+        pairs = text_turns(items, args.transcripts)
         variants = json.loads(args.variants.read_text()) if args.variants else [default]
         runs = list(zip(variants, asyncio.run(run_text(calls_of(pairs, args.turns_per_call), args, variants)),
                         strict=True))  # type: ignore[arg-type]

@@ -321,9 +321,11 @@ class VadConfig(_Section):
 
 class SessionConfig(_Section):
     system_prompt: str = Field(
-        "You are a friendly voice assistant. Answer in one or two short spoken sentences. "
-        "Never use lists, markdown or emoji.",
-        description="Instructions the conversation starts with.",
+        "You are a friendly voice assistant on a phone call. Reply in one short spoken sentence, "
+        "two at most, under 25 words in all. Never use lists, markdown or emoji.",
+        description="Instructions the conversation starts with. A word budget is what keeps a small model's "
+        "replies short: asked only for 'short sentences' it writes two long ones, and retells or comments at "
+        "length on a caller who reads a passage aloud (docs/benchmarks.md).",
     )
     history_tokens: int = Field(
         1536,

@@ -30,6 +30,12 @@ from voicebot.session.response import Response
         ("',...\nencv tai", ""),  # marks with no word before them end no sentence
         ("Ok. ... and", "Ok."),
         ("我们九点开门。周六", "我们九点开门。"),
+        # At the end of the text: a contraction, a quote before the mark, a word with
+        # letters outside ASCII end their sentence as any word does.
+        ("No, I don't.", "No, I don't."),
+        ('Good morning is "buenos días".', 'Good morning is "buenos días".'),
+        ("¡Buen día!", "¡Buen día!"),
+        ("Sure. It's 9 a.m.", "Sure."),  # "a.m." may go on ("a.m. sharp")
     ],
 )
 def test_sentence_end_finds_the_last_whole_sentence(text: str, whole: str) -> None:
@@ -72,6 +78,15 @@ async def test_a_reply_within_its_limit_is_spoken_whole() -> None:
     await resp.run()
     assert resp.full_text == LONG
     assert llm.completed == ["r0"] and not resp.cut_at_limit
+
+
+async def test_a_reply_whose_limit_falls_just_after_a_sentence_end_keeps_that_sentence() -> None:
+    # max_tokens falls on "don't.": the reply ends a sentence there, nothing is unfinished.
+    resp, _, _ = reply("Yes. I don't. And then", max_tokens=3, wind_down_tokens=0)
+    await resp.run()
+    spoken = " ".join(text for *_, text in resp.playout.spans)
+    assert resp.full_text == "Yes. I don't." == spoken
+    assert resp.cut_at_limit is False and resp.stats.finish_reason == "length"
 
 
 async def test_a_reply_with_nothing_whole_before_its_limit_is_spoken_as_it_is() -> None:

@@ -263,5 +263,6 @@ def up_to_sentence_end(before: str, piece: str) -> tuple[str, bool]:
     return piece[: end - len(before)], True
 
 
-# A sentence mark ending the text, after a word of 2+ letters (not "3.", "e.g.", "U.S.").
-_TRAILING_SENTENCE_END = re.compile(r"(?<![\w.'])([A-Za-z]{2,})[.!?…][\"')\]]*$")
+# A sentence mark ending the text, after a word of 2+ letters in any script, a
+# contraction ("don't") or a quoted word ('"días".'); not "3.", "e.g.", "U.S.".
+_TRAILING_SENTENCE_END = re.compile(r"(?<![\w.'’])([^\W\d_]{2,}(?:['’][^\W\d_]+)?)[\"'”’)\]]*[.!?…][\"')\]]*$")
