@@ -29,6 +29,19 @@ mean 2.5, and 1.07 phonemes per character of the clause, as the real model does 
 replies (tests/kokoro_weights.py's int8 weights: 2.53 frames per phoneme, 14.9 characters
 per second), so input and audio lengths are those of real speech. Phoneme ids are random.
 
+Variants (``--variants``, each on its own model of the same seed, all in one run):
+``reference`` (the package's forwards with kokoro_model's masks: what main ran),
+``eager`` (the fused chains, ``kokoro_fused``), ``compile`` (each chain one
+``torch.compile``-d kernel: ``tts.kokoro_compile``), ``graphs`` (the decode over
+(rows, frames) buckets, each captured as a CUDA graph: ``tts.kokoro_cuda_graphs``) and
+``compile+graphs``. With ``--count`` each variant times ``decode()`` per vocoder group of
+one batch (median of ``--count-repeats`` after ``--decode-warmup`` runs, which also compile
+and capture), its GPU kernel time (one profiled run, ``--kernel-time``) and seconds of audio
+per second; without, each variant runs the ``--sessions`` scenarios.
+
+    python benchmarks/gpu_kokoro.py --device cuda --variants reference eager compile graphs compile+graphs \
+        --count 1 8 32 64 --count-repeats 5 --kernel-time --json OUT
+
 Prints a table and writes JSON (``--json``, rewritten after every scenario).
 """
 
@@ -286,12 +299,142 @@ def count_forward(model: Any, sizes: list[int], styles: Any, args: argparse.Name
     return rows
 
 
+VARIANTS = ("reference", "eager", "compile", "graphs", "compile+graphs")
+
+
+def build_variant(variant: str, device: str, seed: int) -> tuple[Any, Any]:
+    """The model and the decode function of ``variant`` (see the module docstring)."""
+    import torch
+
+    from voicebot.engines.tts import kokoro_model as km
+    from voicebot.engines.tts.kokoro_graphs import BucketedDecoder
+
+    torch.manual_seed(seed)
+    model = km.build_model(km.random_config(), device=device, fused=variant != "reference",
+                           compile=variant.startswith("compile"))
+    if variant.endswith("graphs"):
+        return model, BucketedDecoder(model, cuda_graphs=True)
+    return model, None
+
+
+def decode_times(model: Any, graphs: Any, sizes: list[int], styles: Any, args: argparse.Namespace,
+                 variant: str) -> list[dict[str, Any]]:
+    """Per batch size: ``decode()`` of every vocoder group of one encoded batch of replies
+    (half first clauses, half sentences), audio to the host: wall ms (median), GPU kernel ms
+    (``--kernel-time``: the profiler's device time of one run), audio seconds per second."""
+    import torch
+
+    from voicebot.engines.tts import kokoro_model as km
+    from voicebot.engines.tts.kokoro_batch import MAX_FRAMES
+
+    cuda = str(model.device).startswith("cuda")
+    decode = graphs.decode if graphs is not None else (lambda items: km.decode(model, items))
+    rows = []
+    for n in sizes:
+        rng = random.Random(3)
+        texts = [rng.choice(FIRST) if i % 2 == 0 else rng.choice(REST) for i in range(n)]
+        lens = [phonemes(t, rng) for t in texts]
+        st = torch.stack([styles[i % len(styles)] for i in range(n)]).to(model.device)
+        row: dict[str, Any] = {"variant": variant, "clauses": n}
+        try:
+            with torch.inference_mode():
+                enc = km.encode(model, [x[0] for x in lens], st, [1.0] * n, [x[1] for x in lens])
+                groups = km.frame_groups([e.frames for e in enc], args.max_pad, args.max_frames or MAX_FRAMES)
+
+                def run(enc: list[Any] = enc, groups: list[list[int]] = groups) -> None:
+                    for g in groups:
+                        torch.cat(decode([enc[i] for i in g])).cpu()
+                    if cuda:
+                        torch.cuda.synchronize()
+
+                t0 = time.perf_counter()
+                for _ in range(args.decode_warmup):
+                    run()
+                row["warmup_s"] = round(time.perf_counter() - t0, 2)
+                times = []
+                for _ in range(args.count_repeats):
+                    t0 = time.perf_counter()
+                    run()
+                    times.append((time.perf_counter() - t0) * 1000)
+                if args.kernel_time and cuda:
+                    from torch.profiler import ProfilerActivity, profile
+
+                    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                        run()
+                    row["kernel_ms"] = round(sum(e.self_device_time_total for e in prof.key_averages()) / 1000, 1)
+        except Exception as exc:  # noqa: BLE001  (one variant failing must not lose the others)
+            row["error"] = f"{type(exc).__name__}: {exc}"[:500]
+            rows.append(row)
+            print(f"[gpu_kokoro] {variant} {n} clauses: FAILED {row['error']}", flush=True)
+            continue
+        audio_s = sum(e.frames for e in enc) * km.SAMPLES_PER_FRAME / km.SAMPLE_RATE
+        med = sorted(times)[len(times) // 2] if times else None
+        row.update(groups=len(groups), audio_s=round(audio_s, 2), decode_ms=round(med, 1) if med else None,
+                   decode_ms_all=[round(t, 1) for t in times],
+                   audio_s_per_s=round(audio_s / (med / 1000), 1) if med else None)
+        if graphs is not None:
+            row.update(captures=graphs.captures, eager_groups=graphs.eager_calls)
+        rows.append(row)
+        print(f"[gpu_kokoro] {variant} {n} clauses ({len(groups)} groups, {row['audio_s']} s audio): decode "
+              f"{row['decode_ms']} ms, kernels {row.get('kernel_ms', '-')} ms, {row['audio_s_per_s']} s audio/s, "
+              f"warm-up {row['warmup_s']} s", flush=True)
+    return rows
+
+
+async def run_variants(args: argparse.Namespace, report: dict[str, Any]) -> dict[str, Any]:
+    """Every ``--variants`` in turn: ``--count`` decode times, else the ``--sessions`` scenarios."""
+    import torch
+
+    from voicebot.engines.tts.kokoro_batch import MAX_FRAMES, KokoroBatcher, torch_runner
+
+    styles = torch.randn(args.voices, 256, generator=torch.Generator().manual_seed(args.seed)) * 0.15
+    report.update(variants=args.variants, decode=[], scenarios=[])
+    for variant in args.variants:
+        try:
+            model, graphs = build_variant(variant, args.device, args.seed)
+        except Exception as exc:  # noqa: BLE001  (e.g. graphs on a CPU: recorded, the next variant runs)
+            report.setdefault("variant_errors", {})[variant] = f"{type(exc).__name__}: {exc}"[:500]
+            print(f"[gpu_kokoro] {variant}: cannot build: {exc}", flush=True)
+            continue
+        if args.count:
+            report["decode"] += decode_times(model, graphs, args.count, styles, args, variant)
+            dump(args, report)
+        else:
+            runner = torch_runner(model, max_pad=args.max_pad, max_frames=args.max_frames or MAX_FRAMES,
+                                  overlap=args.overlap, decoder=None if graphs is None else graphs.decode)
+            eng = KokoroBatcher(runner, max_batch=args.max_batch, queue_size=args.queue_size, workers=args.workers[0])
+            eng.start()
+            try:
+                warm = await warm_up(eng, styles, args.max_batch)
+                print(f"[gpu_kokoro] {variant}: warm-up {warm:.1f} s", flush=True)
+                for n in args.sessions:
+                    await eng.idle()
+                    res = await scenario(eng, args, n, styles)
+                    res.update(mode=variant, max_batch=args.max_batch, workers=args.workers[0], variant=variant)
+                    report["scenarios"].append(res)
+                    print(f"[gpu_kokoro] {variant} sessions {n}: first audio {res['first_audio_ms']} stalled "
+                          f"{res['stalled_fraction']} audio/wall {res['audio_s_per_wall_s']} gpu "
+                          f"{res.get('gpu_util_mean')}%", flush=True)
+                    dump(args, report)
+            finally:
+                await eng.aclose()
+        del model, graphs
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    return report
+
+
 async def amain(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from voicebot.engines.tts import kokoro_model as km
     from voicebot.engines.tts.kokoro_batch import MAX_FRAMES, KokoroBatcher, torch_runner
 
+    if args.variants:
+        return await run_variants(args, {
+            "device": args.device, "cpus": os.cpu_count(), "torch": torch.__version__, "argv": sys.argv,
+            "gpu": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else None,
+            "weights": "random (real Kokoro-82M shape); durations forced to 2-3 frames per phoneme"})
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
     model = km.build_model(km.random_config(), device=args.device)
@@ -356,6 +499,18 @@ def table(report: dict[str, Any]) -> str:
     ])
 
 
+def decode_table(rows: list[dict[str, Any]]) -> str:
+    head = f"{'variant':<16}{'clauses':>8}{'groups':>7}{'audio s':>8}{'decode ms':>10}{'kernel ms':>10}{'audio s/s':>10}{'captures':>9}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['variant']:<16}{r['clauses']:>8}  FAILED {r['error'][:80]}")
+            continue
+        lines.append(f"{r['variant']:<16}{r['clauses']:>8}{r['groups']:>7}{r['audio_s']:>8}{r['decode_ms']!s:>10}"
+                     f"{r.get('kernel_ms', '-')!s:>10}{r['audio_s_per_s']!s:>10}{r.get('captures', '-')!s:>9}")
+    return "\n".join(lines)
+
+
 def count_table(rows: list[dict[str, Any]]) -> str:
     head = f"{'clauses':>8}{'groups':>7}{'kernels':>9}{'views':>7}{'host ops':>9}{'syncs':>6}  {'forward ms':>10}  syncs by kind"
     lines = [head, "-" * len(head)]
@@ -398,11 +553,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="only count one forward's ops and host-device syncs at these batch sizes, and time it")
     p.add_argument("--count-repeats", type=int, default=3, help="--count: timed forwards per batch size (median)")
     p.add_argument("--count-tiny", action="store_true", help="--count: 4-phoneme clauses (the fixed cost)")
+    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=None,
+                   help="measure each of these forwards in one run (module docstring); --count: decode times")
+    p.add_argument("--decode-warmup", type=int, default=2, help="--variants --count: untimed runs first (compile, capture)")
+    p.add_argument("--kernel-time", action="store_true", help="--variants --count on CUDA: one profiled run's kernel time")
     p.add_argument("--max-wall-s", type=float, default=280.0)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     report = run_with_deadline(amain(args), args.max_wall_s, "gpu_kokoro")
-    if report.get("op_counts"):
+    if report.get("decode"):
+        print(decode_table(report["decode"]))
+    elif report.get("op_counts"):
         print(count_table(report["op_counts"]))
     else:
         print(table(report))

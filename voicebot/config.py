@@ -260,10 +260,19 @@ class TtsConfig(_Section):
     kokoro_model: str = Field("hexgrad/Kokoro-82M", description="Kokoro (or tts.model): a Hugging Face repo id or a directory with config.json, one .pth and voices/NAME.pt (or kokoro-js NAME.bin); 'random': random weights of the real shape with real-length speech, for GPU measurements only.")
     device: str = Field("auto", description="Kokoro and Coqui: torch device (auto: cuda if available, else cpu).")
     max_batch: int = Field(64, ge=1, le=1024, description="Kokoro: clauses of all sessions synthesised in one forward at most (tts.workers forwards run at once).")
+    kokoro_compile: bool = Field(False, description="Kokoro: each norm/AdaIN/activation/mask chain of the decoder and vocoder as one torch.compile-d kernel (dynamic shapes: compiled at the first clauses, not per length; needs Triton on a GPU, a C++ compiler on a CPU). Off: the same chains eager, in fewer passes than the package's modules.")
+    kokoro_cuda_graphs: bool = Field(False, description="Kokoro on a CUDA device: each vocoder group padded to a (rows, frames) bucket whose decode is captured as a CUDA graph at its first use and replayed (the host's kernel launches gone); a CPU device is refused.")
     coqui_model: str = Field("tts_models/en/ljspeech/vits", description="Coqui (or tts.model): a model directory (config.json and its checkpoint: model.pth or one .pth; XTTS also vocab.json), a Coqui model name (tts_models/LANG/DATASET/MODEL, downloaded by Coqui) or a Hugging Face repo id (coqui/XTTS-v2); bundle:NAME and models.offline apply as to every model setting.")
     coqui_speaker: str | None = Field(None, description="Coqui: the default voice: a speaker name of a multi-speaker model, or a reference clip (a .wav path) for a cloning model such as XTTS; None: a single-speaker model's only voice, else the model's first speaker. synthesize(voice=...) takes the same per call.")
     coqui_language: str = Field("en", min_length=1, max_length=16, description="Coqui: the language of the text for multilingual models (XTTS: en, de, fr ...); ignored by single-language models.")
     coqui_stream_tokens: int = Field(20, ge=0, le=1000, description="Coqui XTTS: GPT tokens per streamed audio chunk within a clause (fewer: earlier first audio, more decoder calls); 0: one chunk per sentence.")
+
+    @model_validator(mode="after")
+    def _graphs_need_cuda(self) -> TtsConfig:
+        if self.kokoro_cuda_graphs and self.device.startswith("cpu"):
+            raise ValueError("tts.kokoro_cuda_graphs needs a CUDA device (tts.device cuda or auto on a GPU host), "
+                             f"not {self.device}")
+        return self
 
     @model_validator(mode="after")
     def _model_is_the_engines(self) -> TtsConfig:

@@ -28,7 +28,7 @@ import numpy as np
 from voicebot.config import TtsConfig
 from voicebot.engines.tts.kokoro_batch import KokoroBatcher, Runner
 from voicebot.engines.tts.text import clean_text, resolve_speed, split_sentences
-from voicebot.errors import EngineError, ModelError
+from voicebot.errors import ConfigError, EngineError, ModelError
 
 log = logging.getLogger(__name__)
 
@@ -219,11 +219,19 @@ class KokoroTts:
         device = self._cfg.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self._cfg.kokoro_cuda_graphs and not device.startswith("cuda"):
+            raise ConfigError(f"tts.kokoro_cuda_graphs needs a CUDA device; tts.device is {device}")
         try:
-            model = km.build_model(config, None if weights is None else str(weights), device)
+            model = km.build_model(config, None if weights is None else str(weights), device,
+                                   compile=self._cfg.kokoro_compile)
         except Exception as exc:
             raise ModelError(f"cannot load Kokoro model {self._cfg.kokoro_model}: {exc}") from exc
-        self._runner = self._runner or torch_runner(model)
+        decoder = None
+        if self._cfg.kokoro_cuda_graphs:
+            from voicebot.engines.tts.kokoro_graphs import BucketedDecoder
+
+            decoder = BucketedDecoder(model, cuda_graphs=True).decode
+        self._runner = self._runner or torch_runner(model, decoder=decoder)
         self._g2p = self._g2p or EspeakG2P(config["vocab"])
         if self._voices is None:
             self._voices = RandomVoices() if random_weights else VoicePacks(self._cfg.kokoro_model, local)

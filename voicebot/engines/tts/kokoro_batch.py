@@ -243,9 +243,11 @@ class KokoroBatcher:
 MAX_FRAMES = 64 * 300
 
 
-def torch_runner(model: Any, *, max_pad: float = 0.25, max_frames: int = MAX_FRAMES, overlap: bool = False) -> Runner:
+def torch_runner(model: Any, *, max_pad: float = 0.25, max_frames: int = MAX_FRAMES, overlap: bool = False,
+                 decoder: Callable[[Sequence[Any]], list[Any]] | None = None) -> Runner:
     """The :data:`Runner` of a ``KModel`` (``kokoro_model.build_model``): encode the batch,
-    decode it in groups of similar length, each worker thread on its own CUDA stream.
+    decode it in groups of similar length (``decoder``: ``kokoro_model.decode`` or a
+    ``kokoro_graphs.BucketedDecoder``'s), each worker thread on its own CUDA stream.
 
     Each group's audio goes to the host with a blocking copy: the one host-device sync of a
     group (``kokoro_model.encode`` has none with forced durations, one with predicted ones).
@@ -259,6 +261,7 @@ def torch_runner(model: Any, *, max_pad: float = 0.25, max_frames: int = MAX_FRA
 
     local = threading.local()
     cuda = str(model.device).startswith("cuda")
+    decode = decoder or functools.partial(km.decode, model)
 
     def run(batch: list[Clause], deliver: Callable[[list[Clause], list[np.ndarray]], None]) -> None:
         stream = getattr(local, "stream", None)
@@ -277,7 +280,7 @@ def torch_runner(model: Any, *, max_pad: float = 0.25, max_frames: int = MAX_FRA
                 live = [i for i in group if not batch[i].future.cancelled()]
                 if not live:
                     continue
-                audio = km.decode(model, [encoded[i] for i in live])
+                audio = decode([encoded[i] for i in live])
                 sizes = [a.shape[0] for a in audio]
                 if overlap and cuda:
                     flat = torch.cat(audio).float()

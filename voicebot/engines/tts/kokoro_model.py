@@ -109,9 +109,14 @@ def kokoro_modules() -> types.ModuleType:
     return importlib.import_module("kokoro.model")
 
 
-def build_model(config: dict[str, Any], weights: str | None = None, device: str = "cpu") -> Any:
+def build_model(config: dict[str, Any], weights: str | None = None, device: str = "cpu", *,
+                fused: bool = True, compile: bool = False) -> Any:
     """A ``KModel`` of ``config``'s shape, weight norms folded; ``weights``: a ``.pth`` file
-    (hexgrad's, with weight norms, or one already folded), None for random weights."""
+    (hexgrad's, with weight norms, or one already folded), None for random weights.
+    ``fused``: the decoder's and vocoder's chains in fewer passes (``kokoro_fused``), each
+    one ``torch.compile``-d function with ``compile``; not ``fused``: the package's forwards
+    with only this module's masks and fast paths (the reference the fused ones are tested
+    and measured against)."""
     kmodel = kokoro_modules().KModel
     empty = io.BytesIO()
     torch.save({}, empty)
@@ -137,6 +142,12 @@ def build_model(config: dict[str, Any], weights: str | None = None, device: str 
     model = model.to(device).eval()
     mask_padding(model)
     fast_paths(model)
+    if fused:
+        from voicebot.engines.tts import kokoro_fused  # it builds on this module
+
+        kokoro_fused.install(model, compile=compile)
+    elif compile:
+        raise ValueError("compile applies to the fused forwards (fused=True)")
     return model
 
 
@@ -164,7 +175,7 @@ def random_config() -> dict[str, Any]:
 _ctx = threading.local()
 
 
-def _mask(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+def padding_masks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """For ``x`` [B, C, L]: ``m`` [B, 1, L], 1.0 over each utterance's own frames at ``x``'s
     length, and ``w`` [B, L, 1], ``m`` over its count (a mean is ``x @ w``); None: no padding."""
     frames = getattr(_ctx, "frames", None)
@@ -185,7 +196,7 @@ def _mask(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
 
 
 def _masked_instance_norm(self: nn.InstanceNorm1d, x: torch.Tensor) -> torch.Tensor:
-    mw = _mask(x)
+    mw = padding_masks(x)
     if mw is None:
         # One group per channel is an instance norm, in one kernel (instance_norm runs a
         # batch norm over a reshaped input, repeating the affine parameters per call).
@@ -205,7 +216,7 @@ def _masked_instance_norm(self: nn.InstanceNorm1d, x: torch.Tensor) -> torch.Ten
 
 
 def _masked_conv(self: nn.Conv1d | nn.ConvTranspose1d, x: torch.Tensor) -> torch.Tensor:
-    mw = _mask(x)
+    mw = padding_masks(x)
     return type(self).forward(self, x if mw is None else x * mw[0])  # zeros past the end, as in batch 1
 
 
@@ -220,11 +231,11 @@ def mask_padding(model: nn.Module) -> None:
             mod.forward = types.MethodType(_masked_conv, mod)  # type: ignore[method-assign]
 
 
-_RSQRT2 = 1 / math.sqrt(2)  # AdainResBlk1d's torch.rsqrt(torch.tensor(2)), without two host ops per call
+RSQRT2 = 1 / math.sqrt(2)  # AdainResBlk1d's torch.rsqrt(torch.tensor(2)), without two host ops per call
 
 
 def _adain_resblk_forward(self: Any, x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    return (self._residual(x, s) + self._shortcut(x)) * _RSQRT2
+    return (self._residual(x, s) + self._shortcut(x)) * RSQRT2
 
 
 def _snake_resblock_forward(self: Any, x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -472,14 +483,25 @@ def decode(model: Any, items: Sequence[Encoded]) -> list[torch.Tensor]:
     frames = [it.frames for it in items]
     fmax = max(frames)
     en, asr, styles, frames_dev = _gather(items, fmax)
+    audio = decode_rows(model, en, asr, styles, frames_dev, masked=len(set(frames)) > 1)
+    return [audio[i, : f * SAMPLES_PER_FRAME] for i, f in enumerate(frames)]
+
+
+def decode_rows(model: Any, en: torch.Tensor, asr: torch.Tensor, styles: torch.Tensor, frames_dev: torch.Tensor,
+                *, masked: bool) -> torch.Tensor:
+    """Stage 2 on padded tensors: ``en`` [B, hidden + style, F], ``asr`` [B, hidden, F],
+    ``styles`` [B, 256], ``frames_dev`` [B] each row's frame count (``masked``: some are
+    below F, so every norm and conv is made blind to the padding) -> audio [B, F x 600].
+    No host sync and no shape that depends on tensor values: the function a CUDA graph
+    captures (``kokoro_graphs``)."""
+    fmax = en.shape[-1]
     s = styles[:, 128:]
-    ragged = len(set(frames)) > 1
-    _ctx.frames = frames_dev if ragged else None
+    _ctx.frames = frames_dev if masked else None
     _ctx.fmax = fmax
     _ctx.masks = {}
     try:
         pred = model.predictor
-        x = _bilstm(pred.shared, en.transpose(-1, -2), _padding(frames_dev, fmax) if ragged else None).transpose(-1, -2)
+        x = _bilstm(pred.shared, en.transpose(-1, -2), _padding(frames_dev, fmax) if masked else None).transpose(-1, -2)
         f0 = x
         for block in pred.F0:
             f0 = block(f0, s)
@@ -492,8 +514,7 @@ def decode(model: Any, items: Sequence[Encoded]) -> list[torch.Tensor]:
     finally:
         _ctx.frames = None
         _ctx.masks = {}
-    audio = audio.reshape(len(items), -1)
-    return [audio[i, : f * SAMPLES_PER_FRAME] for i, f in enumerate(frames)]
+    return audio.reshape(en.shape[0], -1)
 
 
 def frame_groups(frames: Sequence[int], max_pad: float = 0.25, max_frames: int = 1 << 30) -> list[list[int]]:

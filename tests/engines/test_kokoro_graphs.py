@@ -1,0 +1,85 @@
+"""Kokoro's bucketed decode (voicebot/engines/tts/kokoro_graphs.py) on a CPU: the
+bucket-padded function that CUDA graphs capture, run eagerly, against each clause decoded
+alone and unpadded; and the settings that refuse CUDA graphs without a CUDA device."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from pydantic import ValidationError
+
+from voicebot.config import TtsConfig
+from voicebot.engines.tts import kokoro_model as km
+from voicebot.engines.tts.kokoro_graphs import BucketedDecoder, buckets
+
+pytestmark = pytest.mark.engines  # real engines or a server: not in make test-fast
+
+SMALL = {
+    **km.KOKORO_82M_SHAPE,
+    "hidden_dim": 512,  # the decoder hard-codes 512 (asr_res)
+    "n_layer": 1,
+    "plbert": {"hidden_size": 64, "num_attention_heads": 2, "intermediate_size": 128,
+               "max_position_embeddings": 512, "num_hidden_layers": 2, "dropout": 0.1},
+    "vocab": km.KOKORO_VOCAB,
+}
+
+
+@pytest.fixture(scope="module")
+def model() -> Any:
+    torch.manual_seed(0)
+    return km.build_model(SMALL)
+
+
+@pytest.fixture
+def no_noise(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch, "randn_like", lambda x, **kw: torch.zeros_like(x))
+    monkeypatch.setattr(torch, "rand", lambda *size, **kw: torch.zeros(*size, **kw))
+
+
+def test_buckets_are_powers_of_two_and_halfway_points() -> None:
+    assert buckets(100) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128]
+    assert buckets(600, 16) == [16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768]
+
+
+def test_shape_pads_to_the_next_bucket_within_max_frames(model: Any) -> None:
+    dec = BucketedDecoder(model, max_frames=4096)
+    assert dec.shape(1, 10) == (1, 16)
+    assert dec.shape(5, 70) == (6, 96)
+    assert dec.shape(40, 200) is None  # 48 x 256 padded frames: beyond max_frames, run unpadded
+
+
+def test_bucket_padding_gives_each_clause_its_own_audio(model: Any, no_noise: None) -> None:
+    """Five clauses padded to 6 rows x 48 frames (a padded row, frames past each end),
+    then one alone padded to 1 x 24: each as decoded alone, unpadded, but for the very
+    end of the utterance (kokoro_model: the source's interpolation and STFT reach past it)."""
+    ids = [[50, 83, 54, 156, 57, 16, 65, 85, 54, 46], [44, 102, 56], [61, 62, 69, 158, 123, 62, 16, 86, 56, 46, 4]]
+    durations = [[3, 2, 4, 3, 3, 2, 4, 3, 2, 3], [2, 3, 4], [3] * 11]
+    styles = torch.randn(3, 256, generator=torch.Generator().manual_seed(1)) * 0.15
+    dec = BucketedDecoder(model)
+    with torch.inference_mode():
+        batch = km.encode(model, ids, styles, [1.0] * 3, durations)
+        items = [*batch, *batch[:2]]
+        assert dec.shape(5, max(e.frames for e in batch)) == (6, 48)
+        padded = dec.decode(items)
+        alone_padded = dec.decode(batch[1:2])
+        for i, got in enumerate([*padded, *alone_padded]):
+            row = i % 3 if i < 5 else 1
+            one = km.encode(model, [ids[row]], styles[row : row + 1], [1.0], [durations[row]])
+            ref = km.decode(model, one)[0].numpy()
+            got_np = got.numpy()
+            assert got_np.shape == ref.shape == (one[0].frames * km.SAMPLES_PER_FRAME,)
+            peak = np.abs(ref).max() + 1e-9
+            body = slice(km.SAMPLES_PER_FRAME, len(ref) - 2 * km.SAMPLES_PER_FRAME)
+            assert np.abs(got_np[body] - ref[body]).max() / peak < 1e-4, i
+            assert np.abs(got_np - ref).max() / peak < 0.1, i
+    assert dec.eager_calls == 0 and dec.captures == 0
+
+
+def test_cuda_graphs_are_refused_without_a_cuda_device(model: Any) -> None:
+    with pytest.raises(ValueError, match="CUDA device"):
+        BucketedDecoder(model, cuda_graphs=True)
+    with pytest.raises(ValidationError, match="kokoro_cuda_graphs needs a CUDA device"):
+        TtsConfig(engine="kokoro", device="cpu", kokoro_cuda_graphs=True)
