@@ -19,20 +19,13 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from kokoro_small import SMALL, zero_noise
 from kokoro_weights import VOICE, kokoro_int8_dir
 
 from voicebot.engines.tts import kokoro_model as km
 
 pytestmark = pytest.mark.engines  # real engines or a server: not in make test-fast
 
-SMALL = {
-    **km.KOKORO_82M_SHAPE,
-    "hidden_dim": 512,  # the decoder hard-codes 512 (asr_res)
-    "n_layer": 1,
-    "plbert": {"hidden_size": 64, "num_attention_heads": 2, "intermediate_size": 128,
-               "max_position_embeddings": 512, "num_hidden_layers": 2, "dropout": 0.1},
-    "vocab": km.KOKORO_VOCAB,
-}
 IDS = [[50, 83, 54, 156, 57, 16, 65, 85, 54, 46], [44, 102, 56], [61, 62, 69, 158, 123, 62, 16, 86, 56, 46, 4]]
 DURATIONS = [[3, 2, 4, 3, 3, 2, 4, 3, 2, 3], [2, 3, 4], [3] * 11]
 BATCHES = [[0, 1, 2], [1], [2, 2]]  # ragged (masked), batch 1, equal rows (unmasked)
@@ -40,8 +33,7 @@ BATCHES = [[0, 1, 2], [1], [2, 2]]  # ragged (masked), batch 1, equal rows (unma
 
 @pytest.fixture
 def no_noise(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch, "randn_like", lambda x, **kw: torch.zeros_like(x))
-    monkeypatch.setattr(torch, "rand", lambda *size, **kw: torch.zeros(*size, **kw))
+    zero_noise(monkeypatch)
 
 
 def _small(**kw: Any) -> Any:

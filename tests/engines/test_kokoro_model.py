@@ -12,19 +12,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from kokoro_small import SMALL, zero_noise
 
 from voicebot.engines.tts import kokoro_model as km
 
 pytestmark = pytest.mark.engines  # real engines or a server: not in make test-fast
 
-SMALL = {
-    **km.KOKORO_82M_SHAPE,
-    "hidden_dim": 512,  # the decoder hard-codes 512 (asr_res)
-    "n_layer": 1,
-    "plbert": {"hidden_size": 64, "num_attention_heads": 2, "intermediate_size": 128,
-               "max_position_embeddings": 512, "num_hidden_layers": 2, "dropout": 0.1},
-    "vocab": km.KOKORO_VOCAB,
-}
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +28,7 @@ def model() -> Any:
 
 @pytest.fixture
 def no_noise(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch, "randn_like", lambda x, **kw: torch.zeros_like(x))
-    monkeypatch.setattr(torch, "rand", lambda *size, **kw: torch.zeros(*size, **kw))
+    zero_noise(monkeypatch)
 
 
 def test_real_shape_has_82m_parameters() -> None:
