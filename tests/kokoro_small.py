@@ -28,3 +28,9 @@ def zero_noise(monkeypatch: pytest.MonkeyPatch) -> None:
     """The vocoder's random source silenced, for sample-by-sample comparisons."""
     monkeypatch.setattr(torch, "randn_like", lambda x, **kw: torch.zeros_like(x))
     monkeypatch.setattr(torch, "rand", lambda *size, **kw: torch.zeros(*size, **kw))
+
+
+def small_model() -> Any:
+    """A model of :data:`SMALL`'s shape with seeded random weights."""
+    torch.manual_seed(0)
+    return km.build_model(SMALL)

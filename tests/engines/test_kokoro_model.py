@@ -12,18 +12,16 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from kokoro_small import SMALL, zero_noise
+from kokoro_small import small_model, zero_noise
 
 from voicebot.engines.tts import kokoro_model as km
 
 pytestmark = pytest.mark.engines  # real engines or a server: not in make test-fast
 
 
-
 @pytest.fixture(scope="module")
 def model() -> Any:
-    torch.manual_seed(0)
-    return km.build_model(SMALL)
+    return small_model()
 
 
 @pytest.fixture
