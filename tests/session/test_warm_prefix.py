@@ -238,12 +238,15 @@ async def test_no_summary_starts_beside_a_live_reply_and_its_prompt_is_prefilled
     def live() -> bool:  # a reply not yet written (one written and playing is the window)
         return bool(sessions) and sessions[0].core.reply is not None and not sessions[0].core.reply.written
 
+    listened: list[bool] = []  # each summary: started while the caller listened to a written reply
+
     async def logged_warm(ids: list[int], **kw: Any) -> None:
         order.append(("warm", list(ids), live()))
         await warm(ids, **kw)
 
     async def logged_complete(ids: list[int], **kw: Any) -> str:
         order.append(("summary", list(ids), live()))
+        listened.append(bool(sessions) and sessions[0].core.reply is not None and sessions[0].core.reply.written)
         return await complete(ids, **kw)  # type: ignore[no-any-return]
 
     llm.warm, llm.complete = logged_warm, logged_complete  # type: ignore[attr-defined]
@@ -266,6 +269,7 @@ async def test_no_summary_starts_beside_a_live_reply_and_its_prompt_is_prefilled
         await until(c.clock, lambda: conv.summary is not None, timeout=10)
     summaries = [(ids, live) for kind, ids, live in order if kind == "summary"]
     assert summaries and not any(live for _, live in summaries), "a summary started beside a live reply"
+    assert listened[0], "the compaction's summary waited past the reply's audio"
     warmed = [ids for kind, ids, _ in order if kind == "warm"]
     assert all(ids in warmed for ids, _ in summaries), "a summary's prompt not prefilled first"
 
