@@ -797,3 +797,26 @@ def test_random_calls_keep_the_invariants(script: list[Any], prefills: bool, bud
     assert not bg.held, "a compaction held back for a window that never came"
     if prefills and h.trim_plan() and bg.compaction is None and bg.summary is None and not bg.unsummarised:
         assert not h.near_budget() or h.over_budget(), "a compaction due and never started"
+
+
+def test_a_swap_forced_under_a_live_reply_has_its_prefill_before_the_next_summary() -> None:
+    # The reply's prompt was the history before the swap: nothing of the swapped-in history
+    # is cached. A summary started as the caller listened took the one background slot, and
+    # the prefill after the reply waited behind its decode (a next reply 2.6 s late).
+    h = FakeHistory(budget=80)
+    c, summary = _compacting(h)
+    assert isinstance(c.handle(ev.SummaryDone(summary.summary, "they talked about the weather"))[0], ev.StartPrefill)
+    reply = c.handle(ev.CreateReply())[-1]
+    assert isinstance(reply, ev.StartReply)
+    n = 0
+    while h.summary is None:  # client-side items while the reply is live: the budget forces the swap
+        n += 1
+        c.handle(ev.AddItem("user", "and what about the weekend then please tell me", f"x{n}"))
+    assert h.near_budget(), "the next compaction is due"
+    assert kinds(c.handle(ev.ReplyWritten(reply.reply_id, 4.0), 1.0)) == [], "the swapped-in history's prefill first"
+    ended = c.handle(ev.ReplyEnded(reply.reply_id, "completed", "sunny", None, None), 5.0)
+    p = [a for a in ended if isinstance(a, ev.StartPrefill)]
+    assert p and list(p[0].ids) == h.history_ids(), kinds(ended)
+    assert "StartSummary" not in kinds(ended)
+    assert "StartSummary" not in kinds(c.handle(ev.PrefillDone(p[0].prefill), 5.1)), "not as the caller may answer"
+    assert kinds(c.handle(ev.Tick(), 5.0 + GRACE_S)) == ["StartSummary"], "then, as they did not"

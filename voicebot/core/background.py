@@ -129,6 +129,7 @@ class Background:
         # Tokens the last exchanges added (a turn and its reply): the deadline's yardstick.
         self._exchanges: deque[int] = deque(maxlen=3)
         self._exchange_from: int | None = None
+        self._reply_from: list[int] = []  # the history the live reply's prompt started with
         self.warmed: list[int] = []  # the history last prefilled, whole cache blocks
         self.prefill: _Prefill | None = None
         self.summary: _Summary | None = None
@@ -353,12 +354,19 @@ class Background:
     def reply_started(self) -> list[Action]:
         """The reply's own prompt starts with that prefix: a prefill still queued would
         only compete with it (one already in an engine step finishes that step)."""
+        self._reply_from = self.history.history_ids()
         return self.cancel_prefill()
 
     def reply_written(self, audio_s: float) -> list[Action]:
         """The live reply's LLM work is done and ``audio_s`` of its audio are to play: the
         caller listens, the window for a compaction's summary."""
         self.window.reply_written(self.now, audio_s)
+        if self.history.history_ids()[: len(self._reply_from)] != self._reply_from:
+            # A swap under the reply: its prompt cached the history before it, so the
+            # prefill after the reply is all of the history, and a summary started now
+            # would hold that prefill back on the one background slot. It comes back
+            # once that prefill is done.
+            return []
         return self._compact_when_idle()
 
     def reply_ended(self, kept: bool, computed: tuple[int, ...] | None) -> list[Action]:
