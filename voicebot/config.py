@@ -341,7 +341,9 @@ class SessionConfig(_Section):
         ge=64,
         le=1_000_000,
         description="Token budget for the conversation history. From 80 % of it the oldest turns are summarised "
-        "and swapped out once the history without them is prefilled; at the budget they are dropped at once.",
+        "(while the caller listens to a reply, never while they speak, or at once when the next exchange could "
+        "reach the budget) and swapped out once the history without them is prefilled; at the budget they are "
+        "dropped at once.",
     )
     output_sample_rate: int = Field(24_000, ge=8000, le=48_000, description="Default reply audio rate sent to clients.")
     playout_lead_ms: int = Field(120, ge=0, le=2000, description="Audio sent ahead of real time to absorb jitter.")

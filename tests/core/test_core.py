@@ -14,6 +14,7 @@ from voicebot.config import DEFAULT_BACKCHANNEL_WORDS
 from voicebot.core import CallCore
 from voicebot.core import events as ev
 from voicebot.core.backchannel import FalseInterruptions
+from voicebot.core.summary_window import GRACE_S
 
 
 @dataclass(frozen=True, eq=False)  # compared by identity, as the real history's
@@ -61,6 +62,9 @@ class FakeHistory:
 
     def near_budget(self) -> bool:
         return len(self.history_ids()) + self.reserved > self.budget * 0.8
+
+    def room(self) -> int:
+        return self.budget - self.reserved - len(self.history_ids())
 
     def trim_plan(self) -> list[Msg]:
         count, target = len(self.history_ids()), int(self.budget * 0.6) - self.reserved
@@ -432,7 +436,8 @@ def test_a_compactions_summary_waits_for_the_prefill_the_next_reply_needs() -> N
     assert h.near_budget() and not h.over_budget() and kinds(ended) == ["ReportReply", "StartPrefill"], "the prefill first"
     p = ended[-1]
     assert isinstance(p, ev.StartPrefill)
-    assert kinds(c.handle(ev.PrefillDone(p.prefill))) == ["StartSummary"], "then the compaction"
+    assert kinds(c.handle(ev.PrefillDone(p.prefill))) == ["WakeAt"], "then the compaction, once the caller did not answer"
+    assert kinds(c.handle(ev.Tick(), GRACE_S)) == ["StartSummary"]
 
 
 def test_a_hard_trim_prefills_the_kept_history_first_and_swaps_its_summary_in_once_prefilled() -> None:
@@ -476,6 +481,125 @@ def test_a_hard_trim_at_a_replys_end_prefills_after_the_reply_then_summarises() 
     assert kinds(c.handle(ev.PrefillDone(p.prefill))) == ["StartSummary"]
 
 
+# ------------------------------------------- when a compaction's summary may start
+# A summary's prompt is prefilled in engine steps that nothing preempts: one that starts
+# as the caller's turn ends delays the live reply by a step or more. It starts while the
+# caller listens to a written reply, or after the grace that follows a reply's end.
+
+class VoiceCall:
+    """Voice exchanges against the core at a clock the test moves: a turn spoken for 2 s,
+    its reply written 2 s after its transcript with ``audio_s`` left to play, every
+    prefill done at once. ``by`` records which event started each summary."""
+
+    def __init__(self, h: FakeHistory, *, speculate: bool) -> None:
+        self.c = core(history=h, prefills=True, summaries=True, block_size=4)
+        self.speculate = speculate
+        self.now = 0.0
+        self.by: list[str] = []
+        self.summaries: list[ev.StartSummary] = []
+        self.wakes: list[float] = []
+        self.feed(ev.PrefillDone(self.c.background.prefill.id))  # type: ignore[union-attr]
+
+    def feed(self, event: ev.Event, after: float = 0.0) -> list[ev.Action]:
+        self.now += after
+        actions = self.c.handle(event, self.now)
+        for a in list(actions):
+            if isinstance(a, ev.StartPrefill):
+                actions += self.feed(ev.PrefillDone(a.prefill))
+            elif isinstance(a, ev.StartSummary):
+                self.by.append(type(event).__name__)
+                self.summaries.append(a)
+            elif isinstance(a, ev.WakeAt):
+                self.wakes.append(a.at)
+        return actions
+
+    def turn(self, words: str) -> str:
+        item = next(a for a in self.feed(ev.SpeechStart(), 1.0) if isinstance(a, ev.OpenTurn)).item_id
+        if self.speculate:
+            self.feed(ev.Pause(), 2.0)
+            self.feed(ev.TurnEnd(), 0.4)
+        else:
+            self.feed(ev.TurnEnd(), 2.4)
+        started = [a for a in self.feed(ev.Transcribed(item, words), 0.3) if isinstance(a, ev.StartReply)]
+        assert self.c.reply is not None and self.c.reply.released
+        return started[0].reply_id if started else self.c.reply.id
+
+    def exchange(self, n: int, audio_s: float = 4.0) -> None:
+        rid = self.turn(f"question number {n} about the weather")
+        self.feed(ev.ReplyShown(rid), 0.5)
+        self.feed(ev.ReplyWritten(rid, audio_s), 1.5)
+        self.feed(ev.ReplyEnded(rid, "completed", f"answer number {n} is sunny", None, None), audio_s)
+
+
+def test_a_compactions_summary_starts_while_the_caller_listens() -> None:
+    for speculate in (False, True):
+        call = VoiceCall(FakeHistory(budget=150), speculate=speculate)
+        n = 0
+        while not call.summaries:
+            n += 1
+            call.exchange(n)
+        assert call.by == ["ReplyWritten"], f"started at {call.by} (speculate={speculate})"
+        assert not call.c.history.over_budget()  # type: ignore[attr-defined]
+
+
+def _filled(call: VoiceCall, ids: int) -> None:
+    """Client-side messages (no exchange measured: no deadline) to ``ids`` or just short."""
+    h = call.c.history
+    assert isinstance(h, FakeHistory)
+    n = 0
+    while len(h.history_ids()) + 4 <= ids:
+        n += 1
+        call.feed(ev.AddItem("user", "q", f"fu{n}"))
+        call.feed(ev.AddItem("assistant", "a", f"fa{n}"))
+
+
+def test_a_compaction_due_at_a_replys_end_waits_out_the_callers_answer() -> None:
+    h = FakeHistory(budget=150)  # a compaction past 112 ids
+    call = VoiceCall(h, speculate=True)
+    _filled(call, 100)
+    rid = call.turn("question about the weather")
+    call.feed(ev.ReplyWritten(rid, 4.0), 2.0)
+    assert not h.near_budget() and not call.summaries
+    ended = call.feed(ev.ReplyEnded(rid, "completed", " ".join(["sunny"] * 12), None, None), 4.0)
+    assert h.near_budget() and not call.summaries, "not as the caller may answer"
+    wake = [a for a in ended if isinstance(a, ev.WakeAt)]
+    assert wake and wake[0].at == call.now + 1.5
+    # They answer within the grace: held through their turn, started as they listen.
+    rid = call.turn("and tomorrow")
+    assert not call.summaries
+    call.feed(ev.Tick(), 0.0)
+    assert not call.summaries, "the caller's turn is open"
+    call.feed(ev.ReplyWritten(rid, 4.0), 2.0)
+    assert call.by == ["ReplyWritten"]
+
+
+def test_a_compaction_held_for_the_grace_starts_when_the_caller_does_not_answer() -> None:
+    h = FakeHistory(budget=150)
+    call = VoiceCall(h, speculate=False)
+    _filled(call, 100)
+    rid = call.turn("question about the weather")
+    assert call.feed(ev.ReplyWritten(rid, 0.5), 2.0) == [], "too little audio left to start under"
+    call.feed(ev.ReplyEnded(rid, "completed", " ".join(["sunny"] * 12), None, None), 0.5)
+    assert h.near_budget() and not call.summaries and call.wakes == [call.now + 1.5]
+    assert call.feed(ev.Tick(), 1.4) == []
+    assert kinds(call.feed(ev.Tick(), 0.1)) == ["StartSummary"]
+
+
+def test_at_the_deadline_a_compaction_goes_while_the_caller_speaks() -> None:
+    # Replies too short to leave a window: at less room before the hard trim than one
+    # exchange, waiting could let the next one hit the trim.
+    h = FakeHistory(budget=100)
+    call = VoiceCall(h, speculate=False)
+    n = 0
+    while not call.summaries:
+        n += 1
+        rid = call.turn(f"question number {n} about the weather")
+        assert h.room() >= call.c.background.exchange or call.summaries, "the deadline was not kept"
+        call.feed(ev.ReplyEnded(rid, "completed", f"answer number {n} is sunny", None, None), 2.0)
+    assert call.by in (["Transcribed"], ["ReplyEnded"]) and not h.over_budget()
+    assert h.room() < call.c.background.exchange
+
+
 # -------------------------------------------------------------- random event orders
 
 class Shell:
@@ -494,9 +618,51 @@ class Shell:
         self.forgotten: set[str] = set()
         self.held: set[str] = set()  # ended turns the client has not been told of yet
         self.shown: set[str] = set()  # replies the client was told of
+        self.now = 0.0
+        self.ended_at = -1e9  # the last reply's end
 
     def feed(self, event: ev.Event) -> None:
-        self.run(self.c.handle(event))
+        if isinstance(event, ev.ReplyEnded):
+            self.ended_at = self.now
+        self.run(self.c.handle(event, self.now))
+
+    def summary_started(self) -> None:
+        """A compaction's summary starts while the caller listens to a written reply, or
+        with no turn of theirs open, past the grace after a reply's end; else only at
+        the deadline."""
+        c, h = self.c, self.c.history
+        bg = c.background
+        assert bg.summary is not None
+        if bg.summary.compaction is None:
+            return  # a hard trim's: after the kept history's prefill
+        assert c.reply is None or c.reply.written, "not beside a reply being written"
+        if h.room() < bg.exchange:  # type: ignore[attr-defined]
+            return  # the deadline
+        assert not c._turn_open(), "not while the caller's turn is open"
+        listening = c.reply is not None and c.reply.written
+        assert listening or self.now >= self.ended_at + GRACE_S, "not as the caller may answer"
+
+    def settle(self) -> None:
+        """Every turn ended and answered, every reply and background job done, time let
+        run: what was due has happened (nothing starves)."""
+        c = self.c
+        for _ in range(40):
+            if c.open_item is not None:
+                self.feed(ev.TurnEnd())
+            while self.finals:
+                self.feed(ev.Transcribed(self.finals.pop(0), "some words"))
+            if c.reply is not None or c.overlap is not None:
+                self.feed(ev.CancelReply())
+                continue
+            if self.prefills:
+                self.feed(ev.PrefillDone(self.prefills.pop(0)))
+            elif self.summaries:
+                self.feed(ev.SummaryDone(self.summaries.pop(0), "a summary"))
+            else:
+                self.now += GRACE_S
+                self.feed(ev.Tick())
+                if not self.prefills and not self.summaries and c.reply is None and c.open_item is None:
+                    break
 
     def run(self, actions: list[ev.Action]) -> None:
         for a in actions:
@@ -547,6 +713,7 @@ class Shell:
                     self.prefills.append(pid)
                 case ev.StartSummary(sid):
                     self.summaries.append(sid)
+                    self.summary_started()
             bg = self.c.background
             assert bg.summary is None or bg.prefill is None or bg.summary.compaction is not None, \
                 "no prefill beside a trim's summary"
@@ -557,7 +724,8 @@ class Shell:
 words = st.sampled_from(["yes", "what is the weather like in Paris today", "tell me more about it please"])
 events = st.one_of(
     st.sampled_from(["speech", "quiet", "pause", "resume", "end", "clear", "create", "cancel", "complete",
-                     "fail", "final", "final_empty", "prefill", "summary", "summary_fail", "commit", "shown"]),
+                     "fail", "final", "final_empty", "prefill", "summary", "summary_fail", "commit", "shown",
+                     "written", "written_short", "wait"]),
     st.tuples(st.just("text"), words),
 )
 
@@ -595,6 +763,11 @@ def test_random_calls_keep_the_invariants(script: list[Any], prefills: bool, bud
             shell.feed(ev.ReplyShown(r.id))
         elif step == "cancel":
             shell.feed(ev.CancelReply())
+        elif step in ("written", "written_short") and r is not None and r.released and not r.written:
+            shell.feed(ev.ReplyWritten(r.id, 4.0 if step == "written" else 0.5))
+        elif step == "wait":
+            shell.now += 1.0
+            shell.feed(ev.Tick())
         elif step in ("complete", "fail") and r is not None and r.released:
             before = list(h.messages)
             text = "the whole reply as it was generated" if step == "complete" else "cut"
@@ -618,3 +791,32 @@ def test_random_calls_keep_the_invariants(script: list[Any], prefills: bool, bud
             assert [m.content for m in kept] in ([shell.heard[r.id]], []), "only what was heard"
         assert c.background.holders <= 2 and (c.background.prefill is None or c.reply is None), \
             "no prefill beside a live reply"
+        shell.now += 0.2
+    shell.settle()
+    bg = c.background
+    assert not bg.held, "a compaction held back for a window that never came"
+    if prefills and h.trim_plan() and bg.compaction is None and bg.summary is None and not bg.unsummarised:
+        assert not h.near_budget() or h.over_budget(), "a compaction due and never started"
+
+
+def test_a_swap_forced_under_a_live_reply_has_its_prefill_before_the_next_summary() -> None:
+    # The reply's prompt was the history before the swap: nothing of the swapped-in history
+    # is cached. A summary started as the caller listened took the one background slot, and
+    # the prefill after the reply waited behind its decode (a next reply 2.6 s late).
+    h = FakeHistory(budget=80)
+    c, summary = _compacting(h)
+    assert isinstance(c.handle(ev.SummaryDone(summary.summary, "they talked about the weather"))[0], ev.StartPrefill)
+    reply = c.handle(ev.CreateReply())[-1]
+    assert isinstance(reply, ev.StartReply)
+    n = 0
+    while h.summary is None:  # client-side items while the reply is live: the budget forces the swap
+        n += 1
+        c.handle(ev.AddItem("user", "and what about the weekend then please tell me", f"x{n}"))
+    assert h.near_budget(), "the next compaction is due"
+    assert kinds(c.handle(ev.ReplyWritten(reply.reply_id, 4.0), 1.0)) == [], "the swapped-in history's prefill first"
+    ended = c.handle(ev.ReplyEnded(reply.reply_id, "completed", "sunny", None, None), 5.0)
+    p = [a for a in ended if isinstance(a, ev.StartPrefill)]
+    assert p and list(p[0].ids) == h.history_ids(), kinds(ended)
+    assert "StartSummary" not in kinds(ended)
+    assert "StartSummary" not in kinds(c.handle(ev.PrefillDone(p[0].prefill), 5.1)), "not as the caller may answer"
+    assert kinds(c.handle(ev.Tick(), 5.0 + GRACE_S)) == ["StartSummary"], "then, as they did not"

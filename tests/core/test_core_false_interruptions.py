@@ -36,6 +36,9 @@ class History:
     def near_budget(self) -> bool:
         return False
 
+    def room(self) -> int:
+        return 10_000
+
     def trim_plan(self) -> list[Any]:
         return []
 

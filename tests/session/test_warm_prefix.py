@@ -38,8 +38,11 @@ def exchange(session: Any, start: int, turns: int) -> None:
 
 async def reply_that_trims(c: Any) -> None:
     """Client-side turns: a history just under its budget, then a reply that pushes it
-    over: the reply's _finish trims (a summary starts) and then prefills."""
+    over: the reply's _finish trims (a summary starts) and then prefills. No compaction
+    ahead of the budget: written while the reply plays, it would be swapped in at the
+    budget instead of the trim."""
     conv = c.session.conversation
+    conv.compact_at = 1.0
     exchange(c.session, 0, 3)
     c.session.add_text("user", "And what about tomorrow?")
     conv.budget_tokens = conv.token_count + conv.reply_tokens + 4  # the reply's words go over it
@@ -222,7 +225,7 @@ async def test_no_summary_starts_beside_a_live_reply_and_its_prompt_is_prefilled
     # it is already being prepared (speculatively, at the pause). A compaction started
     # there sent its summary's prompt (300-500 tokens) beside the live reply: on the CPU
     # default that prompt is prefilled in one engine step of 2-4 s, and the reply's
-    # tokens wait for it. It starts when the reply has ended, and its prompt goes through
+    # tokens wait for it. It starts once the reply is written, and its prompt goes through
     # warm() first, which prefills in pieces (test_llm_lanes), so a turn that ends during
     # it waits for one piece.
     engines = make_engines(tokenizer, summary_delay=0.5)
@@ -232,8 +235,10 @@ async def test_no_summary_starts_beside_a_live_reply_and_its_prompt_is_prefilled
     warm, complete = llm.warm, llm.complete  # type: ignore[attr-defined]
     sessions: list[Any] = []
 
-    def live() -> bool:
-        return bool(sessions) and sessions[0].core.reply is not None
+    def live() -> bool:  # a reply not yet written (one written and playing is the window)
+        return bool(sessions) and sessions[0].core.reply is not None and not sessions[0].core.reply.written
+
+    listened: list[bool] = []  # each summary: started while the caller listened to a written reply
 
     async def logged_warm(ids: list[int], **kw: Any) -> None:
         order.append(("warm", list(ids), live()))
@@ -241,6 +246,7 @@ async def test_no_summary_starts_beside_a_live_reply_and_its_prompt_is_prefilled
 
     async def logged_complete(ids: list[int], **kw: Any) -> str:
         order.append(("summary", list(ids), live()))
+        listened.append(bool(sessions) and sessions[0].core.reply is not None and sessions[0].core.reply.written)
         return await complete(ids, **kw)  # type: ignore[no-any-return]
 
     llm.warm, llm.complete = logged_warm, logged_complete  # type: ignore[attr-defined]
@@ -263,6 +269,7 @@ async def test_no_summary_starts_beside_a_live_reply_and_its_prompt_is_prefilled
         await until(c.clock, lambda: conv.summary is not None, timeout=10)
     summaries = [(ids, live) for kind, ids, live in order if kind == "summary"]
     assert summaries and not any(live for _, live in summaries), "a summary started beside a live reply"
+    assert listened[0], "the compaction's summary waited past the reply's audio"
     warmed = [ids for kind, ids, _ in order if kind == "warm"]
     assert all(ids in warmed for ids, _ in summaries), "a summary's prompt not prefilled first"
 

@@ -20,6 +20,11 @@ kept token, so the kept history is prefilled first, then the dropped turns are
 summarised, and that summary (a new system message) is swapped in as a compaction is,
 once the history with it is prefilled.
 
+A compaction's summary also waits for a window in the conversation
+(:mod:`voicebot.core.summary_window`): not while the caller's turn is open, nor in the
+grace after a reply's audio ends; best while the caller listens to a written reply. At
+the deadline (less room before the hard trim than one exchange) it goes at once.
+
 Decisions only: the caller of :class:`Background` runs the actions it returns and
 reports back with :meth:`prefill_progress`, :meth:`prefill_done` and
 :meth:`summary_done`.
@@ -28,11 +33,20 @@ reports back with :meth:`prefill_progress`, :meth:`prefill_done` and
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from voicebot.core.events import Action, CancelPrefill, CancelSummary, StartPrefill, StartSummary
+from voicebot.core.events import (
+    Action,
+    CancelPrefill,
+    CancelSummary,
+    StartPrefill,
+    StartSummary,
+    WakeAt,
+)
+from voicebot.core.summary_window import SummaryWindow
 
 # Dropped messages waiting for the summariser; beyond this the oldest are forgotten.
 MAX_UNSUMMARISED = 200
@@ -47,6 +61,7 @@ class History(Protocol):
     def user_prefix_ids(self, words: str) -> list[int]: ...
     def over_budget(self) -> bool: ...
     def near_budget(self) -> bool: ...
+    def room(self) -> int: ...
     def trim(self) -> list[Any]: ...
     def trim_plan(self) -> list[Any]: ...
     def compacted_ids(self, head: list[Any], summary: str | None) -> list[int] | None: ...
@@ -91,6 +106,8 @@ class _Summary:
 class Background:
     def __init__(self, history: History, *, prefills: bool, summaries: bool, block_size: int | Callable[[], int],
                  reply_live: Callable[[], bool] = lambda: False,
+                 writing: Callable[[], bool] | None = None,
+                 turn_open: Callable[[], bool] = lambda: False,
                  log: logging.Logger | logging.LoggerAdapter[Any] | None = None) -> None:
         self.history = history
         self.prefills = prefills  # background prefills on, and a prefix cache keeps them
@@ -102,6 +119,17 @@ class Background:
         self.started = False
         self.closed = False
         self._reply_live = reply_live  # a live reply holds the LLM: no background work
+        # A reply's LLM work is not done (a live reply may be written and still playing).
+        self._writing = writing or reply_live
+        self._turn_open = turn_open  # the caller speaks, or their turn's reply is not written yet
+        self.window = SummaryWindow()
+        self.now = 0.0  # the call's clock at the event being handled
+        self.held = False  # a compaction due and held back by the window
+        self._wake: float | None = None  # the last WakeAt asked for
+        # Tokens the last exchanges added (a turn and its reply): the deadline's yardstick.
+        self._exchanges: deque[int] = deque(maxlen=3)
+        self._exchange_from: int | None = None
+        self._reply_from: list[int] = []  # the history the live reply's prompt started with
         self.warmed: list[int] = []  # the history last prefilled, whole cache blocks
         self.prefill: _Prefill | None = None
         self.summary: _Summary | None = None
@@ -255,16 +283,42 @@ class Background:
             return []
         if self.compaction is not None or self.summary is not None or self.unsummarised:
             return []  # one at a time; a trim's summary rewrites the system message first
-        if self._reply_live():
+        if self._writing():
             # Its summary's prompt would be prefilled in the steps that carry the live
-            # reply's tokens. The reply's end comes back here.
+            # reply's tokens. The reply written (or its end) comes back here.
             return []
         head = self.history.trim_plan()
         if not head:
             return []
+        if not self._window_open():
+            return self._hold()
+        self.held = False
         self.compaction = Compaction(head, self.history.summary)
         self.summary = _Summary(self._next(), self.compaction)
         return [StartSummary(self.summary.id, tuple(head), self.history.summary)]
+
+    @property
+    def exchange(self) -> int:
+        return max(self._exchanges, default=0)
+
+    def _window_open(self) -> bool:
+        deadline = self.window.deadline(self.history.room(), self.exchange)
+        return self.window.opens(self.now, turn_open=self._turn_open(), deadline=deadline)
+
+    def _hold(self) -> list[Action]:
+        self.held = True
+        at = self.window.wake_at(self.now, turn_open=self._turn_open())
+        if at is None or at == self._wake:
+            return []
+        self._wake = at
+        return [WakeAt(at)]
+
+    def retry(self) -> list[Action]:
+        """After any event: a compaction the window held back starts once it opens."""
+        if not self.held or self.closed:
+            return []
+        self.held = False
+        return self._compact_when_idle()
 
     def summary_done(self, sid: int, text: str | None) -> list[Action]:
         s = self.summary
@@ -300,11 +354,30 @@ class Background:
     def reply_started(self) -> list[Action]:
         """The reply's own prompt starts with that prefix: a prefill still queued would
         only compete with it (one already in an engine step finishes that step)."""
+        self._reply_from = self.history.history_ids()
         return self.cancel_prefill()
+
+    def reply_written(self, audio_s: float) -> list[Action]:
+        """The live reply's LLM work is done and ``audio_s`` of its audio are to play: the
+        caller listens, the window for a compaction's summary."""
+        self.window.reply_written(self.now, audio_s)
+        if self.history.history_ids()[: len(self._reply_from)] != self._reply_from:
+            # A swap under the reply: its prompt cached the history before it, so the
+            # prefill after the reply is all of the history, and a summary started now
+            # would hold that prefill back on the one background slot. It comes back
+            # once that prefill is done.
+            return []
+        return self._compact_when_idle()
 
     def reply_ended(self, kept: bool, computed: tuple[int, ...] | None) -> list[Action]:
         """``kept``: the reply went into the history; ``computed``: what its request
         left in the prefix cache (its prompt and all but its last token)."""
+        self.window.reply_ended(self.now)
+        if kept:
+            n = len(self.history.history_ids())
+            if self._exchange_from is not None and n > self._exchange_from:  # not across a swap
+                self._exchanges.append(n - self._exchange_from)
+            self._exchange_from = n
         if computed is not None:
             # Prefill the history only where it has a whole block more than that, or more
             # than a prefill computed (a compaction swapped in at this reply's end).

@@ -45,6 +45,7 @@ class Reply:
     released: bool
     tool_round: int = 0
     shown: bool = False  # the client was told of it (its first audio went out)
+    written: bool = False  # its LLM work is done; its audio may still play
 
 
 @dataclass
@@ -98,7 +99,11 @@ class CallCore:
         # that reopens the turn (False: told at once, and such speech is a new turn).
         self.reopen_unheard = reopen_unheard
         self.background = Background(history, prefills=prefills, summaries=summaries, block_size=block_size,
-                                     reply_live=lambda: self.reply is not None or bool(self.stopping), log=log)
+                                     reply_live=lambda: self.reply is not None or bool(self.stopping),
+                                     writing=lambda: (self.reply is not None and not self.reply.written)
+                                     or bool(self.stopping),
+                                     turn_open=self._turn_open, log=log)
+        self._answering = False  # a transcribed turn is appended and its reply about to start
         self._ids = itertools.count(1)
         self.turn_seq = 0
         self.open_item: str | None = None  # the caller's turn being spoken
@@ -127,8 +132,20 @@ class CallCore:
         return self.reply is not None and self.reply.released and self.reply.shown
 
     # ------------------------------------------------------------------ dispatch
-    def handle(self, event: ev.Event, now: float = 0.0) -> list[ev.Action]:  # noqa: C901 (one case per event)
+    def handle(self, event: ev.Event, now: float = 0.0) -> list[ev.Action]:
         """Decide what ``event`` calls for at time ``now`` (seconds, the call's clock)."""
+        self.background.now = now
+        actions = self._handle(event, now)
+        # Whatever the event changed (a turn closed, a grace ran out), a compaction held
+        # back for a window may start now.
+        return actions + self.background.retry()
+
+    def _turn_open(self) -> bool:
+        """The caller speaks, or a turn of theirs ended and its reply is not written yet."""
+        return (self.open_item is not None or self.pending is not None or bool(self.turns) or self._answering
+                or (self.reply is not None and self.reply.turn is not None and not self.reply.written))
+
+    def _handle(self, event: ev.Event, now: float) -> list[ev.Action]:  # noqa: C901 (one case per event)
         bg = self.background
         match event:
             case ev.SpeechStart():
@@ -174,6 +191,13 @@ class CallCore:
                     return []
                 self.reply.shown = True
                 return self._reveal()
+            case ev.ReplyWritten(reply_id, audio_s):
+                if self.reply is None or self.reply.id != reply_id or not self.reply.released:
+                    return []
+                self.reply.written = True
+                return bg.reply_written(audio_s)
+            case ev.Tick():
+                return []  # the grace ran out: retried after every event
             case ev.ToolResults(_, options, tool_round):
                 if self.reply is not None or self.closed:
                     return []
@@ -363,7 +387,12 @@ class CallCore:
         own = turn.reply is not None and self.reply is not None and turn.reply == self.reply.id
         if not text:  # a noise the VAD took for speech: no reply follows
             return actions + (self._cancel("cancelled", report=False) if own else []) + self._reveal()
-        actions += self._append("user", text, item_id)
+        # A reply follows: the compaction this append may make due waits for its window.
+        self._answering = own or (self.create_response and self.reply is None)
+        try:
+            actions += self._append("user", text, item_id)
+        finally:
+            self._answering = False
         if turn.seq != self.turn_seq:
             return actions  # the caller is already speaking again: no reply to this turn
         if own:

@@ -89,6 +89,16 @@ class ReplyShown:
 
 
 @dataclass(frozen=True)
+class ReplyWritten:
+    """The released reply's LLM and TTS work is done (no tool round follows) and
+    ``audio_s`` seconds of its audio are still to go out: the caller listens, the LLM is
+    free."""
+
+    reply_id: str
+    audio_s: float
+
+
+@dataclass(frozen=True)
 class ToolResults:
     """A completed reply's server tools ran and their results are in the history: the
     next round answers them."""
@@ -159,10 +169,15 @@ class SummaryDone:
     text: str | None  # None: it failed
 
 
+@dataclass(frozen=True)
+class Tick:
+    """The time a :class:`WakeAt` asked for has come."""
+
+
 Event = (
     Started | Closing | SpeechStart | Quiet | Pause | Resume | TurnEnd | Partial | Transcribed | ReplyEnded
-    | ReplyShown | ToolResults | Commit | Clear | CreateReply | CancelReply | AddItem | ContextChanged
-    | SettingsChanged | PrefillProgress | PrefillDone | SummaryDone
+    | ReplyShown | ReplyWritten | ToolResults | Commit | Clear | CreateReply | CancelReply | AddItem
+    | ContextChanged | SettingsChanged | PrefillProgress | PrefillDone | SummaryDone | Tick
 )
 
 # ---------------------------------------------------------------------- actions
@@ -339,8 +354,16 @@ class CancelSummary:
     summary: int
 
 
+@dataclass(frozen=True)
+class WakeAt:
+    """Feed :class:`Tick` at ``at`` (seconds, the call's clock): background work held back
+    until then may start. A later one replaces it."""
+
+    at: float
+
+
 Action = (
     OpenTurn | AnnounceTurn | ForgetTurn | RequestPartial | EmitPartial | StartFinal | CancelFinal | EndTurn
     | RevealTurn | ReopenTurn | CommitTurn | ResetInput | TurnTranscribed | StartReply | ReleaseReply | PauseReply | ResumeReply | StopReply | ReportReply | StartPrefill
-    | CancelPrefill | StartSummary | CancelSummary
+    | CancelPrefill | StartSummary | CancelSummary | WakeAt
 )

@@ -22,9 +22,9 @@ from voicebot.core.call import CallCore
 _EVENTS: dict[str, type] = {
     cls.__name__: cls
     for cls in (ev.Started, ev.Closing, ev.SpeechStart, ev.Quiet, ev.Pause, ev.Resume, ev.TurnEnd, ev.Partial,
-                ev.Transcribed, ev.ReplyEnded, ev.ReplyShown, ev.ToolResults, ev.Commit, ev.Clear, ev.CreateReply,
+                ev.Transcribed, ev.ReplyEnded, ev.ReplyShown, ev.ReplyWritten, ev.ToolResults, ev.Commit, ev.Clear, ev.CreateReply,
                 ev.CancelReply, ev.AddItem, ev.ContextChanged, ev.SettingsChanged, ev.PrefillProgress, ev.PrefillDone,
-                ev.SummaryDone)
+                ev.SummaryDone, ev.Tick)
 }
 # The decisions a replay shows (the rest is bookkeeping: partials, finals, prefills).
 SHOWN = (ev.OpenTurn, ev.AnnounceTurn, ev.ForgetTurn, ev.EndTurn, ev.RevealTurn, ev.ReopenTurn, ev.CommitTurn,
@@ -92,6 +92,9 @@ class WordHistory:
 
     def near_budget(self) -> bool:
         return len(self.history_ids()) + self.reserved > self.budget * 0.8
+
+    def room(self) -> int:
+        return self.budget - self.reserved - len(self.history_ids())
 
     def trim_plan(self) -> list[Any]:
         count, target = len(self.history_ids()), int(self.budget * 0.6) - self.reserved

@@ -25,6 +25,18 @@ class BackgroundWork:
         # The one job of each kind the core started, by its number.
         self._prefill: tuple[int, asyncio.Task[None]] | None = None
         self._summary: tuple[int, asyncio.Task[None]] | None = None
+        self._wake: asyncio.Task[None] | None = None  # the one Tick the core asked for
+
+    def wake_at(self, at: float) -> None:
+        """Tell the core when ``at`` (the call's clock) has come; a later call replaces it."""
+        if self._wake is not None:
+            self._wake.cancel()
+        self._wake = self.call.spawn(self._tick(at), "wake")
+
+    async def _tick(self, at: float) -> None:
+        await self.call.clock.sleep(max(at - self.call.clock.monotonic(), 0.0))
+        self._wake = None
+        self.call.feed(ce.Tick())
 
     def start_prefill(self, start: ce.StartPrefill) -> None:
         self._prefill = (start.prefill, self.call.spawn(self.prefill(start), "warm"))

@@ -335,6 +335,10 @@ class Conversation:
         would drop, while the history still holds them (the session's compaction)."""
         return self.token_count + self._reserved > self.budget_tokens * self.compact_at
 
+    def room(self) -> int:
+        """Tokens the history may still grow by before the hard trim."""
+        return self.budget_tokens - self._reserved - self.token_count
+
     def _drop_count(self) -> int:
         """How many of the oldest messages a trim drops: down to ``trim_to`` of the budget."""
         target = max(int(self.budget_tokens * self.trim_to) - self._reserved, 0)

@@ -502,6 +502,8 @@ class Session:
                 self.background.start_summary(action)
             case ce.CancelSummary(sid):
                 self.background.cancel_summary(sid)
+            case ce.WakeAt(at):
+                self.background.wake_at(at)
 
     # ------------------------------------------------------------------ idle
     async def _watch_idle(self) -> None:

@@ -149,6 +149,10 @@ class Speaker:
                 await resp.released.wait()
                 if self.call.tools.runs(resp.tool_calls, resp.tool_round) and resp.tool_choice != ToolChoice("none"):
                     results = await self._run_tools(resp)
+                elif self.live is resp:
+                    # The LLM is free while the caller listens to the rest: the core's window
+                    # for background work that would delay their next turn.
+                    self.call.feed(ce.ReplyWritten(resp.id, resp.playout.queued_samples / resp.playout.sample_rate))
                 if resp.playout.queued_samples:
                     await resp.drained.wait()  # the pacer is still sending
             finally:
