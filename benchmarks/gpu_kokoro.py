@@ -178,6 +178,18 @@ async def warm_up(eng: Any, styles: Any, max_batch: int) -> float:
     return time.perf_counter() - t0
 
 
+def reply_batch(n: int, styles: Any, device: Any) -> tuple[list[list[int]], list[list[int]], Any]:
+    """``n`` clauses of replies (half first clauses, half sentences; the same for a given
+    ``n``): their phoneme ids, forced durations and styles on ``device``."""
+    import torch
+
+    rng = random.Random(3)
+    texts = [rng.choice(FIRST) if i % 2 == 0 else rng.choice(REST) for i in range(n)]
+    lens = [phonemes(t, rng) for t in texts]
+    st = torch.stack([styles[i % len(styles)] for i in range(n)]).to(device)
+    return [x[0] for x in lens], [x[1] for x in lens], st
+
+
 def profile_forward(model: Any, n: int, styles: Any, out: Path | None) -> dict[str, Any]:
     """One batched forward of ``n`` clauses (half first clauses, half sentences), warmed up, then:
     stage wall times with a device sync after each stage, and a torch.profiler table of the
@@ -189,11 +201,7 @@ def profile_forward(model: Any, n: int, styles: Any, out: Path | None) -> dict[s
     from voicebot.engines.tts.kokoro_batch import MAX_FRAMES
 
     cuda = str(model.device).startswith("cuda")
-    rng = random.Random(3)
-    texts = [rng.choice(FIRST) if i % 2 == 0 else rng.choice(REST) for i in range(n)]
-    lens = [phonemes(t, rng) for t in texts]
-    ids, durs = [x[0] for x in lens], [x[1] for x in lens]
-    st = torch.stack([styles[i % len(styles)] for i in range(n)]).to(model.device)
+    ids, durs, st = reply_batch(n, styles, model.device)
 
     def sync() -> None:
         if cuda:
@@ -331,14 +339,11 @@ def decode_times(model: Any, graphs: Any, sizes: list[int], styles: Any, args: a
     decode = graphs.decode if graphs is not None else (lambda items: km.decode(model, items))
     rows = []
     for n in sizes:
-        rng = random.Random(3)
-        texts = [rng.choice(FIRST) if i % 2 == 0 else rng.choice(REST) for i in range(n)]
-        lens = [phonemes(t, rng) for t in texts]
-        st = torch.stack([styles[i % len(styles)] for i in range(n)]).to(model.device)
+        ids, durs, st = reply_batch(n, styles, model.device)
         row: dict[str, Any] = {"variant": variant, "clauses": n}
         try:
             with torch.inference_mode():
-                enc = km.encode(model, [x[0] for x in lens], st, [1.0] * n, [x[1] for x in lens])
+                enc = km.encode(model, ids, st, [1.0] * n, durs)
                 groups = km.frame_groups([e.frames for e in enc], args.max_pad, args.max_frames or MAX_FRAMES)
 
                 def run(enc: list[Any] = enc, groups: list[list[int]] = groups) -> None:
@@ -361,7 +366,9 @@ def decode_times(model: Any, graphs: Any, sizes: list[int], styles: Any, args: a
 
                     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                         run()
-                    row["kernel_ms"] = round(sum(e.self_device_time_total for e in prof.key_averages()) / 1000, 1)
+                    # The kernels' own rows only: an op's row carries its kernels' time again.
+                    row["kernel_ms"] = round(sum(e.self_device_time_total for e in prof.key_averages()
+                                                 if e.device_type == torch.autograd.DeviceType.CUDA) / 1000, 1)
         except Exception as exc:  # noqa: BLE001  (one variant failing must not lose the others)
             row["error"] = f"{type(exc).__name__}: {exc}"[:500]
             rows.append(row)
