@@ -1095,6 +1095,11 @@ def run_main(args: argparse.Namespace) -> int:
         clips = tuple(load_clip(a, 16000) for a in args.audio)
         base = ProbeConfig(url=urls[0], urls=tuple(urls), clips=clips, turns=args.turns, gap_s=args.gap_s,
                            timeout_s=args.turn_timeout_s, connect_timeout_s=30.0)
+
+        def level_cfg(n: int, turns: int = args.turns) -> ProbeConfig:
+            """N callers, their starts spread over --ramp-s."""
+            return replace(base, turns=turns, stagger_s=args.ramp_s / n, workers=args.workers or auto_workers(n))
+
         # one short call per frontend first: every engine's first request (CUDA graphs, caches) is not a level's
         warm = asyncio.run(run_level_measured(replace(base, turns=1, stagger_s=0.5), len(urls)))
         print(f"warm-up calls: {[r.status for r in warm.records]} v2v {[r.voice_to_voice_ms for r in warm.records]} "
@@ -1104,9 +1109,7 @@ def run_main(args: argparse.Namespace) -> int:
             # server's first large prefill batches, the TTS service's first large groups): on fresh
             # services the first measured level paid for them in its first ~40 turns
             t_w = time.monotonic()
-            wl = asyncio.run(run_level_measured(replace(base, turns=1, stagger_s=args.ramp_s / args.warm_level,
-                                                        workers=args.workers or auto_workers(args.warm_level)),
-                                                args.warm_level))
+            wl = asyncio.run(run_level_measured(level_cfg(args.warm_level, turns=1), args.warm_level))
             ok = sum(r.status == "ok" for r in wl.records)
             print(f"warm-up level: {args.warm_level} callers x 1 turn, {ok} ok, {time.monotonic() - t_w:.0f} s "
                   "(not measured)", flush=True)
@@ -1118,8 +1121,7 @@ def run_main(args: argparse.Namespace) -> int:
                 print(f"stopping before N={n}: {elapsed:.0f} s used of --max-wall-s {args.max_wall_s:g}", flush=True)
                 run_info["stopped_before"] = n
                 break
-            workers = args.workers or auto_workers(n)
-            cfg = replace(base, stagger_s=args.ramp_s / n, workers=workers)
+            cfg = level_cfg(n)
             samplers = [HealthSampler(h) for h in https]
             for sampler in samplers:
                 sampler.start()

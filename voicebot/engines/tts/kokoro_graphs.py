@@ -76,7 +76,7 @@ class BucketedDecoder:
             self.eager_calls += 1
             return km.decode(self.model, items)
         rows, fmax = shape
-        en, asr, styles, frames_dev = km._gather(items, max(frames))
+        en, asr, styles, frames_dev = km.gather(items, max(frames))
         n = len(items)
         en = _pad_to(en, rows, fmax)
         asr = _pad_to(asr, rows, fmax)
@@ -101,8 +101,7 @@ class BucketedDecoder:
             stream = self._stream
             graph = self._graphs.get(key)
             if graph is None:
-                static = tuple(x.clone() for x in inputs)
-                torch.cuda.current_stream(self.device).wait_stream(caller)
+                static = tuple(x.clone() for x in inputs)  # CapturedCall orders its stream after these
 
                 def run(en: torch.Tensor, asr: torch.Tensor, styles: torch.Tensor,
                         frames: torch.Tensor) -> torch.Tensor:

@@ -460,7 +460,7 @@ def _pad(rows: Sequence[torch.Tensor], length: int) -> torch.Tensor:
     return torch.stack([F.pad(r, (0, length - r.shape[-1])) for r in rows])
 
 
-def _gather(items: Sequence[Encoded], fmax: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def gather(items: Sequence[Encoded], fmax: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """en, asr, styles and frame counts of ``items``, padded to ``fmax``, on the device: rows
     of their batch's tensors (one index copy, not a pad per item) when they share one."""
     batch = items[0].batch
@@ -482,7 +482,7 @@ def decode(model: Any, items: Sequence[Encoded]) -> list[torch.Tensor]:
     """Stage 2 for a group: each utterance's audio (float32, on the model's device)."""
     frames = [it.frames for it in items]
     fmax = max(frames)
-    en, asr, styles, frames_dev = _gather(items, fmax)
+    en, asr, styles, frames_dev = gather(items, fmax)
     audio = decode_rows(model, en, asr, styles, frames_dev, masked=len(set(frames)) > 1)
     return [audio[i, : f * SAMPLES_PER_FRAME] for i, f in enumerate(frames)]
 
