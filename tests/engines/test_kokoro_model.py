@@ -121,3 +121,27 @@ def test_forward_dispatch_does_not_grow_with_batch_size(model: Any) -> None:
     assert eight.host_ops == two.host_ops, (two.summary(), eight.summary())
     assert [s.split()[0] for s in eight.syncs] == ["d2h"], eight.syncs
     assert [s.split()[0] for s in two.syncs] == ["d2h"], two.syncs
+
+
+@pytest.mark.parametrize("frames", [2, 3, 7, 240])
+def test_istft_matches_torch(frames: int) -> None:
+    """The vocoder's inverse STFT without torch's host-side check (what a CUDA graph
+    captures) gives torch.istft's samples, at Kokoro's n_fft 20 and hop 5."""
+    gen = torch.Generator().manual_seed(frames)
+    spec = torch.polar(torch.rand(3, 11, frames, generator=gen) * 2,
+                       (torch.rand(3, 11, frames, generator=gen) - 0.5) * 6.3)
+    window = torch.hann_window(20, periodic=True)
+    want = torch.istft(spec, 20, 5, 20, window=window)
+    got = km.istft(spec, window, 5)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_vocoder_inverse_is_the_plain_istft(model: Any) -> None:
+    """fast_paths routes the generator's TorchSTFT.inverse through km.istft (no host sync)."""
+    stft = model.decoder.generator.stft
+    mag, phase = torch.rand(2, 11, 9) + 0.1, torch.rand(2, 11, 9)
+    got = stft.inverse(mag, phase)
+    want = torch.istft(mag * torch.exp(phase * 1j), 20, 5, 20, window=stft.window).unsqueeze(-2)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert stft.inverse.__func__ is km._stft_inverse

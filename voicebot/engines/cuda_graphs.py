@@ -11,6 +11,10 @@ The capture follows torch's documented pattern (``torch.cuda.graphs``): warm-up 
 side stream (they build cuBLAS/cuDNN/cuFFT plans and workspaces, which capture may not),
 then the capture on that stream. Graphs of one owner share a memory pool (their
 intermediates are never live at the same time: one replay at a time, from one thread).
+``capture_error_mode="thread_local"`` lets other threads go on with their own CUDA work
+(allocations, syncs on their streams) during a capture, which in the default ``global``
+mode would invalidate it; their random ops must still wait (the generator's offsets are
+being recorded), which is the owner's lock to keep.
 
 This module imports torch only.
 """
@@ -34,6 +38,7 @@ class CapturedCall:
         stream: torch.cuda.Stream,
         pool: tuple[int, int] | None = None,
         warmup: int = 3,
+        capture_error_mode: str = "global",
     ) -> None:
         self.inputs = inputs
         stream.wait_stream(torch.cuda.current_stream())
@@ -42,7 +47,7 @@ class CapturedCall:
                 fn(*inputs)
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool, stream=stream):
+        with torch.cuda.graph(self.graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode):
             self.output = fn(*inputs)
 
     def __call__(self, *values: torch.Tensor) -> torch.Tensor:

@@ -74,7 +74,10 @@ class BucketedDecoder:
         shape = self.shape(len(items), max(frames))
         if shape is None:
             self.eager_calls += 1
-            return km.decode(self.model, items)
+            if not self.cuda_graphs:
+                return km.decode(self.model, items)
+            with self._lock:  # its noise source must not draw while a capture records the RNG
+                return km.decode(self.model, items)
         rows, fmax = shape
         en, asr, styles, frames_dev = km.gather(items, max(frames))
         n = len(items)
@@ -107,7 +110,10 @@ class BucketedDecoder:
                         frames: torch.Tensor) -> torch.Tensor:
                     return km.decode_rows(self.model, en, asr, styles, frames, masked=True)
 
-                graph = self._graphs[key] = CapturedCall(run, static, stream=stream, pool=self._pool)
+                # thread_local: the other forward slots' encodes (allocations, their one
+                # sync) go on during the capture; every decode waits on the lock.
+                graph = self._graphs[key] = CapturedCall(run, static, stream=stream, pool=self._pool,
+                                                         capture_error_mode="thread_local")
                 self.captures += 1
             stream.wait_stream(caller)
             with torch.cuda.stream(stream):

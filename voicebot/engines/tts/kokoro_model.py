@@ -24,6 +24,7 @@ modules needs ``kokoro``, ``transformers``, ``loguru`` and ``huggingface_hub`` b
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import io
@@ -263,10 +264,31 @@ def _sine_gen_forward(self: Any, f0: torch.Tensor) -> tuple[torch.Tensor, torch.
     return sine_waves * uv + noise, uv, noise
 
 
+def istft(spec: torch.Tensor, window: torch.Tensor, hop: int) -> torch.Tensor:
+    """``torch.istft(spec, n_fft, hop, window=window)`` (``center=True``, no ``length``) in
+    plain tensor ops: [B, n_fft // 2 + 1, T] complex -> [B, samples]. torch's own checks
+    the window's overlap-add envelope on the host (``.item()``), a sync that no CUDA graph
+    can capture; a Hann window at Kokoro's hop never fails that check, so it is left out."""
+    n_fft = window.shape[0]
+    b, _, t = spec.shape
+    frames = torch.fft.irfft(spec, n=n_fft, dim=1) * window[None, :, None]  # [B, n_fft, T]
+    length = n_fft + hop * (t - 1)
+    fold = functools.partial(F.fold, output_size=(1, length), kernel_size=(1, n_fft), stride=(1, hop))
+    y = fold(frames).reshape(b, length)
+    envelope = fold((window * window)[None, :, None].expand(1, n_fft, t)).reshape(length)
+    half = n_fft // 2
+    return y[:, half : length - half] / envelope[half : length - half]
+
+
+def _stft_inverse(self: Any, magnitude: torch.Tensor, phase: torch.Tensor) -> torch.Tensor:
+    """TorchSTFT.inverse through :func:`istft`: [B, 1, samples]."""
+    return istft(torch.polar(magnitude, phase), self.window, self.hop_length).unsqueeze(-2)
+
+
 def fast_paths(model: nn.Module) -> None:
     """Remove host work and host-device syncs that the package's modules do on every forward
     (same outputs): the STFT window and SineGen's harmonic numbers are made once on the
-    model's device, Snake's 1 / alpha once, AdainResBlk1d's 1 / sqrt(2) is a constant, and
+    model's device, the inverse STFT skips torch's host-side window check (:func:`istft`), Snake's 1 / alpha once, AdainResBlk1d's 1 / sqrt(2) is a constant, and
     each bidirectional LSTM gets its two directions as unidirectional LSTMs (``_bilstm``:
     padded batches without packing). Call after the model is on its device."""
     dev = next(model.parameters()).device
@@ -285,6 +307,7 @@ def fast_paths(model: nn.Module) -> None:
             window = mod.window  # a plain attribute: copied to the device on every call
             del mod.window
             mod.register_buffer("window", window.to(dev), persistent=False)
+            mod.inverse = types.MethodType(_stft_inverse, mod)  # type: ignore[method-assign]
         elif isinstance(mod, nn.LSTM) and mod.bidirectional and mod.num_layers == 1 and mod.batch_first:
             dirs = []
             for suffix in ("", "_reverse"):
