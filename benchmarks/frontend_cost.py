@@ -101,7 +101,8 @@ class FixedTts:
     def voices(self) -> list[str]:
         return ["fixed"]
 
-    async def synthesize(self, text: str, *, voice: str | None = None, speed: float | None = None) -> Any:
+    async def synthesize(self, text: str, *, voice: str | None = None, speed: float | None = None,
+                         ahead_s: float = 0.0) -> Any:
         await asyncio.sleep(self.delay_s)
         seconds = max(0.3, len(text.split()) / WORDS_PER_S)
         yield self._tone[: int(seconds * self.sample_rate)].copy()

@@ -251,7 +251,8 @@ class FakeTts:
     def voices(self) -> list[str]:
         return ["fake"]
 
-    async def synthesize(self, text: str, *, voice: str | None = None, speed: float | None = None) -> AsyncIterator[np.ndarray]:
+    async def synthesize(self, text: str, *, voice: str | None = None, speed: float | None = None,
+                         ahead_s: float = 0.0) -> AsyncIterator[np.ndarray]:
         self.started += 1
         done = False
         try:

@@ -117,6 +117,20 @@ async def test_streams_one_chunk_per_sentence_with_deadlines(g2p: EspeakG2P, voi
     assert np.allclose(first.style.numpy(), pack[len(first.ids) - 1].numpy())
 
 
+async def test_a_clause_with_audio_ahead_of_it_is_due_when_that_audio_has_played(
+    g2p: EspeakG2P, voices_dir: Path
+) -> None:
+    """``ahead_s``: a reply's later clause waits behind a clause the caller waits for in silence."""
+    runner = FakeRunner()
+    async with engine(g2p, voices_dir, runner) as tts:
+        t0 = asyncio.get_running_loop().time()
+        chunks = [c async for c in tts.synthesize("I can help. With that.", ahead_s=2.0)]
+    first, second = runner.clauses
+    assert len(chunks) == 2
+    assert 2.0 <= first.deadline - t0 < 2.5
+    assert second.deadline >= first.deadline + len(first.ids) * SAMPLES_PER_ID / 24_000 - 0.01
+
+
 async def test_sessions_share_one_batch(g2p: EspeakG2P, voices_dir: Path) -> None:
     runner = FakeRunner()
     async with engine(g2p, voices_dir, runner, max_batch=16) as tts:

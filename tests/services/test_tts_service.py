@@ -41,6 +41,7 @@ class ScriptedTts:
         self.closed = 0  # streams closed before their end (GeneratorExit / cancel)
         self.finished = 0
         self.texts: list[tuple[str, str | None, float | None]] = []
+        self.aheads: list[float] = []
 
     async def start(self) -> None: ...
 
@@ -62,9 +63,10 @@ class ScriptedTts:
         return ["alpha", "beta"]
 
     async def synthesize(
-        self, text: str, *, voice: str | None = None, speed: float | None = None
+        self, text: str, *, voice: str | None = None, speed: float | None = None, ahead_s: float = 0.0
     ) -> AsyncGenerator[np.ndarray, None]:
         self.texts.append((text, voice, speed))
+        self.aheads.append(ahead_s)
         sentences = [s for s in text.split(".") if s.strip()]
         try:
             for i, _ in enumerate(sentences):
@@ -116,12 +118,14 @@ async def test_a_clause_streams_sentence_by_sentence_with_the_services_rate_and_
         chunks = [c async for c in tts.synthesize("One. Two. Three.", voice="beta", speed=1.5)]
         assert [float(c[0]) for c in chunks] == [1.0, 2.0, 3.0]
         assert all(c.dtype == np.float32 and c.size == RATE // 10 for c in chunks)
-        assert fake.texts == [("One. Two. Three.", "beta", 1.5)]
+        assert fake.texts == [("One. Two. Three.", "beta", 1.5)] and fake.aheads == [0.0]
+        assert len([c async for c in tts.synthesize("Four.", ahead_s=1.25)]) == 1
+        assert fake.aheads == [0.0, 1.25]  # the engine's queue order crosses the wire
         assert [c async for c in tts.synthesize(" *** ")] == []  # nothing speakable: no request
-        assert len(fake.texts) == 1
+        assert len(fake.texts) == 2
         await until(lambda: svc.running == 0)
-        assert svc.stats.clauses == 1 and svc.stats.chunks == 3 and svc.stats.cancelled == 0
-        assert tts.completed == 1 and tts.failure_streak == 0 and tts.queue_depth == 0
+        assert svc.stats.clauses == 2 and svc.stats.chunks == 4 and svc.stats.cancelled == 0
+        assert tts.completed == 2 and tts.failure_streak == 0 and tts.queue_depth == 0
 
 
 async def test_the_service_runs_one_window_ahead_of_what_the_session_took() -> None:
@@ -256,6 +260,8 @@ async def test_malformed_requests_get_error_events_and_the_connection_goes_on() 
             ({"type": "synthesize", "id": 1, "text": 5}, "invalid_request"),
             ({"type": "synthesize", "id": 2, "text": "a.", "speed": -1}, "invalid_request"),
             ({"type": "synthesize", "id": 3, "text": "a.", "window": 0}, "invalid_request"),
+            ({"type": "synthesize", "id": 4, "text": "a.", "ahead_s": -1}, "invalid_request"),
+            ({"type": "synthesize", "id": 5, "text": "a.", "ahead_s": "soon"}, "invalid_request"),
             ({"type": "synthesize", "id": "x", "text": "a."}, "invalid_request"),
             ({"type": "nonsense"}, "invalid_event"),
             ({"type": "ack", "id": [1]}, "invalid_request"),  # unhashable ids: the handler used to die (1011)
@@ -272,7 +278,7 @@ async def test_malformed_requests_get_error_events_and_the_connection_goes_on() 
         frame = await asyncio.wait_for(ws.recv(), WAIT)
         assert isinstance(frame, bytes)
         assert json.loads(await asyncio.wait_for(ws.recv(), WAIT)) == {"type": "done", "id": 9}
-        assert svc.stats.bad_requests == 9
+        assert svc.stats.bad_requests == 11
 
 
 def test_bad_remote_tts_config_is_refused() -> None:

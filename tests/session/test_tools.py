@@ -199,7 +199,7 @@ class FakeTts:
         self.said: list[str] = []
 
     async def synthesize(self, text: str, *, voice: str | None = None,
-                         speed: float | None = None) -> AsyncGenerator[np.ndarray, None]:
+                         speed: float | None = None, ahead_s: float = 0.0) -> AsyncGenerator[np.ndarray, None]:
         self.said.append(text)
         yield np.full(160, 0.1, np.float32)
 

@@ -300,11 +300,16 @@ class Tts(Protocol):
         ...
 
     def synthesize(
-        self, text: str, *, voice: str | None = None, speed: float | None = None
+        self, text: str, *, voice: str | None = None, speed: float | None = None, ahead_s: float = 0.0
     ) -> AsyncGenerator[np.ndarray, None]:
         """Float32 mono chunks at ``sample_rate``, at least one per sentence, each as soon
         as it is ready. Raises CapacityError when the engine's queue is full, EngineError
-        when synthesis fails. Empty or unspeakable text yields nothing."""
+        when synthesis fails. Empty or unspeakable text yields nothing.
+
+        ``ahead_s``: seconds of the reply's audio the caller will hear before this text's
+        (0: a reply's first clause, which the caller waits for in silence). An engine that
+        queues many sessions' work serves the text whose audio is needed soonest first
+        (Kokoro's batcher, through the TTS service too); the others may ignore it."""
         ...
 
 

@@ -7,7 +7,9 @@ Wire format (protocol 1), over one multiplexed WebSocket per frontend
 
 - service -> frontend, text, once: ``{"type": "hello", "service": "tts", "protocol", "engine", "sample_rate",
   "voices"}``;
-- frontend -> service, text: ``{"type": "synthesize", "id", "text", "voice", "speed", "window"}``;
+- frontend -> service, text: ``{"type": "synthesize", "id", "text", "voice", "speed", "window", "ahead_s"}``
+  (``ahead_s``, optional: seconds of the reply's audio the caller hears before this clause's:
+  the engine's queue serves the clause needed soonest first);
   ``{"type": "ack", "id"}`` when the session took one chunk; ``{"type": "cancel", "id"}`` (a
   barge-in, an early close: the service stops the synthesis); ``{"type": "stats"}``;
 - service -> frontend: binary audio frames (header ``{"type": "audio", "id"}``, then the
@@ -137,7 +139,8 @@ class TtsServiceClient(ServiceClient):
         for clause in clauses.values():
             self._deliver(clause, lost)
 
-    async def _start_clause(self, text: str, voice: str | None, speed: float | None) -> tuple[ClientConnection, _Clause]:
+    async def _start_clause(self, text: str, voice: str | None, speed: float | None,
+                            ahead_s: float) -> tuple[ClientConnection, _Clause]:
         try:
             await self.connect()
         except CONNECT_ERRORS as exc:
@@ -148,7 +151,7 @@ class TtsServiceClient(ServiceClient):
         clause = _Clause(next(self._ids), self.cfg.window)
         self._clauses[clause.id] = clause
         request = {"type": "synthesize", "id": clause.id, "text": text, "voice": voice, "speed": speed,
-                   "window": clause.window}
+                   "window": clause.window, "ahead_s": ahead_s}
         try:
             await ws.send(json.dumps(request))
         except websockets.ConnectionClosed as exc:
@@ -182,11 +185,12 @@ class TtsServiceClient(ServiceClient):
         assert clause.end is not None
         raise clause.end
 
-    async def stream(self, text: str, voice: str | None, speed: float | None) -> AsyncGenerator[np.ndarray, None]:
+    async def stream(self, text: str, voice: str | None, speed: float | None,
+                     ahead_s: float = 0.0) -> AsyncGenerator[np.ndarray, None]:
         """One clause's chunks; closing or cancelling it cancels the synthesis at the service."""
         for attempt in itertools.count():
             try:
-                ws, clause = await self._start_clause(text, voice, speed)
+                ws, clause = await self._start_clause(text, voice, speed, ahead_s)
             except ServiceLost as exc:
                 await self._retry_or_raise(exc, attempt)
                 continue

@@ -93,9 +93,25 @@ class _Request(ValueError):
     """A synthesize message that cannot be served (an ``invalid_request`` error)."""
 
 
-def parse_synthesize(data: dict[str, Any]) -> tuple[int, str, str | None, float | None, int]:
-    """id, text, voice, speed and window of a synthesize message; _Request when malformed."""
-    job_id, text, voice, speed, window = (data.get(k) for k in ("id", "text", "voice", "speed", "window"))
+@dataclass(frozen=True)
+class Synthesize:
+    """A well-formed synthesize message."""
+
+    id: int
+    text: str
+    voice: str | None
+    speed: float | None
+    window: int
+    ahead_s: float  # the reply's audio heard before this clause's (the engine's queue order)
+
+
+MAX_AHEAD_S = 3600.0
+
+
+def parse_synthesize(data: dict[str, Any]) -> Synthesize:
+    """A synthesize message's fields; _Request when malformed."""
+    job_id, text, voice, speed, window, ahead = (
+        data.get(k) for k in ("id", "text", "voice", "speed", "window", "ahead_s"))
     if not is_id(job_id):
         raise _Request("synthesize id must be an integer")
     if not isinstance(text, str) or len(text) > MAX_TEXT_CHARS:
@@ -107,7 +123,10 @@ def parse_synthesize(data: dict[str, Any]) -> tuple[int, str, str | None, float 
     window = 1 if window is None else window
     if not isinstance(window, int) or isinstance(window, bool) or not 1 <= window <= MAX_WINDOW:
         raise _Request(f"synthesize window must be an integer from 1 to {MAX_WINDOW}")
-    return job_id, text, voice, None if speed is None else float(speed), window
+    ahead = 0.0 if ahead is None else ahead  # an older frontend sends none
+    if isinstance(ahead, bool) or not isinstance(ahead, int | float) or not 0.0 <= ahead <= MAX_AHEAD_S:
+        raise _Request(f"synthesize ahead_s must be a number from 0 to {MAX_AHEAD_S:g}")
+    return Synthesize(job_id, text, voice, None if speed is None else float(speed), window, float(ahead))
 
 
 class TtsService:
@@ -189,27 +208,29 @@ class TtsService:
 
     async def _on_synthesize(self, conn: _Conn, data: dict[str, Any]) -> None:
         try:
-            job_id, text, voice, speed, window = parse_synthesize(data)
+            req = parse_synthesize(data)
         except _Request as exc:
             self.stats.bad_requests += 1
             await self._error(conn, data.get("id") if is_id(data.get("id")) else None, "invalid_request", str(exc))
             return
-        if job_id in conn.jobs:
+        if req.id in conn.jobs:
             self.stats.bad_requests += 1
-            await self._error(conn, job_id, "invalid_request", "duplicate id")
+            await self._error(conn, req.id, "invalid_request", "duplicate id")
             return
         if self._closed or len(conn.jobs) >= MAX_JOBS_PER_CONNECTION:
             self.stats.busy += 1
-            await self._error(conn, job_id, "busy", "too many clauses in synthesis")
+            await self._error(conn, req.id, "busy", "too many clauses in synthesis")
             return
-        job = conn.jobs[job_id] = _Job(job_id, window)
-        job.task = asyncio.create_task(self._synthesize(conn, job, text, voice, speed), name=f"tts-clause-{job_id}")
+        job = conn.jobs[req.id] = _Job(req.id, req.window)
+        job.task = asyncio.create_task(self._synthesize(conn, job, req), name=f"tts-clause-{req.id}")
         self._tasks.add(job.task)
         job.task.add_done_callback(self._tasks.discard)
 
-    async def _synthesize(self, conn: _Conn, job: _Job, text: str, voice: str | None, speed: float | None) -> None:
+    async def _synthesize(self, conn: _Conn, job: _Job, req: Synthesize) -> None:
         try:
-            async with contextlib.aclosing(self.engine.synthesize(text, voice=voice, speed=speed)) as chunks:
+            async with contextlib.aclosing(
+                self.engine.synthesize(req.text, voice=req.voice, speed=req.speed, ahead_s=req.ahead_s)
+            ) as chunks:
                 async for chunk in chunks:
                     for piece in frames_of(chunk):  # each piece is a chunk to the frontend
                         while job.unacked >= job.window:

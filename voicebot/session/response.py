@@ -60,6 +60,17 @@ class ResponseTimes:
     first_sent: float | None = None  # its first audio frame went to the client
 
 
+@dataclass(eq=False)
+class _ClauseAudio:
+    """A clause in synthesis ahead of its turn in the playout."""
+
+    clause: str
+    words: int
+    ahead_s: float  # the reply's audio the caller hears before this clause's, as estimated
+    chunks: asyncio.Queue[np.ndarray | None] = field(default_factory=asyncio.Queue)  # one clause's audio
+    error: Exception | None = None
+
+
 @dataclass(frozen=True)
 class ResponseOptions:
     """Per-response overrides (Realtime ``response.create``); None: the session's own."""
@@ -90,6 +101,7 @@ class Response:
         max_clause_words: int,
         gated: bool,
         clause_low_water_ms: int = 0,
+        tts_lookahead: int = 1,
         output_rate: int | None = None,
         clock: Clock = REAL_CLOCK,
         on_audio: Callable[[], None] | None = None,
@@ -115,6 +127,7 @@ class Response:
         self.cut_at_limit = False  # stopped by max_tokens: its unfinished sentence was not spoken
         self._chunker = ClauseChunker(first_clause_words, max_clause_words, running_low=self._running_low)
         self._low_water_s = clause_low_water_ms / 1000
+        self._lookahead = tts_lookahead
         self._words_to_speak = 0  # of clauses handed to TTS whose audio is not in the playout yet
         self._writing_since: float | None = None  # the first token, on the session's clock
         self._tokens_written = 0
@@ -298,13 +311,75 @@ class Response:
         return SENTENCE_TOKENS / rate > ahead
 
     async def _synthesize(self, clauses: asyncio.Queue[str | None]) -> None:
-        while (clause := await clauses.get()) is not None:
-            if self.times.first_clause_synth_start is None:
-                self.times.first_clause_synth_start = self._clock.monotonic()
+        """Each clause to TTS as soon as it is written, up to ``tts_lookahead`` beyond the
+        one whose audio goes into the playout now; their audio goes in in clause order.
+
+        A reply that opens with "Sure," has ~0.4 s of audio to cover the next clause's
+        synthesis: sent only once "Sure," is synthesised, that clause waits in a shared
+        engine's queue behind other calls' work and the caller hears a gap. Sent at once,
+        with the seconds of audio ahead of it, it is ready in time and yields to the calls
+        whose callers are waiting in silence (a first clause has none ahead)."""
+        if self._lookahead == 0:
+            while (clause := await clauses.get()) is not None:
+                self._mark_synth_start()
+                try:
+                    await self._speak(clause)
+                finally:
+                    self._words_to_speak -= len(clause.split())
+            return
+        slots = asyncio.Semaphore(self._lookahead + 1)  # clauses in synthesis, the one playing included
+        order: asyncio.Queue[_ClauseAudio | None] = asyncio.Queue()  # bounded by the slots
+        unplayed_words = 0  # of clauses in synthesis, not yet in the playout
+
+        def played(job: _ClauseAudio) -> None:
+            nonlocal unplayed_words
+            unplayed_words -= job.words
+            self._words_to_speak -= job.words
+            slots.release()
+
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self._play_in_order(order, played))
+            while (clause := await clauses.get()) is not None:
+                await slots.acquire()
+                self._mark_synth_start()
+                ahead = self.playout.queued_samples / self.playout.sample_rate
+                ahead += unplayed_words * SECONDS_PER_WORD / (self._speed or 1.0)
+                job = _ClauseAudio(clause, len(clause.split()), ahead)
+                unplayed_words += job.words
+                tg.create_task(self._fetch(job))
+                order.put_nowait(job)
+            order.put_nowait(None)
+
+    def _mark_synth_start(self) -> None:
+        if self.times.first_clause_synth_start is None:
+            self.times.first_clause_synth_start = self._clock.monotonic()
+
+    async def _fetch(self, job: _ClauseAudio) -> None:
+        """One clause's audio from TTS into ``job`` (at most the clause's own length). Its
+        failure is kept for :meth:`_play_in_order` to raise when the clause's turn comes:
+        the clauses before it are heard whole, as without the look-ahead."""
+        try:
+            async with contextlib.aclosing(
+                self._tts.synthesize(job.clause, voice=self._voice, speed=self._speed, ahead_s=job.ahead_s)
+            ) as audio_stream:
+                async for chunk in audio_stream:
+                    job.chunks.put_nowait(chunk)
+        except Exception as exc:  # noqa: BLE001  (raised in clause order; CancelledError goes on up)
+            job.error = exc
+        finally:
+            job.chunks.put_nowait(None)
+
+    async def _play_in_order(self, order: asyncio.Queue[_ClauseAudio | None],
+                             played: Callable[[_ClauseAudio], None]) -> None:
+        while (job := await order.get()) is not None:
             try:
-                await self._speak(clause)
+                while (chunk := await job.chunks.get()) is not None:
+                    await self._add_audio(chunk)
+                if job.error is not None:
+                    raise job.error
+                self.playout.end_clause(job.clause)
             finally:
-                self._words_to_speak -= len(clause.split())
+                played(job)
 
     async def say(self, text: str) -> None:
         """Speak ``text`` after the generated reply (a filler while a tool runs): played
@@ -317,18 +392,21 @@ class Response:
             self._tts.synthesize(clause, voice=self._voice, speed=self._speed)
         ) as audio_stream:
             async for chunk in audio_stream:
-                if self.times.first_audio is None:
-                    self.times.first_audio = self._clock.monotonic()
-                await self._wait_for_room()
-                audio = np.asarray(chunk, dtype=np.float32)
-                if self.playout.added == 0:
-                    audio = trim_leading_silence(audio, self._tts_rate)
-                if self.playout.sample_rate != self._tts_rate:
-                    audio = resample(audio, self._tts_rate, self.playout.sample_rate)
-                self.playout.add(audio)
-                if self._on_audio is not None:
-                    self._on_audio()
+                await self._add_audio(chunk)
         self.playout.end_clause(clause)
+
+    async def _add_audio(self, chunk: np.ndarray) -> None:
+        if self.times.first_audio is None:
+            self.times.first_audio = self._clock.monotonic()
+        await self._wait_for_room()
+        audio = np.asarray(chunk, dtype=np.float32)
+        if self.playout.added == 0:
+            audio = trim_leading_silence(audio, self._tts_rate)
+        if self.playout.sample_rate != self._tts_rate:
+            audio = resample(audio, self._tts_rate, self.playout.sample_rate)
+        self.playout.add(audio)
+        if self._on_audio is not None:
+            self._on_audio()
 
     async def _wait_for_room(self) -> None:
         while not self.playout.has_room():

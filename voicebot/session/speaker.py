@@ -80,6 +80,7 @@ class Speaker:
             first_clause_words=self.cfg.session.first_clause_words,
             max_clause_words=self.cfg.session.max_clause_words,
             clause_low_water_ms=self.cfg.session.clause_low_water_ms,
+            tts_lookahead=self.cfg.session.tts_lookahead_clauses,
             gated=start.gated,
             output_rate=s.output_sample_rate,
             clock=self._clock,

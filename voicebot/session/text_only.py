@@ -41,7 +41,7 @@ class TextOnlyTts:
         return []
 
     async def synthesize(
-        self, text: str, *, voice: str | None = None, speed: float | None = None
+        self, text: str, *, voice: str | None = None, speed: float | None = None, ahead_s: float = 0.0
     ) -> AsyncGenerator[np.ndarray, None]:
         return
         yield  # an async generator that yields nothing

@@ -90,7 +90,7 @@ class CoquiTts(PooledTts):
             return await asyncio.to_thread(model.voice, name)
 
     async def synthesize(
-        self, text: str, *, voice: str | None = None, speed: float | None = None
+        self, text: str, *, voice: str | None = None, speed: float | None = None, ahead_s: float = 0.0
     ) -> AsyncGenerator[np.ndarray, None]:
         sentences = split_sentences(clean_text(text))
         if not sentences:

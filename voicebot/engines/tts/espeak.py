@@ -136,7 +136,7 @@ class EspeakTts(PooledTts):
             raise EngineError(f"unknown espeak-ng voice {voice!r} (see 'espeak-ng --voices')")
 
     async def synthesize(
-        self, text: str, *, voice: str | None = None, speed: float | None = None
+        self, text: str, *, voice: str | None = None, speed: float | None = None, ahead_s: float = 0.0
     ) -> AsyncGenerator[np.ndarray, None]:
         sentences = split_sentences(clean_text(text))
         if not sentences:

@@ -6,8 +6,9 @@
 - G2P: espeak-ng (the copy bundled with piper-tts) in IPA with stress marks, filtered to the
   model's vocabulary, as kokoro-onnx does; English only (``en-us``).
 - Synthesis: each sentence is one clause in the shared :class:`KokoroBatcher` (bounded,
-  earliest deadline first): a stream's first sentence is due at once, a later one when
-  playback reaches it. As with :func:`stream_jobs`, the next sentence is queued before the
+  earliest deadline first): a stream's first sentence is due when the audio ahead of it
+  (``ahead_s``: none for a reply's first clause) has played, a later one when playback
+  reaches it. As with :func:`stream_jobs`, the next sentence is queued before the
   current one is handed over (one sentence of look-ahead per stream); closing or
   cancelling the stream drops it (or discards it if its forward has started).
 """
@@ -260,7 +261,7 @@ class KokoroTts:
         return [self._cfg.voice, *(n for n in names if n != self._cfg.voice)]
 
     async def synthesize(
-        self, text: str, *, voice: str | None = None, speed: float | None = None
+        self, text: str, *, voice: str | None = None, speed: float | None = None, ahead_s: float = 0.0
     ) -> AsyncGenerator[np.ndarray, None]:
         batcher, g2p, packs = self._batcher, self._g2p, self._voices
         if batcher is None or g2p is None or packs is None:
@@ -273,8 +274,11 @@ class KokoroTts:
         cached = packs.cached(name)  # first use: read (or download) it off the event loop
         pack: Any = cached if cached is not None else await asyncio.to_thread(packs.load, name)
         loop = asyncio.get_running_loop()
-        play_from: float | None = None  # loop time the stream's first audio was handed over
+        # Loop time the caller starts hearing this text: once the audio ahead of it has played
+        # (``ahead_s`` from now), or when its first sentence is handed over if that is later.
+        play_from: float | None = None
         handed = 0.0  # seconds of audio handed over so far
+        heard_from = loop.time() + max(ahead_s, 0.0)
 
         # espeak on the event loop: phonemising a sentence costs less than a thread hop.
         pieces = (ids for sentence in sentences for ids in g2p.ids(sentence))
@@ -282,7 +286,7 @@ class KokoroTts:
         def submit(ids: list[int] | None) -> asyncio.Task[np.ndarray] | None:
             if ids is None:
                 return None
-            due = None if play_from is None else play_from + handed  # when playback needs it
+            due = heard_from if play_from is None else play_from + handed  # when playback needs it
             style = pack[min(len(ids), pack.shape[0]) - 1]
             durations = [2 + (i % 2) for i in range(len(ids))] if self._forced_durations else None
             return asyncio.ensure_future(
@@ -293,7 +297,7 @@ class KokoroTts:
             while pending is not None:
                 audio = await pending
                 if play_from is None:
-                    play_from = loop.time()
+                    play_from = max(loop.time(), heard_from)
                 handed += audio.size / SAMPLE_RATE
                 pending = submit(next(pieces, None))
                 if audio.size:

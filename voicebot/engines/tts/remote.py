@@ -85,7 +85,7 @@ class RemoteTts:
         return [str(n) for n in names]
 
     async def synthesize(
-        self, text: str, *, voice: str | None = None, speed: float | None = None
+        self, text: str, *, voice: str | None = None, speed: float | None = None, ahead_s: float = 0.0
     ) -> AsyncGenerator[np.ndarray, None]:
         if not clean_text(text):
             return  # nothing speakable: no round trip (the engine would yield nothing)
@@ -97,7 +97,7 @@ class RemoteTts:
         self._waiting += 1
         first = True
         try:
-            async with contextlib.aclosing(self.client.stream(text, voice, speed)) as chunks:
+            async with contextlib.aclosing(self.client.stream(text, voice, speed, ahead_s)) as chunks:
                 async for chunk in chunks:
                     if first:
                         first = False
