@@ -109,12 +109,18 @@ def _leaky_masked_fusable(x: torch.Tensor, m: torch.Tensor | None, slope: float)
 
 
 _compiled: dict[str, Callable[..., torch.Tensor]] = {}
+RECOMPILE_LIMIT = 64
 
 
 def _compile(name: str, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """One ``torch.compile`` of ``fn`` per process, shared by every model: Dynamo compiles
     per guard set (masked or not, Snake or leaky ReLU, batch 1 or more), with symbolic sizes."""
     if name not in _compiled:
+        # The chains see each of the model's channel widths (a guard each: a parameter's
+        # size is no symbol) and masked or not: past dynamo's default of 8 versions of a
+        # function it runs the rest eagerly (seen on an H200: 128 against 512 channels).
+        dyn = torch._dynamo.config
+        dyn.recompile_limit = max(dyn.recompile_limit, RECOMPILE_LIMIT)
         _compiled[name] = torch.compile(fn, dynamic=True)
     return _compiled[name]
 
