@@ -24,8 +24,11 @@ sentence waited for after a short first clause left the caller 1-3 s of silence 
 12 replies (docs/benchmarks.md). Otherwise clauses are whole sentences.
 
 No clause ends at the full stop of a title or an initial ("Mr. Dashwood", "St. Louis",
-"J. K. Rowling") or of "No." before a number: TTS speaks each clause as a sentence, and
-"Mr." alone is heard as "Mister." and a pause.
+"J. K. Rowling"), of "No." before a number, or of an ordered list's marker ("flour. 2.
+Knead"): TTS speaks each clause as a sentence, and "Mr." alone is heard as "Mister." and
+a pause, "2." as "two." The head of a buffer counts as a list's place for the marker test
+(the text before it is cut off): a clause after a cut at a word boundary ("... at | 5.
+Then") is then not cut at "5.", which costs a longer clause, never a word.
 
 Chinese and Japanese are written without spaces: their full-width marks (。！？，、；：) end
 a clause with nothing after them, a character counts as half a word, and a long clause is
@@ -39,6 +42,8 @@ from __future__ import annotations
 import itertools
 import re
 from collections.abc import Callable
+
+from voicebot.engines.tts.text import ends_with_list_number
 
 _SENTENCE_END = ".!?…"
 _CLAUSE_MARKS = ",;:—–"
@@ -218,8 +223,11 @@ def _words(text: str) -> int:
 
 
 def _not_a_sentence_end(head: str, after: str) -> bool:
-    """The full stop ending ``head`` belongs to a title, an initial or "No." before a
-    number (``after``: the text after the whitespace that follows it)."""
+    """The full stop ending ``head`` belongs to a title, an initial, "No." before a
+    number or a list's marker ("flour. 2."; ``after``: the text after the whitespace that
+    follows it)."""
+    if ends_with_list_number(head):
+        return True
     m = _WORD_BEFORE_STOP.search(head)
     if m is None:
         return False
@@ -234,7 +242,8 @@ def _not_a_sentence_end(head: str, after: str) -> bool:
 def sentence_end(text: str) -> int:
     """Where the last whole sentence of ``text`` ends (0: none does): after its
     punctuation, followed by whitespace or at the very end, never at a title, an
-    initial, "No." before a number, or a number's point ("3." may go on as "3.50").
+    initial, "No." before a number, a list's marker ("flour. 2. Knead"), or a number's
+    point ("3." may go on as "3.50").
     A sentence has a word: marks with none before them ("',..." from a model that
     starts with punctuation) end nothing, or the reply kept would be silent."""
     end = 0
