@@ -247,12 +247,14 @@ class FakeTts:
         self.started = 0
         self.finished = 0
         self.aborted = 0
+        self.texts: list[str] = []  # as asked to speak
 
     def voices(self) -> list[str]:
         return ["fake"]
 
     async def synthesize(self, text: str, *, voice: str | None = None, speed: float | None = None) -> AsyncIterator[np.ndarray]:
         self.started += 1
+        self.texts.append(text)
         done = False
         try:
             await self.clock.sleep(self.delay)

@@ -43,7 +43,7 @@ import itertools
 import re
 from collections.abc import Callable
 
-from voicebot.engines.tts.text import ends_with_list_number
+from voicebot.engines.tts.text import drop_list_markers, ends_with_list_number
 
 _SENTENCE_END = ".!?…"
 _CLAUSE_MARKS = ",;:—–"
@@ -213,6 +213,33 @@ class ClauseChunker:
             return None
         self._emitted += 1
         return clause
+
+
+class ListMarkers:
+    """A reply's clauses as TTS is to speak them: without their ordered-list markers
+    ("1. Mix the flour." is spoken "Mix the flour."). Only the voice leaves them out: the
+    reply's text (its deltas, transcript, history, the words heard) is kept as written.
+
+    Fed the reply's text as the chunker is, it knows what comes before each clause: whether
+    "2." stands where a list's item starts, and which marker was dropped last
+    (drop_list_markers says when a number is a marker)."""
+
+    def __init__(self) -> None:
+        self._text = ""  # the reply so far: bounded by its max_tokens, as its text_parts
+        self._end = 0  # where the last clause asked about ends in it
+        self._last = 0  # the number of the last marker dropped
+
+    def feed(self, text: str) -> None:
+        self._text += text
+
+    def spoken(self, clause: str) -> str:
+        """``clause``, the next one cut from the text fed, as TTS is to speak it ("" when
+        it was only a marker: a list cut off at its number)."""
+        start = self._text.find(clause, self._end)  # a clause is the text fed, stripped
+        before = self._text[:start] if start >= 0 else ""
+        spoken, self._last = drop_list_markers(clause, before=before, last=self._last)
+        self._end = max(start, 0) + len(clause)
+        return spoken.strip()
 
 
 def _words(text: str) -> int:

@@ -3,7 +3,9 @@
 The three stages overlap: the first clause goes to TTS while the LLM is still
 generating, and its audio is playable while later clauses are being synthesised. A
 reply can be *gated*: prepared speculatively while the user pauses, and released
-only when the turn is confirmed over (or cancelled if the user goes on).
+only when the turn is confirmed over (or cancelled if the user goes on). A clause goes
+to TTS without its ordered-list markers (clauses.ListMarkers: "1. Mix the flour." is
+said "Mix the flour."); the reply's text, deltas and history keep what the model wrote.
 
 Cancelling :meth:`Response.run` aborts the vLLM request (LlmEngine.generate) and the
 queued TTS work (TtsEngine.synthesize) and re-raises.
@@ -31,7 +33,7 @@ from voicebot.audio import resample
 from voicebot.engines.contracts import GenerationStats, Lane
 from voicebot.engines.contracts import Llm as LlmEngine
 from voicebot.engines.contracts import Tts as TtsEngine
-from voicebot.session.clauses import ClauseChunker, sentence_end, up_to_sentence_end
+from voicebot.session.clauses import ClauseChunker, ListMarkers, sentence_end, up_to_sentence_end
 from voicebot.session.clock import REAL_CLOCK, Clock
 from voicebot.session.events import ToolCallArgumentsDelta, ToolCallDone, ToolCallStarted
 from voicebot.session.playout import Playout
@@ -72,6 +74,9 @@ class ResponseOptions:
 
 
 Delta = str | ToolCallStarted | ToolCallArgumentsDelta | ToolCallDone
+# A clause for TTS: (as written, as spoken). The playout's spans, and so the words a caller
+# who cut the reply short heard, keep it as written; TTS gets it without list markers.
+Clause = tuple[str, str]
 
 
 class Response:
@@ -114,6 +119,7 @@ class Response:
         self._wind_down_at = start if wind_down_tokens and start > 0 else None
         self.cut_at_limit = False  # stopped by max_tokens: its unfinished sentence was not spoken
         self._chunker = ClauseChunker(first_clause_words, max_clause_words, running_low=self._running_low)
+        self._lists = ListMarkers()
         self._low_water_s = clause_low_water_ms / 1000
         self._words_to_speak = 0  # of clauses handed to TTS whose audio is not in the playout yet
         self._writing_since: float | None = None  # the first token, on the session's clock
@@ -176,7 +182,7 @@ class Response:
             self._room.set()
 
     async def run(self) -> None:
-        clauses: asyncio.Queue[str | None] = asyncio.Queue(maxsize=8)
+        clauses: asyncio.Queue[Clause | None] = asyncio.Queue(maxsize=8)
         try:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(self._generate(clauses))
@@ -186,7 +192,7 @@ class Response:
             self.finished.set()
             self.deltas.put_nowait(None)
 
-    async def _generate(self, clauses: asyncio.Queue[str | None]) -> None:
+    async def _generate(self, clauses: asyncio.Queue[Clause | None]) -> None:
         async with contextlib.aclosing(
             self._llm.generate(
                 self.prompt_ids, max_tokens=self._max_tokens, stats=self.stats, **self._constraint.sampling_kwargs()
@@ -248,11 +254,12 @@ class Response:
             self.cut_at_limit = True
             self.text_parts = [text[: len(text) - held]]
 
-    async def _piece(self, piece: Speech | CallStarted | ArgumentsDelta, clauses: asyncio.Queue[str | None]) -> None:
+    async def _piece(self, piece: Speech | CallStarted | ArgumentsDelta, clauses: asyncio.Queue[Clause | None]) -> None:
         match piece:
             case Speech(text=text):
                 self.text_parts.append(text)
                 self.deltas.put_nowait(text)
+                self._lists.feed(text)
                 for clause in self._chunker.push(text):
                     await self._put_clause(clauses, clause)
             case CallStarted(index=index, name=name):
@@ -273,11 +280,14 @@ class Response:
             self.tool_calls.append(call)
             self.deltas.put_nowait(ToolCallDone(self.id, call))
 
-    async def _put_clause(self, clauses: asyncio.Queue[str | None], clause: str) -> None:
+    async def _put_clause(self, clauses: asyncio.Queue[Clause | None], clause: str) -> None:
+        spoken = self._lists.spoken(clause)
+        if not spoken:
+            return  # only a list's marker: nothing to say
         if self.times.first_clause is None:
             self.times.first_clause = self._clock.monotonic()
-        self._words_to_speak += len(clause.split())
-        await clauses.put(clause)
+        self._words_to_speak += len(spoken.split())
+        await clauses.put((clause, spoken))
 
     def _audio_ahead_s(self) -> float:
         """Reply audio the caller has still to hear: what the playout holds, and the
@@ -297,24 +307,25 @@ class Response:
         rate = (self._tokens_written - 1) / max(self._clock.monotonic() - self._writing_since, 1e-3)
         return SENTENCE_TOKENS / rate > ahead
 
-    async def _synthesize(self, clauses: asyncio.Queue[str | None]) -> None:
+    async def _synthesize(self, clauses: asyncio.Queue[Clause | None]) -> None:
         while (clause := await clauses.get()) is not None:
+            written, spoken = clause
             if self.times.first_clause_synth_start is None:
                 self.times.first_clause_synth_start = self._clock.monotonic()
             try:
-                await self._speak(clause)
+                await self._speak(spoken, written)
             finally:
-                self._words_to_speak -= len(clause.split())
+                self._words_to_speak -= len(spoken.split())
 
     async def say(self, text: str) -> None:
         """Speak ``text`` after the generated reply (a filler while a tool runs): played
         by the pacer like the rest, not part of the transcript or the history."""
         self.drained.clear()  # there is audio to send again
-        await self._speak(text)
+        await self._speak(text, text)
 
-    async def _speak(self, clause: str) -> None:
+    async def _speak(self, spoken: str, written: str) -> None:
         async with contextlib.aclosing(
-            self._tts.synthesize(clause, voice=self._voice, speed=self._speed)
+            self._tts.synthesize(spoken, voice=self._voice, speed=self._speed)
         ) as audio_stream:
             async for chunk in audio_stream:
                 if self.times.first_audio is None:
@@ -328,7 +339,7 @@ class Response:
                 self.playout.add(audio)
                 if self._on_audio is not None:
                     self._on_audio()
-        self.playout.end_clause(clause)
+        self.playout.end_clause(written)
 
     async def _wait_for_room(self) -> None:
         while not self.playout.has_room():
