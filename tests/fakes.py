@@ -247,6 +247,7 @@ class FakeTts:
         self.started = 0
         self.finished = 0
         self.aborted = 0
+        self.texts: list[str] = []  # as asked to speak
 
     def voices(self) -> list[str]:
         return ["fake"]
@@ -254,6 +255,7 @@ class FakeTts:
     async def synthesize(self, text: str, *, voice: str | None = None, speed: float | None = None,
                          ahead_s: float = 0.0) -> AsyncIterator[np.ndarray]:
         self.started += 1
+        self.texts.append(text)
         done = False
         try:
             await self.clock.sleep(self.delay)

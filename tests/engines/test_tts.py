@@ -167,6 +167,16 @@ async def test_round_trip_through_asr(engine: TtsEngine, asr: object) -> None:
     assert wer <= 0.20, f"WER {wer:.0%}: heard {result.text!r}"
 
 
+async def test_a_list_is_spoken_without_its_numbers(engine: TtsEngine, asr: object) -> None:
+    # A small model's steps: the caller hears the items, not "one. Mix the flour. two. ...".
+    text = "Here are the steps:\n1. Mix the flour.\n2. Knead the dough.\n3. Bake the bread."
+    audio = np.concatenate(await collect(engine, text))
+    result = await asr.transcribe(resample(audio, engine.sample_rate, ASR_RATE))  # type: ignore[attr-defined]
+    heard = normalise(result.text)
+    assert not re.search(r"\b(one|two|three|first|second|third|[0-9]+)\b", heard), f"heard {result.text!r}"
+    assert {"steps", "dough", "bread"} <= set(heard.split()), f"heard {result.text!r}"  # the items said
+
+
 async def test_streams_per_sentence(engine: TtsEngine) -> None:
     pool = engine.pool  # type: ignore[attr-defined]
     done_before = pool.completed

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from voicebot.session.clauses import ClauseChunker
@@ -206,3 +208,29 @@ def test_latin_text_keeps_its_cuts() -> None:
     c = ClauseChunker()
     assert c.push("Antidisestablishmentarianism") == []
     assert c.push(" 3.50") == []
+
+
+# ------------------------------------------------------------------ ordered lists
+def words_of(text: str) -> list[str]:
+    """Pieces as a model streams them: each word with the whitespace before it."""
+    return re.findall(r"\s*\S+", text)
+
+
+@pytest.mark.parametrize(
+    ("text", "clauses"),
+    [
+        # A small model asked for steps: the marker went to TTS as a clause of its own
+        # ("two." and a pause), its item as the next.
+        ("Sure! 1. Mix the flour. 2. Knead the dough. 3. Bake it.",
+         ["Sure!", "1. Mix the flour.", "2. Knead the dough.", "3. Bake it."]),
+        ("Here are the steps:\n\n1. Mix the flour.\n2. Knead the dough.",
+         ["Here are the steps:", "1. Mix the flour.", "2. Knead the dough."]),
+        ("1. Mix the flour. 2.", ["1. Mix the flour.", "2."]),  # a list cut off: the reply's end
+        # A number ending a sentence still ends it.
+        ("Yes. The shop opens at 5. Then it closes.", ["Yes.", "The shop opens at 5.", "Then it closes."]),
+        ("Yes. Call 911. They will come.", ["Yes.", "Call 911.", "They will come."]),
+        ("Yes. It has 21. 22 is more.", ["Yes.", "It has 21.", "22 is more."]),
+    ],
+)
+def test_a_list_marker_does_not_end_a_clause(text: str, clauses: list[str]) -> None:
+    assert feed(ClauseChunker(first_clause_words=8, max_clause_words=24), words_of(text)) == clauses

@@ -36,6 +36,11 @@ from voicebot.session.response import Response
         ('Good morning is "buenos días".', 'Good morning is "buenos días".'),
         ("¡Buen día!", "¡Buen día!"),
         ("Sure. It's 9 a.m.", "Sure."),  # "a.m." may go on ("a.m. sharp")
+        # A list's marker ends no sentence; a number ending a sentence does.
+        ("1. Mix the flour. 2. Knead", "1. Mix the flour."),
+        ("Steps:\n1. Mix it.\n2. ", "Steps:\n1. Mix it."),
+        ("We open at 5. Then", "We open at 5."),
+        ("We met in 2024. Then", "We met in 2024."),
     ],
 )
 def test_sentence_end_finds_the_last_whole_sentence(text: str, whole: str) -> None:

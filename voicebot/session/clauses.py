@@ -24,8 +24,11 @@ sentence waited for after a short first clause left the caller 1-3 s of silence 
 12 replies (docs/benchmarks.md). Otherwise clauses are whole sentences.
 
 No clause ends at the full stop of a title or an initial ("Mr. Dashwood", "St. Louis",
-"J. K. Rowling") or of "No." before a number: TTS speaks each clause as a sentence, and
-"Mr." alone is heard as "Mister." and a pause.
+"J. K. Rowling"), of "No." before a number, or of an ordered list's marker ("flour. 2.
+Knead"): TTS speaks each clause as a sentence, and "Mr." alone is heard as "Mister." and
+a pause, "2." as "two." The head of a buffer counts as a list's place for the marker test
+(the text before it is cut off): a clause after a cut at a word boundary ("... at | 5.
+Then") is then not cut at "5.", which costs a longer clause, never a word.
 
 Chinese and Japanese are written without spaces: their full-width marks (。！？，、；：) end
 a clause with nothing after them, a character counts as half a word, and a long clause is
@@ -39,6 +42,8 @@ from __future__ import annotations
 import itertools
 import re
 from collections.abc import Callable
+
+from voicebot.engines.tts.text import drop_list_markers, ends_with_list_number
 
 _SENTENCE_END = ".!?…"
 _CLAUSE_MARKS = ",;:—–"
@@ -210,6 +215,33 @@ class ClauseChunker:
         return clause
 
 
+class ListMarkers:
+    """A reply's clauses as TTS is to speak them: without their ordered-list markers
+    ("1. Mix the flour." is spoken "Mix the flour."). Only the voice leaves them out: the
+    reply's text (its deltas, transcript, history, the words heard) is kept as written.
+
+    Fed the reply's text as the chunker is, it knows what comes before each clause: whether
+    "2." stands where a list's item starts, and which marker was dropped last
+    (drop_list_markers says when a number is a marker)."""
+
+    def __init__(self) -> None:
+        self._text = ""  # the reply so far: bounded by its max_tokens, as its text_parts
+        self._end = 0  # where the last clause asked about ends in it
+        self._last = 0  # the number of the last marker dropped
+
+    def feed(self, text: str) -> None:
+        self._text += text
+
+    def spoken(self, clause: str) -> str:
+        """``clause``, the next one cut from the text fed, as TTS is to speak it ("" when
+        it was only a marker: a list cut off at its number)."""
+        start = self._text.find(clause, self._end)  # a clause is the text fed, stripped
+        before = self._text[:start] if start >= 0 else ""
+        spoken, self._last = drop_list_markers(clause, before=before, last=self._last)
+        self._end = max(start, 0) + len(clause)
+        return spoken.strip()
+
+
 def _words(text: str) -> int:
     """Words in ``text``: spaced words, and two characters of an unspaced script as one."""
     unspaced = len(_UNSPACED_CHAR.findall(text))
@@ -218,8 +250,11 @@ def _words(text: str) -> int:
 
 
 def _not_a_sentence_end(head: str, after: str) -> bool:
-    """The full stop ending ``head`` belongs to a title, an initial or "No." before a
-    number (``after``: the text after the whitespace that follows it)."""
+    """The full stop ending ``head`` belongs to a title, an initial, "No." before a
+    number or a list's marker ("flour. 2."; ``after``: the text after the whitespace that
+    follows it)."""
+    if ends_with_list_number(head):
+        return True
     m = _WORD_BEFORE_STOP.search(head)
     if m is None:
         return False
@@ -234,7 +269,8 @@ def _not_a_sentence_end(head: str, after: str) -> bool:
 def sentence_end(text: str) -> int:
     """Where the last whole sentence of ``text`` ends (0: none does): after its
     punctuation, followed by whitespace or at the very end, never at a title, an
-    initial, "No." before a number, or a number's point ("3." may go on as "3.50").
+    initial, "No." before a number, a list's marker ("flour. 2. Knead"), or a number's
+    point ("3." may go on as "3.50").
     A sentence has a word: marks with none before them ("',..." from a model that
     starts with punctuation) end nothing, or the reply kept would be silent."""
     end = 0

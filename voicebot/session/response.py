@@ -3,7 +3,9 @@
 The three stages overlap: the first clause goes to TTS while the LLM is still
 generating, and its audio is playable while later clauses are being synthesised. A
 reply can be *gated*: prepared speculatively while the user pauses, and released
-only when the turn is confirmed over (or cancelled if the user goes on).
+only when the turn is confirmed over (or cancelled if the user goes on). A clause goes
+to TTS without its ordered-list markers (clauses.ListMarkers: "1. Mix the flour." is
+said "Mix the flour."); the reply's text, deltas and history keep what the model wrote.
 
 Cancelling :meth:`Response.run` aborts the vLLM request (LlmEngine.generate) and the
 queued TTS work (TtsEngine.synthesize) and re-raises.
@@ -31,7 +33,7 @@ from voicebot.audio import resample
 from voicebot.engines.contracts import GenerationStats, Lane
 from voicebot.engines.contracts import Llm as LlmEngine
 from voicebot.engines.contracts import Tts as TtsEngine
-from voicebot.session.clauses import ClauseChunker, sentence_end, up_to_sentence_end
+from voicebot.session.clauses import ClauseChunker, ListMarkers, sentence_end, up_to_sentence_end
 from voicebot.session.clock import REAL_CLOCK, Clock
 from voicebot.session.events import ToolCallArgumentsDelta, ToolCallDone, ToolCallStarted
 from voicebot.session.playout import Playout
@@ -64,7 +66,8 @@ class ResponseTimes:
 class _ClauseAudio:
     """A clause in synthesis ahead of its turn in the playout."""
 
-    clause: str
+    written: str  # as the model wrote it: what the playout's spans keep
+    spoken: str  # as TTS says it (clauses.ListMarkers)
     words: int
     ahead_s: float  # the reply's audio the caller hears before this clause's, as estimated
     chunks: asyncio.Queue[np.ndarray | None] = field(default_factory=asyncio.Queue)  # one clause's audio
@@ -83,6 +86,9 @@ class ResponseOptions:
 
 
 Delta = str | ToolCallStarted | ToolCallArgumentsDelta | ToolCallDone
+# A clause for TTS: (as written, as spoken). The playout's spans, and so the words a caller
+# who cut the reply short heard, keep it as written; TTS gets it without list markers.
+Clause = tuple[str, str]
 
 
 class Response:
@@ -126,6 +132,7 @@ class Response:
         self._wind_down_at = start if wind_down_tokens and start > 0 else None
         self.cut_at_limit = False  # stopped by max_tokens: its unfinished sentence was not spoken
         self._chunker = ClauseChunker(first_clause_words, max_clause_words, running_low=self._running_low)
+        self._lists = ListMarkers()
         self._low_water_s = clause_low_water_ms / 1000
         self._lookahead = tts_lookahead
         self._words_to_speak = 0  # of clauses handed to TTS whose audio is not in the playout yet
@@ -189,7 +196,7 @@ class Response:
             self._room.set()
 
     async def run(self) -> None:
-        clauses: asyncio.Queue[str | None] = asyncio.Queue(maxsize=8)
+        clauses: asyncio.Queue[Clause | None] = asyncio.Queue(maxsize=8)
         try:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(self._generate(clauses))
@@ -199,7 +206,7 @@ class Response:
             self.finished.set()
             self.deltas.put_nowait(None)
 
-    async def _generate(self, clauses: asyncio.Queue[str | None]) -> None:
+    async def _generate(self, clauses: asyncio.Queue[Clause | None]) -> None:
         async with contextlib.aclosing(
             self._llm.generate(
                 self.prompt_ids, max_tokens=self._max_tokens, stats=self.stats, **self._constraint.sampling_kwargs()
@@ -261,11 +268,12 @@ class Response:
             self.cut_at_limit = True
             self.text_parts = [text[: len(text) - held]]
 
-    async def _piece(self, piece: Speech | CallStarted | ArgumentsDelta, clauses: asyncio.Queue[str | None]) -> None:
+    async def _piece(self, piece: Speech | CallStarted | ArgumentsDelta, clauses: asyncio.Queue[Clause | None]) -> None:
         match piece:
             case Speech(text=text):
                 self.text_parts.append(text)
                 self.deltas.put_nowait(text)
+                self._lists.feed(text)
                 for clause in self._chunker.push(text):
                     await self._put_clause(clauses, clause)
             case CallStarted(index=index, name=name):
@@ -286,11 +294,14 @@ class Response:
             self.tool_calls.append(call)
             self.deltas.put_nowait(ToolCallDone(self.id, call))
 
-    async def _put_clause(self, clauses: asyncio.Queue[str | None], clause: str) -> None:
+    async def _put_clause(self, clauses: asyncio.Queue[Clause | None], clause: str) -> None:
+        spoken = self._lists.spoken(clause)
+        if not spoken:
+            return  # only a list's marker: nothing to say
         if self.times.first_clause is None:
             self.times.first_clause = self._clock.monotonic()
-        self._words_to_speak += len(clause.split())
-        await clauses.put(clause)
+        self._words_to_speak += len(spoken.split())
+        await clauses.put((clause, spoken))
 
     def _audio_ahead_s(self) -> float:
         """Reply audio the caller has still to hear: what the playout holds, and the
@@ -310,7 +321,7 @@ class Response:
         rate = (self._tokens_written - 1) / max(self._clock.monotonic() - self._writing_since, 1e-3)
         return SENTENCE_TOKENS / rate > ahead
 
-    async def _synthesize(self, clauses: asyncio.Queue[str | None]) -> None:
+    async def _synthesize(self, clauses: asyncio.Queue[Clause | None]) -> None:
         """Each clause to TTS as soon as it is written, up to ``tts_lookahead`` beyond the
         one whose audio goes into the playout now; their audio goes in in clause order.
 
@@ -321,11 +332,12 @@ class Response:
         whose callers are waiting in silence (a first clause has none ahead)."""
         if self._lookahead == 0:
             while (clause := await clauses.get()) is not None:
+                written, spoken = clause
                 self._mark_synth_start()
                 try:
-                    await self._speak(clause)
+                    await self._speak(spoken, written)
                 finally:
-                    self._words_to_speak -= len(clause.split())
+                    self._words_to_speak -= len(spoken.split())
             return
         slots = asyncio.Semaphore(self._lookahead + 1)  # clauses in synthesis, the one playing included
         order: asyncio.Queue[_ClauseAudio | None] = asyncio.Queue()  # bounded by the slots
@@ -340,11 +352,12 @@ class Response:
         async with asyncio.TaskGroup() as tg:
             tg.create_task(self._play_in_order(order, played))
             while (clause := await clauses.get()) is not None:
+                written, spoken = clause
                 await slots.acquire()
                 self._mark_synth_start()
                 ahead = self.playout.queued_samples / self.playout.sample_rate
                 ahead += unplayed_words * SECONDS_PER_WORD / (self._speed or 1.0)
-                job = _ClauseAudio(clause, len(clause.split()), ahead)
+                job = _ClauseAudio(written, spoken, len(spoken.split()), ahead)
                 unplayed_words += job.words
                 tg.create_task(self._fetch(job))
                 order.put_nowait(job)
@@ -360,7 +373,7 @@ class Response:
         the clauses before it are heard whole, as without the look-ahead."""
         try:
             async with contextlib.aclosing(
-                self._tts.synthesize(job.clause, voice=self._voice, speed=self._speed, ahead_s=job.ahead_s)
+                self._tts.synthesize(job.spoken, voice=self._voice, speed=self._speed, ahead_s=job.ahead_s)
             ) as audio_stream:
                 async for chunk in audio_stream:
                     job.chunks.put_nowait(chunk)
@@ -377,7 +390,7 @@ class Response:
                     await self._add_audio(chunk)
                 if job.error is not None:
                     raise job.error
-                self.playout.end_clause(job.clause)
+                self.playout.end_clause(job.written)
             finally:
                 played(job)
 
@@ -385,15 +398,16 @@ class Response:
         """Speak ``text`` after the generated reply (a filler while a tool runs): played
         by the pacer like the rest, not part of the transcript or the history."""
         self.drained.clear()  # there is audio to send again
-        await self._speak(text)
+        await self._speak(text, text)
 
-    async def _speak(self, clause: str) -> None:
+    async def _speak(self, spoken: str, written: str) -> None:
         async with contextlib.aclosing(
-            self._tts.synthesize(clause, voice=self._voice, speed=self._speed)
+            self._tts.synthesize(spoken, voice=self._voice, speed=self._speed,
+                                 ahead_s=self.playout.queued_samples / self.playout.sample_rate)
         ) as audio_stream:
             async for chunk in audio_stream:
                 await self._add_audio(chunk)
-        self.playout.end_clause(clause)
+        self.playout.end_clause(written)
 
     async def _add_audio(self, chunk: np.ndarray) -> None:
         if self.times.first_audio is None:
