@@ -73,3 +73,37 @@ def test_cuda_graphs_are_refused_without_a_cuda_device(model: Any) -> None:
         BucketedDecoder(model, cuda_graphs=True)
     with pytest.raises(ValidationError, match="kokoro_cuda_graphs needs a CUDA device"):
         TtsConfig(engine="kokoro", device="cpu", kokoro_cuda_graphs=True)
+
+
+def test_warm_up_runs_every_bucket_up_to_a_batch_of_clauses_once(model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a service runs before it takes calls (with CUDA graphs: each bucket captured)."""
+    seen: list[tuple[int, int, bool]] = []
+    real = km.decode_rows
+
+    def counting(mdl: Any, en: torch.Tensor, asr: torch.Tensor, styles: torch.Tensor, frames: torch.Tensor,
+                 *, masked: bool) -> torch.Tensor:
+        seen.append((en.shape[0], en.shape[2], masked))
+        assert asr.shape[:1] == styles.shape[:1] == frames.shape == en.shape[:1]
+        return real(mdl, en, asr, styles, frames, masked=masked)
+
+    monkeypatch.setattr(km, "decode_rows", counting)
+    shapes = BucketedDecoder(model).warm_up(max_rows=3, max_frames=24)
+    assert shapes == [(1, 16), (1, 24), (2, 16), (2, 24), (3, 16), (3, 24)]
+    assert seen == [(r, f, True) for r, f in shapes]
+    # A batch's largest group pads to a bucket that is warm.
+    assert BucketedDecoder(model).shape(3, 20) in shapes
+
+
+def test_warm_up_of_a_compiled_model_runs_each_kind_of_decode(model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One row; several of one length; several of their own lengths (masked): Dynamo's kinds."""
+    seen: list[tuple[int, bool, list[int]]] = []
+    real = km.decode_rows
+
+    def counting(mdl: Any, en: torch.Tensor, asr: torch.Tensor, styles: torch.Tensor, frames: torch.Tensor,
+                 *, masked: bool) -> torch.Tensor:
+        seen.append((en.shape[0], masked, frames.tolist()))
+        return real(mdl, en, asr, styles, frames, masked=masked)
+
+    monkeypatch.setattr(km, "decode_rows", counting)
+    km.warm_up_compiled(model)
+    assert seen == [(1, False, [16]), (2, False, [16, 16]), (2, True, [16, 15])]

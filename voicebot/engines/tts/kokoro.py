@@ -39,6 +39,9 @@ SAMPLE_RATE = 24_000
 # (random weights would predict ~25): the real model's 2.53 on average (benchmarks/gpu_kokoro.py).
 RANDOM = "random"
 MAX_TOKENS = 510  # the model's 512 positions less the two boundary tokens
+# Frames per clause a service warms its decode shapes up to (25 ms a frame: 9.6 s, past the
+# longest clause a session sends, session.max_clause_words); longer ones are met at first use.
+WARM_FRAMES = 384
 _SPACE = " "
 
 # espeak-ng is one process-global C state: phonemize one text at a time (piper's
@@ -231,7 +234,17 @@ class KokoroTts:
         if self._cfg.kokoro_cuda_graphs:
             from voicebot.engines.tts.kokoro_graphs import BucketedDecoder
 
-            decoder = BucketedDecoder(model, cuda_graphs=True).decode
+            # Every bucket a batch of clauses will meet, captured now: a fresh service
+            # otherwise made its first callers wait 10-20 s for them (H200).
+            bucketed = BucketedDecoder(model, cuda_graphs=True)
+            t1 = time.perf_counter()
+            shapes = bucketed.warm_up(self._cfg.max_batch, WARM_FRAMES)
+            log.info("Kokoro: %d decode shapes captured in %.1f s", len(shapes), time.perf_counter() - t1)
+            decoder = bucketed.decode
+        elif self._cfg.kokoro_compile:
+            t1 = time.perf_counter()
+            km.warm_up_compiled(model)
+            log.info("Kokoro: decode compiled in %.1f s", time.perf_counter() - t1)
         self._runner = self._runner or torch_runner(model, decoder=decoder)
         self._g2p = self._g2p or EspeakG2P(config["vocab"])
         if self._voices is None:

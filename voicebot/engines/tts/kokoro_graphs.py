@@ -91,6 +91,29 @@ class BucketedDecoder:
             audio = self._replay((rows, fmax), en, asr, styles, frames_dev)
         return [audio[i, : f * km.SAMPLES_PER_FRAME] for i, f in enumerate(frames)]
 
+    def warm_up(self, max_rows: int, max_frames: int) -> list[tuple[int, int]]:
+        """Run (with ``cuda_graphs``: capture) every bucket up to ``max_rows`` rows of
+        ``max_frames`` frames once, on zeros: a service does it before it takes calls, so that
+        no caller waits for a capture (or, with ``tts.kokoro_compile``, a compile: seconds).
+        Returns the buckets run, fewest rows first."""
+        top_rows, top_frames = self.shape(max_rows, max_frames) or (max_rows, max_frames)
+        shapes = [(r, f) for r in self.row_buckets if r <= top_rows for f in self.frame_buckets
+                  if f <= top_frames and r * f <= self.max_frames]
+        with torch.inference_mode():
+            en_ch, asr_ch = km.feature_channels(self.model)
+            for rows, frames in shapes:
+                en = torch.zeros(rows, en_ch, frames, device=self.device)
+                asr = torch.zeros(rows, asr_ch, frames, device=self.device)
+                styles = torch.zeros(rows, 256, device=self.device)
+                counts = torch.full((rows,), frames, device=self.device, dtype=torch.long)
+                if self.cuda_graphs:
+                    self._replay((rows, frames), en, asr, styles, counts)
+                else:
+                    km.decode_rows(self.model, en, asr, styles, counts, masked=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return shapes
+
     def _replay(self, key: tuple[int, int], *inputs: torch.Tensor) -> torch.Tensor:
         """The bucket's graph (captured now if new) on ``inputs``: a copy of its audio, ordered
         after the caller's stream and before the caller's next work."""

@@ -540,6 +540,26 @@ def decode_rows(model: Any, en: torch.Tensor, asr: torch.Tensor, styles: torch.T
     return audio.reshape(en.shape[0], -1)
 
 
+def feature_channels(model: Any) -> tuple[int, int]:
+    """The channels of :func:`encode`'s two frame-rate features (``en``, ``asr``), from one
+    tiny encode rather than worked out from the config."""
+    probe = encode(model, [[1, 2, 3]], torch.zeros(1, 256, device=model.device), [1.0], [[2, 2, 2]])
+    return probe[0].batch.en.shape[1], probe[0].batch.asr.shape[1]
+
+
+def warm_up_compiled(model: Any, frames: int = 16) -> None:
+    """One decode of each kind a compiled model meets (one row; several of one length; several
+    masked to their own lengths), on zeros: Dynamo compiles per kind, with symbolic sizes, so
+    the first callers after a start do not wait seconds for it."""
+    dev = model.device
+    with torch.inference_mode():
+        en_ch, asr_ch = feature_channels(model)
+        for rows, masked in ((1, False), (2, False), (2, True)):
+            counts = torch.tensor([frames, frames - 1][:rows] if masked else [frames] * rows, device=dev)
+            decode_rows(model, torch.zeros(rows, en_ch, frames, device=dev), torch.zeros(rows, asr_ch, frames, device=dev),
+                        torch.zeros(rows, 256, device=dev), counts, masked=masked)
+
+
 def frame_groups(frames: Sequence[int], max_pad: float = 0.25, max_frames: int = 1 << 30) -> list[list[int]]:
     """Indices of ``frames`` in groups of similar length, shortest first: within a group the
     padded size (members x longest) stays within ``1 + max_pad`` of the real frames and
