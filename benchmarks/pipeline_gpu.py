@@ -962,6 +962,16 @@ def cache_hit(records: list[Any]) -> float | None:
     return round(cached / prompt, 3) if prompt else None
 
 
+def merge_level(levels: list[dict[str, Any]], row: dict[str, Any], repeat: int) -> list[dict[str, Any]]:
+    """The summary's levels with ``row`` added. A level an earlier call measured into the same
+    folder (a rerun) is replaced; one this run measured before (``--sessions 256 272 256``) is
+    kept, and the row says which repeat it is."""
+    key = (row["sessions"], row.get("frontends", 1))
+    if repeat:
+        return [*levels, {**row, "repeat": repeat + 1}]
+    return [lv for lv in levels if (lv["sessions"], lv.get("frontends", 1)) != key] + [row]
+
+
 def level_fails(row: dict[str, Any], args: argparse.Namespace) -> list[str]:
     why = []
     v = row["v2v_ms"]
@@ -1115,6 +1125,7 @@ def run_main(args: argparse.Namespace) -> int:
                   "(not measured)", flush=True)
             run_info["warm_level"] = {"sessions": args.warm_level, "ok": ok}
         last_wall = 0.0
+        measured: list[tuple[int, int]] = []  # (callers, frontends) of this run's levels so far
         for n in args.sessions:
             elapsed = time.monotonic() - t_start
             if args.max_wall_s and elapsed + max(last_wall, 30.0) * 1.2 > args.max_wall_s:
@@ -1162,9 +1173,10 @@ def run_main(args: argparse.Namespace) -> int:
             for kind, svc_row in svc_rows.items():
                 row[f"{kind}_service"] = svc_row
             row["fails"] = level_fails(row, args)
-            summary["levels"] = [lv for lv in summary["levels"]
-                                 if (lv["sessions"], lv.get("frontends", 1)) != (n, len(urls))] + [row]
-            write_result(out / f"level_{n}.json", "pipeline_gpu", args,
+            repeat = sum(k == (n, len(urls)) for k in measured)
+            measured.append((n, len(urls)))
+            summary["levels"] = merge_level(summary["levels"], row, repeat)
+            write_result(out / (f"level_{n}.json" if not repeat else f"level_{n}_{repeat + 1}.json"), "pipeline_gpu", args,
                          {"summary": row, "turns": [asdict(r) for r in result.records]})
             write_result(summary_path, "pipeline_gpu", args, summary)
             v, st = row["v2v_ms"], row["stage_p95_ms"]

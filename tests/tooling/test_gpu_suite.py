@@ -190,3 +190,18 @@ def test_the_plot_joins_runs_of_one_layout_into_one_line(tmp_path: Path) -> None
     assert label == "K=1"
     assert [(lv["sessions"], lv["v2v_ms"]["p95"]) for lv in levels] == [(16, 500.0), (32, 700.0), (64, 950.0)]
     assert pipeline_gpu().summary_levels(str(a))[0] == "a"
+
+
+def test_a_level_measured_twice_in_one_run_keeps_both_rows_and_a_rerun_replaces_the_old() -> None:
+    """``--sessions 256 272 256`` lost its first 256 row (2026-11-29); a later call into the same
+    folder that measures a level again replaces it (a rerun of a level that failed on a compile)."""
+    merge = pipeline_gpu().merge_level
+    earlier_call = [{"sessions": 256, "frontends": 6, "v2v": "old"}, {"sessions": 288, "frontends": 6}]
+    first = {"sessions": 256, "frontends": 6, "v2v": "a"}
+    levels = merge(earlier_call, first, repeat=0)
+    assert levels == [{"sessions": 288, "frontends": 6}, first]
+    levels = merge(levels, {"sessions": 256, "frontends": 6, "v2v": "b"}, repeat=1)
+    assert [lv.get("v2v") for lv in levels if lv["sessions"] == 256] == ["a", "b"]
+    assert levels[-1]["repeat"] == 2
+    other_layout = merge(levels, {"sessions": 256, "frontends": 2}, repeat=0)
+    assert len(other_layout) == 4  # another number of frontends is another level
