@@ -329,16 +329,8 @@ class Response:
         synthesis: sent only once "Sure," is synthesised, that clause waits in a shared
         engine's queue behind other calls' work and the caller hears a gap. Sent at once,
         with the seconds of audio ahead of it, it is ready in time and yields to the calls
-        whose callers are waiting in silence (a first clause has none ahead)."""
-        if self._lookahead == 0:
-            while (clause := await clauses.get()) is not None:
-                written, spoken = clause
-                self._mark_synth_start()
-                try:
-                    await self._speak(spoken, written)
-                finally:
-                    self._words_to_speak -= len(spoken.split())
-            return
+        whose callers are waiting in silence (a first clause has none ahead). With no
+        look-ahead, one slot: a clause is sent once the one before it is in the playout."""
         slots = asyncio.Semaphore(self._lookahead + 1)  # clauses in synthesis, the one playing included
         order: asyncio.Queue[_ClauseAudio | None] = asyncio.Queue()  # bounded by the slots
         unplayed_words = 0  # of clauses in synthesis, not yet in the playout
@@ -354,7 +346,8 @@ class Response:
             while (clause := await clauses.get()) is not None:
                 written, spoken = clause
                 await slots.acquire()
-                self._mark_synth_start()
+                if self.times.first_clause_synth_start is None:
+                    self.times.first_clause_synth_start = self._clock.monotonic()
                 ahead = self.playout.queued_samples / self.playout.sample_rate
                 ahead += unplayed_words * SECONDS_PER_WORD / (self._speed or 1.0)
                 job = _ClauseAudio(written, spoken, len(spoken.split()), ahead)
@@ -362,10 +355,6 @@ class Response:
                 tg.create_task(self._fetch(job))
                 order.put_nowait(job)
             order.put_nowait(None)
-
-    def _mark_synth_start(self) -> None:
-        if self.times.first_clause_synth_start is None:
-            self.times.first_clause_synth_start = self._clock.monotonic()
 
     async def _fetch(self, job: _ClauseAudio) -> None:
         """One clause's audio from TTS into ``job`` (at most the clause's own length). Its
