@@ -219,8 +219,8 @@ class NativeCall:
     _mic: asyncio.Lock = field(default_factory=asyncio.Lock)  # one sender of mic frames at a time
 
     @classmethod
-    async def open(cls, server: RunningServer, **start: object) -> NativeCall:
-        client = NativeClient(ConnectOptions(server.ws(), MIC_RATE, OUT_RATE, start_fields=dict(start)))
+    async def open(cls, server: RunningServer, *, token: str | None = None, **start: object) -> NativeCall:
+        client = NativeClient(ConnectOptions(server.ws(), MIC_RATE, OUT_RATE, token=token, start_fields=dict(start)))
         await client.connect()
         call = cls(client)
         call._tasks = [asyncio.create_task(call._read()), asyncio.create_task(call._silence())]

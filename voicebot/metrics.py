@@ -2,12 +2,22 @@
 
 No module-level collectors: tests and several servers in one process each get their
 own :class:`Metrics`. Buckets are chosen for voice latencies (tens of ms to seconds).
+
+A server of several workers (``server.workers``) is several processes on one port, and
+a scrape reaches one of them: there prometheus_client's multiprocess mode keeps every
+value in files that each worker's ``/metrics`` reads back for all of them
+(``PROMETHEUS_MULTIPROC_DIR``, set by voicebot/server/workers.py before the workers
+start). Counters and histograms add up; each gauge says how (``multiprocess_mode``:
+``livesum`` for open calls, ``livemin`` for an engine being up, ...); the process
+metrics come once per worker, labelled ``worker``.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Mapping
+import functools
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
 from prometheus_client import (
@@ -18,6 +28,8 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
+from prometheus_client.metrics_core import Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 
 
 class StageLatencies(Protocol):
@@ -48,9 +60,16 @@ _LATENCY_BUCKETS = (0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8,
                     5.0, 6.0, 8.0, 10.0, 15.0)
 
 
+def shared_across_workers() -> bool:
+    """Whether this process's values go to the workers' shared files (prometheus_client
+    decides at its import, from the same variable)."""
+    return bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self.shared = shared_across_workers()
         r = self.registry
 
         def hist(name: str, doc: str) -> Histogram:
@@ -64,9 +83,12 @@ class Metrics:
         self.voice_to_voice = hist("voicebot_voice_to_voice_seconds", "End of user speech to first reply audio sent.")
         self.prompt_tokens = Counter("voicebot_llm_prompt_tokens", "Prompt tokens sent to the LLM.", registry=r)
         self.cached_tokens = Counter("voicebot_llm_cached_prompt_tokens", "Prompt tokens served from the prefix cache.", registry=r)
-        self.cache_hit_ratio = Gauge("voicebot_llm_prefix_cache_hit_ratio", "Cached / prompt tokens since start.", registry=r)
-        self.active_sessions = Gauge("voicebot_active_sessions", "Sessions open now.", ["transport"], registry=r)
-        self.capacity = Gauge("voicebot_session_capacity", "Sessions this server admits at once (server.max_sessions).", registry=r)
+        self.cache_hit_ratio = Gauge("voicebot_llm_prefix_cache_hit_ratio", "Cached / prompt tokens since start.",
+                                     registry=r, multiprocess_mode="liveall")
+        self.active_sessions = Gauge("voicebot_active_sessions", "Sessions open now.", ["transport"], registry=r,
+                                     multiprocess_mode="livesum")
+        self.capacity = Gauge("voicebot_session_capacity", "Sessions this server admits at once (server.max_sessions).",
+                              registry=r, multiprocess_mode="livemax")
         self.sessions = Counter("voicebot_sessions", "Sessions opened.", ["transport"], registry=r)
         self.turns = Counter("voicebot_turns", "User turns committed.", registry=r)
         self.barge_ins = Counter("voicebot_barge_ins", "Replies interrupted by the caller.", registry=r)
@@ -78,13 +100,17 @@ class Metrics:
             "Turns taken for over too early: the caller went on before a word of the reply, which was withdrawn unseen.",
             registry=r)
         self.errors = Counter("voicebot_errors", "Errors sent to clients, by code.", ["code"], registry=r)
-        self.queue_depth = Gauge("voicebot_queue_depth", "Jobs waiting per engine queue.", ["queue"], registry=r)
-        self.engine_up = Gauge("voicebot_engine_up", "1 while the engine works, 0 while failed or restarting.", ["engine"], registry=r)
-        self.engine_restarts = Gauge("voicebot_engine_restarts", "Successful supervised restarts per engine.", ["engine"], registry=r)
+        self.queue_depth = Gauge("voicebot_queue_depth", "Jobs waiting per engine queue.", ["queue"], registry=r,
+                                 multiprocess_mode="livesum")
+        self.engine_up = Gauge("voicebot_engine_up", "1 while the engine works, 0 while failed or restarting.", ["engine"],
+                               registry=r, multiprocess_mode="livemin")
+        self.engine_restarts = Gauge("voicebot_engine_restarts", "Successful supervised restarts per engine.", ["engine"],
+                                     registry=r, multiprocess_mode="livesum")
         # Leak watching (soak): live asyncio tasks, plus process_open_fds /
         # process_resident_memory_bytes from prometheus_client's process collector.
         self.heap_trims = Counter("voicebot_heap_trims", "glibc malloc_trim runs after calls ended (server.heap_trim_interval_s).", registry=r)
-        self.asyncio_tasks = Gauge("voicebot_asyncio_tasks", "Live asyncio tasks of the server's loop.", registry=r)
+        self.asyncio_tasks = Gauge("voicebot_asyncio_tasks", "Live asyncio tasks of the server's loop.", registry=r,
+                                   multiprocess_mode="liveall")
         self.loop_lag = Histogram("voicebot_event_loop_lag_seconds", "How late the event loop every call shares ran a 100 ms timer.",
                                   buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0), registry=r)
         self.loop_stalls = Counter("voicebot_event_loop_stalls", "Times the event loop did not run for server.loop_stall_s or longer.", registry=r)
@@ -101,7 +127,8 @@ class Metrics:
         self.records = Counter("voicebot_call_records", "Call records by outcome: written, failed (unwritable directory, full disk), dropped (the writer was behind).", ["outcome"], registry=r)
         self.call_audio = Counter("voicebot_call_audio", "Calls' WAVs (telemetry.record_audio) by outcome: written, failed (unwritable directory, full disk), dropped (the writer was behind: the WAV stops early).", ["outcome"], registry=r)
         self.webhooks = Counter("voicebot_call_webhooks", "End-of-call webhooks by outcome: delivered, failed (after its attempts), dropped (queue full, or given up at shutdown).", ["outcome"], registry=r)
-        ProcessCollector(registry=r)
+        if not self.shared:
+            ProcessCollector(registry=r)
 
     def serve_transports(self, transports: Iterable[str]) -> None:
         """Each served protocol's call counters from 0, before its first call: a labelled
@@ -135,5 +162,29 @@ class Metrics:
             self.engine_up.labels(name).set(1 if h.ok else 0)
             self.engine_restarts.labels(name).set(h.restarts)
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, workers: Callable[[], Mapping[int, int]] | None = None) -> bytes:
+        """The exposition; with workers (index -> pid), every worker's values."""
+        if not self.shared:
+            return generate_latest(self.registry)
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry)
+        if workers is not None:
+            registry.register(_WorkerProcesses(workers))
+        return generate_latest(registry)
+
+
+class _WorkerProcesses:
+    """prometheus_client's process metrics (memory, CPU, descriptors) of every worker,
+    labelled ``worker``: read from /proc at the scrape, so none is stale."""
+
+    def __init__(self, workers: Callable[[], Mapping[int, int]]) -> None:
+        self._workers = workers
+
+    def collect(self) -> Iterator[Metric]:
+        families: dict[str, Metric] = {}
+        for worker, pid in sorted(self._workers().items()):
+            for family in ProcessCollector(pid=functools.partial(int, pid), registry=None).collect():
+                out = families.setdefault(family.name, Metric(family.name, family.documentation, family.type))
+                for sample in family.samples:
+                    out.add_sample(sample.name, {**sample.labels, "worker": str(worker)}, sample.value)
+        yield from families.values()

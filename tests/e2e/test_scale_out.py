@@ -20,13 +20,25 @@ import asyncio
 import contextlib
 import os
 import signal
+import sys
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
-from llm_tier import Tier, _spawn, finished_over, finished_requests, llm_tier, unfinished_requests
+from llm_tier import (
+    Proc,
+    Tier,
+    _spawn,
+    finished_over,
+    finished_requests,
+    free_port,
+    llm_tier,
+    unfinished_requests,
+    wait_ready,
+)
 from running_time import until
 from servers import NativeCall, RunningServer, running_server
 from speech import Clip
@@ -36,6 +48,9 @@ from voicebot.audio import dbfs
 from voicebot.config import ModelsConfig, load_config
 from voicebot.engines.contracts import TextDelta
 from voicebot.engines.llm.remote import RemoteLlmEngine
+from voicebot.probe.base import ClientClosed, ClientError, ConnectOptions
+from voicebot.probe.native import NativeClient
+from voicebot.probe.webrtc import WebRTCClient
 
 CPU_BLOCK = 128  # vLLM's KV block on CPU: only whole blocks are cached
 SPACE_A = 264  # " a" in the Qwen3 tokenizer of the random test model
@@ -351,3 +366,146 @@ async def test_a_server_killed_mid_reply_fails_that_reply_and_the_call_goes_on_t
         assert llm.dead_reason is None, "one broken stream does not make the tier dead"
     finally:
         await call.close()
+
+
+# ------------------------------------------- the frontend as several workers on one port
+@pytest.fixture(scope="module")
+async def workers(tier: Tier, models_config: ModelsConfig, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Proc]:
+    """``voicebot serve`` with two workers on one port (voicebot/server/workers.py),
+    through the tier, API keys on; its private folder under this test's TMPDIR."""
+    tmp = tmp_path_factory.mktemp("workers")
+    port = free_port()
+    cmd = [sys.executable, "-m", "voicebot", "serve", "--config", "configs/test.yaml", "--port", str(port),
+           "--set", f"models.cache_dir={models_config.cache_dir}", "--set", "server.workers=2",
+           "--set", "llm.backend=remote", "--set", f"llm.remote.url={tier.url}", "--set", "llm.remote.retries=6",
+           "--set", "llm.max_tokens=4", "--set", "llm.warm_prefix=false", "--set", f"server.max_sessions={WORKER_CALLS}",
+           "--set", "server.transports=[native,webrtc]", "--set", "server.drain_timeout_s=2"]
+    proc = _spawn("workers", cmd, port, tmp, {"VOICEBOT_API_KEYS": WORKERS_KEY, "TMPDIR": str(tmp)}, own_session=True)
+    try:
+        await wait_ready(proc, "/healthz", 180.0)  # one worker listens: the port answers
+        async with asyncio.timeout(120):
+            while any(w["status"] != "ok" for w in (await _health(proc))["workers"]):
+                await asyncio.sleep(0.2)
+        yield proc
+    finally:
+        proc.stop(30.0)
+
+
+WORKERS_KEY = "sk-workers-test"
+WORKER_CALLS = 12  # all on one worker of two: 1 in 2,048
+
+
+async def _health(proc: Proc) -> dict[str, Any]:
+    async with httpx.AsyncClient(timeout=10) as http:
+        r = await http.get(f"{proc.url}/healthz", headers={"Authorization": f"Bearer {WORKERS_KEY}"})
+    return dict(r.json())
+
+
+def _sibling_socket(proc: Proc, worker: int) -> Path:
+    (found,) = proc.log.parent.glob(f"voicebot-*/worker-{worker}.sock")
+    return found
+
+
+@pytest.mark.engines
+async def test_workers_on_one_port_share_admission_metrics_and_secrets(
+    workers: Proc, speech_clips: list[Clip]
+) -> None:
+    """Calls spread over both workers; the server's capacity, its /metrics and a client
+    secret hold across them; a call through a worker gets its spoken reply."""
+    auth = {"Authorization": f"Bearer {WORKERS_KEY}"}
+    async with httpx.AsyncClient(base_url=workers.url, timeout=10) as http:
+        r = await http.post("/v1/realtime/client_secrets", json={}, headers=auth)
+        assert r.status_code == 200, r.text
+        secret = r.json()["value"]
+    clients = []
+    try:
+        for _ in range(WORKER_CALLS):  # each connection lands on either worker; the secret works at both
+            client = NativeClient(ConnectOptions(f"ws://127.0.0.1:{workers.port}/ws", 16000, 16000, token=secret))
+            await client.connect()
+            clients.append(client)
+        health = await _health(workers)
+        assert health["active_sessions"] == WORKER_CALLS, health
+        per_worker = [w["active_sessions"] for w in health["workers"]]
+        assert sum(per_worker) == WORKER_CALLS and min(per_worker) > 0, health["workers"]
+        # The server is full whichever worker the next caller reaches.
+        for _ in range(4):
+            extra = NativeClient(ConnectOptions(f"ws://127.0.0.1:{workers.port}/ws", 16000, 16000, token=secret))
+            with pytest.raises(ClientError, match="capacity"):
+                await extra.connect()
+        async with httpx.AsyncClient(timeout=10) as http:
+            text = (await http.get(f"{workers.url}/metrics", headers=auth)).text
+        assert f'voicebot_active_sessions{{transport="native"}} {float(WORKER_CALLS)}' in text
+        assert 'voicebot_admission_refusals_total{reason="capacity"} 4.0' in text
+        assert 'process_resident_memory_bytes{worker="0"}' in text and 'process_resident_memory_bytes{worker="1"}' in text
+    finally:
+        await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
+    async with asyncio.timeout(30):
+        while (await _health(workers))["active_sessions"]:
+            await asyncio.sleep(0.1)
+    call = await NativeCall.open(RunningServer(None, workers.port), token=WORKERS_KEY)  # type: ignore[arg-type]  # no state: a subprocess
+    try:
+        done = await call.turn(speech_clips[5].audio)
+        assert done["status"] == "completed", (done, call.errors())
+        assert dbfs(call.reply_audio(done["response_id"])) > -40.0
+    finally:
+        await call.close()
+
+
+@pytest.mark.engines
+async def test_a_webrtc_hang_up_reaches_the_worker_that_holds_the_call(workers: Proc) -> None:
+    client = WebRTCClient(ConnectOptions(url=workers.url, token=WORKERS_KEY))
+    await client.connect()
+    try:
+        assert client.call_path is not None
+        call_id = client.call_path.rsplit("/", 1)[1]
+        owner = int(call_id.split("_")[1])
+        # Straight to the other worker's socket: the one place a hang-up cannot be answered.
+        transport = httpx.AsyncHTTPTransport(uds=str(_sibling_socket(workers, 1 - owner)))
+        async with httpx.AsyncClient(transport=transport, base_url="http://worker", timeout=10) as http:
+            r = await http.post(f"/v1/realtime/calls/{call_id}/hangup", headers={"Authorization": f"Bearer {WORKERS_KEY}"})
+            assert r.status_code == 200, r.text
+            r = await http.post("/v1/realtime/calls/rtc_9_0/hangup", headers={"Authorization": f"Bearer {WORKERS_KEY}"})
+            assert r.status_code == 404 and r.json()["error"]["code"] == "call_not_found"
+        with pytest.raises(ClientClosed):
+            async with asyncio.timeout(20):
+                while True:
+                    await client.receive()
+    finally:
+        await client.close()
+
+
+@pytest.mark.engines
+async def test_a_worker_that_dies_is_replaced_while_the_others_calls_go_on(workers: Proc) -> None:
+    clients = []
+    try:
+        while True:  # a call on each worker
+            client = NativeClient(ConnectOptions(f"ws://127.0.0.1:{workers.port}/ws", 16000, 16000, token=WORKERS_KEY))
+            await client.connect()
+            clients.append(client)
+            rows = (await _health(workers))["workers"]
+            if all(w["active_sessions"] for w in rows) or len(clients) == WORKER_CALLS:
+                break
+        victim = rows[0]
+        os.kill(victim["pid"], signal.SIGKILL)
+        async with asyncio.timeout(120):
+            while True:
+                rows = (await _health(workers))["workers"]
+                if rows[0]["pid"] not in (None, victim["pid"]) and rows[0]["status"] == "ok":
+                    break
+                await asyncio.sleep(0.2)
+        # The other worker's calls went on; those of the dead one are gone, not counted.
+        survivors = rows[1]["active_sessions"]
+        assert survivors > 0 and (await _health(workers))["active_sessions"] == survivors
+    finally:
+        await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
+
+
+@pytest.mark.engines
+async def test_the_workers_drain_and_exit_on_sigterm(workers: Proc) -> None:
+    workers.popen.send_signal(signal.SIGTERM)
+    async with asyncio.timeout(60):
+        while workers.popen.poll() is None:
+            await asyncio.sleep(0.1)
+    assert workers.popen.returncode == 0, workers.log_tail()
+    assert "every worker drains" in workers.log_tail(60)
+    assert not list(workers.log.parent.glob("voicebot-*")), "the private folder is removed"

@@ -253,15 +253,17 @@ def test_admission_ready_capacity_per_client_and_draining() -> None:
         state.check_admission("10.0.0.1")
     state.engines = _Engines()  # type: ignore[assignment]
     state.check_admission("10.0.0.1")
-    state.client_sessions["10.0.0.1"] = 2
+    state.siblings.opened("10.0.0.1")
+    state.siblings.opened("10.0.0.1")
     with pytest.raises(CapacityError, match="one address"):
         state.check_admission("10.0.0.1")
     state.check_admission("10.0.0.2")
     state.check_admission(None)  # not counted per client (Twilio)
-    state.sessions.update({f"s{i}": None for i in range(3)})  # type: ignore[misc]
+    state.siblings.opened(None)  # the third session: the server is full
     with pytest.raises(CapacityError, match="capacity"):
         state.check_admission("10.0.0.2")
-    state.sessions.clear()
+    for client in ("10.0.0.1", "10.0.0.1", None):
+        state.siblings.closed(client)
     if hasattr(state, "engine_failure"):  # the engines' health (lifecycle work)
         state.engines.down = "llm: engine core died"  # type: ignore[union-attr]
         with pytest.raises(NotReady, match="engine core died"):
@@ -335,15 +337,15 @@ def test_a_late_loop_refuses_new_sessions_until_it_keeps_up_again() -> None:
 
 
 def test_every_refusal_is_counted_by_its_reason() -> None:
-    state = ServerState(Config(server=ServerConfig(max_sessions=1, max_sessions_per_client=1)))
+    state = ServerState(Config(server=ServerConfig(max_sessions=2, max_sessions_per_client=1)))
     refusals = state.metrics.admission_refusals
     with pytest.raises(NotReady):
         state.check_admission(None)
     state.engines = _Engines()  # type: ignore[assignment]
-    state.client_sessions["10.0.0.1"] = 1
+    state.siblings.opened("10.0.0.1")
     with pytest.raises(CapacityError):
         state.check_admission("10.0.0.1")
-    state.sessions["s"] = None  # type: ignore[assignment]
+    state.siblings.opened(None)
     with pytest.raises(CapacityError):
         state.check_admission(None)
     state.engines.down = "tts: down"  # type: ignore[union-attr]

@@ -973,7 +973,7 @@ async def test_audio_faster_than_real_time_is_refused(server: Running) -> None:
 async def test_capacity_refusal_and_foreign_origin(server: Running) -> None:
     cfg = server.state.cfg.server
     old, cfg.max_sessions = cfg.max_sessions, 1
-    server.state.sessions["sess_placeholder"] = None  # type: ignore[assignment]
+    server.state.siblings.opened(None)  # a call in progress: the one slot is taken
     try:
         async with await raw(server) as ws:
             event = json.loads(await ws.recv())
@@ -982,7 +982,7 @@ async def test_capacity_refusal_and_foreign_origin(server: Running) -> None:
                 await ws.recv()
             assert closed.value.rcvd is not None and closed.value.rcvd.code == 1013  # try again later
     finally:
-        server.state.sessions.pop("sess_placeholder")
+        server.state.siblings.closed(None)
         cfg.max_sessions = old
     with pytest.raises(websockets.InvalidStatus) as refused:
         async with await raw(server, origin="https://evil.example"):

@@ -613,7 +613,7 @@ async def test_twilio_signature_on_webhook_and_stream(server: RunningServer) -> 
 async def test_no_free_line_says_so_and_hangs_up(server: RunningServer) -> None:
     cfg = server.state.cfg.server
     old, cfg.max_sessions = cfg.max_sessions, 1
-    server.state.sessions["sess_placeholder"] = None  # type: ignore[assignment]
+    server.state.siblings.opened(None)  # a call in progress: the one line is taken
     try:
         async with httpx.AsyncClient(base_url=server.http) as http:
             r = await http.post("/twilio/voice")
@@ -624,5 +624,5 @@ async def test_no_free_line_says_so_and_hangs_up(server: RunningServer) -> None:
             await asyncio.wait_for(ws.wait_closed(), 10)
             assert ws.close_code == 1013 and ws.close_reason.startswith("capacity_exceeded")
     finally:
-        server.state.sessions.pop("sess_placeholder")
+        server.state.siblings.closed(None)
         cfg.max_sessions = old

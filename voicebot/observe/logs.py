@@ -25,6 +25,18 @@ class CallIdFilter(logging.Filter):
         return True
 
 
+class WorkerFilter(logging.Filter):
+    """Which worker of a server of several (``server.workers``) logged the record."""
+
+    def __init__(self, worker: int) -> None:
+        super().__init__()
+        self.worker = worker
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.worker = self.worker
+        return True
+
+
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         line: dict[str, object] = {
@@ -36,6 +48,9 @@ class JsonFormatter(logging.Formatter):
         call_id = getattr(record, "call_id", None) or current_session()
         if call_id:
             line["call_id"] = call_id
+        worker = getattr(record, "worker", None)
+        if worker is not None:
+            line["worker"] = worker
         if record.exc_info:
             line["exception"] = self.formatException(record.exc_info)
         if record.stack_info:

@@ -74,7 +74,8 @@ def create_app(cfg: Config, *, load: bool = True, state: ServerState | None = No
             return Response("unauthorized", 401, {"WWW-Authenticate": "Bearer"})
         state.update_gauges()
         state.metrics.update_process(state.engines.health if state.engines else None)
-        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+        workers = state.siblings.pids if state.siblings.count > 1 else None
+        return Response(state.metrics.render(workers), media_type="text/plain; version=0.0.4")
 
     async def healthz(request: Request) -> Response:
         body = state.health()
@@ -95,6 +96,8 @@ def create_app(cfg: Config, *, load: bool = True, state: ServerState | None = No
                               on_late_timeout=state.metrics.late_loop_timeouts.inc)
             state.loop = watch  # admission reads it; it measures once started (after the load)
         runner = asyncio.create_task(_run_engines(state, load, supervisor, watch), name="engines")
+        # A worker of several: what its siblings read of it, kept fresh (voicebot/metrics.py).
+        ticker = asyncio.create_task(_tell_siblings(state), name="siblings") if state.siblings.count > 1 else None
         try:
             yield
         finally:
@@ -102,6 +105,9 @@ def create_app(cfg: Config, *, load: bool = True, state: ServerState | None = No
             # sessions go before the engines they use, and a load still in progress is
             # aborted (start_all closes what it had started).
             try:
+                if ticker is not None:
+                    ticker.cancel()
+                    await asyncio.wait([ticker])
                 runner.cancel()
                 await asyncio.wait([runner])  # waits without raising its CancelledError
                 for sup in supervisor:
@@ -153,6 +159,7 @@ async def _run_engines(state: ServerState, load: bool, supervisor: list[Supervis
         except Exception as exc:
             state.load_error = f"{type(exc).__name__}: {exc}"
             log.error("engines failed to load: %s", state.load_error)
+            state.loaded.set()
             return
     if state.engines.specs is not None and not state.sessions:
         # What loading left, out of the collector before the first call (voicebot/server/
@@ -160,11 +167,25 @@ async def _run_engines(state: ServerState, load: bool, supervisor: list[Supervis
         freeze_loaded_heap()
     if loaded_here:
         log.info("ready: %d session slots", state.cfg.server.max_sessions)
+    state.loaded.set()
     if watch is not None:
         watch.start()
     sup = Supervisor(state.engines, on_failure=lambda name, reason: end_sessions(state, reason))
     supervisor.append(sup)
     await sup.run()
+
+
+# How often a worker of several refreshes its status and its scrape-time gauges: a
+# scrape reaches one worker, which reads the others' last values from the shared files.
+_SIBLING_TICK_S = 2.0
+
+
+async def _tell_siblings(state: ServerState) -> None:
+    while True:
+        state.siblings.set_status(state.status()[0])
+        state.update_gauges()
+        state.metrics.update_process(state.engines.health if state.engines else None)
+        await asyncio.sleep(_SIBLING_TICK_S)
 
 
 def end_sessions(state: ServerState, reason: str) -> None:

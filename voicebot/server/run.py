@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
 import socket
@@ -34,19 +35,55 @@ class DrainingServer(uvicorn.Server):
     skips the wait, a third SIGINT forces the exit.
     """
 
-    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+    def __init__(self, config: uvicorn.Config, state: ServerState, *,
+                 listen_when_ready: socket.socket | None = None, ignore_sigint: bool = False) -> None:
+        """``listen_when_ready``: a bound socket served only once the engines are loaded (a
+        worker on a shared port, voicebot/server/workers.py: until then its siblings take
+        the calls). ``ignore_sigint``: a worker, whose parent turns a terminal's Ctrl-C
+        (which reaches the whole process group) into one SIGTERM each."""
         super().__init__(config)
         self.state = state
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain: asyncio.Task[None] | None = None
+        self._deferred = listen_when_ready
+        self._ignore_sigint = ignore_sigint
 
     async def serve(self, sockets: list | None = None) -> None:  # type: ignore[type-arg]
         self._loop = asyncio.get_running_loop()
-        await super().serve(sockets)
+        opener = None
+        if self._deferred is not None:
+            opener = asyncio.create_task(self._listen_when_ready(self._deferred), name="listen")
+        try:
+            await super().serve(sockets)
+        finally:
+            if opener is not None:
+                opener.cancel()
+                await asyncio.wait([opener])
+
+    async def _listen_when_ready(self, sock: socket.socket) -> None:
+        await self.state.loaded.wait()
+        if self.state.load_error is not None:
+            self.should_exit = True  # the worker exits 1; its parent says so
+            return
+        # uvicorn sets no event for its startup, which is quick.
+        while not self.started and not self.should_exit:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+        if self.should_exit:
+            return
+        # The protocol factory uvicorn's startup builds for the sockets it is given (its
+        # attributes server_state and lifespan.state); the server joins self.servers, which
+        # its shutdown closes first. Covered by tests/e2e/test_scale_out.py (workers).
+        protocol = functools.partial(self.config.http_protocol_class, config=self.config,  # type: ignore[call-arg]
+                                     server_state=self.server_state, app_state=self.lifespan.state)
+        server = await asyncio.get_running_loop().create_server(protocol, sock=sock, backlog=self.config.backlog)
+        self.servers.append(server)
+        log.info("ready: listening on the shared port %d", sock.getsockname()[1])
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # A signal handler: runs between two bytecodes of the loop's thread, so it only
         # hands the work to the loop. Not recorded in _captured_signals: no re-raise.
+        if self._ignore_sigint and sig == signal.SIGINT:
+            return
         if self._loop is None or self.should_exit:
             if self.should_exit and sig == signal.SIGINT:
                 self.force_exit = True
@@ -117,8 +154,11 @@ def _check_port_free(host: str, port: int) -> None:
 
 
 def serve(cfg: Config, *, pull_models: bool = True) -> int:
+    from voicebot.server.workers import check_workers, serve_workers
+
     if cfg.server.log_format == "json":
         use_json_logs()
+    check_workers(cfg)
     _check_port_free(cfg.server.host, cfg.server.port)
     # Before anything starts threads or loads an OpenMP runtime: a first start's pull builds
     # the LLM bundle with torch in this process (docs/reliability.md, memory; threads.py).
@@ -132,6 +172,8 @@ def serve(cfg: Config, *, pull_models: bool = True) -> int:
         # models with the pull on, so they would have built it after the port was bound.
         for name in names:
             resolve_model(f"bundle:{name}", cfg.models, pull=False)
+    if cfg.server.workers > 1:
+        return serve_workers(cfg)
     from voicebot.server.app import create_app
 
     state = ServerState(cfg)

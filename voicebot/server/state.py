@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -19,6 +18,8 @@ from voicebot.observe.telemetry import Telemetry
 from voicebot.runtime.heap import HeapTrimmer
 from voicebot.runtime.loop_watch import LoopWatch
 from voicebot.server import edge
+from voicebot.server.client_secrets import ClientSecrets
+from voicebot.server.siblings import Siblings
 from voicebot.session.session import Session
 from voicebot.session.settings import SessionSettings
 
@@ -41,8 +42,9 @@ class ServerState:
     engines: Engines | None = None
     load_error: str | None = None
     sessions: dict[str, Session] = field(default_factory=dict)
-    # Ephemeral client secrets (WebRTC/browser): value -> expiry (monotonic).
-    ephemeral: dict[str, float] = field(default_factory=dict)
+    # The other worker processes on this server's port, and the counts admission shares
+    # with them (voicebot/server/siblings.py; a table of one row for one process).
+    siblings: Siblings = field(default_factory=Siblings.alone)
     started_at: float = field(default_factory=time.monotonic)
     # Live WebRTC peer connections (transports/webrtc.py), so shutdown and tests can see them.
     peer_connections: set[Any] = field(default_factory=set)
@@ -51,22 +53,27 @@ class ServerState:
     shutdown_hooks: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     # Set on SIGTERM/SIGINT (voicebot/server/drain.py): no new sessions, /healthz 503.
     draining: bool = False
+    # Set once the engines are loaded, or failed to load (load_error): a worker of
+    # several opens the shared port only then (voicebot/server/workers.py).
+    loaded: asyncio.Event = field(default_factory=asyncio.Event)
     # How late the loop runs (voicebot/runtime/loop_watch.py; None: not watched): over
     # server.admission_max_loop_lag_ms, new sessions are refused.
     loop: LoopWatch | None = None
 
     # Keys from the environment / key file, read once (server.api_key is read per request).
     api_keys: tuple[str, ...] = ()
-    # Open sessions per client address (check_admission's per-client limit).
-    client_sessions: dict[str, int] = field(default_factory=dict)
 
     # Gives freed native memory back after calls end (voicebot/runtime/heap.py).
     heap: HeapTrimmer = field(init=False)
     # Each call's trace, record and webhook (voicebot/observe).
     telemetry: Telemetry = field(init=False)
+    # Ephemeral client secrets (browser, WebRTC, Twilio streams), shared by the workers.
+    secrets: ClientSecrets = field(init=False)
 
     def __post_init__(self) -> None:
         self.api_keys = edge.load_api_keys(self.cfg.server)
+        run_dir = self.siblings.runtime_dir
+        self.secrets = ClientSecrets(None if run_dir is None else run_dir / "secrets")
         self.telemetry = Telemetry(self.cfg.telemetry, self.metrics)
         self.metrics.capacity.set(self.cfg.server.max_sessions)
         self.metrics.serve_transports(self.cfg.server.transports)
@@ -97,8 +104,7 @@ class ServerState:
             raise AuthError("missing credentials: send 'Authorization: Bearer <key>'")
         if edge.key_matches(supplied, keys):
             return
-        self._expire_secrets()
-        if supplied in self.ephemeral:  # random 192-bit values: a dict lookup leaks nothing useful
+        if self.secrets.valid(supplied):  # random 192-bit values: a lookup leaks nothing useful
             return
         raise AuthError("invalid credentials")
 
@@ -115,18 +121,10 @@ class ServerState:
         if keys and not edge.key_matches(edge.bearer(authorization) or "", keys):
             raise AuthError("invalid API key")
 
-    def mint_secret(self, ttl_s: float = 60.0) -> tuple[str, float]:
-        self._expire_secrets()
-        if len(self.ephemeral) > 10_000:  # bounded: refuse rather than grow
-            raise CapacityError("too many outstanding client secrets")
-        value = "ek_" + secrets.token_urlsafe(24)
-        self.ephemeral[value] = time.monotonic() + ttl_s
-        return value, time.time() + ttl_s
-
-    def _expire_secrets(self) -> None:
-        now = time.monotonic()
-        for k in [k for k, exp in self.ephemeral.items() if exp < now]:
-            del self.ephemeral[k]
+    def mint_secret(self, ttl_s: float = 60.0, session: dict[str, Any] | None = None) -> tuple[str, float]:
+        """A client secret valid for ``ttl_s`` (CapacityError when too many are out), with
+        the Realtime session config a call opened with it starts from."""
+        return self.secrets.mint(ttl_s, session)
 
     # ------------------------------------------------------------- admission
     def check_admission(self, client: str | None = None) -> None:
@@ -150,10 +148,11 @@ class ServerState:
         if failure:  # an engine is down: say why instead of admitting a session that cannot work
             raise _Refused("engine_down", NotReady(f"engine unavailable: {failure}"))
         cfg = self.cfg.server
-        if len(self.sessions) >= cfg.max_sessions:
+        # The whole server's counts: every worker on this port admits against them.
+        if self.siblings.sessions_total() >= cfg.max_sessions:
             raise _Refused("capacity", CapacityError(f"server at capacity ({cfg.max_sessions} sessions)"))
         limit = cfg.max_sessions_per_client
-        if client is not None and limit is not None and self.client_sessions.get(client, 0) >= limit:
+        if client is not None and limit is not None and self.siblings.client_sessions(client) >= limit:
             raise _Refused("per_client", CapacityError(f"too many sessions from one address ({limit}); close one first"))
         lag_ms = self.loop_lag_ms()
         if lag_ms is not None and lag_ms > cfg.admission_max_loop_lag_ms:
@@ -188,24 +187,21 @@ class ServerState:
         """Admit a session (or raise CapacityError / NotReady) and close it however it ends.
 
         ``client``: the caller's address, for ``server.max_sessions_per_client``."""
-        self.check_admission(client)
-        assert self.engines is not None  # check_admission raised otherwise
-        session = Session(self.engines, settings or self.default_settings(), metrics=self.metrics, transport=transport,
-                          observer=self.telemetry.observer())
-        self.sessions[session.id] = session
-        if client is not None:
-            self.client_sessions[client] = self.client_sessions.get(client, 0) + 1
+        with self.siblings.admitting():  # no other worker admits between the check and the count
+            self.check_admission(client)
+            self.siblings.opened(client)
         try:
-            async with session:
-                yield session
+            assert self.engines is not None  # check_admission raised otherwise
+            session = Session(self.engines, settings or self.default_settings(), metrics=self.metrics,
+                              transport=transport, observer=self.telemetry.observer())
+            self.sessions[session.id] = session
+            try:
+                async with session:
+                    yield session
+            finally:
+                self.sessions.pop(session.id, None)
         finally:
-            self.sessions.pop(session.id, None)
-            if client is not None:
-                left = self.client_sessions.get(client, 1) - 1
-                if left > 0:
-                    self.client_sessions[client] = left
-                else:
-                    self.client_sessions.pop(client, None)
+            self.siblings.closed(client)
             self.heap.session_ended()
 
     async def close_all(self) -> None:
@@ -246,13 +242,14 @@ class ServerState:
         e = self.engines
         status, reason = self.status()
         lag_ms = self.loop_lag_ms()
-        return {
+        body: dict[str, object] = {
             "ready": status == "ok",
             "status": status,
             "error": reason,
             "engines": {name: h.as_json() for name, h in e.health.items()} if e else {},
             "voices": e.tts.voices() if e else [],
-            "active_sessions": len(self.sessions),
+            # The whole server's (every worker's) against its capacity.
+            "active_sessions": self.siblings.sessions_total(),
             "capacity": self.cfg.server.max_sessions,
             # The measure admission compares (None: not checked) and its limit.
             "loop_lag_ms": None if lag_ms is None else round(lag_ms, 1),
@@ -265,6 +262,11 @@ class ServerState:
                 "llm_background_waiting": e.llm.background_waiting if e else 0,
             },
         }
+        if self.siblings.count > 1:
+            # Which worker answered (a balancer's check reaches one of them), and all of them.
+            body["worker"] = self.siblings.index
+            body["workers"] = self.siblings.workers()
+        return body
 
     def update_gauges(self) -> None:
         if self.engines is None:

@@ -32,7 +32,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from voicebot.errors import AuthError, BadMessage, ProtocolError, VoicebotError
-from voicebot.server import edge
+from voicebot.server import edge, forward
 from voicebot.server.connection import Connection
 from voicebot.server.state import ServerState
 from voicebot.transports.webrtc_call import Call
@@ -68,8 +68,6 @@ class Calls:
         self.live: dict[str, Call] = {}
         # Strong references: a call task is only referenced from here (RUF006).
         self._tasks: set[asyncio.Task[None]] = set()
-        # Bounded like state.ephemeral (pruned with it): secret -> Realtime session config.
-        self.secret_sessions: dict[str, dict[str, Any]] = {}
 
     def start(self, call: Call) -> None:
         task = asyncio.create_task(call.run(), name=f"webrtc-{call.id}")
@@ -98,11 +96,11 @@ class Calls:
                 await pc.close()
             self.state.peer_connections.discard(pc)
 
-    def session_for(self, secret: str | None) -> dict[str, Any]:
-        live = self.state.ephemeral
-        for key in [k for k in self.secret_sessions if k not in live]:
-            del self.secret_sessions[key]
-        return dict(self.secret_sessions.get(secret or "", {}))
+
+def _worker_of(call_id: str) -> int | None:
+    """The worker a call id names ("rtc_<worker>_<hex>", voicebot/transports/webrtc_call.py)."""
+    parts = call_id.split("_")
+    return int(parts[1]) if len(parts) == 3 and parts[0] == "rtc" and parts[1].isdigit() else None
 
 
 async def _read_offer(request: Request) -> tuple[str, dict[str, Any]]:
@@ -156,7 +154,8 @@ def routes(state: ServerState) -> list[BaseRoute]:
                 raise BadMessage(
                     "the body is not an SDP offer (it must start with 'v=0')", code="invalid_sdp"
                 )
-            session_config = {**calls.session_for(conn.bearer()), **config}
+            # The session config minted with the caller's secret, if it used one.
+            session_config = {**(state.secrets.session(conn.bearer()) or {}), **config}
             # The beta flow (POST /v1/realtime) gets the beta event names, as on OpenAI.
             beta = (
                 request.url.path == "/v1/realtime"
@@ -185,8 +184,13 @@ def routes(state: ServerState) -> list[BaseRoute]:
             conn.authenticate_api_key()
         except AuthError as exc:
             return _refused(conn, exc)
-        call = calls.live.get(request.path_params["call_id"])
+        call_id = request.path_params["call_id"]
+        call = calls.live.get(call_id)
         if call is None:
+            owner = forward.owner_of(state.siblings, request, _worker_of(call_id))
+            answer = None if owner is None else await forward.forward(state.siblings, owner, request)
+            if answer is not None:
+                return answer
             return error_response(404, "invalid_request_error", "call_not_found", "no such call")
         call.end("hangup")
         return Response(status_code=200)
@@ -201,11 +205,9 @@ def routes(state: ServerState) -> list[BaseRoute]:
             session = body.get("session") or {}
             if not isinstance(session, dict):
                 raise BadMessage("'session' must be an object")
-            value, expires_at = state.mint_secret(ttl)
+            value, expires_at = state.mint_secret(ttl, session)
         except VoicebotError as exc:
             return _refused(conn, exc)
-        if session:
-            calls.secret_sessions[value] = session
         effective = {"type": "realtime", "object": "realtime.session", **session}
         return JSONResponse({"value": value, "expires_at": int(expires_at), "session": effective})
 

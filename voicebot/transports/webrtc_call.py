@@ -66,7 +66,9 @@ class Call:
         self.max_bytes = conn.max_bytes
         self.gate = conn.audio_gate()
         self.beta = beta  # the beta flow (POST /v1/realtime) gets the beta event names
-        self.id = f"rtc_{uuid.uuid4().hex[:20]}"
+        # The worker that holds the call is in its id: a hang-up another worker of the
+        # port receives is forwarded to it (voicebot/server/forward.py).
+        self.id = f"rtc_{self.state.siblings.index}_{uuid.uuid4().hex[:20]}"
         self.offer_sdp = offer_sdp
         self.session_config = session_config
         self.answer: asyncio.Future[str] = asyncio.get_running_loop().create_future()
