@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -45,6 +47,34 @@ def test_the_oldest_records_go_beyond_the_count_and_the_size(tmp_path: Path) -> 
     store.close(5.0)
     assert sorted(p.name for p in sized.iterdir()) == [record_name(record(i)) for i in (3, 4)]
     assert sum(p.stat().st_size for p in sized.iterdir()) <= 2500
+
+
+def test_the_workers_of_one_port_share_the_directorys_bounds(tmp_path: Path) -> None:
+    """Each of K workers keeps 1/K of record_max_files (Telemetry's share); only the first
+    rotates the records that were there before they started."""
+    from voicebot.config import TelemetryConfig
+    from voicebot.metrics import Metrics
+    from voicebot.observe.telemetry import Telemetry
+
+    old = tmp_path / "20250101T000000.000Z_sess_old.json"
+    old.write_text("{}")
+    os.utime(old, (time.time() - 100, time.time() - 100))
+    started = time.time() - 50  # the server's start: after the old record, before any new one
+    cfg = TelemetryConfig(record_dir=str(tmp_path), record_max_files=4)
+    stores = []
+    for worker in (0, 1):
+        telemetry = Telemetry(cfg, Metrics(), environ={}, share=(worker, 2, started))
+        assert telemetry._share(cfg.record_max_files) == 2
+        stores.append(RecordStore(str(tmp_path), max_files=telemetry._share(4), max_bytes=1 << 20,
+                                  on_outcome=lambda _: None, existing_before=telemetry._existing_before))
+    for i in range(6):
+        stores[i % 2].put(record(10 + i))
+    for store in stores:
+        store.close(5.0)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    # Worker 0 wrote 10, 12, 14 and kept its last two (the old one went first); worker 1
+    # wrote 11, 13, 15 and kept its last two.
+    assert names == [record_name(record(i)) for i in (12, 13, 14, 15)]
 
 
 def test_an_unwritable_directory_is_counted_and_logged_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -16,6 +16,7 @@ file only: logged once per run of failures, counted as ``failed``.
 from __future__ import annotations
 
 import contextlib
+import math
 import logging
 import os
 import queue
@@ -80,8 +81,9 @@ class AudioFiles:
     (written, failed, dropped) as it closes."""
 
     def __init__(self, directory: str, *, rate: int, channels: int, max_files: int, max_bytes: int,
-                 on_outcome: Callable[[str], None]) -> None:
+                 on_outcome: Callable[[str], None], existing_before: float = math.inf) -> None:
         self.directory = Path(directory).expanduser()
+        self._existing_before = existing_before
         self._rate, self._channels = rate, channels
         self._max_files, self._max_bytes = max_files, max_bytes
         self._outcome = on_outcome
@@ -148,7 +150,7 @@ class AudioFiles:
             if self._rotation is None:
                 self.directory.mkdir(parents=True, exist_ok=True)
                 self._rotation = Rotation(self.directory, "*.wav", max_files=self._max_files,
-                                          max_bytes=self._max_bytes)
+                                          max_bytes=self._max_bytes, existing_before=self._existing_before)
             file.handle = open(path, "wb")  # noqa: SIM115 (open for the whole call)
             file.handle.write(wav_header(self._rate, self._channels, 0))
         except OSError as exc:

@@ -12,6 +12,7 @@ failure is logged once per run of failures and counted
 from __future__ import annotations
 
 import contextlib
+import math
 import json
 import logging
 import os
@@ -40,8 +41,9 @@ class RecordStore:
 
     def __init__(self, directory: str | None, *, max_files: int, max_bytes: int,
                  on_outcome: Callable[[str], None],
-                 then: Callable[[str, bytes], None] | None = None) -> None:
+                 then: Callable[[str, bytes], None] | None = None, existing_before: float = math.inf) -> None:
         self.directory = Path(directory).expanduser() if directory else None
+        self._existing_before = existing_before
         self._max_files = max_files
         self._max_bytes = max_bytes
         self._outcome = on_outcome
@@ -91,7 +93,7 @@ class RecordStore:
             if self._rotation is None:
                 self.directory.mkdir(parents=True, exist_ok=True)
                 self._rotation = Rotation(self.directory, "*.json", max_files=self._max_files,
-                                          max_bytes=self._max_bytes)
+                                          max_bytes=self._max_bytes, existing_before=self._existing_before)
             tmp.write_bytes(body)
             os.replace(tmp, path)
         except OSError as exc:

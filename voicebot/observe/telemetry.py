@@ -16,6 +16,7 @@ and never reaches the call.
 from __future__ import annotations
 
 import asyncio
+import math
 import logging
 import os
 from collections.abc import Mapping
@@ -96,9 +97,15 @@ class CallTelemetry:
 class Telemetry:
     """What the server's calls leave behind; one per server (``ServerState.telemetry``)."""
 
-    def __init__(self, cfg: TelemetryConfig, metrics: Metrics, environ: Mapping[str, str] | None = None) -> None:
+    def __init__(self, cfg: TelemetryConfig, metrics: Metrics, environ: Mapping[str, str] | None = None,
+                 share: tuple[int, int, float] = (0, 1, math.inf)) -> None:
+        """``share``: (this worker, workers, when the server started) of a server of several
+        on one port, which write into one record_dir: each keeps 1/K of its bounds, and the
+        first takes in what was there before the start (voicebot/observe/rotation.py)."""
         environ = os.environ if environ is None else environ
         self.cfg = cfg
+        self._worker, self._workers, started = share
+        self._existing_before = started if self._worker == 0 else -math.inf
         self._metrics = metrics
         self.provider: TracerProvider | None = tracing.provider_from_env(environ) if tracing.wanted(environ) else None
         self._tracer = tracing.tracer_of(self.provider) if self.provider is not None else None
@@ -141,9 +148,10 @@ class Telemetry:
         if self._audio_files is None:
             assert self.cfg.record_dir is not None
             self._audio_files = AudioFiles(
-                self.cfg.record_dir, rate=RATE, channels=len(CHANNELS), max_files=self.cfg.record_max_files,
-                max_bytes=int(self.cfg.record_audio_max_mb * (1 << 20)),
+                self.cfg.record_dir, rate=RATE, channels=len(CHANNELS), max_files=self._share(self.cfg.record_max_files),
+                max_bytes=self._share(int(self.cfg.record_audio_max_mb * (1 << 20))),
                 on_outcome=lambda outcome: self._metrics.call_audio.labels(outcome).inc(),
+                existing_before=self._existing_before,
             )
         return self._audio_files.open(name)
 
@@ -152,12 +160,17 @@ class Telemetry:
         if self._store is None:
             self._loop = asyncio.get_running_loop()
             self._store = RecordStore(
-                self.cfg.record_dir, max_files=self.cfg.record_max_files,
-                max_bytes=int(self.cfg.record_max_mb * (1 << 20)),
+                self.cfg.record_dir, max_files=self._share(self.cfg.record_max_files),
+                max_bytes=self._share(int(self.cfg.record_max_mb * (1 << 20))),
                 on_outcome=lambda outcome: self._metrics.records.labels(outcome).inc(),
                 then=self._to_webhook if self.webhook is not None else None,
+                existing_before=self._existing_before,
             )
         self._store.put(recorder.document())
+
+    def _share(self, bound: int) -> int:
+        """This worker's part of a bound of record_dir (all of it for one process)."""
+        return max(1, bound // self._workers)
 
     def _to_webhook(self, call_id: str, body: bytes) -> None:
         """From the writer thread: the record's JSON to the webhook, on the loop."""

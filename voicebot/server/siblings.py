@@ -13,7 +13,9 @@ A server of one process has a table of one row: the same code, no other process.
 from __future__ import annotations
 
 import contextlib
+import math
 import multiprocessing
+import time
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -39,6 +41,7 @@ class Siblings:
     count: int
     # The server's private folder (sockets, shared secrets, metrics); None for one process.
     runtime_dir: Path | None
+    started_at: float  # the server's start (Unix time): what is older in record_dir is from before
     _table: Any  # RawArray of int64: count rows of _FIELDS
     _clients: Any  # RawArray of int32: count rows of CLIENT_BUCKETS
     _lock: Any
@@ -53,7 +56,9 @@ class Siblings:
         # spawn's primitives: the workers are spawned (a fork would copy the parent's
         # threads' locks mid-state), and these are handed to them as arguments.
         ctx = multiprocessing.get_context("spawn")
-        return cls(index, count, runtime_dir, ctx.RawArray("q", count * _FIELDS),
+        # One process: everything already in record_dir is from an earlier run.
+        started = math.inf if count == 1 else time.time()
+        return cls(index, count, runtime_dir, started, ctx.RawArray("q", count * _FIELDS),
                    ctx.RawArray("i", count * CLIENT_BUCKETS), ctx.Lock())
 
     def worker(self, index: int) -> Siblings:

@@ -74,7 +74,8 @@ class ServerState:
         self.api_keys = edge.load_api_keys(self.cfg.server)
         run_dir = self.siblings.runtime_dir
         self.secrets = ClientSecrets(None if run_dir is None else run_dir / "secrets")
-        self.telemetry = Telemetry(self.cfg.telemetry, self.metrics)
+        self.telemetry = Telemetry(self.cfg.telemetry, self.metrics,
+                                   share=(self.siblings.index, self.siblings.count, self.siblings.started_at))
         self.metrics.capacity.set(self.cfg.server.max_sessions)
         self.metrics.serve_transports(self.cfg.server.transports)
         for reason in REFUSAL_REASONS:  # from 0: rate() misses a counter's first event
