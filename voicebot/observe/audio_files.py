@@ -16,8 +16,8 @@ file only: logged once per run of failures, counted as ``failed``.
 from __future__ import annotations
 
 import contextlib
-import math
 import logging
+import math
 import os
 import queue
 import struct

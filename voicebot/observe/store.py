@@ -12,9 +12,9 @@ failure is logged once per run of failures and counted
 from __future__ import annotations
 
 import contextlib
-import math
 import json
 import logging
+import math
 import os
 import queue
 import threading

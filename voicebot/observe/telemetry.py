@@ -16,8 +16,8 @@ and never reaches the call.
 from __future__ import annotations
 
 import asyncio
-import math
 import logging
+import math
 import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
