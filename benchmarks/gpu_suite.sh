@@ -16,7 +16,8 @@
 #                                                    call), for a later `run` with SUITE_SVC=SVC
 #   --dry-run (after the verb): print what would run, run nothing (any machine)
 #
-# Environment: SUITE_FRONTENDS (2), SUITE_TURNS (2), SUITE_WARM (0: N, one unmeasured level of N
+# Environment: SUITE_FRONTENDS (2), SUITE_WORKERS (instead: ONE frontend of that many workers on one
+# port, server.workers), SUITE_TURNS (2), SUITE_WARM (0: N, one unmeasured level of N
 # callers x 1 turn before the levels, so that fresh services' first bursts are no level's), SUITE_WALL_S (480: no level starts that would
 # end after it; a call may run 600 s), SUITE_ARGS (more pipeline_gpu.py flags, e.g. "--set
 # asr.encoder_pad_s=1.0" or "--set asr.partials=false"), PYTHON (python3),
@@ -151,8 +152,10 @@ run() {
     svc=(--llm-url "$SUITE_SVC/llm_server.json" --tts-url "$SUITE_SVC/tts_server.json")
     [ "$ASR" != fastconformer ] && svc+=(--asr-url "$SUITE_SVC/asr_server.json")
   fi
+  local fe=(--frontends "${SUITE_FRONTENDS:-2}")
+  [ -n "${SUITE_WORKERS:-}" ] && fe=(--server-workers "$SUITE_WORKERS")
   do_ "$PY" benchmarks/pipeline_gpu.py run "${FLAGS[@]}" --remote-llm --remote-tts "${ASR_FLAGS[@]}" "${svc[@]}" \
-    --frontends "${SUITE_FRONTENDS:-2}" --audio "$MODELS"/audio/*.wav --sessions "${levels[@]}" \
+    "${fe[@]}" --audio "$MODELS"/audio/*.wav --sessions "${levels[@]}" \
     --turns "${SUITE_TURNS:-2}" --warm-level "${SUITE_WARM:-0}" --start-timeout-s 300 --keep-going --max-wall-s "${SUITE_WALL_S:-480}" --out "$dir"
   do_ "$PY" benchmarks/pipeline_gpu.py plot "$dir/pipeline.json" --png "$dir/pipeline.png"
   do_ sh -c "nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > $dir/device.txt"

@@ -84,6 +84,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import http.client
 import json
 import os
 import shlex
@@ -295,7 +296,8 @@ def asr_serve_main(argv: list[str]) -> int:
     return cli_main(["asr-serve", *argv])
 
 
-def serve_main(argv: list[str]) -> int:
+def serve_patches() -> None:
+    """What a frontend runs with: the patches of PATCH_ENV and the loop route."""
     opts = json.loads(os.environ.get(PATCH_ENV, "{}"))
     if opts.get("remote_asr"):
         opts.pop("fastconformer", None)  # the ASR service runs it, patched there
@@ -304,6 +306,10 @@ def serve_main(argv: list[str]) -> int:
     if opts.get("whisper") and not opts.get("remote_llm"):
         serialize_gpu_starts()  # with a remote LLM, Whisper is this process's only GPU engine
     install_loop_route()
+
+
+def serve_main(argv: list[str]) -> int:
+    serve_patches()
     from voicebot.cli import main as cli_main
 
     return cli_main(["serve", *argv])
@@ -316,7 +322,29 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("worker", timeout=timeout)
+        self.unix_path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self.unix_path)
+
+
 def http_json(url: str, timeout: float = 5.0) -> tuple[int, dict[str, Any]]:
+    """GET ``url`` as JSON; ``unix:/path/worker-K.sock/route``: from one worker of a
+    frontend with server.workers, over its own socket (the port reaches any of them)."""
+    if url.startswith("unix:"):
+        path, _, route = url.removeprefix("unix:").partition(".sock")
+        conn = _UnixHTTPConnection(path + ".sock", timeout)
+        try:
+            conn.request("GET", route or "/")
+            resp = conn.getresponse()
+            return resp.status, json.loads(resp.read() or b"{}")
+        finally:
+            conn.close()
     try:
         with urllib.request.urlopen(url, timeout=timeout) as resp:
             return resp.status, json.loads(resp.read() or b"{}")
@@ -411,6 +439,8 @@ def server_overrides(args: argparse.Namespace, llm_url: str | None = None, asr_u
                  f"tts.remote.concurrency={min(max(args.sessions) * 2 + 16, 4096)}"]
     if args.llm_max_tokens:
         sets.append(f"llm.max_tokens={args.llm_max_tokens}")
+    if getattr(args, "server_workers", 0):
+        sets.append(f"server.workers={args.server_workers}")
     return sets + list(args.set)
 
 
@@ -442,6 +472,11 @@ class Server:
         for item in server_overrides(args, self.llm_url, self.asr_url, self.tts_url):
             cmd += ["--set", item]
         env = dict(os.environ, **{PATCH_ENV: json.dumps(patch_options(args))})
+        if getattr(args, "server_workers", 0):
+            # The workers' private folder (their sockets) where worker_endpoints() finds it.
+            self.tmp = self.out / f"server{self.suffix}_tmp"
+            self.tmp.mkdir(exist_ok=True)
+            env["TMPDIR"] = str(self.tmp)
         (self.out / f"server{self.suffix}_cmd.json").write_text(
             json.dumps({"cmd": cmd, "patches": patch_options(args)}, indent=1))
         log = self.log_path.open("ab")
@@ -464,6 +499,23 @@ class Server:
                     return time.monotonic() - self.t0
             time.sleep(1.0)
         raise RuntimeError(f"server not ready within {self.args.start_timeout_s:.0f} s; see {self.log_path}")
+
+    def worker_endpoints(self) -> tuple[list[str], list[int | None]]:
+        """With server.workers: once every worker is up, each one's base URL over its own
+        socket (``unix:...sock``, for http_json) and its pid."""
+        deadline = time.monotonic() + self.args.start_timeout_s
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError):
+                _, body = http_json(self.http + "/healthz", 2.0)
+                rows = body.get("workers") or []
+                if rows and all(w.get("status") == "ok" for w in rows):
+                    bases = []
+                    for w in rows:
+                        (sock,) = self.tmp.glob(f"voicebot-*/worker-{w['worker']}.sock")
+                        bases.append(f"unix:{sock}")
+                    return bases, [w.get("pid") for w in rows]
+            time.sleep(1.0)
+        raise RuntimeError(f"the server's workers not all up within {self.args.start_timeout_s:.0f} s; see {self.log_path}")
 
     def stop(self) -> None:
         proc = self.proc
@@ -1065,7 +1117,7 @@ def run_main(args: argparse.Namespace) -> int:
                         wait_service_ready(str(svc_url[kind]), args.start_timeout_s), 1)
             asr_url, tts_url = svc_url["asr"], svc_url["tts"]
             multi = args.remote_llm or args.remote_asr or args.remote_tts
-            count = args.frontends if multi else 1
+            count = args.frontends if multi and not args.server_workers else 1
             frontends = [Server(args, out, k if multi else None, llm_url, asr_url, tts_url) for k in range(count)]
             run_info["server_start_s"] = []
             # One after the other when a frontend holds a vLLM engine (each sizes its memory from
@@ -1088,6 +1140,9 @@ def run_main(args: argparse.Namespace) -> int:
             urls = [f"ws://127.0.0.1:{s.port}/ws" for s in frontends]
             https = [s.http for s in frontends]
             pids = [s.proc.pid if s.proc else None for s in frontends]
+            if args.server_workers:
+                # One port, K workers: each measured as a frontend, over its own socket.
+                https, pids = frontends[0].worker_endpoints()
         if args.remote_llm:
             with contextlib.suppress(OSError, ValueError, KeyError):
                 info = json.loads(recorded.read_text())
@@ -1111,7 +1166,9 @@ def run_main(args: argparse.Namespace) -> int:
             return replace(base, turns=turns, stagger_s=args.ramp_s / n, workers=args.workers or auto_workers(n))
 
         # one short call per frontend first: every engine's first request (CUDA graphs, caches) is not a level's
-        warm = asyncio.run(run_level_measured(replace(base, turns=1, stagger_s=0.5), len(urls)))
+        # (with server workers, twice as many calls as workers: the kernel spreads them, a hash)
+        warm = asyncio.run(run_level_measured(replace(base, turns=1, stagger_s=0.5), 2 * len(https)
+                                              if args.server_workers else len(urls)))
         print(f"warm-up calls: {[r.status for r in warm.records]} v2v {[r.voice_to_voice_ms for r in warm.records]} "
               f"errors {[r.errors for r in warm.records if r.errors]}", flush=True)
         if args.warm_level:
@@ -1161,10 +1218,12 @@ def run_main(args: argparse.Namespace) -> int:
                 for key, val in sampler.peaks.items():
                     peaks[key] = max(peaks.get(key, val), val)
             row = summarize_level(n, result.records, result.stats.as_dict(), last_wall, peaks)
-            row["frontends"] = len(urls)
+            row["frontends"] = len(https)
+            if args.server_workers:
+                row["server_workers"] = args.server_workers  # the frontends: one port's workers
             if gpu is not None:
                 row["gpu"] = gpu.summary()
-            if len(urls) > 1:
+            if len(https) > 1:
                 row["server_peaks_by_frontend"] = [s.peaks for s in samplers]
             row["server"] = merge_costs([server_cost(a, b, c, d) for a, b, c, d in zip(loop0, loop1, eng0, eng1,
                                                                                        strict=True)])
@@ -1353,6 +1412,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--remote-llm", action="store_true",
                    help="scale-out: the LLM in one vLLM server, frontends with llm.backend remote")
     r.add_argument("--frontends", type=int, default=1, help="voicebot frontend processes (with --remote-llm)")
+    r.add_argument("--server-workers", type=int, default=0,
+                   help="ONE frontend on one port with server.workers K (each worker measured as a frontend; "
+                        "with --remote-llm; --frontends is not used)")
     r.add_argument("--llm-url", help="an LLM server already up (default: OUT/llm_server.json's, else start one)")
     r.add_argument("--audio", nargs="+", required=True)
     r.add_argument("--sessions", type=int, nargs="+", default=[16, 32, 64, 128, 256, 512])
@@ -1447,6 +1509,11 @@ def main() -> int:
         return 0
     return plot_main(args)
 
+
+if __name__ == "__mp_main__" and os.environ.get(PATCH_ENV):
+    # A worker of `serve` with server.workers: spawned, a fresh interpreter that imports the
+    # parent's main script (this one) under this name before it runs the worker.
+    serve_patches()
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -77,6 +77,46 @@ def test_the_default_levels_and_extra_flags_reach_the_run(tmp_path: Path) -> Non
     assert args.warm_level == 64
 
 
+def test_the_workers_run_puts_one_frontend_of_k_workers_on_one_port(tmp_path: Path) -> None:
+    import os
+
+    env = dict(os.environ, SUITE_WORKERS="6")
+    module = pipeline_gpu()
+    args = module.build_parser().parse_args(run_command(dry_run(tmp_path / "gpu", tmp_path / "out", "256", env=env)))
+    assert args.server_workers == 6 and args.frontends == 1
+    assert "server.workers=6" in module.server_overrides(args)
+    assert module.http_json  # each worker is read over its own socket: unix:PATH.sock/route (below)
+
+
+def test_a_worker_is_read_over_its_own_socket(tmp_path: Path) -> None:
+    """http_json's unix: URLs: the pipeline's per-worker loop and health reads."""
+    import json
+    import socket
+    import threading
+
+    path = tmp_path / "worker-0.sock"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(path))
+    server.listen(1)
+    seen: list[bytes] = []
+
+    def answer() -> None:
+        conn, _ = server.accept()
+        seen.append(conn.recv(4096))
+        body = json.dumps({"ready": True}).encode()
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+                     + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
+        conn.close()
+
+    thread = threading.Thread(target=answer)
+    thread.start()
+    status, body = pipeline_gpu().http_json(f"unix:{path}/healthz")
+    thread.join(5)
+    server.close()
+    assert (status, body) == (200, {"ready": True})
+    assert seen[0].startswith(b"GET /healthz HTTP/1.1")
+
+
 def test_the_scripts_parse() -> None:
     for script in ("gpu_suite.sh", "gpu_carries.sh"):
         proc = subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / script)], capture_output=True, text=True)
