@@ -33,7 +33,7 @@ class ServerConfig(_Section):
     host: str = Field("127.0.0.1", description="Address to listen on.")
     port: int = Field(8080, ge=0, le=65535, description="TCP port for HTTP, WebSocket and WebRTC signalling.")
     max_sessions: int = Field(8, ge=1, le=4096, description="Concurrent sessions accepted (by all workers together); more get a 'capacity' error.")
-    workers: int = Field(1, ge=1, le=64, description="Processes serving this one port (SO_REUSEPORT: the kernel spreads calls over them), each a whole frontend with its own event loop and core; they share admission, /metrics and client secrets. More than 1 needs llm.backend remote. One process carries ~100 callers on a GPU host (docs/scaling.md).")
+    workers: int = Field(1, ge=1, le=64, description="Processes serving this one port (calls go to the least loaded), each a whole frontend with its own event loop and core; they share admission, /metrics and client secrets. More than 1 needs llm.backend remote. One process carries ~100 callers on a GPU host (docs/scaling.md).")
     api_key: str | None = Field(None, description="A key clients send as 'Authorization: Bearer <key>' (or an ephemeral secret); prefer api_keys_env / api_key_file, never the command line.")
     api_keys_env: str = Field("VOICEBOT_API_KEYS", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description="Environment variable holding API keys, comma-separated (several keys: rotate without downtime).")
     api_key_file: str | None = Field(None, description="File of API keys, one a line ('#' comments); read once at start-up.")

@@ -392,7 +392,7 @@ async def workers(tier: Tier, models_config: ModelsConfig, tmp_path_factory: pyt
 
 
 WORKERS_KEY = "sk-workers-test"
-WORKER_CALLS = 12  # all on one worker of two: 1 in 2,048
+WORKER_CALLS = 12
 
 
 async def _health(proc: Proc) -> dict[str, Any]:
@@ -419,14 +419,15 @@ async def test_workers_on_one_port_share_admission_metrics_and_secrets(
         secret = r.json()["value"]
     clients = []
     try:
-        for _ in range(WORKER_CALLS):  # each connection lands on either worker; the secret works at both
+        for _ in range(WORKER_CALLS):  # the calls spread over both workers; the secret works at both
             client = NativeClient(ConnectOptions(f"ws://127.0.0.1:{workers.port}/ws", 16000, 16000, token=secret))
             await client.connect()
             clients.append(client)
         health = await _health(workers)
         assert health["active_sessions"] == WORKER_CALLS, health
         per_worker = [w["active_sessions"] for w in health["workers"]]
-        assert sum(per_worker) == WORKER_CALLS and min(per_worker) > 0, health["workers"]
+        # One after the other, each call went to the least loaded worker (voicebot/server/balance.py).
+        assert sum(per_worker) == WORKER_CALLS and max(per_worker) - min(per_worker) <= 2, health["workers"]
         # The server is full whichever worker the next caller reaches.
         for _ in range(4):
             extra = NativeClient(ConnectOptions(f"ws://127.0.0.1:{workers.port}/ws", 16000, 16000, token=secret))

@@ -232,3 +232,50 @@ def test_workers_need_a_remote_llm(capsys: pytest.CaptureFixture[str]) -> None:
     check_workers(load_config("configs/default.yaml"))  # one worker: anything goes
     assert main(["serve", "--config", "configs/default.yaml", "--set", "server.workers=2", "--no-pull"]) == 2
     assert "needs llm.backend: remote" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ the shared socket
+class _Served(asyncio.Protocol):
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.WriteTransport)
+        transport.write(b"hi")
+        transport.close()
+
+
+async def test_a_worker_above_the_least_loaded_steps_aside_then_serves_anyway() -> None:
+    """A connection goes to the least loaded serving worker; one more loaded than that
+    leaves it in the queue for a while, and takes it itself when no sibling does."""
+    from voicebot.server.balance import _MAX_WAIT_S, SharedListener
+
+    siblings = Siblings.create(2, None)
+    me, other = siblings.worker(0), siblings.worker(1)
+    me.set_status("ok")
+    other.set_status("loading")  # a sibling that does not serve yet is no one to wait for
+    for _ in range(3):
+        me.opened(None)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    listener = SharedListener(sock, me, _Served)
+    listener.start()
+    try:
+        async def connect() -> bytes:
+            reader, writer = await asyncio.open_connection(*sock.getsockname())
+            data = await reader.read()
+            writer.close()
+            return data
+
+        assert await connect() == b"hi" and listener.stepped_aside == 0
+        assert me.load(0) == 4  # 3 calls and the connection it just took
+        other.set_status("ok")  # now a sibling with no load serves: this one steps aside...
+        t0 = time.monotonic()
+        assert await connect() == b"hi"  # ...and, the sibling never taking it, serves it itself
+        assert listener.stepped_aside >= 1 and listener.accepted == 2
+        assert time.monotonic() - t0 >= _MAX_WAIT_S * 0.9
+        for _ in range(5):
+            other.opened(None)  # the sibling is the busier one now: no stepping aside
+        before = listener.stepped_aside
+        assert await connect() == b"hi" and listener.stepped_aside == before
+    finally:
+        listener.close()
+        sock.close()

@@ -17,6 +17,7 @@ from voicebot.errors import ConfigError
 from voicebot.observe.logs import use_json_logs
 from voicebot.provision import bundle_names_for, pull, resolve_model
 from voicebot.runtime.process import apply_process_settings
+from voicebot.server.balance import SharedListener
 from voicebot.server.drain import drain
 from voicebot.server.state import ServerState
 from voicebot.server.ws_protocol import protocol_class
@@ -37,15 +38,17 @@ class DrainingServer(uvicorn.Server):
 
     def __init__(self, config: uvicorn.Config, state: ServerState, *,
                  listen_when_ready: socket.socket | None = None, ignore_sigint: bool = False) -> None:
-        """``listen_when_ready``: a bound socket served only once the engines are loaded (a
-        worker on a shared port, voicebot/server/workers.py: until then its siblings take
-        the calls). ``ignore_sigint``: a worker, whose parent turns a terminal's Ctrl-C
-        (which reaches the whole process group) into one SIGTERM each."""
+        """``listen_when_ready``: the listening socket of a port shared with sibling workers
+        (voicebot/server/workers.py), accepted from only once the engines are loaded and
+        only in turn with them (voicebot/server/balance.py). ``ignore_sigint``: a worker,
+        whose parent turns a terminal's Ctrl-C (which reaches the whole process group)
+        into one SIGTERM each."""
         super().__init__(config)
         self.state = state
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain: asyncio.Task[None] | None = None
         self._deferred = listen_when_ready
+        self._listener: SharedListener | None = None
         self._ignore_sigint = ignore_sigint
 
     async def serve(self, sockets: list | None = None) -> None:  # type: ignore[type-arg]
@@ -71,13 +74,19 @@ class DrainingServer(uvicorn.Server):
         if self.should_exit:
             return
         # The protocol factory uvicorn's startup builds for the sockets it is given (its
-        # attributes server_state and lifespan.state); the server joins self.servers, which
-        # its shutdown closes first. Covered by tests/e2e/test_scale_out.py (workers).
+        # attributes server_state and lifespan.state): a connection accepted here is then
+        # uvicorn's like any other (its shutdown closes it). Covered by
+        # tests/e2e/test_scale_out.py (workers).
         protocol = functools.partial(self.config.http_protocol_class, config=self.config,  # type: ignore[call-arg]
                                      server_state=self.server_state, app_state=self.lifespan.state)
-        server = await asyncio.get_running_loop().create_server(protocol, sock=sock, backlog=self.config.backlog)
-        self.servers.append(server)
-        log.info("ready: listening on the shared port %d", sock.getsockname()[1])
+        self._listener = SharedListener(sock, self.state.siblings, protocol)
+        self._listener.start()
+        log.info("ready: serving the shared port %d", sock.getsockname()[1])
+
+    async def shutdown(self, sockets: list | None = None) -> None:  # type: ignore[type-arg]
+        if self._listener is not None:  # first, as uvicorn stops its own listeners first
+            self._listener.close()
+        await super().shutdown(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # A signal handler: runs between two bytecodes of the loop's thread, so it only

@@ -22,9 +22,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-# A worker's row: its pid, its open sessions, its status (STATUSES' index).
-_PID, _SESSIONS, _STATUS = range(3)
-_FIELDS = 3
+# A worker's row: its pid, its open sessions, its status (STATUSES' index), the connections
+# it accepted in the last ACCEPTED_FOR_S (not sessions yet: the handshake is in progress).
+_PID, _SESSIONS, _STATUS, _ACCEPTED = range(4)
+_FIELDS = 4
+ACCEPTED_FOR_S = 3.0
 # Per-client counts are kept in buckets of the address's CRC: two addresses that share a
 # bucket count against each other's limit (a refusal too many, never an admission too
 # many); with 65,536 buckets that takes hundreds of distinct callers at the limit.
@@ -94,6 +96,22 @@ class Siblings:
         if client is not None:
             self._clients[self.index * CLIENT_BUCKETS + _bucket(client)] += delta
 
+    # ------------------------------------------------------------------ balance
+    def accepted(self, delta: int = 1) -> None:
+        """This worker took a connection (+1), or ACCEPTED_FOR_S later (-1)."""
+        self._table[self.index * _FIELDS + _ACCEPTED] += delta
+
+    def load(self, worker: int) -> int:
+        """What a worker carries for the balance: its sessions and the connections it just took."""
+        row = worker * _FIELDS
+        return int(self._table[row + _SESSIONS] + self._table[row + _ACCEPTED])
+
+    def least_loaded(self) -> int | None:
+        """The least load of the workers that serve (status ok), None if none does."""
+        ok = STATUSES.index("ok")
+        loads = [self.load(w) for w in range(self.count) if self._table[w * _FIELDS + _STATUS] == ok]
+        return min(loads) if loads else None
+
     # ------------------------------------------------------------------ status
     def set_status(self, status: str, pid: int | None = None) -> None:
         row = self.index * _FIELDS
@@ -121,6 +139,7 @@ class Siblings:
             row = index * _FIELDS
             self._table[row + _PID] = 0
             self._table[row + _SESSIONS] = 0
+            self._table[row + _ACCEPTED] = 0
             self._table[row + _STATUS] = STATUSES.index(status)
             start = index * CLIENT_BUCKETS
             self._clients[start:start + CLIENT_BUCKETS] = [0] * CLIENT_BUCKETS

@@ -5,10 +5,10 @@ host, where the engines are shared services (docs/scaling.md). ``voicebot serve`
 ``server.workers: K`` starts K worker processes, each a whole frontend (transports,
 sessions, VAD and Smart Turn, the engines' clients), all on the one port:
 
-- each worker listens on its own socket bound with ``SO_REUSEPORT``, and the kernel
-  spreads new connections over them evenly (a hash of the client's address and port;
-  a call is one connection, so calls spread evenly too). A worker listens only once
-  its engines are loaded: a worker that is (re)starting gets no calls meanwhile;
+- this process listens; the workers accept from its socket, each only once its engines
+  are loaded and only while it is among the least loaded (voicebot/server/balance.py):
+  a worker that is (re)starting gets no calls, a connection waits in the queue until a
+  worker can serve it, and calls spread by load, not by a hash;
 - admission counts the whole server's calls (``server.max_sessions`` and the
   per-client limit; voicebot/server/siblings.py), ``/metrics`` of any worker reports all
   of them (voicebot/metrics.py), ``/healthz`` lists every worker, and a client secret
@@ -17,8 +17,8 @@ sessions, VAD and Smart Turn, the engines' clients), all on the one port:
   over its Unix socket in the server's private folder.
 
 This process only supervises: it checks and pulls like a server of one process,
-holds the port (bound, never listening, so nothing else takes it between restarts),
-restarts a worker that dies (after 1 s, doubling while it keeps dying early) and on
+holds the listening socket (nothing else takes the port between restarts), restarts a
+worker that dies (after 1 s, doubling while it keeps dying early) and on
 SIGTERM/SIGINT tells every worker to drain; a second signal skips the drain's wait,
 a third kills them. The workers need ``llm.backend: remote``: one vLLM serves them all.
 """
@@ -65,32 +65,23 @@ def check_workers(cfg: Config) -> None:
         raise ConfigError(
             f"server.workers {cfg.server.workers} needs llm.backend: remote (one vLLM server for every "
             "worker; each worker would otherwise load the LLM itself): see docs/scaling.md")
-    if not hasattr(socket, "SO_REUSEPORT"):
-        raise ConfigError("server.workers > 1 needs SO_REUSEPORT (Linux)")
 
 
-def reserve_port(host: str, port: int) -> socket.socket:
-    """A socket bound to the port with SO_REUSEPORT, never listening: it holds the port
-    (0: picks a free one) for the workers, who bind it too."""
+# Connections the kernel queues for the workers to accept (uvicorn's default).
+_BACKLOG = 2048
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The port's listening socket (0: a free port), shared by every worker."""
     family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
     try:
         sock.bind(address)
     except OSError as exc:
         sock.close()
         raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
-    return sock
-
-
-def worker_socket(host: str, port: int) -> socket.socket:
-    """A worker's own listening socket on the shared port (listen() comes with serving)."""
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind(address)
-    sock.set_inheritable(False)
+    sock.listen(_BACKLOG)
     return sock
 
 
@@ -138,7 +129,7 @@ def _die_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def run_worker(cfg: Config, siblings: Siblings, port: int, logs: LogSetup) -> None:
+def run_worker(cfg: Config, siblings: Siblings, shared: socket.socket, logs: LogSetup) -> None:
     """A spawned worker's entry point: one whole frontend on the shared port."""
     _die_with_parent()
     logs.apply(siblings.index)
@@ -151,7 +142,6 @@ def run_worker(cfg: Config, siblings: Siblings, port: int, logs: LogSetup) -> No
     siblings.set_status("loading", pid=os.getpid())
     state = ServerState(cfg, siblings=siblings)
     app = create_app(cfg, state=state)
-    shared = worker_socket(cfg.server.host, port)
     own = unix_socket(siblings.socket_path(siblings.index))
     server = DrainingServer(uvicorn_config(cfg, app), state, listen_when_ready=shared, ignore_sigint=True)
     server.run(sockets=[own])
@@ -173,8 +163,9 @@ class _Slot:
 class WorkerPool:
     """Starts, restarts and stops the workers of one server (this process does nothing else)."""
 
-    def __init__(self, cfg: Config, siblings: Siblings, port: int, logs: LogSetup) -> None:
-        self.cfg, self.siblings, self.port, self.logs = cfg, siblings, port, logs
+    def __init__(self, cfg: Config, siblings: Siblings, sock: socket.socket, logs: LogSetup) -> None:
+        self.cfg, self.siblings, self.sock, self.logs = cfg, siblings, sock, logs
+        self.port = sock.getsockname()[1]
         self._ctx = multiprocessing.get_context("spawn")
         self._slots = [_Slot(i) for i in range(siblings.count)]
         self._signals = 0
@@ -207,7 +198,7 @@ class WorkerPool:
     def _start(self, slot: _Slot) -> None:
         self.siblings.reset(slot.index)
         process = self._ctx.Process(target=run_worker, name=f"voicebot-worker-{slot.index}",
-                                    args=(self.cfg, self.siblings.worker(slot.index), self.port, self.logs))
+                                    args=(self.cfg, self.siblings.worker(slot.index), self.sock, self.logs))
         process.start()
         slot.process, slot.started_at, slot.restart_at = process, time.monotonic(), None
 
@@ -273,7 +264,7 @@ class WorkerPool:
 def serve_workers(cfg: Config) -> int:
     """Run ``cfg.server.workers`` workers on ``cfg.server.port`` until a signal stops them."""
     check_workers(cfg)
-    held = reserve_port(cfg.server.host, cfg.server.port)
+    held = listen_socket(cfg.server.host, cfg.server.port)
     port = held.getsockname()[1]
     try:
         with tempfile.TemporaryDirectory(prefix="voicebot-") as folder:  # mode 0700
@@ -284,7 +275,7 @@ def serve_workers(cfg: Config) -> int:
             siblings = Siblings.create(cfg.server.workers, run_dir)
             log.info("listening on http://%s:%d (WebSocket /ws) with %d workers", cfg.server.host, port,
                      cfg.server.workers)
-            pool = WorkerPool(cfg, siblings, port, LogSetup.of_this_process(cfg.server.log_format == "json"))
+            pool = WorkerPool(cfg, siblings, held, LogSetup.of_this_process(cfg.server.log_format == "json"))
             code = pool.run()
             # The shared lock's semaphore is unlinked when its last reference goes (the
             # resource tracker warns of a leak at exit otherwise).
