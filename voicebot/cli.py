@@ -51,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(serve, "configs/default.yaml")
     serve.add_argument("--host", help="listen address (overrides server.host)")
     serve.add_argument("--port", type=int, help="listen port (overrides server.port)")
+    serve.add_argument("--workers", type=int, help="processes serving the port (overrides server.workers; "
+                       "more than 1 needs llm.backend remote)")
     serve.add_argument("--no-pull", action="store_true", help="fail instead of building missing bundle models")
 
     _add_service_parser(sub, "asr-serve", "ASR", 8092)
@@ -111,6 +113,8 @@ def _serve(args: argparse.Namespace) -> int:
         overrides.append(f"server.host={args.host}")
     if args.port is not None:
         overrides.append(f"server.port={args.port}")
+    if args.workers is not None:
+        overrides.append(f"server.workers={args.workers}")
     cfg = load_config(args.config, overrides)
     edge.load_api_keys(cfg.server)  # an unreadable key file: a CLI error now, not after the model pull
     warning = edge.check_exposure(cfg)  # ConfigError (exit 2) when exposed without a key

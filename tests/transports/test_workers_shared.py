@@ -230,7 +230,7 @@ def test_workers_need_a_remote_llm(capsys: pytest.CaptureFixture[str]) -> None:
         check_workers(load_config("configs/default.yaml", ["server.workers=2"]))
     check_workers(load_config("configs/default.yaml", ["server.workers=2", "llm.backend=remote"]))
     check_workers(load_config("configs/default.yaml"))  # one worker: anything goes
-    assert main(["serve", "--config", "configs/default.yaml", "--set", "server.workers=2", "--no-pull"]) == 2
+    assert main(["serve", "--config", "configs/default.yaml", "--workers", "2", "--no-pull"]) == 2
     assert "needs llm.backend: remote" in capsys.readouterr().err
 
 

@@ -81,6 +81,7 @@ class DrainingServer(uvicorn.Server):
                                      server_state=self.server_state, app_state=self.lifespan.state)
         self._listener = SharedListener(sock, self.state.siblings, protocol)
         self._listener.start()
+        self.state.siblings.set_status(self.state.status()[0])  # the balance counts it from now
         log.info("ready: serving the shared port %d", sock.getsockname()[1])
 
     async def shutdown(self, sockets: list | None = None) -> None:  # type: ignore[type-arg]

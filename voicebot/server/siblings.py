@@ -13,8 +13,10 @@ A server of one process has a table of one row: the same code, no other process.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import math
 import multiprocessing
+import threading
 import time
 import zlib
 from collections.abc import Iterator
@@ -50,17 +52,18 @@ class Siblings:
 
     @classmethod
     def alone(cls) -> Siblings:
-        """A server of one process."""
-        return cls.create(1, None, index=0)
+        """A server of one process: plain memory and a thread lock (no semaphore, no
+        resource-tracker process for a server, or a test, that shares nothing)."""
+        return cls(0, 1, None, math.inf, (ctypes.c_int64 * _FIELDS)(), (ctypes.c_int32 * CLIENT_BUCKETS)(),
+                   threading.Lock())
 
     @classmethod
-    def create(cls, count: int, runtime_dir: Path | None, *, index: int = -1) -> Siblings:
+    def create(cls, count: int, runtime_dir: Path | None) -> Siblings:
+        """The parent's, for ``count`` workers (:meth:`worker` gives each its view)."""
         # spawn's primitives: the workers are spawned (a fork would copy the parent's
         # threads' locks mid-state), and these are handed to them as arguments.
         ctx = multiprocessing.get_context("spawn")
-        # One process: everything already in record_dir is from an earlier run.
-        started = math.inf if count == 1 else time.time()
-        return cls(index, count, runtime_dir, started, ctx.RawArray("q", count * _FIELDS),
+        return cls(-1, count, runtime_dir, time.time(), ctx.RawArray("q", count * _FIELDS),
                    ctx.RawArray("i", count * CLIENT_BUCKETS), ctx.Lock())
 
     def worker(self, index: int) -> Siblings:
