@@ -42,7 +42,7 @@ from voicebot.engines.turn.vad import SileroVad
 from voicebot.probe.base import Audio, ClientClosed, ConnectOptions, Event, make_client
 from voicebot.probe.native import NativeClient
 from voicebot.server.app import create_app
-from voicebot.server.run import uvicorn_config
+from voicebot.server.http_server import uvicorn_config
 from voicebot.server.state import ServerState
 
 ROOT = Path(__file__).resolve().parents[1]

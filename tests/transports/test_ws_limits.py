@@ -31,7 +31,7 @@ from websockets.uri import parse_uri
 
 from voicebot.config import Config
 from voicebot.server.app import create_app
-from voicebot.server.run import uvicorn_config
+from voicebot.server.http_server import uvicorn_config
 from voicebot.server.state import ServerState
 from voicebot.session.clock import REAL_CLOCK
 from voicebot.session.session import Session

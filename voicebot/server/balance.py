@@ -11,7 +11,7 @@ serving sibling's; otherwise it steps aside for a few milliseconds and lets them
 the connection. Bounded: a worker that has stepped aside for _MAX_WAIT_S takes the
 connection anyway (a sibling whose loop is stuck must not strand a caller).
 
-A worker starts watching once its engines are loaded (voicebot/server/run.py): until
+A worker starts watching once its engines are loaded (voicebot/server/http_server.py): until
 then a connection waits in the socket's queue for a worker that can serve it.
 """
 

@@ -1,6 +1,6 @@
 """Graceful shutdown: stop admitting, let replies finish, end every session with a reason.
 
-On SIGTERM/SIGINT (voicebot/server/run.py) the server drains before it stops:
+On SIGTERM/SIGINT (voicebot/server/http_server.py) the server drains before it stops:
 
 1. ``state.draining``: ``/healthz`` answers 503 "draining" (a load balancer takes the
    instance out) and new sessions are refused with code ``draining``;

@@ -135,7 +135,7 @@ def run_worker(cfg: Config, siblings: Siblings, shared: socket.socket, logs: Log
     logs.apply(siblings.index)
     from voicebot.runtime.process import apply_process_settings
     from voicebot.server.app import create_app
-    from voicebot.server.run import DrainingServer, uvicorn_config
+    from voicebot.server.http_server import DrainingServer, uvicorn_config
     from voicebot.server.state import ServerState
 
     apply_process_settings(cfg.server)
