@@ -253,6 +253,8 @@ def run_main(args: argparse.Namespace) -> int:
                "--set", f"asr.partials={'false' if args.finals_only else 'true'}",
                "--set", "vad.turn_detector=smart_turn", "--set", "server.omp_threads=1",
                "--set", "models.offline=true"]
+        if args.server_workers:
+            cmd += ["--server-workers", str(args.server_workers)]
         for item in args.set:
             cmd += ["--set", item]
         env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
@@ -282,6 +284,8 @@ def run_main(args: argparse.Namespace) -> int:
             "loop_cores_per_100_callers": (round(100 * server["loop_thread_cores"] / n, 3)
                                            if server.get("loop_thread_cores") is not None else None),
             "process_cores": cores,
+            # with --server-workers: each worker's cores (how evenly the calls spread)
+            "worker_cores": [f.get("process_cores") for f in server.get("frontends", [])] or None,
             "loop_lag_ms": server.get("lag_ms"),
             "overhead_ms": {k: percentiles([o[k] for o in over]) for k in ("total", "asr", "llm", "tts", "wire")},
             "v2v_ms": level["v2v_ms"],
@@ -295,7 +299,8 @@ def run_main(args: argparse.Namespace) -> int:
         print(f"N={n:4d}  frontend {cores} cores = {row['cores_per_100_callers']} per 100 callers "
               f"(loop {row['loop_cores_per_100_callers']})  overhead p50/p95 {o.get('p50')}/{o.get('p95')} ms  "
               f"v2v p50/p95 {level['v2v_ms']['p50']}/{level['v2v_ms']['p95']}  "
-              f"dropped {level['dropped_sessions']}", flush=True)
+              f"dropped {level['dropped_sessions']}"
+              + (f"  workers' cores {row['worker_cores']}" if row["worker_cores"] else ""), flush=True)
     result: dict[str, Any] = {"levels": rows, "fakes": {"asr_ms": args.asr_ms, "llm_ttft_ms": args.llm_ttft_ms,
                                                         "llm_tokens_per_s": args.llm_tokens_per_s,
                                                         "tts_ms": args.tts_ms},
@@ -355,6 +360,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ramp-s", type=float, default=6.0, help="session starts spread over this long")
     p.add_argument("--audio", nargs="+", help="16 kHz clips the callers say (default: the test speech)")
     p.add_argument("--finals-only", action="store_true", help="asr.partials=false in the frontend")
+    p.add_argument("--server-workers", type=int, default=0,
+                   help="the frontend as one server of K workers on one port (server.workers)")
     p.add_argument("--py-spy", action="store_true", help="record the frontend's stacks during the last level")
     p.add_argument("--spy-s", type=float, default=20.0)
     return p

@@ -427,7 +427,7 @@ async def test_workers_on_one_port_share_admission_metrics_and_secrets(
         assert health["active_sessions"] == WORKER_CALLS, health
         per_worker = [w["active_sessions"] for w in health["workers"]]
         # One after the other, each call went to the least loaded worker (voicebot/server/balance.py).
-        assert sum(per_worker) == WORKER_CALLS and max(per_worker) - min(per_worker) <= 2, health["workers"]
+        assert sum(per_worker) == WORKER_CALLS and max(per_worker) - min(per_worker) <= 3, health["workers"]
         # The server is full whichever worker the next caller reaches.
         for _ in range(4):
             extra = NativeClient(ConnectOptions(f"ws://127.0.0.1:{workers.port}/ws", 16000, 16000, token=secret))

@@ -77,6 +77,10 @@ def test_a_server_of_one_process_counts_alone() -> None:
     with alone.admitting():
         alone.opened("a")
     assert alone.sessions_total() == 1 and alone.client_sessions("a") == 1
+    alone.set_connections(3)  # a call's, a handshake's, a request's
+    assert alone.load(0) == 3
+    alone.set_connections(0)
+    assert alone.load(0) == 1  # a WebRTC call holds no connection: its session counts
     alone.closed("a")
     assert alone.sessions_total() == 0 and alone.client_sessions("a") == 0
     with pytest.raises(ValueError):
@@ -266,7 +270,6 @@ async def test_a_worker_above_the_least_loaded_steps_aside_then_serves_anyway() 
             return data
 
         assert await connect() == b"hi" and listener.stepped_aside == 0
-        assert me.load(0) == 4  # 3 calls and the connection it just took
         other.set_status("ok")  # now a sibling with no load serves: this one steps aside...
         t0 = time.monotonic()
         assert await connect() == b"hi"  # ...and, the sibling never taking it, serves it itself

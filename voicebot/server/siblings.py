@@ -25,10 +25,9 @@ from pathlib import Path
 from typing import Any
 
 # A worker's row: its pid, its open sessions, its status (STATUSES' index), the connections
-# it accepted in the last ACCEPTED_FOR_S (not sessions yet: the handshake is in progress).
-_PID, _SESSIONS, _STATUS, _ACCEPTED = range(4)
+# it holds open from the shared socket (voicebot/server/balance.py).
+_PID, _SESSIONS, _STATUS, _CONNECTIONS = range(4)
 _FIELDS = 4
-ACCEPTED_FOR_S = 3.0
 # Per-client counts are kept in buckets of the address's CRC: two addresses that share a
 # bucket count against each other's limit (a refusal too many, never an admission too
 # many); with 65,536 buckets that takes hundreds of distinct callers at the limit.
@@ -100,14 +99,15 @@ class Siblings:
             self._clients[self.index * CLIENT_BUCKETS + _bucket(client)] += delta
 
     # ------------------------------------------------------------------ balance
-    def accepted(self, delta: int = 1) -> None:
-        """This worker took a connection (+1), or ACCEPTED_FOR_S later (-1)."""
-        self._table[self.index * _FIELDS + _ACCEPTED] += delta
+    def set_connections(self, count: int) -> None:
+        """The connections this worker holds open (a call's, a handshake's, a request's)."""
+        self._table[self.index * _FIELDS + _CONNECTIONS] = count
 
     def load(self, worker: int) -> int:
-        """What a worker carries for the balance: its sessions and the connections it just took."""
+        """What a worker carries, for the balance: its open connections, or its sessions
+        where those are more (a WebRTC call holds no connection once it is set up)."""
         row = worker * _FIELDS
-        return int(self._table[row + _SESSIONS] + self._table[row + _ACCEPTED])
+        return int(max(self._table[row + _SESSIONS], self._table[row + _CONNECTIONS]))
 
     def least_loaded(self) -> int | None:
         """The least load of the workers that serve (status ok), None if none does."""
@@ -142,7 +142,7 @@ class Siblings:
             row = index * _FIELDS
             self._table[row + _PID] = 0
             self._table[row + _SESSIONS] = 0
-            self._table[row + _ACCEPTED] = 0
+            self._table[row + _CONNECTIONS] = 0
             self._table[row + _STATUS] = STATUSES.index(status)
             start = index * CLIENT_BUCKETS
             self._clients[start:start + CLIENT_BUCKETS] = [0] * CLIENT_BUCKETS
