@@ -7,11 +7,12 @@ worker with SO_REUSEPORT, a hash of the caller's address) spreads calls only as 
 as a die: at 256 callers on 6 workers the busiest carried ~30% more than the mean.
 So a worker accepts only while its load (the connections it holds open, or its calls
 where those are more) is within one of the least loaded serving sibling's; otherwise it
-steps aside for a few milliseconds and lets them take the connection. Bounded: a worker that has stepped aside for _MAX_WAIT_S takes the
-connection anyway (a sibling whose loop is stuck must not strand a caller).
+steps aside for a few milliseconds and lets them take the connection. Bounded: a
+worker that has stepped aside for _MAX_WAIT_S takes the connection anyway (a sibling
+whose loop is stuck must not strand a caller).
 
-A worker starts watching once its engines are loaded (voicebot/server/http_server.py): until
-then a connection waits in the socket's queue for a worker that can serve it.
+A worker starts watching once its engines are loaded (voicebot/server/http_server.py):
+until then a connection waits in the socket's queue for a worker that can serve it.
 """
 
 from __future__ import annotations
