@@ -128,11 +128,11 @@ def test_a_secret_minted_by_one_worker_is_valid_at_another(tmp_path: Path) -> No
 
 # ------------------------------------------------------------------ forwarding
 def test_a_call_id_names_its_worker() -> None:
-    from voicebot.transports.webrtc import _worker_of
+    from voicebot.transports.webrtc_call import call_id, worker_of
 
-    assert _worker_of("rtc_3_0123456789abcdef0123") == 3
-    assert _worker_of("rtc_0123456789abcdef0123") is None  # not ours: answered here (404)
-    assert _worker_of("rtc_x_1") is None and _worker_of("rtc__1") is None
+    assert worker_of(call_id(3)) == 3 and worker_of("rtc_3_0123456789abcdef0123") == 3
+    assert worker_of("rtc_0123456789abcdef0123") is None  # not ours: answered here (404)
+    assert worker_of("rtc_x_1") is None and worker_of("rtc__1") is None
 
 
 async def test_a_request_is_forwarded_to_the_worker_that_holds_it(tmp_path: Path) -> None:

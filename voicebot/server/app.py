@@ -72,8 +72,7 @@ def create_app(cfg: Config, *, load: bool = True, state: ServerState | None = No
     async def metrics(request: Request) -> Response:
         if not state.admin_allowed(request.headers.get("authorization")):
             return Response("unauthorized", 401, {"WWW-Authenticate": "Bearer"})
-        state.update_gauges()
-        state.metrics.update_process(state.engines.health if state.engines else None)
+        state.refresh_metrics()
         workers = state.siblings.pids if state.siblings.count > 1 else None
         return Response(state.metrics.render(workers), media_type="text/plain; version=0.0.4")
 
@@ -183,8 +182,7 @@ _SIBLING_TICK_S = 2.0
 async def _tell_siblings(state: ServerState) -> None:
     while True:
         state.siblings.set_status(state.status()[0])
-        state.update_gauges()
-        state.metrics.update_process(state.engines.health if state.engines else None)
+        state.refresh_metrics()
         await asyncio.sleep(_SIBLING_TICK_S)
 
 

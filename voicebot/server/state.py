@@ -269,6 +269,12 @@ class ServerState:
             body["workers"] = self.siblings.workers()
         return body
 
+    def refresh_metrics(self) -> None:
+        """The values set at a scrape (queues, live tasks, each engine's health); a worker
+        of several also sets them on a tick, as a scrape may reach a sibling."""
+        self.update_gauges()
+        self.metrics.update_process(self.engines.health if self.engines else None)
+
     def update_gauges(self) -> None:
         if self.engines is None:
             return

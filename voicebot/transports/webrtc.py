@@ -35,7 +35,7 @@ from voicebot.errors import AuthError, BadMessage, ProtocolError, VoicebotError
 from voicebot.server import edge, forward
 from voicebot.server.connection import Connection
 from voicebot.server.state import ServerState
-from voicebot.transports.webrtc_call import Call
+from voicebot.transports.webrtc_call import Call, worker_of
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ def _refused(conn: Connection, exc: VoicebotError) -> JSONResponse:
 
 
 class Calls:
-    """The live calls of one server, and the session config attached to secrets."""
+    """The live calls of one server."""
 
     def __init__(self, state: ServerState) -> None:
         self.state = state
@@ -95,12 +95,6 @@ class Calls:
             with contextlib.suppress(Exception):
                 await pc.close()
             self.state.peer_connections.discard(pc)
-
-
-def _worker_of(call_id: str) -> int | None:
-    """The worker a call id names ("rtc_<worker>_<hex>", voicebot/transports/webrtc_call.py)."""
-    parts = call_id.split("_")
-    return int(parts[1]) if len(parts) == 3 and parts[0] == "rtc" and parts[1].isdigit() else None
 
 
 async def _read_offer(request: Request) -> tuple[str, dict[str, Any]]:
@@ -187,7 +181,7 @@ def routes(state: ServerState) -> list[BaseRoute]:
         call_id = request.path_params["call_id"]
         call = calls.live.get(call_id)
         if call is None:
-            owner = forward.owner_of(state.siblings, request, _worker_of(call_id))
+            owner = forward.owner_of(state.siblings, request, worker_of(call_id))
             answer = None if owner is None else await forward.forward(state.siblings, owner, request)
             if answer is not None:
                 return answer

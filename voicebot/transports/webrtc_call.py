@@ -52,6 +52,18 @@ _EARLY_EVENTS = 64  # server events held until the data channel opens
 _AUDIO_EVENTS = frozenset({rt.GA.audio_delta, rt.BETA.audio_delta})
 
 
+def call_id(worker: int) -> str:
+    """A new call's id, "rtc_<worker>_<hex>": the worker that holds the call is in it, so a
+    hang-up another worker of the port receives is forwarded to it (voicebot/server/forward.py)."""
+    return f"rtc_{worker}_{uuid.uuid4().hex[:20]}"
+
+
+def worker_of(call_id: str) -> int | None:
+    """The worker a call id names (None: not one of :func:`call_id`'s)."""
+    parts = call_id.split("_")
+    return int(parts[1]) if len(parts) == 3 and parts[0] == "rtc" and parts[1].isdigit() else None
+
+
 class Call:
     def __init__(
         self,
@@ -66,9 +78,7 @@ class Call:
         self.max_bytes = conn.max_bytes
         self.gate = conn.audio_gate()
         self.beta = beta  # the beta flow (POST /v1/realtime) gets the beta event names
-        # The worker that holds the call is in its id: a hang-up another worker of the
-        # port receives is forwarded to it (voicebot/server/forward.py).
-        self.id = f"rtc_{self.state.siblings.index}_{uuid.uuid4().hex[:20]}"
+        self.id = call_id(self.state.siblings.index)
         self.offer_sdp = offer_sdp
         self.session_config = session_config
         self.answer: asyncio.Future[str] = asyncio.get_running_loop().create_future()
