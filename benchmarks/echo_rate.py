@@ -307,8 +307,7 @@ async def run_pipeline_call(url: str, index: int, items: list[Item], args: argpa
         t = Turn(index, rec.turn, it.clip.name, it.reference, heard=rec.transcript, reply=rec.reply_text,
                  status=rec.status, voice_to_voice_ms=rec.voice_to_voice_ms, errors=rec.errors)
         t.ttft_ms = rec.timings.get("llm_ttft_ms")
-        t.cached_prompt_tokens = rec.timings.get("cached_prompt_tokens")
-        t.prompt_tokens = rec.timings.get("prompt_tokens")
+        t.cached_prompt_tokens, t.prompt_tokens = rec.cached_tokens, rec.prompt_tokens
         turns.append(t)
     return turns
 

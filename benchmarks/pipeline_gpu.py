@@ -1009,8 +1009,10 @@ def reply_rtf(records: list[Any]) -> dict[str, Any]:
 
 
 def cache_hit(records: list[Any]) -> float | None:
-    prompt = sum(int(r.timings.get("prompt_tokens") or 0) for r in records)
-    cached = sum(int(r.timings.get("cached_prompt_tokens") or 0) for r in records)
+    # From each reply's response.done: turn.timings goes out before a remote tier's usage.
+    counted = [r for r in records if r.prompt_tokens]
+    prompt = sum(r.prompt_tokens for r in counted)
+    cached = sum(r.cached_tokens or 0 for r in counted)
     return round(cached / prompt, 3) if prompt else None
 
 

@@ -52,7 +52,11 @@ def stages(turn: dict[str, Any]) -> dict[str, float] | None:
         "tts": t["tts_first_audio_ms"],
     }
     row["pause+rest"] = v2v - row["asr"] - row["ttft"] - row["clause"] - row["tts"]
-    row["uncached"] = (t.get("prompt_tokens") or 0) - (t.get("cached_prompt_tokens") or 0)
+    # The counts as response.done gave them (the probe's record); turn.timings only where
+    # the engine knew them at the first audio (older reports).
+    prompt = turn.get("prompt_tokens") or t.get("prompt_tokens") or 0
+    cached = turn.get("cached_tokens") if turn.get("prompt_tokens") else t.get("cached_prompt_tokens")
+    row["uncached"] = prompt - (cached or 0)
     return row
 
 

@@ -442,6 +442,11 @@ async def test_token_counters_take_usage_known_only_at_the_end(tokenizer) -> Non
         finally:
             await caller.close()
     assert caller.of(ev.ResponseDone)[0].status == "completed"
+    done = caller.of(ev.ResponseDone)[0]
+    assert (done.input_tokens, done.cached_tokens) == (300, 256)
+    # turn.timings goes out at the first audio, before the counts exist: null, not 0
+    timings = caller.of(ev.TurnTimings)[0]
+    assert (timings.prompt_tokens, timings.cached_prompt_tokens) == (None, None)
     assert metrics.registry.get_sample_value("voicebot_llm_prompt_tokens_total") == 300
     assert metrics.registry.get_sample_value("voicebot_llm_cached_prompt_tokens_total") == 256
 

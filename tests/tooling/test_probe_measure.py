@@ -152,6 +152,31 @@ def test_turn_measures_from_end_of_speech_to_first_audible_reply() -> None:
     assert rec.timings == {"llm_ttft_ms": 80.0}
 
 
+def test_the_reply_token_counts_come_from_its_response_done() -> None:
+    """A remote LLM tier reports usage with its last chunk, after the first audio that
+    turn.timings goes out with: the counts are read from response.done, as sent at the end."""
+    tr = TurnTracker(TurnRecord(0, 0, "a.wav"), RATE, timings_grace_s=0.0)
+    tr.speech_ended(10.0)
+    tr.on_event(ev("response.started", response_id="r1", item_id="i1"), 10.25)
+    tr.on_event(ev("response.audio.started", response_id="r1", item_id="i1"), 10.3)
+    tr.on_audio(pcm(tone(0.02, -30.0)), 10.45)
+    tr.on_event(ev("turn.timings", response_id="r1", prompt_tokens=None, cached_prompt_tokens=None), 10.46)
+    tr.on_event(ev("response.done", response_id="r1", item_id="i1", status="completed", text="hi",
+                   full_text="hi", input_tokens=540, cached_tokens=512), 11.0)
+    rec = tr.finish(11.0)
+    assert (rec.prompt_tokens, rec.cached_tokens) == (540, 512)
+
+
+def test_a_reply_without_counts_records_none_not_zero() -> None:
+    tr = TurnTracker(TurnRecord(0, 0, "a.wav"), RATE, timings_grace_s=0.0)
+    tr.speech_ended(10.0)
+    tr.on_event(ev("response.started", response_id="r1", item_id="i1"), 10.25)
+    tr.on_audio(pcm(tone(0.02, -30.0)), 10.45)
+    tr.on_event(ev("response.done", response_id="r1", item_id="i1", status="completed", text="", full_text=""), 11.0)
+    rec = tr.finish(11.0)
+    assert (rec.prompt_tokens, rec.cached_tokens) == (None, None)
+
+
 def test_a_cancelled_speculative_reply_does_not_end_the_turn() -> None:
     tr = TurnTracker(TurnRecord(0, 0, "a.wav"), RATE, timings_grace_s=0.5)
     tr.speech_ended(1.0)

@@ -169,8 +169,10 @@ class RealtimeClient:
             self._audio_started.discard(str(done_id))
             if status == "interrupted":
                 self._event(t, type="barge_in", response_id=done_id, played_ms=None, heard_text=said)
+            usage = resp.get("usage") or {}
             self._event(t, type="response.done", response_id=done_id, item_id=None, status=status,
-                        text=said, full_text=said, played_ms=None)
+                        text=said, full_text=said, played_ms=None, input_tokens=usage.get("input_tokens"),
+                        cached_tokens=(usage.get("input_token_details") or {}).get("cached_tokens"))
         elif kind == "error":
             err = d.get("error") or {}
             self._event(t, type="error", code=err.get("code"), message=err.get("message"),

@@ -38,6 +38,10 @@ class TurnRecord:
     heard_text: str = ""  # the part the server says was played
     voice_to_voice_ms: float | None = None
     timings: dict[str, Any] = field(default_factory=dict)  # the server's turn.timings
+    # The reply's prompt and prefix-cached tokens, from its response.done (a remote LLM
+    # tier reports them with its last chunk, after turn.timings went out); None: not said.
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
     barge_in: dict[str, float | None] | None = None  # event_ms, playout_stop_ms
     # With a backchannel spoken over the reply (--backchannel-audio): whether the reply
     # went on (completed, no barge_in) and its longest silence from the backchannel on.
@@ -317,6 +321,9 @@ class TurnTracker:
             if resp.done is not None:
                 rec.reply_text = str(resp.done.get("full_text", ""))
                 rec.heard_text = str(resp.done.get("text", ""))
+                if resp.done.get("input_tokens"):
+                    rec.prompt_tokens = int(resp.done["input_tokens"])
+                    rec.cached_tokens = int(resp.done.get("cached_tokens") or 0)
             rec.timings = self._timings.get(primary, {})
         rec.replies = [
             {

@@ -151,8 +151,10 @@ class TurnTimings:
     first_clause_ms: float | None = None  # LLM request -> first clause cut
     tts_first_audio_ms: float | None = None  # first clause -> its first audio
     voice_to_voice_ms: float | None = None  # end of user speech -> first reply audio sent
-    cached_prompt_tokens: int = 0
-    prompt_tokens: int = 0
+    # Known at the first audio only where the engine said so by then (in-process vLLM);
+    # a remote tier reports them with its last chunk: None here, the counts in response.done.
+    cached_prompt_tokens: int | None = None
+    prompt_tokens: int | None = None
     speculative: bool = False
 
 
