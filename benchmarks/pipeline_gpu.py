@@ -100,7 +100,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from bench_util import JSON_EPILOG, results_of, write_result  # benchmarks/, beside this file
+import vllm_metrics  # benchmarks/, beside this file
+from bench_util import JSON_EPILOG, results_of, write_result
 
 ROOT = Path(__file__).resolve().parent.parent
 PATCH_ENV = "PIPELINE_BENCH_PATCHES"
@@ -769,6 +770,18 @@ IN_LEVEL = {"asr": ("finals", "partials", "dropped_partials", "cancelled", "fail
             "tts": ("clauses", "chunks", "cancelled", "failed", "busy")}
 
 
+def llm_engine_snapshot(url: str | None) -> vllm_metrics.Snapshot | None:
+    """The LLM server's own histograms (queue, prefill, TTFT) and prefix-cache counters, or
+    None: no remote LLM, or its /metrics did not answer (the level is measured without them)."""
+    if not url:
+        return None
+    try:
+        return vllm_metrics.scrape(url)
+    except (OSError, ValueError) as exc:
+        print(f"LLM server /metrics not read: {exc}", flush=True)
+        return None
+
+
 class ServiceMeter:
     """One shared service over one level: its peaks (sampled), its cores, its counters' change."""
 
@@ -1161,6 +1174,7 @@ def run_main(args: argparse.Namespace) -> int:
         run_info["healthz_at_start"] = [http_json(h + "/healthz")[1] for h in https]
         clips = tuple(load_clip(a, 16000) for a in args.audio)
         base = ProbeConfig(url=urls[0], urls=tuple(urls), clips=clips, turns=args.turns, gap_s=args.gap_s,
+                           arrivals=args.arrivals, seed=args.seed,
                            timeout_s=args.turn_timeout_s, connect_timeout_s=30.0)
 
         def level_cfg(n: int, turns: int = args.turns) -> ProbeConfig:
@@ -1169,7 +1183,7 @@ def run_main(args: argparse.Namespace) -> int:
 
         # one short call per frontend first: every engine's first request (CUDA graphs, caches) is not a level's
         # (with server workers, twice as many calls as workers: the kernel spreads them, a hash)
-        warm = asyncio.run(run_level_measured(replace(base, turns=1, stagger_s=0.5), 2 * len(https)
+        warm = asyncio.run(run_level_measured(replace(base, turns=1, stagger_s=0.5, arrivals="even"), 2 * len(https)
                                               if args.server_workers else len(urls)))
         print(f"warm-up calls: {[r.status for r in warm.records]} v2v {[r.voice_to_voice_ms for r in warm.records]} "
               f"errors {[r.errors for r in warm.records if r.errors]}", flush=True)
@@ -1203,6 +1217,7 @@ def run_main(args: argparse.Namespace) -> int:
             gpu = GpuSampler() if shutil.which("nvidia-smi") else None
             if gpu is not None:
                 gpu.start()
+            engine0 = llm_engine_snapshot(llm_url)
             llm0, t0 = tree_cpu(llm_pid), time.monotonic()
             result = asyncio.run(run_level_measured(cfg, n))
             last_wall = time.monotonic() - t0
@@ -1231,6 +1246,8 @@ def run_main(args: argparse.Namespace) -> int:
                                                                                        strict=True)])
             if llm_cores is not None:
                 row["llm_server_cores"] = round(llm_cores, 3)
+            if engine0 is not None and (engine1 := llm_engine_snapshot(llm_url)) is not None:
+                row["llm_engine"] = vllm_metrics.level(engine0, engine1)
             for kind, svc_row in svc_rows.items():
                 row[f"{kind}_service"] = svc_row
             row["fails"] = level_fails(row, args)
@@ -1249,7 +1266,7 @@ def run_main(args: argparse.Namespace) -> int:
                   f"probe {row['probe']['cores']} cores late p99 {row['probe']['tick_late_ms']['p99']} ms  "
                   f"server loop {row['server'].get('loop_thread_cores')} cores lag p99 "
                   f"{(row['server'].get('lag_ms') or {}).get('p99')} ms process {row['server'].get('process_cores')}  "
-                  f"llm server {row.get('llm_server_cores')} cores  "
+                  f"llm server {row.get('llm_server_cores')} cores engine {row.get('llm_engine')}  "
                   f"asr service {(row.get('asr_service') or {}).get('cores')} cores "
                   f"peaks {(row.get('asr_service') or {}).get('peaks')}  "
                   f"tts service {(row.get('tts_service') or {}).get('cores')} cores "
@@ -1423,6 +1440,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--turns", type=int, default=3)
     r.add_argument("--gap-s", type=float, default=0.5)
     r.add_argument("--ramp-s", type=float, default=6.0, help="session starts spread over this long")
+    r.add_argument("--arrivals", choices=("even", "poisson"), default="even",
+                   help="even: starts --ramp-s/N apart, --gap-s after each reply; poisson: exponential starts "
+                        "and gaps of those means (independent callers: clumps and lulls); 0 ramp: all at once")
+    r.add_argument("--seed", type=int, default=0, help="the draw of --arrivals poisson")
     r.add_argument("--warm-level", type=int, default=0, metavar="N",
                    help="before the levels, one unmeasured level of N callers x 1 turn (fresh services' first bursts)")
     r.add_argument("--turn-timeout-s", type=float, default=30.0)

@@ -610,3 +610,36 @@ def test_sessions_spread_over_several_servers_by_index(say_clip: Any) -> None:
     cfg = ProbeConfig(url=a, urls=(a, b), clips=(say_clip,))
     assert [_Session(cfg, i, 5).client.options.url for i in range(5)] == [a, b, a, b, a]  # type: ignore[attr-defined]
     assert _Session(replace(cfg, urls=()), 1, 5).client.options.url == a  # type: ignore[attr-defined]
+
+
+def test_poisson_arrivals_are_a_seeded_schedule_of_the_same_mean_rate() -> None:
+    """Independent callers' starts and waits: exponential, the same in every worker process
+    for one seed, another for another seed; "even" keeps the fixed spacing."""
+    from voicebot.probe.client import ProbeConfig, start_offsets, turn_gaps
+
+    even = ProbeConfig(url="ws://x", clips=(), stagger_s=0.1, gap_s=0.5)
+    assert start_offsets(even, 4) == pytest.approx([0.0, 0.1, 0.2, 0.3])
+    assert [next(g) for g in [turn_gaps(even, 3)] * 3] == [0.5, 0.5, 0.5]
+
+    poisson = replace(even, arrivals="poisson", seed=7)
+    starts = start_offsets(poisson, 2000)
+    assert starts[0] == 0.0 and starts == sorted(starts)
+    assert starts == start_offsets(poisson, 2000) != start_offsets(replace(poisson, seed=8), 2000)
+    assert start_offsets(poisson, 10) == starts[:10]  # a worker with fewer sessions agrees
+    intervals = np.diff(starts)
+    assert intervals.mean() == pytest.approx(0.1, rel=0.1)
+    assert intervals.std() == pytest.approx(0.1, rel=0.15)  # exponential: std = mean, not 0
+    gaps = turn_gaps(poisson, 3)
+    drawn = [next(gaps) for _ in range(2000)]
+    assert np.mean(drawn) == pytest.approx(0.5, rel=0.1)
+    assert drawn[:5] == [next(g) for g in [turn_gaps(poisson, 3)] * 5]
+    assert drawn[:5] != [next(g) for g in [turn_gaps(poisson, 4)] * 5]  # callers differ
+
+
+async def test_a_poisson_level_runs_against_a_scripted_server(scripted_url: str, say_clip: Any) -> None:
+    from voicebot.probe.client import ProbeConfig, run_level
+
+    cfg = ProbeConfig(url=scripted_url, clips=(say_clip,), turns=2, gap_s=0.1, timeout_s=5.0, stagger_s=0.05,
+                      arrivals="poisson", seed=3)
+    records = await asyncio.wait_for(run_level(cfg, 3), 30)
+    _check_records(records, 3, 2)

@@ -93,6 +93,19 @@ def add_probe_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
         help="delay between session starts (default: %(default)s)",
     )
     p.add_argument(
+        "--arrivals",
+        choices=("even", "poisson"),
+        default="even",
+        help="even: sessions start --stagger-ms apart and wait --gap-ms after each reply; poisson: "
+        "exponential starts and waits of those means, as independent callers (default: %(default)s)",
+    )
+    p.add_argument(
+        "--seed",
+        type=_bounded(int, 0, 2**31 - 1),
+        default=0,
+        help="the draw of --arrivals poisson: the same seed, the same schedule (default: %(default)s)",
+    )
+    p.add_argument(
         "--gap-ms",
         type=_bounded(float, 0, 60_000),
         default=500.0,
@@ -219,6 +232,8 @@ def run_probe(args: argparse.Namespace) -> int:
         output_sample_rate=args.output_rate,
         stagger_s=args.stagger_ms / 1000,
         gap_s=args.gap_ms / 1000,
+        arrivals=args.arrivals,
+        seed=args.seed,
         timeout_s=args.timeout_s,
         connect_timeout_s=args.connect_timeout_s,
         threshold_dbfs=args.threshold_dbfs,
@@ -256,6 +271,8 @@ def run_probe(args: argparse.Namespace) -> int:
         "output_sample_rate": cfg.output_sample_rate,
         "stagger_ms": args.stagger_ms,
         "gap_ms": args.gap_ms,
+        "arrivals": args.arrivals,
+        "seed": args.seed,
         "timeout_s": cfg.timeout_s,
         "threshold_dbfs": cfg.threshold_dbfs,
         "barge_in_after_ms": args.barge_in_after_ms if args.barge_in or args.backchannel_audio else None,

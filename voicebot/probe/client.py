@@ -25,12 +25,13 @@ import logging
 import multiprocessing
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
+import numpy as np
 import soundfile as sf
 
 from voicebot.errors import VoicebotError
@@ -65,6 +66,12 @@ class ProbeConfig:
     frame_ms: int = 20
     stagger_s: float = 0.25
     gap_s: float = 0.5
+    # "even": session i starts at i * stagger_s and every caller waits gap_s after a reply.
+    # "poisson": starts and waits as independent callers make them, a Poisson process of
+    # the same mean rate (exponential gaps of mean stagger_s / gap_s, drawn from ``seed``):
+    # clumps and lulls, as real traffic has, repeatable run to run.
+    arrivals: Literal["even", "poisson"] = "even"
+    seed: int = 0
     timeout_s: float = 30.0
     connect_timeout_s: float = 10.0
     threshold_dbfs: float = -40.0
@@ -286,6 +293,7 @@ class _Session:
     async def _turns(self) -> None:
         cfg = self.cfg
         keep_s = cfg.keep_audio_s if cfg.save_audio is not None else 0.0
+        gaps = turn_gaps(cfg, self.index)
         for turn in range(cfg.turns):
             if self.closed is not None:
                 self.records.append(self._failed(turn, f"session ended: {self.closed}"))
@@ -323,7 +331,7 @@ class _Session:
                 )
             if tracker.fatal:
                 self.closed = self.closed or "fatal error event"
-            await asyncio.sleep(cfg.gap_s)  # silence keeps streaming meanwhile
+            await asyncio.sleep(next(gaps))  # silence keeps streaming meanwhile
 
     def _reason(self, tracker: TurnTracker) -> str | None:
         return f"connection closed: {self.closed}" if self.closed is not None else None
@@ -381,6 +389,26 @@ class LevelResult:
     stats: ProbeStats
 
 
+def start_offsets(cfg: ProbeConfig, count: int) -> list[float]:
+    """When each of sessions 0..count-1 starts, in seconds after the level's t0; the same in
+    every worker process (a seeded draw), session 0 first."""
+    if cfg.arrivals == "even":
+        return [i * cfg.stagger_s for i in range(count)]
+    gaps = np.random.default_rng(cfg.seed).exponential(cfg.stagger_s, count)
+    gaps[0] = 0.0
+    return [float(x) for x in np.cumsum(gaps)]
+
+
+def turn_gaps(cfg: ProbeConfig, index: int) -> Iterator[float]:
+    """The silences session ``index`` leaves after each reply before its next turn."""
+    if cfg.arrivals == "even":
+        while True:
+            yield cfg.gap_s
+    rng = np.random.default_rng([cfg.seed, index])
+    while True:
+        yield float(rng.exponential(cfg.gap_s))
+
+
 async def _run_sessions(
     cfg: ProbeConfig, indices: list[int], level: int, t0: float
 ) -> tuple[list[TurnRecord], float, int, int, list[float]]:
@@ -389,8 +417,10 @@ async def _run_sessions(
     cpu0 = time.process_time()
     clock = FrameClock(cfg.frame_ms / 1000.0)
 
+    offsets = start_offsets(cfg, max(indices, default=0) + 1)
+
     async def one(i: int) -> list[TurnRecord]:
-        delay = t0 + i * cfg.stagger_s - time.monotonic()
+        delay = t0 + offsets[i] - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)
         return await _Session(cfg, i, level).run(clock)
