@@ -25,7 +25,8 @@
 # streaming FastConformer on the GPU, random weights of the real shape built on the machine, no
 # ASR service; fastconformer-service: that FastConformer in one shared ASR service holding every
 # frontend's streams), SUITE_FC_GRAPHS (1: the FastConformer's step in CUDA graphs), SUITE_SVC (a folder `services` started them into: `run` uses those services),
-# SUITE_MAX (the largest level the services admit, for `services`: 256).
+# SUITE_MAX (the largest level the services admit, for `services`: 256), SUITE_LLM_API_SERVERS (1: the
+# LLM server's HTTP front processes, `vllm serve --api-server-count`, for `services` and `run`).
 # What DEST holds and the calls that bring it: benchmarks/gpu_carries.sh. Staged copies live under
 # $HOME (vllm-site, voicebot-site, gpu-models), so a later call on the same machine carries nothing.
 set -euo pipefail
@@ -87,7 +88,8 @@ common_flags() {
   FLAGS=(--config configs/gpu-asr-service.yaml --gpu-dummy --llm-memory 0.45 --llm-dir "$MODELS/qwen7b"
     --set tts.engine=kokoro --set tts.kokoro_model=random --set tts.voice=af_heart --set tts.workers=2
     --set tts.max_batch=64 --set asr.partial_interval_ms=4000 --set "server.max_sessions=$((most + 8))"
-    --set "vad.smart_turn_model=$MODELS/smart-turn" --set models.offline=true)
+    --set "vad.smart_turn_model=$MODELS/smart-turn" --set models.offline=true
+    --llm-api-servers "${SUITE_LLM_API_SERVERS:-1}")
   # shellcheck disable=SC2206  # SUITE_ARGS is a list of flags
   FLAGS+=(${SUITE_ARGS:-})
 }

@@ -583,12 +583,20 @@ class LlmServer:
 
         args = self.args
         c = load_config(args.config, list(args.set)).llm
-        cmd = [sys.executable, "-W", "ignore::DeprecationWarning", "-m", "vllm.entrypoints.openai.api_server",
-               "--model", str(Path(args.llm_dir).resolve()), "--host", "127.0.0.1", "--port", str(self.port),
-               "--served-model-name", SERVED_NAME, "--dtype", c.dtype,
-               "--max-model-len", str(c.max_model_len), "--max-num-seqs", str(c.max_num_seqs),
-               "--scheduling-policy", c.scheduling_policy, "--enable-prompt-tokens-details",
-               "--disable-uvicorn-access-log", "--seed", str(c.seed or 0)]
+        model = str(Path(args.llm_dir).resolve())
+        if args.llm_api_servers > 1:
+            # Only the `vllm serve` command starts several API server processes (the module
+            # below runs one): each parses requests and streams tokens for its share of them.
+            cmd = [sys.executable, "-W", "ignore::DeprecationWarning", "-m", "vllm.entrypoints.cli.main", "serve",
+                   model, "--api-server-count", str(args.llm_api_servers)]
+        else:
+            cmd = [sys.executable, "-W", "ignore::DeprecationWarning", "-m", "vllm.entrypoints.openai.api_server",
+                   "--model", model]
+        cmd += ["--host", "127.0.0.1", "--port", str(self.port),
+                "--served-model-name", SERVED_NAME, "--dtype", c.dtype,
+                "--max-model-len", str(c.max_model_len), "--max-num-seqs", str(c.max_num_seqs),
+                "--scheduling-policy", c.scheduling_policy, "--enable-prompt-tokens-details",
+                "--disable-uvicorn-access-log", "--seed", str(c.seed or 0)]
         cmd.append("--enable-prefix-caching" if c.enable_prefix_caching else "--no-enable-prefix-caching")
         if c.max_num_batched_tokens:
             cmd += ["--max-num-batched-tokens", str(c.max_num_batched_tokens)]
@@ -1407,6 +1415,8 @@ def add_model_args(r: argparse.ArgumentParser) -> None:
     r.add_argument("--llm-dir", default=".gpu/qwen7b", help="the LLM directory (--gpu-dummy, or the LLM server's)")
     r.add_argument("--llm-memory", type=float, default=0.70, help="the LLM's share of GPU memory")
     r.add_argument("--llm-server-args", default="", help="more `vllm serve` flags for the LLM server (--remote-llm)")
+    r.add_argument("--llm-api-servers", type=int, default=1,
+                   help="the LLM server's HTTP front processes (`vllm serve --api-server-count`) over its one engine")
 
 
 def add_whisper_args(r: argparse.ArgumentParser) -> None:

@@ -189,6 +189,7 @@ class FakeLlm:
                 yield TextDelta(("" if i == 0 else " ") + word, 1)
             if stats is not None and self.usage_at_end is not None:
                 stats.prompt_tokens, stats.cached_tokens = self.usage_at_end
+                stats.cached_known = True
             finished = True
             self.completed.append(rid)
         finally:

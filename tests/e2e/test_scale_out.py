@@ -243,6 +243,10 @@ async def test_calls_get_spoken_replies_each_pinned_to_its_server_and_hit_its_pr
                 # The reply reports its own count, from the server's usage block, as the
                 # in-process engine's replies do.
                 assert done["cached_tokens"] == cached, (done["cached_tokens"], cached)
+                # turn.timings left at the first audio: the count if the stream had ended by
+                # then, else null; never a 0 that was not said.
+                timings = [e for e in call.of("turn.timings") if e["response_id"] == done["response_id"]]
+                assert timings and timings[0]["cached_prompt_tokens"] in (None, cached), timings
         # sticky_least_loaded gives a new call the server with fewer calls.
         assert owner["alpha"] != owner["bravo"], owner
         assert all(not c.errors() for c in calls.values()), [c.errors() for c in calls.values()]

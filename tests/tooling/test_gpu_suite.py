@@ -245,3 +245,25 @@ def test_a_level_measured_twice_in_one_run_keeps_both_rows_and_a_rerun_replaces_
     assert levels[-1]["repeat"] == 2
     other_layout = merge(levels, {"sessions": 256, "frontends": 2}, repeat=0)
     assert len(other_layout) == 4  # another number of frontends is another level
+
+
+def test_the_llm_server_can_have_several_api_server_processes(tmp_path: Path) -> None:
+    """One engine behind K HTTP front processes (`vllm serve --api-server-count`): a burst of
+    requests is parsed and streamed by K processes instead of one."""
+    import os
+
+    pg = pipeline_gpu()
+    proc = subprocess.run(["bash", str(SUITE), "services", "--dry-run", str(tmp_path / "gpu"), str(tmp_path / "svc")],
+                          capture_output=True, text=True, timeout=30,
+                          env=dict(os.environ, SUITE_ASR="fastconformer-service", SUITE_LLM_API_SERVERS="4"))
+    assert proc.returncode == 0, proc.stderr
+    llm = next(shlex.split(line)[2:] for line in proc.stdout.splitlines() if " llm-server " in line)
+    args = pg.build_parser().parse_args(llm)
+    assert args.llm_api_servers == 4
+    cmd, _ = pg.LlmServer(args, tmp_path / "svc").command()
+    assert cmd[cmd.index("-m") + 1:cmd.index("-m") + 3] == ["vllm.entrypoints.cli.main", "serve"]
+    assert cmd[cmd.index("--api-server-count") + 1] == "4" and "--model" not in cmd
+    assert "--enable-prefix-caching" in cmd and "--scheduling-policy" in cmd
+    args.llm_api_servers = 1  # the default: the API server module, as before
+    cmd, _ = pg.LlmServer(args, tmp_path / "svc").command()
+    assert "vllm.entrypoints.openai.api_server" in cmd and "--api-server-count" not in cmd

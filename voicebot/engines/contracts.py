@@ -168,6 +168,9 @@ class GenerationStats:
     lane: Lane
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    # The engine has said how many prompt tokens its prefix cache held (in-process: with
+    # the first output; a remote tier: in the usage block after the last token).
+    cached_known: bool = False
     output_tokens: int = 0
     submitted_at: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None

@@ -423,9 +423,9 @@ class Speaker:
             first_clause_ms=ms(t.requested, t.first_clause),
             tts_first_audio_ms=ms(t.first_clause_synth_start, t.first_audio),
             voice_to_voice_ms=ms(turn.speech_end, now) if turn else None,
-            # A prompt is never 0 tokens: 0 means the backend has not reported it yet.
-            cached_prompt_tokens=resp.stats.cached_tokens if resp.stats.prompt_tokens else None,
-            prompt_tokens=resp.stats.prompt_tokens or None,
+            # A remote tier says how much was cached only after the last token.
+            cached_prompt_tokens=resp.stats.cached_tokens if resp.stats.cached_known else None,
+            prompt_tokens=resp.stats.prompt_tokens or None,  # never 0 tokens: 0 is not known yet
             speculative=bool(turn and turn.response is resp),
         )
         self.call.emit(timings)

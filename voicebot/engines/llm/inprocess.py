@@ -201,7 +201,7 @@ class LlmEngine(LaneEngine):
             async with contextlib.aclosing(outputs):
                 async for out in outputs:
                     if out.num_cached_tokens is not None and st.first_token_at is None:
-                        st.cached_tokens = out.num_cached_tokens
+                        st.cached_tokens, st.cached_known = out.num_cached_tokens, True
                     comp = out.outputs[0]
                     if comp.token_ids and st.first_token_at is None:
                         st.first_token_at = time.monotonic()

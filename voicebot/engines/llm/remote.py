@@ -295,6 +295,7 @@ class RemoteLlmEngine(LaneEngine):
                             st.prompt_tokens = usage.get("prompt_tokens") or st.prompt_tokens
                             details = usage.get("prompt_tokens_details") or {}
                             st.cached_tokens = int(details.get("cached_tokens") or 0)
+                            st.cached_known = True
                         for choice in chunk.get("choices") or ():
                             ids = tuple(choice.get("token_ids") or ())
                             text = choice.get("text") or ""
