@@ -84,6 +84,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import getpass
 import http.client
 import json
 import os
@@ -93,6 +94,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -472,12 +474,7 @@ class Server:
                "--host", "127.0.0.1", "--port", str(self.port)]
         for item in server_overrides(args, self.llm_url, self.asr_url, self.tts_url):
             cmd += ["--set", item]
-        env = dict(os.environ, **{PATCH_ENV: json.dumps(patch_options(args))})
-        if getattr(args, "server_workers", 0):
-            # The workers' private folder (their sockets) where worker_endpoints() finds it.
-            self.tmp = self.out / f"server{self.suffix}_tmp"
-            self.tmp.mkdir(exist_ok=True)
-            env["TMPDIR"] = str(self.tmp)
+        env = self.environment()
         (self.out / f"server{self.suffix}_cmd.json").write_text(
             json.dumps({"cmd": cmd, "patches": patch_options(args)}, indent=1))
         log = self.log_path.open("ab")
@@ -486,6 +483,19 @@ class Server:
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
         (self.out / f"server{self.suffix}.pid").write_text(f"{self.proc.pid} {self.port}\n")
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ, **{PATCH_ENV: json.dumps(patch_options(self.args))})
+        if getattr(self.args, "server_workers", 0):
+            # The workers' private folder (their sockets) where worker_endpoints() finds it.
+            self.tmp = self.out / f"server{self.suffix}_tmp"
+            self.tmp.mkdir(parents=True, exist_ok=True)
+            # torch's compile cache follows TMPDIR: kept where it was, out of the run folder
+            # (whose archive comes back from the device) and shared by the runs of a machine.
+            env.setdefault("TORCHINDUCTOR_CACHE_DIR",
+                           str(Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}"))
+            env["TMPDIR"] = str(self.tmp)
+        return env
 
     def wait(self) -> float:
         """Seconds from spawn() until /healthz says ready."""

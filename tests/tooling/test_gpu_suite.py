@@ -86,6 +86,11 @@ def test_the_workers_run_puts_one_frontend_of_k_workers_on_one_port(tmp_path: Pa
     assert args.server_workers == 6 and args.frontends == 1
     assert "server.workers=6" in module.server_overrides(args)
     assert module.http_json  # each worker is read over its own socket: unix:PATH.sock/route (below)
+    # The workers' sockets go in the run folder (TMPDIR); torch's compile cache does not (it
+    # followed TMPDIR into the archive that comes back from the device, too deep to travel).
+    env_of = module.Server(args, tmp_path / "run").environment()
+    assert Path(env_of["TMPDIR"]).parent == tmp_path / "run"
+    assert not Path(env_of["TORCHINDUCTOR_CACHE_DIR"]).is_relative_to(tmp_path / "run")
 
 
 def test_a_worker_is_read_over_its_own_socket(tmp_path: Path) -> None:
