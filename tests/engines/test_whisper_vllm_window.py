@@ -23,6 +23,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from types import SimpleNamespace
 
+import bench_scripts
 import numpy as np
 import pytest
 import pytest_asyncio
@@ -162,10 +163,7 @@ def tiny_whisper(tmp_path_factory: pytest.TempPathFactory, bundle_dir: Callable[
     import torch
     from transformers import WhisperConfig, WhisperForConditionalGeneration
 
-    spec = importlib.util.spec_from_file_location("gpu_whisper_files", ROOT / "benchmarks" / "gpu_whisper_files.py")
-    assert spec is not None and spec.loader is not None
-    files = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(files)
+    files = bench_scripts.load("gpu_whisper_files")
     out = tmp_path_factory.mktemp("tiny-whisper")
     files.write(out, "tiny", Path(bundle_dir("whisper-base")) / "tokenizer.json")
     torch.manual_seed(0)

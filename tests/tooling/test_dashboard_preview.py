@@ -4,31 +4,20 @@ variables and intervals, the metric names a query selects, legends, thresholds."
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
 import math
-import sys
-from pathlib import Path
 from types import ModuleType
 
+import bench_scripts
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def preview() -> ModuleType:
-    saved = list(sys.path)  # the script puts benchmarks/ on the path for its helpers
-    try:
-        spec = importlib.util.spec_from_file_location("dashboard_preview", ROOT / "benchmarks" / "dashboard_preview.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # its dataclasses look their module up while it loads
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path[:] = saved
+    # The script puts benchmarks/ on the path for its helpers (load restores it), and its
+    # dataclasses look their module up while it loads.
+    return bench_scripts.load("dashboard_preview", register=True)
 
 
 @pytest.fixture(scope="module")

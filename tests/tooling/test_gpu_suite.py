@@ -4,28 +4,20 @@ levels asked for and a run folder of its own under OUT; the carries script parse
 
 from __future__ import annotations
 
-import importlib.util
 import shlex
 import subprocess
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+import bench_scripts
 
 ROOT = Path(__file__).resolve().parents[2]
 SUITE = ROOT / "benchmarks" / "gpu_suite.sh"
 
 
 def pipeline_gpu() -> ModuleType:
-    sys.path.insert(0, str(ROOT / "benchmarks"))  # its own helpers sit beside it
-    try:
-        spec = importlib.util.spec_from_file_location("pipeline_gpu", ROOT / "benchmarks" / "pipeline_gpu.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    return bench_scripts.load("pipeline_gpu", beside=True)  # its own helpers sit beside it
 
 
 def dry_run(dest: Path, out: Path, *levels: str, env: dict[str, str] | None = None) -> list[list[str]]:

@@ -3,21 +3,14 @@ prefix-cache counters, from two scrapes of its /metrics (the exposition as vLLM 
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 from types import ModuleType
 
+import bench_scripts
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def vllm_metrics() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("vllm_metrics", ROOT / "benchmarks" / "vllm_metrics.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_scripts.load("vllm_metrics")
 
 
 def exposition(ttft: dict[str, int], queries: int, hits: int, requests: int, ttft_sum: float = 1.0) -> str:
