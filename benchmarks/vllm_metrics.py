@@ -20,11 +20,12 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+# A level's row key (in ms) -> vLLM's histogram (in seconds).
 HISTOGRAMS = {
-    "ttft_s": "vllm:time_to_first_token_seconds",
-    "queue_s": "vllm:request_queue_time_seconds",
-    "prefill_s": "vllm:request_prefill_time_seconds",
-    "decode_step_s": "vllm:inter_token_latency_seconds",
+    "ttft_ms": "vllm:time_to_first_token_seconds",
+    "queue_ms": "vllm:request_queue_time_seconds",
+    "prefill_ms": "vllm:request_prefill_time_seconds",
+    "decode_step_ms": "vllm:inter_token_latency_seconds",
 }
 COUNTERS = {
     "requests": "vllm:request_success",
@@ -84,7 +85,7 @@ def quantile(q: float, buckets: dict[float, float]) -> float | None:
 
 
 def level(before: Snapshot, after: Snapshot) -> dict[str, Any]:
-    """The span between two snapshots: each histogram's p50/p95/p99 (ms) and count, the
+    """The span between two snapshots: each histogram's mean, p50/p95/p99 (ms) and count, the
     requests finished, and the prefix cache's hit rate over the tokens it was asked for."""
     row: dict[str, Any] = {}
     for key, name in HISTOGRAMS.items():
@@ -95,8 +96,7 @@ def level(before: Snapshot, after: Snapshot) -> dict[str, Any]:
         n = max(delta.values(), default=0.0)
         total = after.get(name + "_sum", 0.0) - before.get(name + "_sum", 0.0)
         qs = {"mean": total / n if n else None, **{f"p{round(q * 100)}": quantile(q, delta) for q in (0.5, 0.95, 0.99)}}
-        row[key[: -len("_s")] + "_ms"] = {"n": int(n), **{k: None if v is None else round(1000 * v, 1)
-                                                            for k, v in qs.items()}}
+        row[key] = {"n": int(n), **{k: None if v is None else round(1000 * v, 1) for k, v in qs.items()}}
     counts = {key: after[name] - before.get(name, 0.0) for key, name in COUNTERS.items() if name in after}
     row.update({k: int(v) for k, v in counts.items() if k in ("requests", "prompt_tokens")})
     if counts.get("cache_queries"):

@@ -4,6 +4,7 @@ the report) and one real-socket run of the driver against a scripted fake server
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -619,7 +620,7 @@ def test_poisson_arrivals_are_a_seeded_schedule_of_the_same_mean_rate() -> None:
 
     even = ProbeConfig(url="ws://x", clips=(), stagger_s=0.1, gap_s=0.5)
     assert start_offsets(even, 4) == pytest.approx([0.0, 0.1, 0.2, 0.3])
-    assert [next(g) for g in [turn_gaps(even, 3)] * 3] == [0.5, 0.5, 0.5]
+    assert list(itertools.islice(turn_gaps(even, 3), 3)) == [0.5, 0.5, 0.5]
 
     poisson = replace(even, arrivals="poisson", seed=7)
     starts = start_offsets(poisson, 2000)
@@ -629,11 +630,10 @@ def test_poisson_arrivals_are_a_seeded_schedule_of_the_same_mean_rate() -> None:
     intervals = np.diff(starts)
     assert intervals.mean() == pytest.approx(0.1, rel=0.1)
     assert intervals.std() == pytest.approx(0.1, rel=0.15)  # exponential: std = mean, not 0
-    gaps = turn_gaps(poisson, 3)
-    drawn = [next(gaps) for _ in range(2000)]
+    drawn = list(itertools.islice(turn_gaps(poisson, 3), 2000))
     assert np.mean(drawn) == pytest.approx(0.5, rel=0.1)
-    assert drawn[:5] == [next(g) for g in [turn_gaps(poisson, 3)] * 5]
-    assert drawn[:5] != [next(g) for g in [turn_gaps(poisson, 4)] * 5]  # callers differ
+    assert drawn[:5] == list(itertools.islice(turn_gaps(poisson, 3), 5))
+    assert drawn[:5] != list(itertools.islice(turn_gaps(poisson, 4), 5))  # callers differ
 
 
 async def test_a_poisson_level_runs_against_a_scripted_server(scripted_url: str, say_clip: Any) -> None:
