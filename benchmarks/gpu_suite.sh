@@ -14,6 +14,8 @@
 #                                                    SVC (the LLM, then the ASR service, then the TTS
 #                                                    service, each once the last is up; they outlive the
 #                                                    call), for a later `run` with SUITE_SVC=SVC
+#   benchmarks/gpu_suite.sh llm DEST SVC             start SVC's LLM server again (the one running is stopped) with
+#                                                    this call's SUITE_* flags, the ASR and TTS services kept
 #   --dry-run (after the verb): print what would run, run nothing (any machine)
 #
 # Environment: SUITE_FRONTENDS (2), SUITE_WORKERS (instead: ONE frontend of that many workers on one
@@ -26,12 +28,13 @@
 # ASR service; fastconformer-service: that FastConformer in one shared ASR service holding every
 # frontend's streams), SUITE_FC_GRAPHS (1: the FastConformer's step in CUDA graphs), SUITE_SVC (a folder `services` started them into: `run` uses those services),
 # SUITE_MAX (the largest level the services admit, for `services`: 256), SUITE_LLM_API_SERVERS (1: the
-# LLM server's HTTP front processes, `vllm serve --api-server-count`, for `services` and `run`).
+# LLM server's HTTP front processes, `vllm serve --api-server-count`, for `services`, `llm` and `run`),
+# SUITE_LLM_STREAM_INTERVAL (1: tokens per streamed chunk after the first, `vllm serve --stream-interval`).
 # What DEST holds and the calls that bring it: benchmarks/gpu_carries.sh. Staged copies live under
 # $HOME (vllm-site, voicebot-site, gpu-models), so a later call on the same machine carries nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-verb=${1:?usage: gpu_suite.sh stage DEST | run DEST OUT [LEVEL ...] | services DEST SVC  [--dry-run after the verb]}
+verb=${1:?usage: gpu_suite.sh stage DEST | run DEST OUT [LEVEL ...] | services DEST SVC | llm DEST SVC  [--dry-run after the verb]}
 shift
 DRY=0
 if [ "${1:-}" = --dry-run ]; then DRY=1; shift; fi
@@ -89,7 +92,7 @@ common_flags() {
     --set tts.engine=kokoro --set tts.kokoro_model=random --set tts.voice=af_heart --set tts.workers=2
     --set tts.max_batch=64 --set asr.partial_interval_ms=4000 --set "server.max_sessions=$((most + 8))"
     --set "vad.smart_turn_model=$MODELS/smart-turn" --set models.offline=true
-    --llm-api-servers "${SUITE_LLM_API_SERVERS:-1}")
+    --llm-api-servers "${SUITE_LLM_API_SERVERS:-1}" --llm-stream-interval "${SUITE_LLM_STREAM_INTERVAL:-1}")
   # shellcheck disable=SC2206  # SUITE_ARGS is a list of flags
   FLAGS+=(${SUITE_ARGS:-})
 }
@@ -132,6 +135,13 @@ services() {
     --out "$svc"
 }
 
+llm() {
+  local svc=${1:?SVC: the folder the services were started into}
+  environment
+  common_flags "${SUITE_MAX:-256}"
+  do_ "$PY" benchmarks/pipeline_gpu.py llm-server "${FLAGS[@]}" --replace --wait --start-timeout-s 480 --out "$svc"
+}
+
 run() {
   local out=${1:?OUT: the folder the run folders go in}
   shift
@@ -171,5 +181,6 @@ case "$verb" in
   stage) stage ;;
   run) run "$@" ;;
   services) services "$@" ;;
-  *) echo "unknown verb $verb: stage | run | services" >&2; exit 2 ;;
+  llm) llm "$@" ;;
+  *) echo "unknown verb $verb: stage | run | services | llm" >&2; exit 2 ;;
 esac

@@ -614,6 +614,8 @@ class LlmServer:
             cmd += ["--block-size", str(c.block_size)]
         if c.enforce_eager:
             cmd.append("--enforce-eager")
+        if args.llm_stream_interval > 1:
+            cmd += ["--stream-interval", str(args.llm_stream_interval)]
         if args.gpu_dummy:
             cmd += ["--load-format", "dummy", "--gpu-memory-utilization", str(args.llm_memory)]
         cmd += shlex.split(args.llm_server_args)
@@ -846,12 +848,13 @@ def recorded_url(path: Path, what: str) -> str | None:
     return str(info["url"])
 
 
-def stop_recorded(out: Path) -> list[int]:
+def stop_recorded(out: Path, names: tuple[str, ...] = ("tts_server.json", "asr_server.json", "llm_server.json"),
+                  *, frontends: bool = True) -> list[int]:
     """Stop the servers an earlier ``--detach`` / ``llm-server`` left running (by the
-    process groups recorded in OUT), frontends first."""
+    process groups recorded in OUT), frontends first; ``names``: the services among them."""
     stopped = []
-    pids = [pid for pid in (read_pid(p) for p in sorted(out.glob("server*.pid"))) if pid]
-    for name in ("tts_server.json", "asr_server.json", "llm_server.json"):
+    pids = [pid for pid in (read_pid(p) for p in sorted(out.glob("server*.pid"))) if pid] if frontends else []
+    for name in names:
         with contextlib.suppress(OSError, ValueError, KeyError):
             pids.append(int(json.loads((out / name).read_text())["pid"]))
     for pid in pids:
@@ -1123,10 +1126,13 @@ def run_main(args: argparse.Namespace) -> int:
         else:
             if args.remote_llm and not llm_url:  # started by ``llm-server``
                 llm_url = recorded_url(recorded, "LLM server")
+                if llm_url:  # its flags (--stream-interval, --api-server-count) are this run's too
+                    run_info["llm_server_cmd"] = json.loads(recorded.read_text()).get("cmd")
             if args.remote_llm and not llm_url:
                 llm = LlmServer(args, out)
                 print("starting the LLM server ...", flush=True)
                 run_info["llm_server_start_s"] = round(llm.start(), 1)
+                run_info["llm_server_cmd"] = llm.command()[0]
                 llm_url = llm.url
                 print(f"LLM server ready in {run_info['llm_server_start_s']} s at {llm_url}", flush=True)
             elif llm_url:
@@ -1333,8 +1339,16 @@ def service_server_main(args: argparse.Namespace, kind: str) -> int:
 
 
 def llm_server_main(args: argparse.Namespace) -> int:
-    """Start the scale-out runs' vLLM server detached (its pid and URL in OUT/llm_server.json)."""
-    server = LlmServer(args, Path(args.out))
+    """Start the scale-out runs' vLLM server detached (its pid and URL in OUT/llm_server.json).
+    ``--replace``: stop the one OUT records first (another flag to compare, the same ASR and
+    TTS services, without starting those again)."""
+    out = Path(args.out)
+    if args.replace and (out / "llm_server.json").exists():
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            print(f"stopping the LLM server (pid {json.loads((out / 'llm_server.json').read_text())['pid']})", flush=True)
+        stop_recorded(out, ("llm_server.json",), frontends=False)
+        (out / "llm_server.json").unlink(missing_ok=True)
+    server = LlmServer(args, out)
     server.spawn()
     print(f"LLM server starting: pid {server.proc.pid if server.proc else None} at {server.url}", flush=True)
     if args.wait:
@@ -1427,6 +1441,9 @@ def add_model_args(r: argparse.ArgumentParser) -> None:
     r.add_argument("--llm-server-args", default="", help="more `vllm serve` flags for the LLM server (--remote-llm)")
     r.add_argument("--llm-api-servers", type=int, default=1,
                    help="the LLM server's HTTP front processes (`vllm serve --api-server-count`) over its one engine")
+    r.add_argument("--llm-stream-interval", type=int, default=1,
+                   help="tokens the LLM server gathers per streamed chunk after the first (`vllm serve "
+                        "--stream-interval`): fewer chunks to build and parse when many replies stream at once")
 
 
 def add_whisper_args(r: argparse.ArgumentParser) -> None:
@@ -1514,6 +1531,7 @@ def build_parser() -> argparse.ArgumentParser:
     ls = sub.add_parser("llm-server", help="start the LLM server of --remote-llm runs, detached")
     add_model_args(ls)
     ls.add_argument("--wait", action="store_true", help="return once it answers /health")
+    ls.add_argument("--replace", action="store_true", help="stop the LLM server OUT records first")
     fw = sub.add_parser("fc-weights", help="build a FastConformer model directory with random weights (--fastconformer)")
     fw.add_argument("--out", required=True, help="the model directory (kept if already built)")
     fw.add_argument("--tiny", action="store_true", help="two layers, 64 wide (CPU runs); else the real 0.6B shape")

@@ -264,3 +264,46 @@ def test_the_llm_server_can_have_several_api_server_processes(tmp_path: Path) ->
     args.llm_api_servers = 1  # the default: the API server module, as before
     cmd, _ = pg.LlmServer(args, tmp_path / "svc").command()
     assert "vllm.entrypoints.openai.api_server" in cmd and "--api-server-count" not in cmd
+
+
+def test_the_llm_verb_starts_the_llm_server_again_with_this_calls_flags(tmp_path: Path) -> None:
+    """A flag of the LLM server compared on the same services: `llm` replaces the server SVC
+    records (the one running is stopped), with `--stream-interval` from SUITE_LLM_STREAM_INTERVAL."""
+    import os
+
+    pg = pipeline_gpu()
+    svc = tmp_path / "svc"
+    proc = subprocess.run(["bash", str(SUITE), "llm", "--dry-run", str(tmp_path / "gpu"), str(svc)],
+                          capture_output=True, text=True, timeout=30,
+                          env=dict(os.environ, SUITE_ASR="fastconformer-service", SUITE_LLM_STREAM_INTERVAL="4"))
+    assert proc.returncode == 0, proc.stderr
+    cmds = [shlex.split(line)[2:] for line in proc.stdout.splitlines() if "benchmarks/pipeline_gpu.py" in line]
+    assert [c[0] for c in cmds] == ["llm-server"], cmds  # the ASR and TTS services are kept
+    args = pg.build_parser().parse_args(cmds[0])
+    assert args.replace and args.wait and Path(args.out) == svc and args.llm_stream_interval == 4
+    cmd, _ = pg.LlmServer(args, svc).command()
+    assert cmd[cmd.index("--stream-interval") + 1] == "4"
+    args.llm_stream_interval = 1  # the default: vLLM's, one chunk per token
+    assert "--stream-interval" not in pg.LlmServer(args, svc).command()[0]
+
+
+def test_replacing_the_llm_server_stops_only_it(tmp_path: Path) -> None:
+    import contextlib
+    import json
+    import os
+    import signal
+
+    pg = pipeline_gpu()
+    procs = {name: subprocess.Popen(["sleep", "60"], start_new_session=True) for name in ("llm", "tts")}
+    try:
+        for name, p in procs.items():
+            (tmp_path / f"{name}_server.json").write_text(json.dumps({"pid": p.pid, "url": "http://127.0.0.1:1"}))
+        (tmp_path / "server_0.pid").write_text(str(procs["tts"].pid))  # a frontend's: not this verb's
+        assert pg.stop_recorded(tmp_path, ("llm_server.json",), frontends=False) == [procs["llm"].pid]
+        assert procs["llm"].wait(10) == -signal.SIGTERM
+        assert procs["tts"].poll() is None
+    finally:
+        for p in procs.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(10)
