@@ -835,6 +835,14 @@ class ServiceMeter:
         return row
 
 
+def copy_log_since(path: Path, offset: int, dest: Path, most: int = 8 << 20) -> None:
+    """What ``path`` gained after ``offset`` bytes, into ``dest`` (its last ``most`` bytes)."""
+    with contextlib.suppress(OSError), path.open("rb") as f:
+        end = f.seek(0, os.SEEK_END)
+        f.seek(max(offset, end - most) if end >= offset else max(end - most, 0))  # a rotated log: its tail
+        dest.write_bytes(f.read())
+
+
 def recorded_url(path: Path, what: str) -> str | None:
     """The URL of a server an earlier detached part recorded in ``path``, if it still runs
     (a recorded server that is gone is forgotten, so the caller starts one)."""
@@ -1117,6 +1125,7 @@ def run_main(args: argparse.Namespace) -> int:
     svc_recorded = {k: Path(u) if u and u.endswith(".json") else out / f"{k}_server.json" for k, u in given.items()}
     svc_url: dict[str, str | None] = {k: None if u and u.endswith(".json") else u for k, u in given.items()}
     svc_pid: dict[str, int | None] = {"asr": None, "tts": None}
+    log_marks: dict[Path, int] = {}  # a started service's log: its size when this run began
     rc = 0
     try:
         if args.url:  # frontends already up (an earlier --detach)
@@ -1155,6 +1164,12 @@ def run_main(args: argparse.Namespace) -> int:
                     run_info[f"{kind}_server_wait_s"] = round(
                         wait_service_ready(str(svc_url[kind]), args.start_timeout_s), 1)
             asr_url, tts_url = svc_url["asr"], svc_url["tts"]
+            # The services an earlier call started keep their logs there: what they write during
+            # this run comes back with it (a stall of the LLM server shows in its own log).
+            for log_path in (p.with_suffix(".log") for p in (recorded, *svc_recorded.values())
+                             if p.exists() and p.parent.resolve() != out.resolve()):
+                with contextlib.suppress(OSError):
+                    log_marks[log_path] = log_path.stat().st_size
             multi = args.remote_llm or args.remote_asr or args.remote_tts
             count = args.frontends if multi and not args.server_workers else 1
             frontends = [Server(args, out, k if multi else None, llm_url, asr_url, tts_url) for k in range(count)]
@@ -1306,6 +1321,8 @@ def run_main(args: argparse.Namespace) -> int:
         passing = [lv["sessions"] for lv in summary["levels"] if not lv.get("fails")]
         summary["sessions_per_gpu"] = max(passing) if passing else 0
         write_result(summary_path, "pipeline_gpu", args, summary)
+        for path, mark in log_marks.items():
+            copy_log_since(path, mark, out / f"{path.stem}.during.log")
         if not args.detach:
             for server in frontends:
                 server.stop()

@@ -307,3 +307,21 @@ def test_replacing_the_llm_server_stops_only_it(tmp_path: Path) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
             p.wait(10)
+
+
+def test_a_run_keeps_what_the_services_logged_during_it(tmp_path: Path) -> None:
+    """The services of SUITE_SVC outlive a run: their log lines of the run's time come back in
+    its details (the rest, and a log rotated meanwhile, as its tail)."""
+    pg = pipeline_gpu()
+    log, dest = tmp_path / "llm_server.log", tmp_path / "llm_server.during.log"
+    log.write_bytes(b"before the run\n")
+    mark = log.stat().st_size
+    with log.open("ab") as f:
+        f.write(b"during the run\n")
+    pg.copy_log_since(log, mark, dest)
+    assert dest.read_bytes() == b"during the run\n"
+    pg.copy_log_since(log, mark, dest, most=7)
+    assert dest.read_bytes() == b"he run\n"  # only the last bytes of a long one
+    log.write_bytes(b"rotated\n")  # shorter than the mark: all of it
+    pg.copy_log_since(log, mark, dest)
+    assert dest.read_bytes() == b"rotated\n"
