@@ -131,6 +131,21 @@ async def test_a_long_prefill_goes_in_pieces_of_whole_blocks(piece: int, expecte
     assert e.prompts[len(expected):] == [200], "a short one is one request"
 
 
+async def test_a_prefill_sends_no_piece_that_would_cache_nothing() -> None:
+    # The prefix cache keeps whole blocks only: a last piece that completes no block past
+    # the one before it (520 tokens after a piece ending at 512, in blocks of 32) was one
+    # more request, and at 256 callers every request counts (the LLM server's one API
+    # process parses each: docs/gpu-results.md).
+    e = PrefillLog(256)
+    done: list[int] = []
+    await e.warm(list(range(520)), on_piece=done.append)
+    assert e.prompts == [256, 512] and done == [256, 512]
+    await e.warm(list(range(20)))
+    assert e.prompts[2:] == [], "less than a block: nothing to cache, no request"
+    await e.warm(list(range(1200)), cached=1184)
+    assert e.prompts[2:] == [], "its whole blocks are cached already"
+
+
 async def test_cancelling_a_prefill_stops_it_between_pieces() -> None:
     e = PrefillLog(256, step_s=0.05)
     task = asyncio.create_task(e.warm(list(range(1000))))

@@ -487,7 +487,7 @@ async def test_a_remote_prefill_is_tried_once_and_is_no_failure_of_the_tier() ->
 
     llm._try = refused  # type: ignore[method-assign]
     with pytest.raises(RemoteLlmError):
-        await llm.warm([1, 2, 3])
+        await llm.warm(list(range(llm.block_size)))  # a whole block: something to cache
     assert tries == [1] and llm._failures == 0 and llm.requests_total == 0
     with pytest.raises(RemoteLlmError):
         await llm.complete([1, 2, 3], max_tokens=8)

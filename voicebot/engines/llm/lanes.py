@@ -313,12 +313,15 @@ class LaneEngine(ABC):
         history compacted at its budget, a Realtime client's instructions) waits for at
         most one piece instead of all of it. ``cached``: how much of the start the caller
         knows to be cached; the pieces start after it (a request over cached blocks still
-        recomputes its last one). ``on_piece(end)``: ``prompt_ids[:end]`` is now cached."""
+        recomputes its last one); a piece that completes no whole block is not sent.
+        ``on_piece(end)``: ``prompt_ids[:end]`` is now cached."""
         block = self.block_size
         piece = max(self.cfg.warm_piece_tokens // block, 1) * block if self.cfg.warm_piece_tokens else 0
         start = min(cached, len(prompt_ids)) // block * block
         ends = list(range(start + piece, len(prompt_ids), piece)) if piece else []
-        for end in [*ends, len(prompt_ids)]:
+        if len(prompt_ids) // block * block > (ends[-1] if ends else start):
+            ends.append(len(prompt_ids))  # else its last block is not whole: it would cache nothing
+        for end in ends:
             st = GenerationStats("", Lane.BACKGROUND, best_effort=True)
             async for _ in self.generate(
                 prompt_ids[:end], lane=Lane.BACKGROUND, max_tokens=1, temperature=0.0, stats=st
