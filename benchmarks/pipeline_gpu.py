@@ -1360,11 +1360,11 @@ def llm_server_main(args: argparse.Namespace) -> int:
     ``--replace``: stop the one OUT records first (another flag to compare, the same ASR and
     TTS services, without starting those again)."""
     out = Path(args.out)
-    if args.replace and (out / "llm_server.json").exists():
-        with contextlib.suppress(OSError, ValueError, KeyError):
-            print(f"stopping the LLM server (pid {json.loads((out / 'llm_server.json').read_text())['pid']})", flush=True)
-        stop_recorded(out, ("llm_server.json",), frontends=False)
-        (out / "llm_server.json").unlink(missing_ok=True)
+    recorded = out / "llm_server.json"
+    if args.replace and recorded.exists():
+        print(f"stopping the LLM server {recorded} records", flush=True)
+        stop_recorded(out, (recorded.name,), frontends=False)
+        recorded.unlink()
     server = LlmServer(args, out)
     server.spawn()
     print(f"LLM server starting: pid {server.proc.pid if server.proc else None} at {server.url}", flush=True)

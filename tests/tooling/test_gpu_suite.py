@@ -309,6 +309,25 @@ def test_replacing_the_llm_server_stops_only_it(tmp_path: Path) -> None:
             p.wait(10)
 
 
+def test_llm_server_replace_stops_the_recorded_one_before_it_starts(tmp_path: Path, monkeypatch: Any) -> None:
+    import json
+    import signal
+
+    pg = pipeline_gpu()
+    old = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    (tmp_path / "llm_server.json").write_text(json.dumps({"pid": old.pid, "url": "http://127.0.0.1:1"}))
+    seen: list[bool] = []
+    monkeypatch.setattr(pg.LlmServer, "spawn", lambda self: seen.append((tmp_path / "llm_server.json").exists()))
+    try:
+        args = pg.build_parser().parse_args(["llm-server", "--out", str(tmp_path), "--replace"])
+        assert pg.llm_server_main(args) == 0
+        assert old.wait(10) == -signal.SIGTERM and seen == [False], "stopped and forgotten before the new one"
+    finally:
+        if old.poll() is None:
+            old.kill()
+            old.wait(10)
+
+
 def test_a_run_keeps_what_the_services_logged_during_it(tmp_path: Path) -> None:
     """The services of SUITE_SVC outlive a run: their log lines of the run's time come back in
     its details (the rest, and a log rotated meanwhile, as its tail)."""
