@@ -16,6 +16,7 @@
 #                                                    call), for a later `run` with SUITE_SVC=SVC
 #   benchmarks/gpu_suite.sh llm DEST SVC             start SVC's LLM server again (the one running is stopped) with
 #                                                    this call's SUITE_* flags, the ASR and TTS services kept
+#   benchmarks/gpu_suite.sh tts DEST SVC             the same for SVC's TTS service (e.g. SUITE_ARGS="--set tts.max_batch=128")
 #   --dry-run (after the verb): print what would run, run nothing (any machine)
 #
 # Environment: SUITE_FRONTENDS (2), SUITE_WORKERS (instead: ONE frontend of that many workers on one
@@ -34,7 +35,7 @@
 # $HOME (vllm-site, voicebot-site, gpu-models), so a later call on the same machine carries nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-verb=${1:?usage: gpu_suite.sh stage DEST | run DEST OUT [LEVEL ...] | services DEST SVC | llm DEST SVC  [--dry-run after the verb]}
+verb=${1:?usage: gpu_suite.sh stage DEST | run DEST OUT [LEVEL ...] | services DEST SVC | llm DEST SVC | tts DEST SVC  [--dry-run after the verb]}
 shift
 DRY=0
 if [ "${1:-}" = --dry-run ]; then DRY=1; shift; fi
@@ -135,11 +136,11 @@ services() {
     --out "$svc"
 }
 
-llm() {
-  local svc=${1:?SVC: the folder the services were started into}
+again() {  # llm-server | tts-server: start SVC's server of that kind again, the others kept
+  local verb=$1 svc=${2:?SVC: the folder the services were started into}
   environment
   common_flags "${SUITE_MAX:-256}"
-  do_ "$PY" benchmarks/pipeline_gpu.py llm-server "${FLAGS[@]}" --replace --wait --start-timeout-s 480 --out "$svc"
+  do_ "$PY" benchmarks/pipeline_gpu.py "$verb" "${FLAGS[@]}" --replace --wait --start-timeout-s 480 --out "$svc"
 }
 
 run() {
@@ -181,6 +182,7 @@ case "$verb" in
   stage) stage ;;
   run) run "$@" ;;
   services) services "$@" ;;
-  llm) llm "$@" ;;
-  *) echo "unknown verb $verb: stage | run | services | llm" >&2; exit 2 ;;
+  llm) again llm-server "$@" ;;
+  tts) again tts-server "$@" ;;
+  *) echo "unknown verb $verb: stage | run | services | llm | tts" >&2; exit 2 ;;
 esac

@@ -843,6 +843,16 @@ def copy_log_since(path: Path, offset: int, dest: Path, most: int = 8 << 20) -> 
         dest.write_bytes(f.read())
 
 
+def replace_recorded(out: Path, name: str) -> None:
+    """Stop the server OUT/``name`` records and forget it: its successor is compared on the
+    same other services, which are not started again."""
+    recorded = out / name
+    if recorded.exists():
+        print(f"stopping the server {recorded} records", flush=True)
+        stop_recorded(out, (name,), frontends=False)
+        recorded.unlink()
+
+
 def recorded_url(path: Path, what: str) -> str | None:
     """The URL of a server an earlier detached part recorded in ``path``, if it still runs
     (a recorded server that is gone is forgotten, so the caller starts one)."""
@@ -1335,7 +1345,10 @@ def run_main(args: argparse.Namespace) -> int:
 
 
 def service_server_main(args: argparse.Namespace, kind: str) -> int:
-    """Start a shared service detached (its pid and URL in OUT/KIND_server.json)."""
+    """Start a shared service detached (its pid and URL in OUT/KIND_server.json); ``--replace``:
+    stop the one OUT records first."""
+    if args.replace:
+        replace_recorded(Path(args.out), f"{kind}_server.json")
     if args.after:  # another engine's start must be over first (vLLM sizes GPU memory from what is free)
         info = json.loads(Path(args.after).read_text()) if args.after.endswith(".json") else {"url": args.after}
         url = info["url"]
@@ -1360,11 +1373,8 @@ def llm_server_main(args: argparse.Namespace) -> int:
     ``--replace``: stop the one OUT records first (another flag to compare, the same ASR and
     TTS services, without starting those again)."""
     out = Path(args.out)
-    recorded = out / "llm_server.json"
-    if args.replace and recorded.exists():
-        print(f"stopping the LLM server {recorded} records", flush=True)
-        stop_recorded(out, (recorded.name,), frontends=False)
-        recorded.unlink()
+    if args.replace:
+        replace_recorded(out, "llm_server.json")
     server = LlmServer(args, out)
     server.spawn()
     print(f"LLM server starting: pid {server.proc.pid if server.proc else None} at {server.url}", flush=True)
@@ -1548,7 +1558,8 @@ def build_parser() -> argparse.ArgumentParser:
     ls = sub.add_parser("llm-server", help="start the LLM server of --remote-llm runs, detached")
     add_model_args(ls)
     ls.add_argument("--wait", action="store_true", help="return once it answers /health")
-    ls.add_argument("--replace", action="store_true", help="stop the LLM server OUT records first")
+    for verb in (asr, tts, ls):
+        verb.add_argument("--replace", action="store_true", help="stop the server of this kind OUT records first")
     fw = sub.add_parser("fc-weights", help="build a FastConformer model directory with random weights (--fastconformer)")
     fw.add_argument("--out", required=True, help="the model directory (kept if already built)")
     fw.add_argument("--tiny", action="store_true", help="two layers, 64 wide (CPU runs); else the real 0.6B shape")

@@ -309,6 +309,22 @@ def test_replacing_the_llm_server_stops_only_it(tmp_path: Path) -> None:
             p.wait(10)
 
 
+def test_the_tts_verb_starts_the_tts_service_again_with_this_calls_flags(tmp_path: Path) -> None:
+    import os
+
+    pg = pipeline_gpu()
+    svc = tmp_path / "svc"
+    proc = subprocess.run(["bash", str(SUITE), "tts", "--dry-run", str(tmp_path / "gpu"), str(svc)],
+                          capture_output=True, text=True, timeout=30,
+                          env=dict(os.environ, SUITE_ARGS="--set tts.max_batch=128"))
+    assert proc.returncode == 0, proc.stderr
+    cmds = [shlex.split(line)[2:] for line in proc.stdout.splitlines() if "benchmarks/pipeline_gpu.py" in line]
+    assert [c[0] for c in cmds] == ["tts-server"], cmds
+    args = pg.build_parser().parse_args(cmds[0])
+    assert args.replace and args.wait and Path(args.out) == svc and args.after is None
+    assert args.set[-1] == "tts.max_batch=128", "this call's flags last: they override the suite's"
+
+
 def test_llm_server_replace_stops_the_recorded_one_before_it_starts(tmp_path: Path, monkeypatch: Any) -> None:
     import json
     import signal
