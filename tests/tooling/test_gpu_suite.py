@@ -360,3 +360,13 @@ def test_a_run_keeps_what_the_services_logged_during_it(tmp_path: Path) -> None:
     log.write_bytes(b"rotated\n")  # shorter than the mark: all of it
     pg.copy_log_since(log, mark, dest)
     assert dest.read_bytes() == b"rotated\n"
+
+
+def test_a_level_where_many_replies_stall_fails_though_its_rtf_p5_passes() -> None:
+    # An all-at-once level at 256: v2v p95 791, RTF p5 0.98, and 275 of 512 replies with a gap.
+    pg = pipeline_gpu()
+    args = pg.build_parser().parse_args(["run", "--out", "o", "--audio", "a.wav"])
+    row = {"dropped_sessions": 0, "v2v_ms": {"p95": 790.7, "p99": 850.7}, "reply_rtf": {"p5": 0.98},
+           "turns": {"turns": 512}, "stalled_replies": 275}
+    assert pg.level_fails(row, args) == ["275 of 512 replies stalled > 5%"]
+    assert pg.level_fails({**row, "stalled_replies": 23}, args) == [], "23 of 512: the 256-caller rows pass as before"
