@@ -153,6 +153,20 @@ def test_turn_measures_from_end_of_speech_to_first_audible_reply() -> None:
     assert rec.timings == {"llm_ttft_ms": 80.0}
 
 
+def test_a_turn_says_when_the_caller_stopped_speaking_on_the_wall_clock(monkeypatch: Any) -> None:
+    """Turns of one level come from several probe processes: a stall of the server shows as
+    a window of slow turns only on a clock they share (benchmarks/results/burst-h200-2026-11-29
+    had to infer it from the callers' order)."""
+    import voicebot.probe.turn as turn_mod
+
+    monkeypatch.setattr(turn_mod.time, "time", lambda: 1_000_000.0)
+    tr = TurnTracker(TurnRecord(0, 0, "a.wav"), RATE, timings_grace_s=0.0)
+    tr.speech_ended(10.0)
+    rec = tr.finish(12.5, timed_out=True)
+    assert rec.speech_end_at == pytest.approx(1_000_000.0 - 2.5)  # 2.5 s before the finish, on the wall clock
+    assert TurnTracker(TurnRecord(0, 1, "a.wav"), RATE).finish(3.0, timed_out=True).speech_end_at is None
+
+
 def test_the_reply_token_counts_come_from_its_response_done() -> None:
     """A remote LLM tier reports usage with its last chunk, after the first audio that
     turn.timings goes out with: the counts are read from response.done, as sent at the end."""

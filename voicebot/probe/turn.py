@@ -12,6 +12,7 @@ pause for the end of their turn). Every failure says why in ``errors``.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +38,9 @@ class TurnRecord:
     reply_text: str = ""  # full_text of the reply heard first
     heard_text: str = ""  # the part the server says was played
     voice_to_voice_ms: float | None = None
+    # When the caller's speech ended, on the wall clock (s since the epoch): the one clock the
+    # probe's processes share, so turns slowed by one stall line up in time.
+    speech_end_at: float | None = None
     timings: dict[str, Any] = field(default_factory=dict)  # the server's turn.timings
     # The reply's prompt and prefix-cached tokens, from its response.done (a remote LLM
     # tier reports them with its last chunk, after turn.timings went out); None: not said.
@@ -333,6 +337,8 @@ class TurnTracker:
             }
             for rid, r in self._responses.items()
         ]
+        if self.speech_end_t is not None:
+            rec.speech_end_at = round(time.time() - (now - self.speech_end_t), 3)
         if self.speech_end_t is not None and self.onset_t is not None:
             rec.voice_to_voice_ms = round(1000.0 * (self.onset_t - self.speech_end_t), 1)
         if self._reply_first_t is not None and self._reply_last_t is not None:
