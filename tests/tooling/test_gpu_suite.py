@@ -20,17 +20,27 @@ def pipeline_gpu() -> ModuleType:
     return bench_scripts.load("pipeline_gpu", beside=True)  # its own helpers sit beside it
 
 
-def dry_run(dest: Path, out: Path, *levels: str, env: dict[str, str] | None = None) -> list[list[str]]:
-    proc = subprocess.run(["bash", str(SUITE), "run", "--dry-run", str(dest), str(out), *levels],
+def suite_dry_run(verb: str, *args: str | Path, env: dict[str, str] | None = None) -> list[list[str]]:
+    """The commands ``gpu_suite.sh VERB --dry-run ARGS`` prints, each split into its words."""
+    proc = subprocess.run(["bash", str(SUITE), verb, "--dry-run", *map(str, args)],
                           capture_output=True, text=True, timeout=30, env=env)
     assert proc.returncode == 0, proc.stderr
     return [shlex.split(line) for line in proc.stdout.splitlines() if line.strip()]
 
 
+def pipeline_commands(lines: list[list[str]]) -> list[list[str]]:
+    """The pipeline_gpu.py arguments of each line that runs it (its verb first)."""
+    return [cmd[2:] for cmd in lines if cmd[1:2] == ["benchmarks/pipeline_gpu.py"]]
+
+
+def dry_run(dest: Path, out: Path, *levels: str, env: dict[str, str] | None = None) -> list[list[str]]:
+    return suite_dry_run("run", dest, out, *levels, env=env)
+
+
 def run_command(lines: list[list[str]]) -> list[str]:
-    runs = [cmd for cmd in lines if cmd[1:3] == ["benchmarks/pipeline_gpu.py", "run"]]
+    runs = [cmd for cmd in pipeline_commands(lines) if cmd[0] == "run"]
     assert len(runs) == 1, lines
-    return runs[0][2:]
+    return runs[0]
 
 
 def test_the_dry_run_prints_the_documented_layout_at_the_levels_into_a_new_folder(tmp_path: Path) -> None:
@@ -173,11 +183,8 @@ def test_the_services_verb_starts_each_service_after_the_last(tmp_path: Path) ->
     svc = tmp_path / "svc"
     for asr, kinds in (("whisper", ["llm-server", "asr-server", "tts-server"]), ("fastconformer", ["llm-server", "tts-server"]),
                        ("fastconformer-service", ["llm-server", "asr-server", "tts-server"])):
-        proc = subprocess.run(["bash", str(SUITE), "services", "--dry-run", str(tmp_path / "gpu"), str(svc)],
-                              capture_output=True, text=True, timeout=30, env=dict(os.environ, SUITE_ASR=asr))
-        assert proc.returncode == 0, proc.stderr
-        cmds = [shlex.split(line)[2:] for line in proc.stdout.splitlines()
-                if shlex.split(line)[1:2] == ["benchmarks/pipeline_gpu.py"] and "-server" in line]
+        lines = suite_dry_run("services", tmp_path / "gpu", svc, env=dict(os.environ, SUITE_ASR=asr))
+        cmds = [c for c in pipeline_commands(lines) if c[0].endswith("-server")]
         assert [c[0] for c in cmds] == kinds
         parsed = [pg.build_parser().parse_args(c) for c in cmds]
         assert all(Path(a.out) == svc and a.gpu_dummy for a in parsed)
@@ -250,11 +257,9 @@ def test_the_llm_server_can_have_several_api_server_processes(tmp_path: Path) ->
     import os
 
     pg = pipeline_gpu()
-    proc = subprocess.run(["bash", str(SUITE), "services", "--dry-run", str(tmp_path / "gpu"), str(tmp_path / "svc")],
-                          capture_output=True, text=True, timeout=30,
+    lines = suite_dry_run("services", tmp_path / "gpu", tmp_path / "svc",
                           env=dict(os.environ, SUITE_ASR="fastconformer-service", SUITE_LLM_API_SERVERS="4"))
-    assert proc.returncode == 0, proc.stderr
-    llm = next(shlex.split(line)[2:] for line in proc.stdout.splitlines() if " llm-server " in line)
+    llm = next(c for c in pipeline_commands(lines) if c[0] == "llm-server")
     args = pg.build_parser().parse_args(llm)
     assert args.llm_api_servers == 4
     cmd, _ = pg.LlmServer(args, tmp_path / "svc").command()
@@ -273,11 +278,8 @@ def test_the_llm_verb_starts_the_llm_server_again_with_this_calls_flags(tmp_path
 
     pg = pipeline_gpu()
     svc = tmp_path / "svc"
-    proc = subprocess.run(["bash", str(SUITE), "llm", "--dry-run", str(tmp_path / "gpu"), str(svc)],
-                          capture_output=True, text=True, timeout=30,
-                          env=dict(os.environ, SUITE_ASR="fastconformer-service", SUITE_LLM_STREAM_INTERVAL="4"))
-    assert proc.returncode == 0, proc.stderr
-    cmds = [shlex.split(line)[2:] for line in proc.stdout.splitlines() if "benchmarks/pipeline_gpu.py" in line]
+    cmds = pipeline_commands(suite_dry_run(
+        "llm", tmp_path / "gpu", svc, env=dict(os.environ, SUITE_ASR="fastconformer-service", SUITE_LLM_STREAM_INTERVAL="4")))
     assert [c[0] for c in cmds] == ["llm-server"], cmds  # the ASR and TTS services are kept
     args = pg.build_parser().parse_args(cmds[0])
     assert args.replace and args.wait and Path(args.out) == svc and args.llm_stream_interval == 4
@@ -314,11 +316,7 @@ def test_the_tts_verb_starts_the_tts_service_again_with_this_calls_flags(tmp_pat
 
     pg = pipeline_gpu()
     svc = tmp_path / "svc"
-    proc = subprocess.run(["bash", str(SUITE), "tts", "--dry-run", str(tmp_path / "gpu"), str(svc)],
-                          capture_output=True, text=True, timeout=30,
-                          env=dict(os.environ, SUITE_ARGS="--set tts.max_batch=128"))
-    assert proc.returncode == 0, proc.stderr
-    cmds = [shlex.split(line)[2:] for line in proc.stdout.splitlines() if "benchmarks/pipeline_gpu.py" in line]
+    cmds = pipeline_commands(suite_dry_run("tts", tmp_path / "gpu", svc, env=dict(os.environ, SUITE_ARGS="--set tts.max_batch=128")))
     assert [c[0] for c in cmds] == ["tts-server"], cmds
     args = pg.build_parser().parse_args(cmds[0])
     assert args.replace and args.wait and Path(args.out) == svc and args.after is None
