@@ -175,6 +175,7 @@ async def server(tier: Tier, models_config: ModelsConfig) -> AsyncIterator[Runni
             "session.history_tokens=4096",
             "server.max_sessions=4",
             "server.transports=[native]",
+            "llm.warm_sampling_rows=3",  # the start-up's sampled replies, over HTTP (test below)
         ],
     )
     async with running_server(cfg) as running:
@@ -215,6 +216,14 @@ def force_long_replies(llm: RemoteLlmEngine, monkeypatch: pytest.MonkeyPatch) ->
 
 # -------------------------------------------------------------------- e2e tests
 @pytest.mark.engines
+async def test_the_frontends_start_samples_replies_on_the_tier_to_their_full_length(server: RunningServer) -> None:
+    # Three at once, of 4, 5 and 6 tokens, through the router: each length held only because
+    # the request's min_tokens reached the server (a random model ends text when it likes).
+    llm = server.state.engines.llm
+    assert isinstance(llm, RemoteLlmEngine)
+    assert llm.sampling_warmed == 3 and llm.sampling_warmed_tokens == 4 + 5 + 6
+
+
 async def test_calls_get_spoken_replies_each_pinned_to_its_server_and_hit_its_prefix_cache(
     server: RunningServer, tier: Tier, speech_clips: list[Clip]
 ) -> None:

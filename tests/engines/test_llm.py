@@ -25,7 +25,8 @@ pytestmark = pytest.mark.engines  # real engines or a server: not in make test-f
 
 @pytest.fixture(scope="module")
 async def llm_engine(models_config: ModelsConfig) -> AsyncIterator[LlmEngine]:
-    cfg = load_config("configs/test.yaml", [f"models.cache_dir={models_config.cache_dir}"])
+    # warm_sampling_rows: the start-up's sampled replies run on the real engine (test below)
+    cfg = load_config("configs/test.yaml", [f"models.cache_dir={models_config.cache_dir}", "llm.warm_sampling_rows=4"])
     engine = LlmEngine(cfg.llm, resolve_model(cfg.llm.model, cfg.models))
     await engine.start()
     shutdown_on = shutdown_threads(engine._engine)
@@ -43,6 +44,14 @@ async def first_token_time(engine: LlmEngine, ids: list[int], lane: Lane, out: d
     async with contextlib.aclosing(engine.generate(ids, lane=lane, **kw)) as stream:
         async for _ in stream:
             out.setdefault(key, time.monotonic())
+
+
+async def test_start_up_sampled_its_warm_replies_to_their_full_length(llm_engine: LlmEngine) -> None:
+    # Four replies at once, of 4, 5, 6 and 7 tokens: a random model ends text whenever it
+    # likes, so each length held only because the request said min_tokens (the batch sizes
+    # 4, 3, 2, 1 are then each sampled; tests/engines/test_llm_lanes.py has the why).
+    assert llm_engine.sampling_warmed == 4
+    assert llm_engine.sampling_warmed_tokens == 4 + 5 + 6 + 7
 
 
 async def test_second_turn_hits_the_prefix_cache(llm_engine: LlmEngine) -> None:

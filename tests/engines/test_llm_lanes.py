@@ -1,4 +1,5 @@
-"""The background lane's cap, without an engine: admission order and cancellation."""
+"""The LLM lanes without an engine: the background cap (admission order, cancellation),
+prefills in pieces, and the start-up sampling warm-up."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import threading
 import pytest
 
 from voicebot.config import LlmConfig
+from voicebot.engines.contracts import Lane
 from voicebot.engines.llm.inprocess import LlmEngine
 from voicebot.engines.llm.lanes import BackgroundQueueFull
 
@@ -169,3 +171,56 @@ async def test_a_prefill_starts_its_pieces_after_what_is_cached_and_says_each_on
     assert e.prompts == [1200] and done == [1200]
     await e.warm(list(range(1200)), cached=900, on_piece=done.append)
     assert e.prompts[1:] == [1024, 1152, 1200] and done[1:] == [1024, 1152, 1200]
+
+
+class SamplingLog(LlmEngine):
+    """LlmEngine over a fake transport that streams each request's ``max_tokens`` tokens, one
+    per step, and records what each asked for and how many ran at once."""
+
+    def __init__(self, rows: int) -> None:
+        super().__init__(LlmConfig(warm_sampling_rows=rows, temperature=0.6, top_p=0.9), model_path="unused")
+        self._engine = object()  # type: ignore[assignment]  # "started"
+        self.asked: list[dict[str, object]] = []
+        self.in_flight = 0
+        self.sizes: list[int] = []  # requests in flight at each step
+
+    def _params(self, values: dict[str, object]) -> dict[str, object]:
+        return values
+
+    async def _stream(self, rid, prompt_ids, lane, st, params):  # type: ignore[no-untyped-def]
+        from voicebot.engines.contracts import TextDelta
+
+        self.asked.append({"lane": lane, **params})
+        self.in_flight += 1
+        try:
+            for _ in range(params["max_tokens"]):
+                await asyncio.sleep(0)
+                self.sizes.append(self.in_flight)
+                yield TextDelta("x", 1)
+        finally:
+            self.in_flight -= 1
+
+
+async def test_start_up_samples_replies_at_every_batch_size_before_the_first_caller() -> None:
+    # vLLM compiles its batched top-p/top-k sampler (Triton) at the first step that needs
+    # each shape class (>= 8 rows, a multiple of 16). Under a burst of 256 callers that
+    # first step held every request 2.6 s, twice (docs/gpu-results.md). At start-up the
+    # engine now runs replies sampled as live ones are, as many at once as configured and
+    # one fewer each step, so every batch size up to it is sampled once.
+    e = SamplingLog(rows=32)
+    await e._warm_sampling()
+    assert len(e.asked) == 32
+    lengths = sorted(a["max_tokens"] for a in e.asked)
+    assert len(set(lengths)) == 32, "each stops a step after the one before"
+    assert all(a["min_tokens"] == a["max_tokens"] for a in e.asked), "none may stop early at an end of text"
+    assert all(a["temperature"] == 0.6 and a["top_p"] == 0.9 for a in e.asked), "sampled as a reply is"
+    assert {a["lane"] for a in e.asked} == {Lane.INTERACTIVE}
+    assert set(range(1, 33)) <= set(e.sizes), "every batch size from 32 down to 1"
+    assert e.requests_total == 0, "not replies: the totals (cache hit ratio) leave them out"
+    assert e.sampling_warmed == 32
+
+
+async def test_no_sampling_warm_up_unless_configured() -> None:
+    e = SamplingLog(rows=0)
+    await e._warm_sampling()
+    assert e.asked == [] and e.sampling_warmed == 0

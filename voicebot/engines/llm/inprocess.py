@@ -72,6 +72,7 @@ class LlmEngine(LaneEngine):
         try:
             self._started = await listed(engine)
             await self._preload_tools()
+            await self._warm_sampling()
         except BaseException:
             await self.aclose()
             raise

@@ -21,6 +21,7 @@ import asyncio
 import collections
 import contextlib
 import itertools
+import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator, Callable
@@ -31,6 +32,12 @@ from voicebot.engines.contracts import GenerationStats, Lane, TextDelta
 from voicebot.errors import EngineError, ModelError
 from voicebot.tools.preload import preload_tools
 
+log = logging.getLogger(__name__)
+
+# The sampling warm-up's replies (LaneEngine._warm_sampling): any 16 token ids are a prompt
+# in every vocabulary, and the first steps after they are sent let all of them join a batch.
+_WARM_PROMPT = list(range(16))
+_WARM_LEAD = 4
 
 class BackgroundQueueFull(EngineError):
     """Too many background requests already wait for a slot; this one is refused."""
@@ -120,6 +127,8 @@ class LaneEngine(ABC):
         self.requests_total = 0
         self.prompt_tokens_total = 0
         self.cached_tokens_total = 0
+        self.sampling_warmed = 0  # replies sampled at start-up (_warm_sampling), and their tokens
+        self.sampling_warmed_tokens = 0
 
     # ----------------------------------------------------------- the backend's part
     @abstractmethod
@@ -329,6 +338,30 @@ class LaneEngine(ABC):
                 pass
             if on_piece is not None:
                 on_piece(end)
+
+    async def _warm_sampling(self) -> None:
+        """Replies sampled as live ones are (``_sampling``'s defaults), ``llm.warm_sampling_rows``
+        of them at once, each stopping one step after the one before: the engine's sampler
+        then runs every batch size from that many rows down to one before any caller does.
+
+        Why: vLLM on a GPU compiles its batched top-p sampler (a Triton kernel) at the first
+        step that needs each of its shape classes, in the engine's one process, so every
+        request in flight waits for it; a fresh server's first burst of callers stalled
+        2.6 s, twice (docs/gpu-results.md). The first ``_WARM_LEAD`` steps give the requests
+        time to join one batch; ``min_tokens`` keeps an early end of text from shortening one."""
+        rows = self.cfg.warm_sampling_rows
+        if not rows:
+            return
+        started = time.monotonic()
+
+        async def reply(tokens: int) -> None:
+            st = GenerationStats("", Lane.INTERACTIVE, best_effort=True)  # not a reply: kept out of the totals
+            async for delta in self.generate(_WARM_PROMPT, max_tokens=tokens, min_tokens=tokens, stats=st):
+                self.sampling_warmed_tokens += delta.token_count
+
+        await asyncio.gather(*(reply(_WARM_LEAD + i) for i in range(rows)))
+        self.sampling_warmed = rows
+        log.info("LLM sampling warmed: %d replies at once, one fewer each step, in %.1f s", rows, time.monotonic() - started)
 
     async def complete(self, prompt_ids: list[int], **kwargs: Any) -> str:
         """Collect a whole reply (background summaries, tests)."""

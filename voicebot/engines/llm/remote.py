@@ -129,6 +129,7 @@ class RemoteLlmEngine(LaneEngine):
             raise
         self._client = client
         self._engine = client  # the backend's handle: LaneEngine.generate checks it for "started"
+        await self._warm_sampling()  # the tier's sampler, before this frontend's first caller
         log.info("LLM ready: remote tier %s, model %s", r.url, self._model)
 
     async def _wait_ready(self, client: httpx.AsyncClient) -> str:
