@@ -19,6 +19,8 @@
 #                   (gpu_whisper_files.py); smart-turn: the Smart Turn v3.2 ONNX; fwstub: the
 #                   faster_whisper package's Silero VAD asset (the server's VAD), with an empty
 #                   package around it; audio: the test speech (16 kHz clips the callers say)
+#   DEST/tools      py-spy's wheel (a static binary): gpu_suite.sh's SUITE_SPY samples the LLM server's
+#                   processes with it during a run; carried with a later call (site and models fill one)
 #
 # SKIP_VLLM=1 builds the other folders only (c1..c3 take ~2 minutes and 140 MB of downloads).
 set -euo pipefail
@@ -44,6 +46,9 @@ rm -rf "$DEST/site" && mkdir -p "$DEST/site"
 "$PY" -m pip download -q --no-deps "${PLAT[@]}" -d "$DEST/site" \
   soxr==1.0.0 soundfile==0.13.1 piper-tts==1.8.0
 "$PY" -m pip download -q --no-deps --only-binary=:all: -d "$DEST/site" kokoro==0.9.4
+
+rm -rf "$DEST/tools" && mkdir -p "$DEST/tools"
+"$PY" -m pip download -q --no-deps "${PLAT[@]}" -d "$DEST/tools" py-spy==0.4.1
 
 rm -rf "$DEST/models" && mkdir -p "$DEST/models/qwen7b" "$DEST/models/fwstub/faster_whisper/assets"
 "$PY" - "$DEST/models" <<'EOF'
@@ -90,7 +95,7 @@ rm "$DEST/models/whisper-base-tokenizer.json"
 size() { du -sb "$@" | awk '{s += $1} END {print s}'; }
 repo=$(git ls-files -z | du -cb --files0-from=- | tail -1 | cut -f1)
 status=0
-for d in c1 c2 c3 site models; do
+for d in c1 c2 c3 site models tools; do
   [ -d "$DEST/$d" ] || continue
   s=$(size "$DEST/$d")
   printf '%-8s %6.1f MiB\n' "$d" "$(echo "$s / 1048576" | bc -l)"
@@ -115,4 +120,5 @@ echo "3. $(call c3)"
 echo "   command: bash benchmarks/gpu_suite.sh stage $DEST"
 echo "4. $(call site models)"
 echo "   command: bash benchmarks/gpu_suite.sh run $DEST \$OUT [LEVEL ...]"
+echo "(SUITE_SPY=1 runs: $(call tools), once, in any later call, e.g. with: bash benchmarks/gpu_suite.sh stage $DEST)"
 exit $status

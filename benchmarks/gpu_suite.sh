@@ -31,6 +31,7 @@
 # SUITE_MAX (the largest level the services admit, for `services`: 256), SUITE_LLM_API_SERVERS (1: the
 # LLM server's HTTP front processes, `vllm serve --api-server-count`, for `services`, `llm` and `run`),
 # SUITE_LLM_STREAM_INTERVAL (1: tokens per streamed chunk after the first, `vllm serve --stream-interval`).
+# SUITE_SPY (0; 1: sample SUITE_SVC's LLM server with py-spy during `run`, spy_start below).
 # What DEST holds and the calls that bring it: benchmarks/gpu_carries.sh. Staged copies live under
 # $HOME (vllm-site, voicebot-site, gpu-models), so a later call on the same machine carries nothing.
 set -euo pipefail
@@ -60,6 +61,36 @@ stage() {
     do_ mkdir -p "$MODELS"
     do_ cp -r "$DEST"/models/. "$MODELS"/
   fi
+  if [ -d "$DEST/tools" ]; then  # py-spy, for SUITE_SPY
+    do_ "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target "$HOME/tools-site" "$DEST"/tools/*.whl
+  fi
+}
+
+# SUITE_SPY=1: while a run's levels go, a py-spy dump of each process of SVC's LLM server (its
+# process group: the API server, the engine core) every ~0.25 s, into DIR/llm_server.spy.txt
+# (details.tar.xz). A stall of the engine shows as what its main thread was doing meanwhile: it
+# found vLLM compiling its top-p sampler in the middle of a burst (docs/gpu-results.md).
+spy_start() {
+  local dir=$1 spy=$HOME/tools-site/bin/py-spy
+  SPY_PID=""
+  [ "${SUITE_SPY:-0}" = 1 ] || return 0
+  [ -n "${SUITE_SVC:-}" ] || { echo "SUITE_SPY needs SUITE_SVC (the LLM server to sample)" >&2; exit 2; }
+  if [ "$DRY" = 1 ]; then echo "py-spy dump of the process group of $SUITE_SVC/llm_server.json every 0.25 s > $dir/llm_server.spy.txt"; return 0; fi
+  [ -x "$spy" ] || { echo "no $spy: carry DEST/tools (benchmarks/gpu_carries.sh) and stage it" >&2; exit 2; }
+  local group pids
+  group=$("$PY" -c "import json, sys; print(json.load(open(sys.argv[1]))['pid'])" "$SUITE_SVC/llm_server.json")
+  pids=$(pgrep -g "$group" | tr '\n' ' ')
+  ( while true; do
+      for p in $pids; do echo "=== $(date +%T.%N) pid $p"; timeout 3 "$spy" dump --pid "$p" --nonblocking 2>&1 | head -80; done
+      sleep 0.2
+    done > "$dir/llm_server.spy.txt" 2>&1 ) &
+  SPY_PID=$!
+}
+
+spy_stop() {
+  [ -n "${SPY_PID:-}" ] && kill "$SPY_PID" 2>/dev/null
+  return 0
 }
 
 plugin_entry_point() {  # voicebot runs from the repo copy, not pip-installed: vLLM's spawned engine
@@ -167,9 +198,12 @@ run() {
   fi
   local fe=(--frontends "${SUITE_FRONTENDS:-2}")
   [ -n "${SUITE_WORKERS:-}" ] && fe=(--server-workers "$SUITE_WORKERS")
+  spy_start "$dir"
   do_ "$PY" benchmarks/pipeline_gpu.py run "${FLAGS[@]}" --remote-llm --remote-tts "${ASR_FLAGS[@]}" "${svc[@]}" \
     "${fe[@]}" --audio "$MODELS"/audio/*.wav --sessions "${levels[@]}" \
-    --turns "${SUITE_TURNS:-2}" --warm-level "${SUITE_WARM:-0}" --start-timeout-s 300 --keep-going --max-wall-s "${SUITE_WALL_S:-480}" --out "$dir"
+    --turns "${SUITE_TURNS:-2}" --warm-level "${SUITE_WARM:-0}" --start-timeout-s 300 --keep-going --max-wall-s "${SUITE_WALL_S:-480}" --out "$dir" \
+    || { spy_stop; exit 1; }
+  spy_stop
   do_ "$PY" benchmarks/pipeline_gpu.py plot "$dir/pipeline.json" --png "$dir/pipeline.png"
   do_ sh -c "nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > $dir/device.txt"
   # A call brings back 8 files of $OUT: the summary, its plot and the device stay files, the rest

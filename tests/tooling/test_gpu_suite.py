@@ -368,3 +368,20 @@ def test_a_level_where_many_replies_stall_fails_though_its_rtf_p5_passes() -> No
            "turns": {"turns": 512}, "stalled_replies": 275}
     assert pg.level_fails(row, args) == ["275 of 512 replies stalled > 5%"]
     assert pg.level_fails({**row, "stalled_replies": 23}, args) == [], "23 of 512: the 256-caller rows pass as before"
+
+
+def test_a_spied_run_samples_the_llm_server_while_its_levels_go(tmp_path: Path) -> None:
+    # SUITE_SPY=1 found what held every LLM request 2-4 s in a burst (vLLM compiling its
+    # sampler); the sampler starts before the levels and needs the services' LLM server.
+    import os
+
+    svc = tmp_path / "svc"
+    env = dict(os.environ, SUITE_SVC=str(svc), SUITE_SPY="1")
+    lines = dry_run(tmp_path / "gpu", tmp_path / "out", "256", env=env)
+    spy = [i for i, cmd in enumerate(lines) if cmd[:1] == ["py-spy"]]
+    run = [i for i, cmd in enumerate(lines) if cmd[2:3] == ["run"]]
+    assert spy and run and spy[0] < run[0], lines
+    assert f"{svc}/llm_server.json" in lines[spy[0]] and lines[spy[0]][-1].endswith("/llm_server.spy.txt")
+    proc = subprocess.run(["bash", str(SUITE), "run", "--dry-run", str(tmp_path / "gpu"), str(tmp_path / "out"), "256"],
+                          capture_output=True, text=True, timeout=30, env=dict(os.environ, SUITE_SPY="1"))
+    assert proc.returncode == 2 and "SUITE_SPY needs SUITE_SVC" in proc.stderr
