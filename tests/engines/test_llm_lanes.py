@@ -12,6 +12,7 @@ from voicebot.config import LlmConfig
 from voicebot.engines.contracts import Lane
 from voicebot.engines.llm.inprocess import LlmEngine
 from voicebot.engines.llm.lanes import BackgroundQueueFull
+from voicebot.errors import EngineError
 
 
 def engine(limit: int) -> LlmEngine:
@@ -183,6 +184,7 @@ class SamplingLog(LlmEngine):
         self.asked: list[dict[str, object]] = []
         self.in_flight = 0
         self.sizes: list[int] = []  # requests in flight at each step
+        self.fail_at: int | None = None  # a request of this many tokens fails
 
     def _params(self, values: dict[str, object]) -> dict[str, object]:
         return values
@@ -193,6 +195,9 @@ class SamplingLog(LlmEngine):
         self.asked.append({"lane": lane, **params})
         self.in_flight += 1
         try:
+            if params["max_tokens"] == self.fail_at:
+                await asyncio.sleep(0)
+                raise EngineError("the tier refused it")
             for _ in range(params["max_tokens"]):
                 await asyncio.sleep(0)
                 self.sizes.append(self.in_flight)
@@ -224,3 +229,12 @@ async def test_no_sampling_warm_up_unless_configured() -> None:
     e = SamplingLog(rows=0)
     await e._warm_sampling()
     assert e.asked == [] and e.sampling_warmed == 0
+
+
+async def test_a_failing_warm_reply_fails_the_start_with_its_own_error_and_aborts_the_others() -> None:
+    e = SamplingLog(rows=8)
+    e.fail_at = 6
+    with pytest.raises(EngineError, match="the tier refused it"):
+        await e._warm_sampling()
+    assert e.in_flight == 0, "the other warm replies were aborted, none left running"
+    assert e.sampling_warmed == 0

@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 _WARM_PROMPT = list(range(16))
 _WARM_LEAD = 4
 
+
 class BackgroundQueueFull(EngineError):
     """Too many background requests already wait for a slot; this one is refused."""
 
@@ -359,7 +360,12 @@ class LaneEngine(ABC):
             async for delta in self.generate(_WARM_PROMPT, max_tokens=tokens, min_tokens=tokens, stats=st):
                 self.sampling_warmed_tokens += delta.token_count
 
-        await asyncio.gather(*(reply(_WARM_LEAD + i) for i in range(rows)))
+        try:
+            async with asyncio.TaskGroup() as group:  # one failing cancels (aborts) the others
+                for i in range(rows):
+                    group.create_task(reply(_WARM_LEAD + i))
+        except ExceptionGroup as failed:
+            raise failed.exceptions[0] from None  # the start fails with the engine's own error, not a group
         self.sampling_warmed = rows
         log.info("LLM sampling warmed: %d replies at once, one fewer each step, in %.1f s", rows, time.monotonic() - started)
 
