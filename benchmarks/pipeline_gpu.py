@@ -854,17 +854,18 @@ def replace_recorded(out: Path, name: str) -> None:
         recorded.unlink()
 
 
-def recorded_url(path: Path, what: str) -> str | None:
-    """The URL of a server an earlier detached part recorded in ``path``, if it still runs
-    (a recorded server that is gone is forgotten, so the caller starts one)."""
+def recorded_server(path: Path, what: str) -> dict[str, Any] | None:
+    """What an earlier detached part recorded in ``path`` of a server (its pid, url, and
+    command line), if it still runs (a recorded server that is gone is forgotten, so the
+    caller starts one)."""
     if not path.exists():
         return None
-    info = json.loads(path.read_text())
+    info: dict[str, Any] = json.loads(path.read_text())
     if not group_alive(int(info["pid"])):
         print(f"the recorded {what} (pid {info['pid']}) is gone: starting one", flush=True)
         path.unlink()
         return None
-    return str(info["url"])
+    return info
 
 
 def stop_recorded(out: Path, names: tuple[str, ...] = ("tts_server.json", "asr_server.json", "llm_server.json"),
@@ -1149,10 +1150,10 @@ def run_main(args: argparse.Namespace) -> int:
             https = [u.replace("ws://", "http://").rsplit("/ws", 1)[0] for u in urls]
             pids = [read_pid(p) for p in sorted(out.glob("server*.pid"))]
         else:
-            if args.remote_llm and not llm_url:  # started by ``llm-server``
-                llm_url = recorded_url(recorded, "LLM server")
-                if llm_url:  # its flags (--stream-interval, --api-server-count) are this run's too
-                    run_info["llm_server_cmd"] = json.loads(recorded.read_text()).get("cmd")
+            llm_info = recorded_server(recorded, "LLM server") if args.remote_llm and not llm_url else None
+            if llm_info:  # started by ``llm-server``: its flags are this run's too
+                llm_url = str(llm_info["url"])
+                run_info["llm_server_cmd"] = llm_info.get("cmd")
             if args.remote_llm and not llm_url:
                 llm = LlmServer(args, out)
                 print("starting the LLM server ...", flush=True)
@@ -1164,7 +1165,8 @@ def run_main(args: argparse.Namespace) -> int:
                 run_info["llm_server_wait_s"] = round(wait_http_ok(llm_url + "/health", args.start_timeout_s), 1)
             for kind in ("asr", "tts"):  # the ASR service first: its vLLM sizes itself from free memory
                 if wanted[kind] and not svc_url[kind]:  # started by ``asr-server`` / ``tts-server``
-                    svc_url[kind] = recorded_url(svc_recorded[kind], f"{kind.upper()} service")
+                    svc_info = recorded_server(svc_recorded[kind], f"{kind.upper()} service")
+                    svc_url[kind] = str(svc_info["url"]) if svc_info else None
                 if wanted[kind] and not svc_url[kind]:
                     service = services[kind] = ServiceServer(args, out, kind)
                     print(f"starting the shared {kind.upper()} service ...", flush=True)
