@@ -385,3 +385,23 @@ def test_a_spied_run_samples_the_llm_server_while_its_levels_go(tmp_path: Path) 
     proc = subprocess.run(["bash", str(SUITE), "run", "--dry-run", str(tmp_path / "gpu"), str(tmp_path / "out"), "256"],
                           capture_output=True, text=True, timeout=30, env=dict(os.environ, SUITE_SPY="1"))
     assert proc.returncode == 2 and "SUITE_SPY needs SUITE_SVC" in proc.stderr
+
+
+def test_a_recorded_server_is_read_whole_while_it_runs_and_forgotten_once_gone(tmp_path: Path) -> None:
+    # A run takes a detached LLM server's URL and its command line (the flags the run's
+    # levels ran under: results.runs[].llm_server_cmd) from one read of its record.
+    import json
+    import sys
+
+    pg = pipeline_gpu()
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    record = tmp_path / "llm_server.json"
+    cmd = ["vllm", "serve", "--stream-interval", "4"]
+    record.write_text(json.dumps({"pid": proc.pid, "url": "http://127.0.0.1:1", "cmd": cmd}))
+    try:
+        info = pg.recorded_server(record, "LLM server")
+        assert info is not None and info["url"] == "http://127.0.0.1:1" and info["cmd"] == cmd
+    finally:
+        proc.kill()
+        proc.wait()
+    assert pg.recorded_server(record, "LLM server") is None and not record.exists(), "gone: forgotten"
