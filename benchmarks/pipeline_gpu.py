@@ -465,6 +465,12 @@ class Server:
     def http(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def tmp(self) -> Path | None:
+        """With server.workers: the workers' private folder (their sockets), their TMPDIR,
+        where worker_endpoints() finds them; spawn() makes it."""
+        return self.out / f"server{self.suffix}_tmp" if getattr(self.args, "server_workers", 0) else None
+
     def start(self) -> float:
         self.spawn()
         return self.wait()
@@ -475,6 +481,8 @@ class Server:
                "--host", "127.0.0.1", "--port", str(self.port)]
         for item in server_overrides(args, self.llm_url, self.asr_url, self.tts_url):
             cmd += ["--set", item]
+        if self.tmp is not None:
+            self.tmp.mkdir(parents=True, exist_ok=True)
         env = self.environment()
         (self.out / f"server{self.suffix}_cmd.json").write_text(
             json.dumps({"cmd": cmd, "patches": patch_options(args)}, indent=1))
@@ -486,11 +494,9 @@ class Server:
         (self.out / f"server{self.suffix}.pid").write_text(f"{self.proc.pid} {self.port}\n")
 
     def environment(self) -> dict[str, str]:
+        """The frontend's environment: the patches, and with workers their folder as TMPDIR."""
         env = dict(os.environ, **{PATCH_ENV: json.dumps(patch_options(self.args))})
-        if getattr(self.args, "server_workers", 0):
-            # The workers' private folder (their sockets) where worker_endpoints() finds it.
-            self.tmp = self.out / f"server{self.suffix}_tmp"
-            self.tmp.mkdir(parents=True, exist_ok=True)
+        if self.tmp is not None:
             # torch's compile cache follows TMPDIR: kept where it was, out of the run folder
             # (whose archive comes back from the device) and shared by the runs of a machine.
             env.setdefault("TORCHINDUCTOR_CACHE_DIR",
@@ -523,6 +529,7 @@ class Server:
                 if rows and all(w.get("status") == "ok" for w in rows):
                     bases = []
                     for w in rows:
+                        assert self.tmp is not None, "spawned with server.workers"
                         (sock,) = self.tmp.glob(f"voicebot-*/worker-{w['worker']}.sock")
                         bases.append(f"unix:{sock}")
                     return bases, [w.get("pid") for w in rows]
