@@ -222,6 +222,7 @@ async def test_the_frontends_start_samples_replies_on_the_tier_to_their_full_len
     llm = server.state.engines.llm
     assert isinstance(llm, RemoteLlmEngine)
     assert llm.sampling_warmed == 3 and llm.sampling_warmed_tokens == 4 + 5 + 6
+    assert llm.grammar_warmed, "the constrained reply's grammar (a choice) reached the server as JSON"
 
 
 async def test_calls_get_spoken_replies_each_pinned_to_its_server_and_hit_its_prefix_cache(

@@ -52,6 +52,7 @@ async def test_start_up_sampled_its_warm_replies_to_their_full_length(llm_engine
     # 4, 3, 2, 1 are then each sampled; tests/engines/test_llm_lanes.py has the why).
     assert llm_engine.sampling_warmed == 4
     assert llm_engine.sampling_warmed_tokens == 4 + 5 + 6 + 7
+    assert llm_engine.grammar_warmed, "and one constrained reply (tool grammars are on in the test config)"
 
 
 async def test_second_turn_hits_the_prefix_cache(llm_engine: LlmEngine) -> None:

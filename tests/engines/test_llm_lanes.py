@@ -178,8 +178,9 @@ class SamplingLog(LlmEngine):
     """LlmEngine over a fake transport that streams each request's ``max_tokens`` tokens, one
     per step, and records what each asked for and how many ran at once."""
 
-    def __init__(self, rows: int) -> None:
-        super().__init__(LlmConfig(warm_sampling_rows=rows, temperature=0.6, top_p=0.9), model_path="unused")
+    def __init__(self, rows: int, tool_grammar: str = "off") -> None:
+        cfg = LlmConfig(warm_sampling_rows=rows, temperature=0.6, top_p=0.9, tool_grammar=tool_grammar)
+        super().__init__(cfg, model_path="unused")
         self._engine = object()  # type: ignore[assignment]  # "started"
         self.asked: list[dict[str, object]] = []
         self.in_flight = 0
@@ -198,7 +199,7 @@ class SamplingLog(LlmEngine):
             if params["max_tokens"] == self.fail_at:
                 await asyncio.sleep(0)
                 raise EngineError("the tier refused it")
-            for _ in range(params["max_tokens"]):
+            for _ in range(params["max_tokens"] if not params.get("structured_outputs") else 1):
                 await asyncio.sleep(0)
                 self.sizes.append(self.in_flight)
                 yield TextDelta("x", 1)
@@ -238,3 +239,20 @@ async def test_a_failing_warm_reply_fails_the_start_with_its_own_error_and_abort
         await e._warm_sampling()
     assert e.in_flight == 0, "the other warm replies were aborted, none left running"
     assert e.sampling_warmed == 0
+
+
+async def test_with_tool_grammars_the_start_up_also_runs_one_constrained_reply() -> None:
+    # vLLM on a GPU applies a structured output's grammar with a Triton kernel compiled at
+    # the first constrained request (vllm/v1/worker/gpu/structured_outputs.py in 0.26): the
+    # first tool call on a fresh server would hold every request in flight as the sampler
+    # did. One constrained reply at start-up compiles it (its arguments are the vocabulary's
+    # sizes: one specialisation). No min_tokens: a grammar that is done may only end.
+    e = SamplingLog(rows=8, tool_grammar="always")
+    await e._warm_sampling()
+    constrained = [a for a in e.asked if a.get("structured_outputs") is not None]
+    assert len(constrained) == 1 and len(e.asked) == 8 + 1
+    assert not constrained[0]["min_tokens"]
+    assert e.grammar_warmed
+    plain = SamplingLog(rows=8)  # tool_grammar off: no constrained request is ever sent
+    await plain._warm_sampling()
+    assert all(a.get("structured_outputs") is None for a in plain.asked) and not plain.grammar_warmed

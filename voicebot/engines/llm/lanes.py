@@ -130,6 +130,7 @@ class LaneEngine(ABC):
         self.cached_tokens_total = 0
         self.sampling_warmed = 0  # replies sampled at start-up (_warm_sampling), and their tokens
         self.sampling_warmed_tokens = 0
+        self.grammar_warmed = False  # one constrained reply at start-up (_warm_grammar)
 
     # ----------------------------------------------------------- the backend's part
     @abstractmethod
@@ -367,7 +368,24 @@ class LaneEngine(ABC):
         except ExceptionGroup as failed:
             raise failed.exceptions[0] from None  # the start fails with the engine's own error, not a group
         self.sampling_warmed = rows
+        if self.cfg.tool_grammar != "off":
+            await self._warm_grammar()
         log.info("LLM sampling warmed: %d replies at once, one fewer each step, in %.1f s", rows, time.monotonic() - started)
+
+    async def _warm_grammar(self) -> None:
+        """One constrained reply (a choice), for tool calls' structured outputs: vLLM on a GPU
+        applies a grammar's token mask with a Triton kernel compiled at the first constrained
+        request (vllm/v1/worker/gpu/structured_outputs.py), which would otherwise be the
+        first tool call of a fresh server, holding every request in flight as the sampler's
+        compile did. Its arguments are the vocabulary's sizes: one compile. No min_tokens: a
+        grammar that is done allows only the end of text."""
+        from vllm.sampling_params import StructuredOutputsParams
+
+        st = GenerationStats("", Lane.INTERACTIVE, best_effort=True)
+        grammar = StructuredOutputsParams(choice=["yes", "no"])
+        async for _ in self.generate(_WARM_PROMPT, max_tokens=_WARM_LEAD, structured_outputs=grammar, stats=st):
+            pass
+        self.grammar_warmed = True
 
     async def complete(self, prompt_ids: list[int], **kwargs: Any) -> str:
         """Collect a whole reply (background summaries, tests)."""
