@@ -350,7 +350,8 @@ class LaneEngine(ABC):
         step that needs each of its shape classes, in the engine's one process, so every
         request in flight waits for it; a fresh server's first burst of callers stalled
         2.6 s, twice (docs/gpu-results.md). The first ``_WARM_LEAD`` steps give the requests
-        time to join one batch; ``min_tokens`` keeps an early end of text from shortening one."""
+        time to join one batch; ``min_tokens`` keeps an early end of text from shortening one.
+        With tool grammars on, :meth:`_warm_grammar` follows."""
         rows = self.cfg.warm_sampling_rows
         if not rows:
             return
