@@ -221,7 +221,7 @@ async def test_the_frontends_start_samples_replies_on_the_tier_to_their_full_len
     # the request's min_tokens reached the server (a random model ends text when it likes).
     llm = server.state.engines.llm
     assert isinstance(llm, RemoteLlmEngine)
-    assert llm.sampling_warmed == 3 and llm.sampling_warmed_tokens == 4 + 5 + 6
+    assert llm.sampling_warmed == 3 and llm.sampling_warmed_tokens == 2 * (4 + 5 + 6) + 7, "alone, then beside a greedy 7"
     assert llm.grammar_warmed, "the constrained reply's grammar (a choice) reached the server as JSON"
 
 

@@ -51,7 +51,7 @@ async def test_start_up_sampled_its_warm_replies_to_their_full_length(llm_engine
     # likes, so each length held only because the request said min_tokens (the batch sizes
     # 4, 3, 2, 1 are then each sampled; tests/engines/test_llm_lanes.py has the why).
     assert llm_engine.sampling_warmed == 4
-    assert llm_engine.sampling_warmed_tokens == 4 + 5 + 6 + 7
+    assert llm_engine.sampling_warmed_tokens == 2 * (4 + 5 + 6 + 7) + 8, "alone, then beside a greedy reply of 8"
     assert llm_engine.grammar_warmed, "and one constrained reply (tool grammars are on in the test config)"
 
 

@@ -185,6 +185,8 @@ class SamplingLog(LlmEngine):
         self.asked: list[dict[str, object]] = []
         self.in_flight = 0
         self.sizes: list[int] = []  # requests in flight at each step
+        self.greedy = 0  # greedy requests (temperature 0) in flight
+        self.mixed_sizes: list[int] = []  # requests in flight at each step one of them was greedy
         self.fail_at: int | None = None  # a request of this many tokens fails
 
     def _params(self, values: dict[str, object]) -> dict[str, object]:
@@ -195,6 +197,8 @@ class SamplingLog(LlmEngine):
 
         self.asked.append({"lane": lane, **params})
         self.in_flight += 1
+        greedy = params.get("temperature") == 0.0
+        self.greedy += greedy
         try:
             if params["max_tokens"] == self.fail_at:
                 await asyncio.sleep(0)
@@ -202,9 +206,12 @@ class SamplingLog(LlmEngine):
             for _ in range(params["max_tokens"] if not params.get("structured_outputs") else 1):
                 await asyncio.sleep(0)
                 self.sizes.append(self.in_flight)
+                if self.greedy:
+                    self.mixed_sizes.append(self.in_flight)
                 yield TextDelta("x", 1)
         finally:
             self.in_flight -= 1
+            self.greedy -= greedy
 
 
 async def test_start_up_samples_replies_at_every_batch_size_before_the_first_caller() -> None:
@@ -215,15 +222,34 @@ async def test_start_up_samples_replies_at_every_batch_size_before_the_first_cal
     # one fewer each step, so every batch size up to it is sampled once.
     e = SamplingLog(rows=32)
     await e._warm_sampling()
-    assert len(e.asked) == 32
-    lengths = sorted(a["max_tokens"] for a in e.asked)
+    sampled = [a for a in e.asked if a["temperature"] != 0.0]
+    assert len(sampled) == 2 * 32, "twice: alone, then beside a greedy reply (test below)"
+    lengths = sorted(a["max_tokens"] for a in sampled[:32])
     assert len(set(lengths)) == 32, "each stops a step after the one before"
     assert all(a["min_tokens"] == a["max_tokens"] for a in e.asked), "none may stop early at an end of text"
-    assert all(a["temperature"] == 0.6 and a["top_p"] == 0.9 for a in e.asked), "sampled as a reply is"
+    assert all(a["temperature"] == 0.6 and a["top_p"] == 0.9 for a in sampled), "sampled as a reply is"
     assert {a["lane"] for a in e.asked} == {Lane.INTERACTIVE}
     assert set(range(1, 33)) <= set(e.sizes), "every batch size from 32 down to 1"
     assert e.requests_total == 0, "not replies: the totals (cache hit ratio) leave them out"
     assert e.sampling_warmed == 32
+
+
+async def test_start_up_also_samples_every_batch_size_beside_a_greedy_reply() -> None:
+    # vLLM 0.26 on an H200 samples a batch whose rows all sample with FlashInfer, and a batch
+    # with any greedy row in it (our prefix warm-ups and background tasks run at temperature
+    # 0) with its own Triton top-p kernel. A live burst has both kinds of batch. A warm-up of
+    # sampled rows alone compiled only the first: the first burst still held every request
+    # for the Triton compile (docs/gpu-results.md, 2026-11-30). So the sampled replies run a
+    # second time beside one greedy reply that outlasts them all.
+    e = SamplingLog(rows=32)
+    await e._warm_sampling()
+    greedy = [a for a in e.asked if a["temperature"] == 0.0]
+    assert len(greedy) == 1
+    assert greedy[0]["max_tokens"] > max(a["max_tokens"] for a in e.asked if a is not greedy[0])
+    assert greedy[0]["min_tokens"] == greedy[0]["max_tokens"]
+    assert set(range(1, 34)) <= set(e.mixed_sizes), "every batch size from 33 down to 1 with the greedy row in it"
+    assert e.greedy == 0 and e.in_flight == 0
+    assert e.sampling_warmed == 32 and e.sampling_warmed_tokens == 2 * sum(range(4, 36)) + 36
 
 
 async def test_no_sampling_warm_up_unless_configured() -> None:
@@ -250,7 +276,7 @@ async def test_with_tool_grammars_the_start_up_also_runs_one_constrained_reply()
     e = SamplingLog(rows=8, tool_grammar="always")
     await e._warm_sampling()
     constrained = [a for a in e.asked if a.get("structured_outputs") is not None]
-    assert len(constrained) == 1 and len(e.asked) == 8 + 1
+    assert len(constrained) == 1 and len(e.asked) == 2 * 8 + 1 + 1
     assert not constrained[0]["min_tokens"]
     assert e.grammar_warmed
     plain = SamplingLog(rows=8)  # tool_grammar off: no constrained request is ever sent

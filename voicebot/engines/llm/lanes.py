@@ -345,33 +345,44 @@ class LaneEngine(ABC):
         """Replies sampled as live ones are (``_sampling``'s defaults), ``llm.warm_sampling_rows``
         of them at once, each stopping one step after the one before: the engine's sampler
         then runs every batch size from that many rows down to one before any caller does.
+        Twice: alone, then beside one greedy reply that outlasts them all.
 
         Why: vLLM on a GPU compiles its batched top-p sampler (a Triton kernel) at the first
         step that needs each of its shape classes, in the engine's one process, so every
         request in flight waits for it; a fresh server's first burst of callers stalled
-        2.6 s, twice (docs/gpu-results.md). The first ``_WARM_LEAD`` steps give the requests
-        time to join one batch; ``min_tokens`` keeps an early end of text from shortening one.
-        With tool grammars on, :meth:`_warm_grammar` follows."""
+        2.6 s, twice (docs/gpu-results.md). vLLM 0.26 takes that kernel only for a batch with
+        a greedy row in it (our prefix warm-ups and background tasks run at temperature 0);
+        a batch of sampled rows alone goes to FlashInfer's sampler. A live burst has both, so
+        the warm-up has both. The first ``_WARM_LEAD`` steps give the requests time to join
+        one batch; ``min_tokens`` keeps an early end of text from shortening one. With tool
+        grammars on, :meth:`_warm_grammar` follows."""
         rows = self.cfg.warm_sampling_rows
         if not rows:
             return
         started = time.monotonic()
 
-        async def reply(tokens: int) -> None:
+        async def reply(tokens: int, temperature: float | None = None) -> None:
             st = GenerationStats("", Lane.INTERACTIVE, best_effort=True)  # not a reply: kept out of the totals
-            async for delta in self.generate(_WARM_PROMPT, max_tokens=tokens, min_tokens=tokens, stats=st):
+            stream = self.generate(_WARM_PROMPT, max_tokens=tokens, min_tokens=tokens, temperature=temperature, stats=st)
+            async for delta in stream:
                 self.sampling_warmed_tokens += delta.token_count
 
-        try:
-            async with asyncio.TaskGroup() as group:  # one failing cancels (aborts) the others
-                for i in range(rows):
-                    group.create_task(reply(_WARM_LEAD + i))
-        except ExceptionGroup as failed:
-            raise failed.exceptions[0] from None  # the start fails with the engine's own error, not a group
+        for beside_greedy in (False, True):
+            try:
+                async with asyncio.TaskGroup() as group:  # one failing cancels (aborts) the others
+                    if beside_greedy:
+                        group.create_task(reply(_WARM_LEAD + rows, temperature=0.0))
+                    for i in range(rows):
+                        group.create_task(reply(_WARM_LEAD + i))
+            except ExceptionGroup as failed:
+                raise failed.exceptions[0] from None  # the start fails with the engine's own error, not a group
         self.sampling_warmed = rows
         if self.cfg.tool_grammar != "off":
             await self._warm_grammar()
-        log.info("LLM sampling warmed: %d replies at once, one fewer each step, in %.1f s", rows, time.monotonic() - started)
+        log.info(
+            "LLM sampling warmed: %d replies at once, one fewer each step, alone and beside a greedy one, in %.1f s",
+            rows, time.monotonic() - started,
+        )
 
     async def _warm_grammar(self) -> None:
         """One constrained reply (a choice), for tool calls' structured outputs: vLLM on a GPU
