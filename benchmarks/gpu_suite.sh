@@ -81,8 +81,10 @@ spy_start() {
   local group pids
   group=$("$PY" -c "import json, sys; print(json.load(open(sys.argv[1]))['pid'])" "$SUITE_SVC/llm_server.json")
   pids=$(pgrep -g "$group" | tr '\n' ' ')
+  # -k 1: a dump that ignores its TERM is killed (2026-11-30: the sampling stopped for good
+  # 20 s into a run, after dumps that failed with "Failed to copy PyCodeObject")
   ( while true; do
-      for p in $pids; do echo "=== $(date +%T.%N) pid $p"; timeout 3 "$spy" dump --pid "$p" --nonblocking 2>&1 | head -80; done
+      for p in $pids; do echo "=== $(date +%T.%N) pid $p"; timeout -k 1 3 "$spy" dump --pid "$p" --nonblocking 2>&1 | head -80; done
       sleep 0.2
     done > "$dir/llm_server.spy.txt" 2>&1 ) &
   SPY_PID=$!
