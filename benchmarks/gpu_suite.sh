@@ -32,6 +32,8 @@
 # LLM server's HTTP front processes, `vllm serve --api-server-count`, for `services`, `llm` and `run`),
 # SUITE_LLM_STREAM_INTERVAL (1: tokens per streamed chunk after the first, `vllm serve --stream-interval`).
 # SUITE_SPY (0; 1: sample SUITE_SVC's LLM server with py-spy during `run`, spy_start below).
+# SUITE_TTS_GPU, SUITE_ASR_GPU (unset: the first GPU; I: that service alone on GPU I, e.g. 1 on
+# an nvidia-h200-x2 machine, for `services`, `tts` and `run`; the LLM server keeps GPU 0).
 # What DEST holds and the calls that bring it: benchmarks/gpu_carries.sh. Staged copies live under
 # $HOME (vllm-site, voicebot-site, gpu-models), so a later call on the same machine carries nothing.
 set -euo pipefail
@@ -127,6 +129,9 @@ common_flags() {
     --set tts.max_batch=64 --set asr.partial_interval_ms=4000 --set "server.max_sessions=$((most + 8))"
     --set "vad.smart_turn_model=$MODELS/smart-turn" --set models.offline=true
     --llm-api-servers "${SUITE_LLM_API_SERVERS:-1}" --llm-stream-interval "${SUITE_LLM_STREAM_INTERVAL:-1}")
+  # a machine of several GPUs: the ASR / TTS service on a GPU of its own (the LLM server keeps the first)
+  if [ -n "${SUITE_ASR_GPU:-}" ]; then FLAGS+=(--asr-gpu "$SUITE_ASR_GPU"); fi
+  if [ -n "${SUITE_TTS_GPU:-}" ]; then FLAGS+=(--tts-gpu "$SUITE_TTS_GPU"); fi
   # shellcheck disable=SC2206  # SUITE_ARGS is a list of flags
   FLAGS+=(${SUITE_ARGS:-})
 }

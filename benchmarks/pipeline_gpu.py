@@ -700,17 +700,27 @@ class ServiceServer:
             cmd += ["--set", item]
         return cmd
 
+    def environment(self) -> dict[str, str]:
+        """What the service's process gets on top of this one's environment: the benchmark
+        patches (the ASR's; the TTS service runs unpatched) and, with --asr-gpu / --tts-gpu,
+        the one GPU it may see (the LLM server keeps the first)."""
+        patches = patch_options(self.args) if self.kind == "asr" else {}
+        env = {PATCH_ENV: json.dumps(patches)}
+        gpu = getattr(self.args, f"{self.kind}_gpu", None)
+        if gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+        return env
+
     def spawn(self) -> None:
         cmd = self.command()
-        patches = patch_options(self.args) if self.kind == "asr" else {}  # the TTS service runs unpatched
-        env = dict(os.environ, **{PATCH_ENV: json.dumps(patches)})
+        env = self.environment()
         self.out.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=env, start_new_session=True)
+                                     env=dict(os.environ, **env), start_new_session=True)
         (self.out / f"{self.kind}_server.json").write_text(json.dumps(
-            {"pid": self.proc.pid, "port": self.port, "url": self.url, "cmd": cmd, "patches": patches},
-            indent=1) + "\n")
+            {"pid": self.proc.pid, "port": self.port, "url": self.url, "cmd": cmd, "env": env,
+             "patches": json.loads(env[PATCH_ENV])}, indent=1) + "\n")
 
     def start(self) -> float:
         self.spawn()
@@ -924,25 +934,37 @@ class GpuSampler(threading.Thread):
     def __init__(self) -> None:
         super().__init__(daemon=True)
         self.stop_flag = threading.Event()
-        self.busy: list[float] = []
-        self.mem_mib: list[float] = []
+        self.samples: list[list[tuple[float, float]]] = []  # per GPU: (busy %, MiB) each second
+
+    def add(self, gpus: list[tuple[float, float]]) -> None:
+        for i, sample in enumerate(gpus):
+            if i == len(self.samples):
+                self.samples.append([])
+            self.samples[i].append(sample)
 
     def run(self) -> None:
         cmd = ["nvidia-smi", "--query-gpu=utilization.gpu,memory.used", "--format=csv,noheader,nounits"]
         while not self.stop_flag.wait(1.0):
             with contextlib.suppress(OSError, subprocess.SubprocessError):
-                out = subprocess.run(cmd, capture_output=True, text=True, timeout=5).stdout
-                for busy, mem in parse_gpu_sample(out)[:1]:  # the first GPU: the runs use one
-                    self.busy.append(busy)
-                    self.mem_mib.append(mem)
+                self.add(parse_gpu_sample(subprocess.run(cmd, capture_output=True, text=True, timeout=5).stdout))
 
     def summary(self) -> dict[str, Any]:
         self.stop_flag.set()
-        self.join(6)
-        if not self.busy:
+        if self.is_alive():
+            self.join(6)
+        if not self.samples:
             return {"samples": 0}
-        return {"samples": len(self.busy), "busy_mean_pct": round(sum(self.busy) / len(self.busy), 1),
-                "busy_max_pct": max(self.busy), "mem_used_max_mib": max(self.mem_mib)}
+
+        def one(samples: list[tuple[float, float]]) -> dict[str, float]:
+            busy = [b for b, _ in samples]
+            return {"busy_mean_pct": round(sum(busy) / len(busy), 1), "busy_max_pct": max(busy),
+                    "mem_used_max_mib": max(m for _, m in samples)}
+
+        # the first GPU's figures where one-GPU rows have them; each GPU's with several (--tts-gpu)
+        row: dict[str, Any] = {"samples": len(self.samples[0]), **one(self.samples[0])}
+        if len(self.samples) > 1:
+            row["by_gpu"] = [one(s) for s in self.samples]
+        return row
 
 
 class HealthSampler(PeakSampler):
@@ -1489,6 +1511,10 @@ def add_model_args(r: argparse.ArgumentParser) -> None:
     r.add_argument("--llm-stream-interval", type=int, default=1,
                    help="tokens the LLM server gathers per streamed chunk after the first (`vllm serve "
                         "--stream-interval`): fewer chunks to build and parse when many replies stream at once")
+    r.add_argument("--asr-gpu", type=int, metavar="I",
+                   help="the GPU the ASR service runs on, alone visible to it (a machine of several); default: the first")
+    r.add_argument("--tts-gpu", type=int, metavar="I",
+                   help="the GPU the TTS service runs on, alone visible to it (a machine of several); default: the first")
 
 
 def add_whisper_args(r: argparse.ArgumentParser) -> None:

@@ -218,6 +218,45 @@ def test_the_gpu_sampler_reads_nvidia_smi() -> None:
     assert pg.parse_gpu_sample("") == []
 
 
+def test_the_gpu_sampler_keeps_each_gpu_of_a_machine_of_several() -> None:
+    # The TTS service on a GPU of its own (SUITE_TTS_GPU): a level's row says how busy each
+    # GPU was, the first's figures staying where one-GPU rows have them.
+    pg = pipeline_gpu()
+    sampler = pg.GpuSampler()
+    for text in ("40, 1000\n90, 500\n", "60, 1200\n70, 700\n"):
+        sampler.add(pg.parse_gpu_sample(text))
+    row = sampler.summary()
+    assert row["busy_mean_pct"] == 50.0 and row["busy_max_pct"] == 60.0 and row["mem_used_max_mib"] == 1200.0
+    assert row["by_gpu"] == [{"busy_mean_pct": 50.0, "busy_max_pct": 60.0, "mem_used_max_mib": 1200.0},
+                             {"busy_mean_pct": 80.0, "busy_max_pct": 90.0, "mem_used_max_mib": 700.0}]
+    one = pg.GpuSampler()
+    one.add([(30.0, 10.0)])
+    assert "by_gpu" not in one.summary()  # one GPU: the row as before
+
+
+def test_a_service_can_run_on_a_gpu_of_its_own(tmp_path: Path) -> None:
+    """On a machine of two GPUs, SUITE_TTS_GPU=1 (SUITE_ASR_GPU likewise) starts the TTS
+    service with only GPU 1 visible; the LLM server keeps the first. Issue 26 asks whether
+    Kokoro on its own GPU lifts the burst's cap, with numbers."""
+    import os
+
+    pg = pipeline_gpu()
+    svc = tmp_path / "svc"
+    env = dict(os.environ, SUITE_ASR="fastconformer-service", SUITE_TTS_GPU="1", SUITE_ASR_GPU="1")
+    cmds = {c[0]: c for c in pipeline_commands(suite_dry_run("services", tmp_path / "gpu", svc, env=env))}
+    tts = pg.build_parser().parse_args(cmds["tts-server"])
+    assert tts.tts_gpu == 1 and pg.ServiceServer(tts, svc, "tts").environment()["CUDA_VISIBLE_DEVICES"] == "1"
+    asr = pg.build_parser().parse_args(cmds["asr-server"])
+    assert pg.ServiceServer(asr, svc, "asr").environment()["CUDA_VISIBLE_DEVICES"] == "1"
+    llm = pg.build_parser().parse_args(cmds["llm-server"])
+    assert "CUDA_VISIBLE_DEVICES" not in pg.LlmServer(llm, svc).command()[1]
+    again = pipeline_commands(suite_dry_run("tts", tmp_path / "gpu", svc, env=dict(os.environ, SUITE_TTS_GPU="1")))
+    assert pg.build_parser().parse_args(again[0]).tts_gpu == 1, "the tts verb restarts it there too"
+    plain = pg.build_parser().parse_args(pipeline_commands(suite_dry_run(
+        "services", tmp_path / "gpu", svc, env=dict(os.environ, SUITE_ASR="fastconformer-service")))[-1])
+    assert plain.tts_gpu is None and "CUDA_VISIBLE_DEVICES" not in pg.ServiceServer(plain, svc, "tts").environment()
+
+
 def test_the_plot_joins_runs_of_one_layout_into_one_line(tmp_path: Path) -> None:
     import json
 
