@@ -17,6 +17,8 @@
 #   benchmarks/gpu_suite.sh llm DEST SVC             start SVC's LLM server again (the one running is stopped) with
 #                                                    this call's SUITE_* flags, the ASR and TTS services kept
 #   benchmarks/gpu_suite.sh tts DEST SVC             the same for SVC's TTS service (e.g. SUITE_ARGS="--set tts.max_batch=128")
+#   benchmarks/gpu_suite.sh stop DEST SVC            stop every service SVC records (and the MPS daemon
+#                                                    SUITE_MPS started), for `services` again on the machine
 #   --dry-run (after the verb): print what would run, run nothing (any machine)
 #
 # Environment: SUITE_FRONTENDS (2), SUITE_WORKERS (instead: ONE frontend of that many workers on one
@@ -34,11 +36,13 @@
 # SUITE_SPY (0; 1: sample SUITE_SVC's LLM server with py-spy during `run`, spy_start below).
 # SUITE_TTS_GPU, SUITE_ASR_GPU (unset: the first GPU; I: that service alone on GPU I, e.g. 1 on
 # an nvidia-h200-x2 machine, for `services`, `tts` and `run`; the LLM server keeps GPU 0).
+# SUITE_MPS (0; 1: `services` starts NVIDIA's Multi-Process Service daemon first, so that the
+# services' kernels share the GPU at once instead of taking turns in time slices; mps_start below).
 # What DEST holds and the calls that bring it: benchmarks/gpu_carries.sh. Staged copies live under
 # $HOME (vllm-site, voicebot-site, gpu-models), so a later call on the same machine carries nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-verb=${1:?usage: gpu_suite.sh stage DEST | run DEST OUT [LEVEL ...] | services DEST SVC | llm DEST SVC | tts DEST SVC  [--dry-run after the verb]}
+verb=${1:?usage: gpu_suite.sh stage DEST | run DEST OUT [LEVEL ...] | services DEST SVC | llm DEST SVC | tts DEST SVC | stop DEST SVC  [--dry-run after the verb]}
 shift
 DRY=0
 if [ "${1:-}" = --dry-run ]; then DRY=1; shift; fi
@@ -95,6 +99,35 @@ spy_start() {
 spy_stop() {
   [ -n "${SPY_PID:-}" ] && kill "$SPY_PID" 2>/dev/null
   return 0
+}
+
+# SUITE_MPS=1: the services are separate processes on one GPU. Without MPS the GPU runs one
+# process's kernels at a time and switches between them in time slices, so Kokoro's vocoder
+# waits out the LLM's decode steps even where both together would fit the GPU. The daemon
+# uses its default pipe and log folders (/tmp/nvidia-mps, /var/log/nvidia-mps): every CUDA
+# process started on the machine after it joins, with no variable to pass along. It changes no
+# setting of the GPU (compute mode, MIG) and ends with `stop`.
+MPS_CONTROL=nvidia-cuda-mps-control
+mps_control() {  # on the PATH, else in the driver's folder
+  [ "$DRY" = 1 ] || command -v "$MPS_CONTROL" > /dev/null && return 0
+  MPS_CONTROL=/usr/local/nvidia/bin/nvidia-cuda-mps-control
+  [ -x "$MPS_CONTROL" ] || { echo "SUITE_MPS=1: no nvidia-cuda-mps-control on this machine" >&2; exit 2; }
+}
+
+mps_start() {
+  local svc=$1
+  [ "${SUITE_MPS:-0}" = 1 ] || return 0
+  mps_control
+  do_ "$MPS_CONTROL" -d
+  do_ sh -c "echo 'MPS control daemon started by gpu_suite.sh' > $svc/mps.txt"
+}
+
+mps_stop() {  # the daemon `services` started, if it did
+  local svc=$1
+  [ -f "$svc/mps.txt" ] || [ "${SUITE_MPS:-0}" = 1 ] || return 0
+  mps_control
+  do_ sh -c "echo quit | $MPS_CONTROL"
+  do_ rm -f "$svc/mps.txt"
 }
 
 plugin_entry_point() {  # voicebot runs from the repo copy, not pip-installed: vLLM's spawned engine
@@ -158,6 +191,7 @@ services() {
   environment
   common_flags "${SUITE_MAX:-256}"
   do_ mkdir -p "$svc"
+  mps_start "$svc"
   do_ "$PY" benchmarks/pipeline_gpu.py llm-server "${FLAGS[@]}" --start-timeout-s 480 --out "$svc"
   fc_weights  # on the CPU while the LLM compiles
   local after=$svc/llm_server.json
@@ -179,6 +213,14 @@ again() {  # llm-server | tts-server: start SVC's server of that kind again, the
   environment
   common_flags "${SUITE_MAX:-256}"
   do_ "$PY" benchmarks/pipeline_gpu.py "$verb" "${FLAGS[@]}" --replace --wait --start-timeout-s 480 --out "$svc"
+}
+
+stop_all() {
+  local svc=${1:?SVC: the folder the services were started into}
+  environment
+  do_ "$PY" benchmarks/pipeline_gpu.py stop --out "$svc"
+  do_ rm -f "$svc"/llm_server.json "$svc"/asr_server.json "$svc"/tts_server.json
+  mps_stop "$svc"
 }
 
 run() {
@@ -225,5 +267,6 @@ case "$verb" in
   services) services "$@" ;;
   llm) again llm-server "$@" ;;
   tts) again tts-server "$@" ;;
-  *) echo "unknown verb $verb: stage | run | services | llm | tts" >&2; exit 2 ;;
+  stop) stop_all "$@" ;;
+  *) echo "unknown verb $verb: stage | run | services | llm | tts | stop" >&2; exit 2 ;;
 esac

@@ -864,6 +864,14 @@ def copy_log_since(path: Path, offset: int, dest: Path, most: int = 8 << 20) -> 
         dest.write_bytes(f.read())
 
 
+def mps_active() -> bool:
+    """Whether NVIDIA's MPS control daemon runs here (``gpu_suite.sh`` with SUITE_MPS=1): the
+    services' kernels then share the GPU at once rather than in time slices, so a level
+    records it."""
+    pipe = Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps"))
+    return (pipe / "control").exists()
+
+
 def replace_recorded(out: Path, name: str) -> None:
     """Stop the server OUT/``name`` records and forget it: its successor is compared on the
     same other services, which are not started again."""
@@ -1329,6 +1337,7 @@ def run_main(args: argparse.Namespace) -> int:
                 row["server_workers"] = args.server_workers  # the frontends: one port's workers
             if gpu is not None:
                 row["gpu"] = gpu.summary()
+                row["mps"] = mps_active()
             if len(https) > 1:
                 row["server_peaks_by_frontend"] = [s.peaks for s in samplers]
             row["server"] = merge_costs([server_cost(a, b, c, d) for a, b, c, d in zip(loop0, loop1, eng0, eng1,

@@ -458,3 +458,33 @@ def test_a_recorded_server_is_read_whole_while_it_runs_and_forgotten_once_gone(t
         proc.kill()
         proc.wait()
     assert pg.recorded_server(record, "LLM server") is None and not record.exists(), "gone: forgotten"
+
+
+def test_mps_starts_before_the_services_and_stop_ends_both(tmp_path: Path, monkeypatch: Any) -> None:
+    """SUITE_MPS=1: NVIDIA's MPS daemon starts before the first service, so that every service
+    joins it (their kernels share the GPU at once, not in time slices); `stop` stops the
+    services SVC records and then the daemon, so that one machine can compare both layouts.
+    A level records whether MPS ran."""
+    import os
+
+    svc = tmp_path / "svc"
+    lines = suite_dry_run("services", tmp_path / "gpu", svc, env=dict(os.environ, SUITE_MPS="1"))
+    words = [" ".join(line) for line in lines]
+    mps = words.index("nvidia-cuda-mps-control -d")
+    first = next(i for i, cmd in enumerate(lines) if cmd[2:3] == ["llm-server"])
+    assert mps < first
+    plain = suite_dry_run("services", tmp_path / "gpu", svc, env={k: v for k, v in os.environ.items() if k != "SUITE_MPS"})
+    assert not any("nvidia-cuda-mps-control" in " ".join(line) for line in plain)
+
+    stop = suite_dry_run("stop", tmp_path / "gpu", svc, env=dict(os.environ, SUITE_MPS="1"))
+    stops = [" ".join(line) for line in stop]
+    halt = next(i for i, cmd in enumerate(stop) if cmd[2:4] == ["stop", "--out"])
+    assert Path(stop[halt][4]) == svc
+    assert any("echo quit | nvidia-cuda-mps-control" in w for w in stops[halt:])
+
+    pg = pipeline_gpu()
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path / "pipe"))
+    assert not pg.mps_active()
+    (tmp_path / "pipe").mkdir()
+    (tmp_path / "pipe" / "control").touch()
+    assert pg.mps_active()
