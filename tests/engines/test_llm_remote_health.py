@@ -69,3 +69,42 @@ async def test_without_a_loop_watch_every_timeout_counts() -> None:
     engine = tier(httpx.ConnectTimeout, None)
     await fail_requests(engine, THRESHOLD)
     assert engine.dead_reason is not None
+
+
+async def test_a_start_whose_warm_up_fails_closes_its_own_client(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tier lists its model, then refuses the start-up's sampled replies: start() fails
+    with that error and closes the HTTP client it opened, whoever called it (start_all
+    closes engines too, but a caller that starts one engine alone must not leak its pool)."""
+    from voicebot.engines.llm import remote
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m"}]})
+        return httpx.Response(500, text="the tier refused it")
+
+    opened: list[httpx.AsyncClient] = []
+    real_client = httpx.AsyncClient
+
+    def client(**kwargs: object) -> httpx.AsyncClient:
+        c = real_client(transport=httpx.MockTransport(answer), **kwargs)  # type: ignore[arg-type]
+        opened.append(c)
+        return c
+
+    monkeypatch.setattr(remote.httpx, "AsyncClient", client)
+    monkeypatch.setattr(remote, "load_tokenizer", lambda path: FakeTokenizer())
+    cfg = LlmConfig(backend="remote", warm_sampling_rows=2, remote=RemoteLlmConfig(retries=0))
+    engine = RemoteLlmEngine(cfg, "unused-tokenizer")
+    with pytest.raises(RemoteLlmError):
+        await engine.start()
+    assert len(opened) == 1 and opened[0].is_closed
+    assert engine.dead_reason == "not started"
+
+
+class FakeTokenizer:
+    """What the engine asks of a tokenizer at start and to render the warm-up's prompt."""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [1, 2, 3]
+
+    def apply_chat_template(self, messages: object, **kwargs: object) -> list[int]:
+        return [1, 2, 3]

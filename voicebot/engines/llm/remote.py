@@ -129,7 +129,11 @@ class RemoteLlmEngine(LaneEngine):
             raise
         self._client = client
         self._engine = client  # the backend's handle: LaneEngine.generate checks it for "started"
-        await self._warm_sampling()  # the tier's sampler, before this frontend's first caller
+        try:
+            await self._warm_sampling()  # the tier's sampler, before this frontend's first caller
+        except BaseException:
+            await self.aclose()  # a failed start leaves no open pool, whoever called it
+            raise
         log.info("LLM ready: remote tier %s, model %s", r.url, self._model)
 
     async def _wait_ready(self, client: httpx.AsyncClient) -> str:
