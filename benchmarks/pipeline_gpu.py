@@ -864,12 +864,15 @@ def copy_log_since(path: Path, offset: int, dest: Path, most: int = 8 << 20) -> 
         dest.write_bytes(f.read())
 
 
-def mps_active() -> bool:
+def mps_active(proc: Path = Path("/proc")) -> bool:
     """Whether NVIDIA's MPS control daemon runs here (``gpu_suite.sh`` with SUITE_MPS=1): the
     services' kernels then share the GPU at once rather than in time slices, so a level
-    records it."""
-    pipe = Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps"))
-    return (pipe / "control").exists()
+    records it. A process named so, not its pipe: the pipe files outlive a daemon told to quit."""
+    for comm in proc.glob("[0-9]*/comm"):
+        with contextlib.suppress(OSError):
+            if comm.read_text().startswith("nvidia-cuda-mps"):  # -control or -server (15 characters kept)
+                return True
+    return False
 
 
 def replace_recorded(out: Path, name: str) -> None:

@@ -460,7 +460,7 @@ def test_a_recorded_server_is_read_whole_while_it_runs_and_forgotten_once_gone(t
     assert pg.recorded_server(record, "LLM server") is None and not record.exists(), "gone: forgotten"
 
 
-def test_mps_starts_before_the_services_and_stop_ends_both(tmp_path: Path, monkeypatch: Any) -> None:
+def test_mps_starts_before_the_services_and_stop_ends_both(tmp_path: Path) -> None:
     """SUITE_MPS=1: NVIDIA's MPS daemon starts before the first service, so that every service
     joins it (their kernels share the GPU at once, not in time slices); `stop` stops the
     services SVC records and then the daemon, so that one machine can compare both layouts.
@@ -483,8 +483,11 @@ def test_mps_starts_before_the_services_and_stop_ends_both(tmp_path: Path, monke
     assert any("echo quit | nvidia-cuda-mps-control" in w for w in stops[halt:])
 
     pg = pipeline_gpu()
-    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path / "pipe"))
-    assert not pg.mps_active()
-    (tmp_path / "pipe").mkdir()
-    (tmp_path / "pipe" / "control").touch()
-    assert pg.mps_active()
+    proc = tmp_path / "proc"
+    (proc / "1").mkdir(parents=True)
+    (proc / "1" / "comm").write_text("python3\n")
+    assert not pg.mps_active(proc)
+    (proc / "77").mkdir()
+    (proc / "77" / "comm").write_text("nvidia-cuda-mps\n")  # the kernel keeps 15 characters of a name
+    assert pg.mps_active(proc)
+    assert not pg.mps_active(tmp_path / "no-proc")
