@@ -37,7 +37,8 @@ Variants (``--variants``, each on its own model of the same seed, all in one run
 ``compile+graphs``. With ``--count`` each variant times ``decode()`` per vocoder group of
 one batch (median of ``--count-repeats`` after ``--decode-warmup`` runs, which also compile
 and capture), its GPU kernel time (one profiled run, ``--kernel-time``) and seconds of audio
-per second; without, each variant runs the ``--sessions`` scenarios.
+per second; without, each variant runs the ``--sessions`` scenarios. ``--dtypes`` runs each
+variant at each decode precision (``tts.kokoro_dtype``), named ``VARIANT@DTYPE`` past float32.
 
     python benchmarks/gpu_kokoro.py --device cuda --variants reference eager compile graphs compile+graphs \
         --count 1 8 32 64 --count-repeats 5 --kernel-time --json OUT
@@ -310,7 +311,7 @@ def count_forward(model: Any, sizes: list[int], styles: Any, args: argparse.Name
 VARIANTS = ("reference", "eager", "compile", "graphs", "compile+graphs")
 
 
-def build_variant(variant: str, device: str, seed: int) -> tuple[Any, Any]:
+def build_variant(variant: str, device: str, seed: int, dtype: str = "float32") -> tuple[Any, Any]:
     """The model and the decode function of ``variant`` (see the module docstring)."""
     import torch
 
@@ -319,7 +320,7 @@ def build_variant(variant: str, device: str, seed: int) -> tuple[Any, Any]:
 
     torch.manual_seed(seed)
     model = km.build_model(km.random_config(), device=device, fused=variant != "reference",
-                           compile=variant.startswith("compile"))
+                           compile=variant.startswith("compile"), dtype=dtype)
     if variant.endswith("graphs"):
         return model, BucketedDecoder(model, cuda_graphs=True)
     return model, None
@@ -396,9 +397,10 @@ async def run_variants(args: argparse.Namespace, report: dict[str, Any]) -> dict
 
     styles = torch.randn(args.voices, 256, generator=torch.Generator().manual_seed(args.seed)) * 0.15
     report.update(variants=args.variants, decode=[], scenarios=[])
-    for variant in args.variants:
+    named = [(v, dt, v if dt == "float32" else f"{v}@{dt}") for v in args.variants for dt in args.dtypes]
+    for kind, dtype, variant in named:
         try:
-            model, graphs = build_variant(variant, args.device, args.seed)
+            model, graphs = build_variant(kind, args.device, args.seed, dtype)
         except Exception as exc:  # noqa: BLE001  (e.g. graphs on a CPU: recorded, the next variant runs)
             report.setdefault("variant_errors", {})[variant] = f"{type(exc).__name__}: {exc}"[:500]
             print(f"[gpu_kokoro] {variant}: cannot build: {exc}", flush=True)
@@ -562,6 +564,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--count-tiny", action="store_true", help="--count: 4-phoneme clauses (the fixed cost)")
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=None,
                    help="measure each of these forwards in one run (module docstring); --count: decode times")
+    p.add_argument("--dtypes", nargs="+", choices=("float32", "float16", "bfloat16"), default=["float32"],
+                   help="--variants: each at each of these decode precisions (tts.kokoro_dtype)")
     p.add_argument("--decode-warmup", type=int, default=2, help="--variants --count: untimed runs first (compile, capture)")
     p.add_argument("--kernel-time", action="store_true", help="--variants --count on CUDA: one profiled run's kernel time")
     p.add_argument("--max-wall-s", type=float, default=280.0)

@@ -1,5 +1,6 @@
 """``tts.engine: kokoro`` on real Kokoro-82M weights (int8 dequantised, tests/kokoro_weights.py),
-on the CPU: two sessions' sentences batched in one forward, heard back by Whisper."""
+on the CPU: two sessions' sentences batched in one forward, heard back by Whisper, at each
+``tts.kokoro_dtype``."""
 
 from __future__ import annotations
 
@@ -29,14 +30,14 @@ def normalise(text: str) -> str:
     return " ".join(re.sub(r"[^a-z0-9' ]+", " ", text.lower().replace("-", " ")).split())
 
 
-@pytest.fixture(scope="module")
-async def tts() -> AsyncIterator[KokoroTts]:
+@pytest.fixture(scope="module", params=["float32", "float16", "bfloat16"])
+async def tts(request: pytest.FixtureRequest) -> AsyncIterator[KokoroTts]:
     try:
         model_dir = kokoro_int8_dir()
     except Exception as exc:  # noqa: BLE001
         pytest.fail(f"Kokoro weights unavailable ({type(exc).__name__}: {exc})")
     eng = create_tts(TtsConfig(engine="kokoro", voice=VOICE[0], kokoro_model=str(model_dir), device="cpu",
-                               max_batch=8), None)
+                               max_batch=8, kokoro_dtype=request.param), None)
     assert isinstance(eng, KokoroTts)
     await eng.start()
     yield eng

@@ -227,7 +227,7 @@ class KokoroTts:
             raise ConfigError(f"tts.kokoro_cuda_graphs needs a CUDA device; tts.device is {device}")
         try:
             model = km.build_model(config, None if weights is None else str(weights), device,
-                                   compile=self._cfg.kokoro_compile)
+                                   compile=self._cfg.kokoro_compile, dtype=self._cfg.kokoro_dtype)
         except Exception as exc:
             raise ModelError(f"cannot load Kokoro model {self._cfg.kokoro_model}: {exc}") from exc
         decoder = None

@@ -110,14 +110,21 @@ def kokoro_modules() -> types.ModuleType:
     return importlib.import_module("kokoro.model")
 
 
+# tts.kokoro_dtype: the decoder's and vocoder's precision (decode_rows)
+DECODE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 def build_model(config: dict[str, Any], weights: str | None = None, device: str = "cpu", *,
-                fused: bool = True, compile: bool = False) -> Any:
+                fused: bool = True, compile: bool = False, dtype: str = "float32") -> Any:
     """A ``KModel`` of ``config``'s shape, weight norms folded; ``weights``: a ``.pth`` file
     (hexgrad's, with weight norms, or one already folded), None for random weights.
     ``fused``: the decoder's and vocoder's chains in fewer passes (``kokoro_fused``), each
     one ``torch.compile``-d function with ``compile``; not ``fused``: the package's forwards
     with only this module's masks and fast paths (the reference the fused ones are tested
-    and measured against)."""
+    and measured against). ``dtype``: the decoder's and vocoder's precision under autocast
+    (:func:`decode_rows`); the weights stay float32."""
+    if dtype not in DECODE_DTYPES:
+        raise ValueError(f"dtype: one of {', '.join(DECODE_DTYPES)}, not {dtype!r}")
     kmodel = kokoro_modules().KModel
     empty = io.BytesIO()
     torch.save({}, empty)
@@ -141,6 +148,7 @@ def build_model(config: dict[str, Any], weights: str | None = None, device: str 
         if not folded:
             fold_weight_norms(model)
     model = model.to(device).eval()
+    model.decode_dtype = DECODE_DTYPES[dtype]
     mask_padding(model)
     fast_paths(model)
     if fused:
@@ -281,8 +289,11 @@ def istft(spec: torch.Tensor, window: torch.Tensor, hop: int) -> torch.Tensor:
 
 
 def _stft_inverse(self: Any, magnitude: torch.Tensor, phase: torch.Tensor) -> torch.Tensor:
-    """TorchSTFT.inverse through :func:`istft`: [B, 1, samples]."""
-    return istft(torch.polar(magnitude, phase), self.window, self.hop_length).unsqueeze(-2)
+    """TorchSTFT.inverse through :func:`istft`: [B, 1, samples]. In float32 whatever the
+    vocoder's precision (``decode_dtype``): the FFT takes no bfloat16, and the waveform is
+    the sum of overlapping frames, where half precision would add audible noise."""
+    with torch.autocast(magnitude.device.type, enabled=False):
+        return istft(torch.polar(magnitude.float(), phase.float()), self.window, self.hop_length).unsqueeze(-2)
 
 
 def fast_paths(model: nn.Module) -> None:
@@ -533,7 +544,13 @@ def decode_rows(model: Any, en: torch.Tensor, asr: torch.Tensor, styles: torch.T
         for block in pred.N:
             n = block(n, s)
         n = pred.N_proj(n).squeeze(1)
-        audio = model.decoder(asr, f0, n, styles[:, :128])  # [B, 1, samples]
+        # The decoder and vocoder are most of the work: their convolutions at decode_dtype
+        # (autocast keeps norms and reductions in float32). No autocast cache: a CUDA graph
+        # captures this, and cached casts would be freed outside it.
+        low = model.decode_dtype != torch.float32
+        with torch.autocast(en.device.type, dtype=model.decode_dtype, enabled=low, cache_enabled=False):
+            audio = model.decoder(asr, f0, n, styles[:, :128])  # [B, 1, samples]
+        audio = audio.float()
     finally:
         _ctx.frames = None
         _ctx.masks = {}
