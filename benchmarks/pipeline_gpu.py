@@ -1086,6 +1086,8 @@ def summarize_level(n: int, records: list[Any], probe: dict[str, Any], wall_s: f
         "stage_p50_ms": {k: s["stages_ms"][k]["p50"] for k in STAGES},
         "reply_rtf": reply_rtf(records),
         "stalled_replies": s["stalled_replies"],
+        # the reply audio (ms) heard before each stalled reply's longest gap: which clause was late
+        "stall_at_ms": {k: s["stall_at_ms"][k] for k in ("n", "min", "p50", "p95", "max")} if "stall_at_ms" in s else None,
         "prompt_cache_hit": cache_hit(records),
         "probe": probe,
         "server_peaks": health,
@@ -1363,7 +1365,8 @@ def run_main(args: argparse.Namespace) -> int:
                   f"dropped {row['dropped_sessions']}  "
                   f"v2v p50/p95/p99 {v['p50']}/{v['p95']}/{v['p99']}  p95 asr {st['asr_final_ms']} "
                   f"ttft {st['llm_ttft_ms']} clause {st['first_clause_ms']} tts {st['tts_first_audio_ms']}  "
-                  f"rtf p5 {row['reply_rtf']['p5']} stalls {row['stalled_replies']}  "
+                  f"rtf p5 {row['reply_rtf']['p5']} stalls {row['stalled_replies']} "
+                  f"(at p50 {(row.get('stall_at_ms') or {}).get('p50')} ms of the reply)  "
                   f"probe {row['probe']['cores']} cores late p99 {row['probe']['tick_late_ms']['p99']} ms  "
                   f"server loop {row['server'].get('loop_thread_cores')} cores lag p99 "
                   f"{(row['server'].get('lag_ms') or {}).get('p99')} ms process {row['server'].get('process_cores')}  "

@@ -167,6 +167,26 @@ def test_a_turn_says_when_the_caller_stopped_speaking_on_the_wall_clock(monkeypa
     assert TurnTracker(TurnRecord(0, 1, "a.wav"), RATE).finish(3.0, timed_out=True).speech_end_at is None
 
 
+def test_a_turn_says_how_far_into_its_reply_the_longest_gap_came() -> None:
+    """A reply that stalls: the record says how much of its audio had arrived when its
+    longest gap began, so a level's stalls show which clause was late (after a short first
+    clause, or before a long later one: benchmarks/results/mps-own-gpu-h200-x2-2026-11-30)."""
+    tr = TurnTracker(TurnRecord(0, 0, "a.wav"), RATE, timings_grace_s=0.0)
+    tr.speech_ended(10.0)
+    t = 10.4
+    for gap in (0.0, 0.1, 0.1, 0.35, 0.1):  # 100 ms chunks; the 4th arrives 250 ms late
+        t += gap
+        tr.on_audio(pcm(tone(0.1, -30.0)), t)
+    rec = tr.finish(12.0, timed_out=True)
+    assert rec.reply_max_gap_ms == pytest.approx(350.0)
+    assert rec.reply_max_gap_at_ms == pytest.approx(300.0)  # three chunks had come
+    from voicebot.probe.report import summarize
+
+    other = TurnRecord(0, 1, "a.wav", reply_max_gap_ms=100.0, reply_max_gap_at_ms=900.0)  # no stall
+    assert summarize([rec, other])["stall_at_ms"]["p50"] == pytest.approx(300.0)  # stalled replies only
+    assert "stall_at_ms" not in summarize([other])
+
+
 def test_the_reply_token_counts_come_from_its_response_done() -> None:
     """A remote LLM tier reports usage with its last chunk, after the first audio that
     turn.timings goes out with: the counts are read from response.done, as sent at the end."""

@@ -56,6 +56,11 @@ def summarize(records: list[TurnRecord]) -> dict[str, Any]:
             r.reply_max_gap_ms is not None and r.reply_max_gap_ms > STALL_GAP_MS for r in records
         ),
     }
+    # Where stalled replies stalled: the reply audio heard before their longest gap (ms).
+    stalls = [r.reply_max_gap_at_ms for r in records if r.reply_max_gap_ms is not None
+              and r.reply_max_gap_ms > STALL_GAP_MS and r.reply_max_gap_at_ms is not None]
+    if stalls:
+        out["stall_at_ms"] = percentiles(stalls)
     barged = [r.barge_in for r in records if r.barge_in is not None]
     if barged:
         out["barge_in_ms"] = {

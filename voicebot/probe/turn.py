@@ -56,6 +56,8 @@ class TurnRecord:
     reply_audio_ms: float | None = None
     reply_span_ms: float | None = None
     reply_max_gap_ms: float | None = None
+    # The reply audio that had arrived when that gap began: which clause came late.
+    reply_max_gap_at_ms: float | None = None
     replies: list[dict[str, Any]] = field(default_factory=list)
     # The server's view of the caller's clip: turns it ended (transcripts it sent)
     # before the clip's speech was over, and reply audio heard meanwhile (ms, audible
@@ -108,6 +110,7 @@ class TurnTracker:
         self._reply_samples = 0
         self._reply_last_samples = 0
         self._reply_max_gap = 0.0
+        self._reply_gap_at = 0  # samples received before the longest gap
         self.speech_start_t: float | None = None
         self.speech_end_t: float | None = None
         self.onset_t: float | None = None
@@ -162,8 +165,9 @@ class TurnTracker:
         if self.speech_end_t is not None:
             if self._reply_first_t is None:
                 self._reply_first_t = t
-            elif self._reply_last_t is not None:
-                self._reply_max_gap = max(self._reply_max_gap, t - self._reply_last_t)
+            elif self._reply_last_t is not None and t - self._reply_last_t > self._reply_max_gap:
+                self._reply_max_gap = t - self._reply_last_t
+                self._reply_gap_at = self._reply_samples
             self._reply_last_t = t
             self._reply_samples += len(pcm) // 2
             self._reply_last_samples = len(pcm) // 2
@@ -347,6 +351,7 @@ class TurnTracker:
             last = self._reply_last_samples / self.output_rate
             rec.reply_span_ms = round(1000.0 * (self._reply_last_t - self._reply_first_t + last), 1)
             rec.reply_max_gap_ms = round(1000.0 * self._reply_max_gap, 1)
+            rec.reply_max_gap_at_ms = round(1000.0 * self._reply_gap_at / self.output_rate, 1)
         rec.early_ends = len(self._early_transcripts)
         rec.overlap_ms = round(rec.overlap_ms, 1)
         if rec.early_ends:
