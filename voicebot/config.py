@@ -11,6 +11,7 @@ a local directory, a Hugging Face hub id, or ``bundle:NAME`` for a directory tha
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -234,6 +235,8 @@ class RemoteTtsConfig(_Section):
     (the rest of the tts section) for many frontends; each frontend streams its clauses' audio from it."""
 
     url: str = Field("ws://127.0.0.1:8093", pattern=r"^wss?://[^\s?#]+$", description="WebSocket URL of the TTS service (voicebot tts-serve).")
+    urls: list[str] = Field(default_factory=list, max_length=64, description="More TTS services beside url, for speech per second and failover: each clause goes to the one with the fewest of this frontend's clauses in flight; one that cannot be reached is left out for down_s while the others take its clauses. All must synthesise at one sample rate.")
+    down_s: float = Field(5.0, gt=0.0, le=600.0, description="With urls: how long a service whose connection failed gets no new clause while another is up.")
     concurrency: int = Field(1024, ge=1, le=4096, description="Clauses in synthesis at once from one frontend; one more raises a capacity error, as a full tts.queue_size does in-process.")
     window: int = Field(1, ge=1, le=64, description="Sentences of a clause the service may send ahead of what the session has taken (the service holds the rest, and synthesises one further).")
     connect_timeout_s: float = Field(2.0, gt=0.0, le=60.0, description="Longest wait for a connection to the service.")
@@ -241,6 +244,26 @@ class RemoteTtsConfig(_Section):
     retries: int = Field(2, ge=0, le=10, description="Further tries of a clause whose connection was lost before its first audio; never after it.")
     retry_backoff_s: float = Field(0.2, ge=0.0, le=10.0, description="Wait before the first retry; doubled for each further one.")
     startup_timeout_s: float = Field(300.0, ge=0.0, le=3600.0, description="How long a frontend's start-up waits for the service.")
+
+    @field_validator("urls")
+    @classmethod
+    def _services(cls, urls: list[str]) -> list[str]:
+        for u in urls:
+            if not re.fullmatch(r"wss?://[^\s?#]+", u):
+                raise ValueError(f"not a ws:// or wss:// URL: {u!r}")
+        return urls
+
+    @model_validator(mode="after")
+    def _each_service_once(self) -> RemoteTtsConfig:
+        every = [self.url, *self.urls]
+        if len(set(every)) != len(every):
+            raise ValueError(f"urls: a TTS service named twice (with url): {every}")
+        return self
+
+    @property
+    def services(self) -> list[str]:
+        """Every TTS service of this frontend: url first."""
+        return [self.url, *self.urls]
 
 
 # The setting ``tts.model`` stands for, per engine (espeak-ng has no model).

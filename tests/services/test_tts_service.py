@@ -467,3 +467,77 @@ async def test_the_concurrency_bound_counts_clauses_still_connecting() -> None:
         assert (await asyncio.wait_for(pending, WAIT)).size == RATE // 10
         await first.aclose()
         assert [c.size async for c in tts.synthesize("c.")] == [RATE // 10]  # the slot is free again
+
+
+# ------------------------------------------------------------ several TTS services
+@contextlib.asynccontextmanager
+async def two_services(a: ScriptedTts, b: ScriptedTts) -> AsyncIterator[tuple[str, str, TtsService]]:
+    async with service(a) as (_svc_a, url_a), service(b) as (svc_b, url_b):
+        yield url_a, url_b, svc_b
+
+
+async def test_clauses_spread_over_several_services_by_their_load() -> None:
+    """tts.remote.urls: each clause goes to the service with the fewest of this frontend's
+    clauses in flight (ties in turn), so one Kokoro process is not every frontend's cap."""
+    hold = asyncio.Event()
+    a, b = ScriptedTts(hold=hold), ScriptedTts(hold=hold)
+    async with two_services(a, b) as (url_a, url_b, _), frontend(url_a, urls=[url_b]) as tts:
+        assert tts.sample_rate == RATE and tts.voices() == ["alpha", "beta"]
+        streams = [tts.synthesize(f"c{i}. held.") for i in range(6)]
+        firsts = [await asyncio.wait_for(anext(s), WAIT) for s in streams]  # each holds its second sentence
+        assert all(float(f[0]) == 1.0 for f in firsts)
+        assert (len(a.texts), len(b.texts)) == (3, 3)
+        hold.set()
+        for s in streams:
+            assert [float(c[0]) async for c in s] == [2.0]
+        assert tts.completed == 6 and tts.failure_streak == 0
+
+
+async def test_a_service_that_cannot_be_reached_leaves_its_clauses_to_the_others() -> None:
+    """One of two services goes away: its clauses fail over before their first audio (not
+    after each one's retries), the frontend stays healthy, and the service is left out
+    until it answers again."""
+    a, b = ScriptedTts(), ScriptedTts()
+    async with service(a) as (_svc_a, url_a):
+        svc_b = TtsService(b, engine_name="scripted")  # type: ignore[arg-type]
+        async with listen(svc_b, "127.0.0.1", 0) as server_b:
+            host, port = next(iter(server_b.sockets)).getsockname()[:2]
+            url_b = f"ws://{host}:{port}"
+            async with frontend(url_a, urls=[url_b], retries=1, retry_backoff_s=5.0) as tts:
+                server_b.close()  # the second service is gone: its connections and its port
+                await server_b.wait_closed()
+                async with asyncio.timeout(WAIT / 2):  # no clause waits out a 5 s backoff
+                    for i in range(6):
+                        assert [c.size async for c in tts.synthesize(f"x{i}.")] == [RATE // 10]
+                assert len(a.texts) == 6 and tts.failure_streak == 0
+                assert tts.services_down() == [url_b]
+        await svc_b.aclose()
+
+
+async def test_every_service_down_fails_the_clause_as_one_would() -> None:
+    a = ScriptedTts()
+    svc = TtsService(a, engine_name="scripted")  # type: ignore[arg-type]
+    async with listen(svc, "127.0.0.1", 0) as server:
+        host, port = next(iter(server.sockets)).getsockname()[:2]
+        async with frontend(f"ws://{host}:{port}", urls=[f"ws://{host}:{port}/again"], retries=0) as tts:
+            server.close()
+            await server.wait_closed()
+            with pytest.raises(EngineError, match="unavailable") as info:
+                await asyncio.wait_for(anext(tts.synthesize("a.")), WAIT)
+            assert info.value.code == "tts_unavailable" and tts.failure_streak == 1
+    await svc.aclose()
+
+
+async def test_services_that_disagree_on_their_rate_are_refused_at_start() -> None:
+    other = ScriptedTts()
+    other.sample_rate = 24_000  # type: ignore[misc]
+    async with two_services(ScriptedTts(), other) as (url_a, url_b, _):
+        with pytest.raises(ConfigError, match="24000"):
+            async with frontend(url_a, urls=[url_b]):
+                pass
+
+
+def test_bad_service_lists_are_refused() -> None:
+    for override in ("tts.remote.urls=[http://127.0.0.1:8094]", "tts.remote.urls=[ws://127.0.0.1:8093]"):
+        with pytest.raises(ConfigError, match="urls"):
+            load_config("configs/test.yaml", [override])

@@ -12,6 +12,13 @@ for a sentence longer than one frame holds), each as it arrives. Text cleaning a
 
 The wire format, its flow control and the client are in :mod:`voicebot.services.tts_client`.
 
+Several services (``tts.remote.urls`` beside ``url``): each clause goes to the one with the
+fewest of this frontend's clauses in flight (ties in turn). A clause whose service cannot be
+reached, or is full, before its first audio goes to the next one at once, and a service that
+could not be reached gets no new clause for ``down_s`` while another is up; ``retries`` are
+then rounds over every service. One Kokoro process caps the speech a second of every frontend
+behind it, wherever it runs (docs/gpu-results.md): more processes are the way past it.
+
 Failures: a connection lost before a clause's first audio is retried (``tts.remote.retries``)
 on a new connection; once audio came, the clause fails with ``EngineError(code="tts_unavailable")``
 and the session reports it (an error event; the reply ends ``failed``). No next chunk within
@@ -23,7 +30,9 @@ timeout after the frontend's own loop ran late for most of the wait is not count
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import itertools
 import logging
 from collections.abc import AsyncGenerator
 
@@ -31,7 +40,7 @@ import numpy as np
 
 from voicebot.config import TtsConfig
 from voicebot.engines.tts.text import clean_text
-from voicebot.errors import CapacityError, EngineError, LateLoopTimeout
+from voicebot.errors import CapacityError, ConfigError, EngineError, LateLoopTimeout
 from voicebot.runtime.loop_lag import LoopLateness
 from voicebot.services.tts_client import TtsServiceClient
 from voicebot.services.wire import connect_at_start
@@ -47,7 +56,19 @@ class RemoteTts:
     def __init__(self, cfg: TtsConfig, *, client: TtsServiceClient | None = None,
                  loop: LoopLateness | None = None) -> None:
         self._cfg = cfg
-        self.client = client or TtsServiceClient(cfg.remote, loop=loop)
+        rcfg = cfg.remote
+        if client is not None:
+            self.clients = [client]
+        else:
+            # Several services: a clause lost before its first audio goes to another at once,
+            # so a client does not retry its own service; the retries are rounds over them all.
+            one = {} if len(rcfg.services) == 1 else {"retries": 0}
+            self.clients = [TtsServiceClient(rcfg.model_copy(update={"url": url, **one}), loop=loop)
+                            for url in rcfg.services]
+        self.client = self.clients[0]
+        self._in_flight = dict.fromkeys(self.clients, 0)  # this frontend's clauses at each service
+        self._down_until = dict.fromkeys(self.clients, 0.0)  # loop time a lost service is left out until
+        self._turn = itertools.count()  # ties between services: in turn
         # Until start() learns the service's rate: what the engines of this config would say.
         self.sample_rate = 24_000 if cfg.engine == "kokoro" else 22_050
         self._failure_streak = 0
@@ -59,14 +80,39 @@ class RemoteTts:
 
     async def start(self) -> None:
         rcfg = self._cfg.remote
-        took = await connect_at_start(self.client, rcfg.startup_timeout_s)
+        try:
+            async with asyncio.TaskGroup() as group:
+                took = [group.create_task(connect_at_start(c, rcfg.startup_timeout_s)) for c in self.clients]
+            rates = {c.cfg.url: int((c.hello or {})["sample_rate"]) for c in self.clients}  # checked by each client
+            if len(set(rates.values())) > 1:
+                raise ConfigError(f"tts.remote: the TTS services synthesise at different sample rates: {rates}")
+        except BaseException as exc:
+            await self.aclose()  # a failed start leaves no connection open
+            if isinstance(exc, BaseExceptionGroup):
+                raise exc.exceptions[0] from None  # the first service's own error, not a group
+            raise
         hello = self.client.hello or {}
-        self.sample_rate = int(hello["sample_rate"])  # checked by the client
-        log.info("TTS: the shared service at %s (%s, %d Hz) in %.1f s", rcfg.url, hello.get("engine"),
-                 self.sample_rate, took)
+        self.sample_rate = rates[self.client.cfg.url]
+        log.info("TTS: the shared service%s at %s (%s, %d Hz) in %.1f s", "s" if len(self.clients) > 1 else "",
+                 ", ".join(rates), hello.get("engine"), self.sample_rate, max(t.result() for t in took))
 
     async def aclose(self) -> None:
-        await self.client.aclose()
+        for client in self.clients:
+            await client.aclose()
+
+    def services_down(self) -> list[str]:
+        """The services left out of new clauses now (their connection failed lately)."""
+        now = asyncio.get_running_loop().time()
+        return [c.cfg.url for c in self.clients if self._down_until[c] > now]
+
+    def _order(self) -> list[TtsServiceClient]:
+        """This clause's services to try, best first: those up, by this frontend's clauses in
+        flight at each (ties in turn); all of them when none is up (one may be back)."""
+        now = asyncio.get_running_loop().time()
+        up = [c for c in self.clients if self._down_until[c] <= now] or list(self.clients)
+        turn = next(self._turn)
+        n = len(self.clients)
+        return sorted(up, key=lambda c: (self._in_flight[c], (self.clients.index(c) - turn) % n))
 
     @property
     def queue_depth(self) -> int:
@@ -97,7 +143,7 @@ class RemoteTts:
         self._waiting += 1
         first = True
         try:
-            async with contextlib.aclosing(self.client.stream(text, voice, speed, ahead_s)) as chunks:
+            async with contextlib.aclosing(self._stream(text, voice, speed, ahead_s)) as chunks:
                 async for chunk in chunks:
                     if first:
                         first = False
@@ -118,3 +164,41 @@ class RemoteTts:
                 self._waiting -= 1
         self.completed += 1
         self._failure_streak = 0
+
+    async def _stream(self, text: str, voice: str | None, speed: float | None,
+                      ahead_s: float) -> AsyncGenerator[np.ndarray, None]:
+        """One clause from the services, best first; to the next one while no audio came."""
+        if len(self.clients) == 1:  # its client retries its own service
+            async with contextlib.aclosing(self.client.stream(text, voice, speed, ahead_s)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+            return
+        rcfg = self._cfg.remote
+        loop = asyncio.get_running_loop()
+        for attempt in itertools.count():
+            failed: EngineError | None = None
+            for client in self._order():
+                got_audio = False
+                self._in_flight[client] += 1
+                try:
+                    async with contextlib.aclosing(client.stream(text, voice, speed, ahead_s)) as chunks:
+                        async for chunk in chunks:
+                            got_audio = True
+                            yield chunk
+                    self._down_until[client] = 0.0
+                    return
+                except EngineError as exc:  # CapacityError too: that service's queue is full
+                    if got_audio or isinstance(exc, LateLoopTimeout) or not (
+                            isinstance(exc, CapacityError) or exc.code == "tts_unavailable"):
+                        raise  # audio came (never asked for twice), or not the service's absence
+                    if not isinstance(exc, CapacityError):
+                        self._down_until[client] = loop.time() + rcfg.down_s
+                        log.warning("TTS service %s: %s; its clauses go to the others for %g s",
+                                    client.cfg.url, exc, rcfg.down_s)
+                    failed = exc
+                finally:
+                    self._in_flight[client] -= 1
+            assert failed is not None
+            if attempt >= rcfg.retries:
+                raise failed
+            await asyncio.sleep(rcfg.retry_backoff_s * 2**attempt)
