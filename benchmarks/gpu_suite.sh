@@ -36,6 +36,9 @@
 # SUITE_SPY (0; 1: sample SUITE_SVC's LLM server with py-spy during `run`, spy_start below).
 # SUITE_TTS_GPU, SUITE_ASR_GPU (unset: the first GPU; I: that service alone on GPU I, e.g. 1 on
 # an nvidia-h200-x2 machine, for `services`, `tts` and `run`; the LLM server keeps GPU 0).
+# SUITE_TTS_SERVICES (1; N: `services` starts N TTS services, the Kth on the Kth GPU of
+# SUITE_TTS_GPU if it names several, e.g. "0 1", and `run`'s frontends send each clause to the
+# least loaded, tts.remote.urls; the `tts` verb restarts the first).
 # SUITE_MPS (0; 1: `services` starts NVIDIA's Multi-Process Service daemon first, so that the
 # services' kernels share the GPU at once instead of taking turns in time slices; mps_start below).
 # What DEST holds and the calls that bring it: benchmarks/gpu_carries.sh. Staged copies live under
@@ -164,7 +167,7 @@ common_flags() {
     --llm-api-servers "${SUITE_LLM_API_SERVERS:-1}" --llm-stream-interval "${SUITE_LLM_STREAM_INTERVAL:-1}")
   # a machine of several GPUs: the ASR / TTS service on a GPU of its own (the LLM server keeps the first)
   if [ -n "${SUITE_ASR_GPU:-}" ]; then FLAGS+=(--asr-gpu "$SUITE_ASR_GPU"); fi
-  if [ -n "${SUITE_TTS_GPU:-}" ]; then FLAGS+=(--tts-gpu "$SUITE_TTS_GPU"); fi
+  if [ -n "${SUITE_TTS_GPU:-}" ]; then FLAGS+=(--tts-gpu "${SUITE_TTS_GPU%% *}"); fi
   # shellcheck disable=SC2206  # SUITE_ARGS is a list of flags
   FLAGS+=(${SUITE_ARGS:-})
 }
@@ -206,6 +209,14 @@ services() {
   fi
   do_ "$PY" benchmarks/pipeline_gpu.py tts-server "${FLAGS[@]}" --start-timeout-s 480 --after "$after" --wait \
     --out "$svc"
+  local k gpus gpu
+  read -ra gpus <<< "${SUITE_TTS_GPU:-}"
+  for ((k = 2; k <= ${SUITE_TTS_SERVICES:-1}; k++)); do  # more TTS services, each after the last
+    gpu=()
+    [ ${#gpus[@]} -gt 0 ] && gpu=(--tts-gpu "${gpus[$(( (k - 1) < ${#gpus[@]} ? k - 1 : ${#gpus[@]} - 1 ))]}")
+    do_ "$PY" benchmarks/pipeline_gpu.py tts-server "${FLAGS[@]}" "${gpu[@]}" --index "$k" --start-timeout-s 480 \
+      --after "$svc/tts$([ "$k" -gt 2 ] && echo $((k - 1)))_server.json" --wait --out "$svc"
+  done
 }
 
 again() {  # llm-server | tts-server: start SVC's server of that kind again, the others kept
@@ -219,7 +230,7 @@ stop_all() {
   local svc=${1:?SVC: the folder the services were started into}
   environment
   do_ "$PY" benchmarks/pipeline_gpu.py stop --out "$svc"
-  do_ rm -f "$svc"/llm_server.json "$svc"/asr_server.json "$svc"/tts_server.json
+  do_ sh -c "rm -f $svc/*_server.json"
   mps_stop "$svc"
 }
 
@@ -243,6 +254,7 @@ run() {
   local svc=()
   if [ -n "${SUITE_SVC:-}" ]; then  # the services `services` started: used, not started again
     svc=(--llm-url "$SUITE_SVC/llm_server.json" --tts-url "$SUITE_SVC/tts_server.json")
+    for ((k = 2; k <= ${SUITE_TTS_SERVICES:-1}; k++)); do svc+=(--more-tts-url "$SUITE_SVC/tts${k}_server.json"); done
     [ "$ASR" != fastconformer ] && svc+=(--asr-url "$SUITE_SVC/asr_server.json")
   fi
   local fe=(--frontends "${SUITE_FRONTENDS:-2}")

@@ -441,6 +441,9 @@ def server_overrides(args: argparse.Namespace, llm_url: str | None = None, asr_u
         # after the voice: the frontends hold no TTS engine, the service does
         sets += ["tts.backend=remote", f"tts.remote.url={tts_url or 'ws://127.0.0.1:1'}",
                  f"tts.remote.concurrency={min(max(args.sessions) * 2 + 16, 4096)}"]
+        more = getattr(args, "tts_more_urls", None)  # --more-tts-url, resolved: each clause to the least loaded
+        if more:
+            sets.append(f"tts.remote.urls=[{','.join(more)}]")
     if args.llm_max_tokens:
         sets.append(f"llm.max_tokens={args.llm_max_tokens}")
     if getattr(args, "server_workers", 0):
@@ -672,12 +675,13 @@ class ServiceServer:
     config's tts section with --voice and --set applied: Kokoro on the GPU, Piper on the CPU),
     each through this file's mode of that name."""
 
-    def __init__(self, args: argparse.Namespace, out: Path, kind: str) -> None:
+    def __init__(self, args: argparse.Namespace, out: Path, kind: str, index: int = 1) -> None:
         assert kind in ("asr", "tts")
         self.args, self.out, self.kind = args, out, kind
+        self.name = kind if index == 1 else f"{kind}{index}"  # its files: NAME_server.json, .log
         self.proc: subprocess.Popen[bytes] | None = None
         self.port = free_port()
-        self.log_path = out / f"{kind}_server.log"
+        self.log_path = out / f"{self.name}_server.log"
 
     @property
     def url(self) -> str:
@@ -718,7 +722,7 @@ class ServiceServer:
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env=dict(os.environ, **env), start_new_session=True)
-        (self.out / f"{self.kind}_server.json").write_text(json.dumps(
+        (self.out / f"{self.name}_server.json").write_text(json.dumps(
             {"pid": self.proc.pid, "port": self.port, "url": self.url, "cmd": cmd, "env": env,
              "patches": json.loads(env[PATCH_ENV])}, indent=1) + "\n")
 
@@ -738,6 +742,13 @@ class ServiceServer:
             os.killpg(proc.pid, signal.SIGKILL)  # vLLM's engine core too
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(10)
+
+
+def resolve_service_url(given: str, timeout_s: float) -> str:
+    """A service's URL from a URL or the NAME_server.json that started it, once it answers."""
+    url = str(json.loads(Path(given).read_text())["url"]) if given.endswith(".json") else given
+    wait_service_ready(url, timeout_s)
+    return url
 
 
 def service_stats(url: str, timeout: float = 5.0) -> dict[str, Any]:
@@ -1227,6 +1238,9 @@ def run_main(args: argparse.Namespace) -> int:
                     run_info[f"{kind}_server_wait_s"] = round(
                         wait_service_ready(str(svc_url[kind]), args.start_timeout_s), 1)
             asr_url, tts_url = svc_url["asr"], svc_url["tts"]
+            if args.more_tts_url:  # more TTS services, started by ``tts-server --index K``
+                args.tts_more_urls = [resolve_service_url(u, args.start_timeout_s) for u in args.more_tts_url]
+                run_info["tts_more_urls"] = args.tts_more_urls
             # The services an earlier call started keep their logs there: what they write during
             # this run comes back with it (a stall of the LLM server shows in its own log).
             for log_path in (p.with_suffix(".log") for p in (recorded, *svc_recorded.values())
@@ -1402,8 +1416,9 @@ def run_main(args: argparse.Namespace) -> int:
 def service_server_main(args: argparse.Namespace, kind: str) -> int:
     """Start a shared service detached (its pid and URL in OUT/KIND_server.json); ``--replace``:
     stop the one OUT records first."""
+    name = kind if args.index == 1 else f"{kind}{args.index}"
     if args.replace:
-        replace_recorded(Path(args.out), f"{kind}_server.json")
+        replace_recorded(Path(args.out), f"{name}_server.json")
     if args.after:  # another engine's start must be over first (vLLM sizes GPU memory from what is free)
         info = json.loads(Path(args.after).read_text()) if args.after.endswith(".json") else {"url": args.after}
         url = info["url"]
@@ -1413,7 +1428,7 @@ def service_server_main(args: argparse.Namespace, kind: str) -> int:
         else:  # a recorded server that died (a bad model path) fails this at once, not after the timeout
             log = Path(args.after).with_suffix(".log") if args.after.endswith(".json") else None
             wait_http_ok(url + "/health", args.start_timeout_s, log=log, pid=info.get("pid"))
-    server = ServiceServer(args, Path(args.out), kind)
+    server = ServiceServer(args, Path(args.out), kind, args.index)
     server.spawn()
     print(f"{kind.upper()} service starting: pid {server.proc.pid if server.proc else None} at {server.url}",
           flush=True)
@@ -1590,6 +1605,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--remote-tts", action="store_true",
                    help="ONE shared TTS service (voicebot tts-serve) for all frontends (tts.backend remote)")
     r.add_argument("--tts-url", help="a TTS service already up (default: OUT/tts_server.json's, else start one)")
+    r.add_argument("--more-tts-url", action="append", default=[], metavar="URL_OR_JSON",
+                   help="with --remote-tts: one more TTS service already up (tts-server --index K), each clause "
+                        "to the least loaded (tts.remote.urls); only the first is metered")
     r.add_argument("--script-replies", action=argparse.BooleanOptionalAction, default=True)
     r.add_argument("--fastconformer", metavar="DIR",
                    help="the streaming FastConformer from this model directory (`fc-weights` builds one with "
@@ -1621,6 +1639,9 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--wait", action="store_true", help="return once it answers /health")
     for verb in (asr, tts, ls):
         verb.add_argument("--replace", action="store_true", help="stop the server of this kind OUT records first")
+    for verb in (asr, tts):
+        verb.add_argument("--index", type=int, default=1,
+                          help="the Kth service of this kind (K > 1: recorded as KINDK_server.json, e.g. tts2)")
     fw = sub.add_parser("fc-weights", help="build a FastConformer model directory with random weights (--fastconformer)")
     fw.add_argument("--out", required=True, help="the model directory (kept if already built)")
     fw.add_argument("--tiny", action="store_true", help="two layers, 64 wide (CPU runs); else the real 0.6B shape")
@@ -1654,8 +1675,9 @@ def main() -> int:
         return llm_server_main(args)
     if args.command in ("asr-server", "tts-server"):
         return service_server_main(args, args.command.removesuffix("-server"))
-    if args.command == "stop":
-        print(f"stopped process groups {stop_recorded(Path(args.out))}", flush=True)
+    if args.command == "stop":  # every service recorded there (tts2_server.json too), the LLM server last
+        names = sorted((p.name for p in Path(args.out).glob("*_server.json")), key=lambda n: n.startswith("llm"))
+        print(f"stopped process groups {stop_recorded(Path(args.out), tuple(names))}", flush=True)
         return 0
     return plot_main(args)
 

@@ -491,3 +491,66 @@ def test_mps_starts_before_the_services_and_stop_ends_both(tmp_path: Path) -> No
     (proc / "77" / "comm").write_text("nvidia-cuda-mps\n")  # the kernel keeps 15 characters of a name
     assert pg.mps_active(proc)
     assert not pg.mps_active(tmp_path / "no-proc")
+
+
+def test_several_tts_services_start_one_after_another_and_the_frontends_use_them_all(tmp_path: Path) -> None:
+    """SUITE_TTS_SERVICES=2 (issue 26: one Kokoro process caps a burst's speech a second on
+    any GPU): `services` starts a second TTS service after the first, on the GPU the list
+    names, recorded as tts2_server.json; `run` hands it to the frontends, whose config then
+    sends each clause to the least loaded of both (tts.remote.urls)."""
+    import os
+
+    from voicebot.config import load_config
+
+    pg = pipeline_gpu()
+    svc = tmp_path / "svc"
+    env = dict(os.environ, SUITE_ASR="fastconformer-service", SUITE_TTS_SERVICES="2", SUITE_TTS_GPU="0 1")
+    tts = [pg.build_parser().parse_args(c) for c in pipeline_commands(suite_dry_run("services", tmp_path / "gpu", svc, env=env))
+           if c[0] == "tts-server"]
+    assert [(a.index, a.tts_gpu) for a in tts] == [(1, 0), (2, 1)]
+    assert tts[1].after == f"{svc}/tts_server.json"  # after the first is up
+    assert pg.ServiceServer(tts[1], svc, "tts", tts[1].index).name == "tts2"
+
+    run = pg.build_parser().parse_args(run_command(dry_run(tmp_path / "gpu", tmp_path / "out", "256",
+                                                           env=dict(env, SUITE_SVC=str(svc)))))
+    assert run.tts_url == f"{svc}/tts_server.json" and run.more_tts_url == [f"{svc}/tts2_server.json"]
+    run.tts_more_urls = ["ws://127.0.0.1:8094"]  # what run_main resolves the record to
+    sets = pg.server_overrides(run, tts_url="ws://127.0.0.1:8093")
+    cfg = load_config("configs/gpu-asr-service.yaml", [s for s in sets if s.startswith("tts.")])
+    assert cfg.tts.remote.services == ["ws://127.0.0.1:8093", "ws://127.0.0.1:8094"]
+
+
+def test_the_stop_verb_stops_every_recorded_service_the_second_tts_one_too(tmp_path: Path, monkeypatch: Any) -> None:
+    import json
+    import os
+    import signal
+    import sys
+    import time
+
+    def detached() -> int:  # a service an earlier call started: its own session, not our child
+        out = subprocess.run(["sh", "-c", "setsid sleep 60 > /dev/null 2>&1 & echo $!"], capture_output=True,
+                             text=True, check=True, timeout=10)
+        return int(out.stdout)
+
+    def alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    pg = pipeline_gpu()
+    pids = {name: detached() for name in ("llm", "tts", "tts2")}
+    try:
+        for name, pid in pids.items():
+            (tmp_path / f"{name}_server.json").write_text(json.dumps({"pid": pid, "url": "ws://127.0.0.1:1"}))
+        monkeypatch.setattr(sys, "argv", ["pipeline_gpu.py", "stop", "--out", str(tmp_path)])
+        assert pg.main() == 0
+        deadline = time.monotonic() + 10
+        while any(alive(p) for p in pids.values()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(alive(p) for p in pids.values())
+    finally:
+        for pid in pids.values():
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
