@@ -61,6 +61,17 @@ def _compare(ref: Any, got: Any, ids: list[list[int]], styles: torch.Tensor,
         assert float((a - b).norm() / a.norm()) < energy_tol, len(ids)
 
 
+def real_weights() -> tuple[str, torch.Tensor]:
+    """The real Kokoro weights (int8 dequantised) and af_heart's style table; a test without
+    them fails, it never skips."""
+    try:
+        model_dir = Path(kokoro_int8_dir())
+    except Exception as exc:  # noqa: BLE001
+        pytest.fail(f"Kokoro weights unavailable ({type(exc).__name__}: {exc})")
+    pack = np.fromfile(model_dir / "voices" / f"{VOICE[0]}.bin", dtype=np.float32)
+    return str(next(model_dir.glob("*.pth"))), torch.from_numpy(pack).reshape(-1, 256)
+
+
 def test_fused_forwards_replace_the_package_ones(small_ref: Any) -> None:
     fused = _small()
     gen = fused.decoder.generator
@@ -85,15 +96,10 @@ def test_fused_compiled_matches_reference(small_ref: Any, no_noise: None) -> Non
 
 
 def test_fused_matches_reference_on_real_weights() -> None:
-    try:
-        model_dir = kokoro_int8_dir()
-    except Exception as exc:  # noqa: BLE001
-        pytest.fail(f"Kokoro weights unavailable ({type(exc).__name__}: {exc})")
-    weights = str(next(Path(model_dir).glob("*.pth")))
+    weights, pack = real_weights()
     config = km.random_config()
     ref = km.build_model(config, weights, fused=False)
     fused = km.build_model(config, weights)
-    pack = torch.from_numpy(np.fromfile(Path(model_dir) / "voices" / f"{VOICE[0]}.bin", dtype=np.float32)).reshape(-1, 256)
     for rows in BATCHES[:2]:
         ids = [IDS[i] for i in rows]
         styles = torch.stack([pack[len(i) - 1] for i in ids])
@@ -107,16 +113,11 @@ def test_half_precision_decode_stays_near_float32_on_real_weights(dtype: str, en
     sentence of the real weights float16 measured 1.1% of its energy, bfloat16 5.1% (both
     heard back word for word by Whisper: test_tts_kokoro_real). The norms, the F0 source's
     phase and the inverse STFT stay float32."""
-    try:
-        model_dir = kokoro_int8_dir()
-    except Exception as exc:  # noqa: BLE001
-        pytest.fail(f"Kokoro weights unavailable ({type(exc).__name__}: {exc})")
-    weights = str(next(Path(model_dir).glob("*.pth")))
+    weights, pack = real_weights()
     config = km.random_config()
     ref = km.build_model(config, weights)
     half = km.build_model(config, weights, dtype=dtype)
     assert half.decode_dtype == getattr(torch, dtype)
-    pack = torch.from_numpy(np.fromfile(Path(model_dir) / "voices" / f"{VOICE[0]}.bin", dtype=np.float32)).reshape(-1, 256)
     for rows in BATCHES[:2]:  # ragged (masked) and one row
         ids = [IDS[i] for i in rows]
         styles = torch.stack([pack[len(i) - 1] for i in ids])

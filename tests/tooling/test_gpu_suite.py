@@ -532,14 +532,8 @@ def test_the_stop_verb_stops_every_recorded_service_the_second_tts_one_too(tmp_p
                              text=True, check=True, timeout=10)
         return int(out.stdout)
 
-    def alive(pid: int) -> bool:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        return True
-
     pg = pipeline_gpu()
+    alive = pg.group_alive  # setsid: each sleep leads a process group of its own
     pids = {name: detached() for name in ("llm", "tts", "tts2")}
     try:
         for name, pid in pids.items():
