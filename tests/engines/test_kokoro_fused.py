@@ -110,9 +110,9 @@ def test_fused_matches_reference_on_real_weights() -> None:
 def test_half_precision_decode_stays_near_float32_on_real_weights(dtype: str, energy_tol: float) -> None:
     """tts.kokoro_dtype: the decoder and vocoder under autocast give the float32 model's
     audio, every sample finite and the same length, within the precision's rounding: on a
-    sentence of the real weights float16 measured 1.1% of its energy, bfloat16 5.1% (both
-    heard back word for word by Whisper: test_tts_kokoro_real). The norms, the F0 source's
-    phase and the inverse STFT stay float32."""
+    sentence of the real weights float16 measured 1.1% of its energy, bfloat16 5.1% (each
+    heard back by Whisper: test_tts_kokoro_real). The norms, the F0 source's phase and the
+    inverse STFT stay float32."""
     weights, pack = real_weights()
     config = km.random_config()
     ref = km.build_model(config, weights)
