@@ -541,3 +541,30 @@ def test_bad_service_lists_are_refused() -> None:
     for override in ("tts.remote.urls=[http://127.0.0.1:8094]", "tts.remote.urls=[ws://127.0.0.1:8093]"):
         with pytest.raises(ConfigError, match="urls"):
             load_config("configs/test.yaml", [override])
+
+
+async def test_a_full_service_hands_the_clause_to_another_and_all_full_is_a_capacity_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import voicebot.services.tts_service as tts_service
+
+    monkeypatch.setattr(tts_service, "MAX_JOBS_PER_CONNECTION", 1)
+    hold = asyncio.Event()
+    a, b = ScriptedTts(hold=hold), ScriptedTts(hold=hold)
+    async with two_services(a, b) as (url_a, url_b, _), frontend(url_a, urls=[url_b], retry_backoff_s=5.0) as tts:
+        first = tts.synthesize("a. held.")
+        await asyncio.wait_for(anext(first), WAIT)  # service a is full now
+        client_a, client_b = tts.clients
+        assert (len(a.texts), len(b.texts)) == (1, 0)
+        tts._in_flight[client_b] += 5  # b looks busier from here: the clause tries a first
+        second = tts.synthesize("b. held.")
+        await asyncio.wait_for(anext(second), WAIT)  # a said busy, b took it
+        tts._in_flight[client_b] -= 5
+        assert (len(a.texts), len(b.texts)) == (1, 1)
+        async with asyncio.timeout(WAIT / 2):  # all full: at once, not after rounds of backoff
+            with pytest.raises(CapacityError):
+                await anext(tts.synthesize("c."))
+        assert tts.services_down() == [] and tts.failure_streak == 0
+        hold.set()
+        for stream in (first, second):
+            assert [float(c[0]) async for c in stream] == [2.0]

@@ -176,7 +176,8 @@ class RemoteTts:
         rcfg = self._cfg.remote
         loop = asyncio.get_running_loop()
         for attempt in itertools.count():
-            failed: EngineError | None = None
+            lost: EngineError | None = None
+            busy: CapacityError | None = None
             for client in self._order():
                 got_audio = False
                 self._in_flight[client] += 1
@@ -187,18 +188,21 @@ class RemoteTts:
                             yield chunk
                     self._down_until[client] = 0.0
                     return
-                except EngineError as exc:  # CapacityError too: that service's queue is full
-                    if got_audio or isinstance(exc, LateLoopTimeout) or not (
-                            isinstance(exc, CapacityError) or exc.code == "tts_unavailable"):
+                except CapacityError as exc:  # that service's queue is full: the next one may not be
+                    if got_audio:
+                        raise
+                    busy = exc
+                except EngineError as exc:
+                    if got_audio or exc.code != "tts_unavailable" or isinstance(exc, LateLoopTimeout):
                         raise  # audio came (never asked for twice), or not the service's absence
-                    if not isinstance(exc, CapacityError):
-                        self._down_until[client] = loop.time() + rcfg.down_s
-                        log.warning("TTS service %s: %s; its clauses go to the others for %g s",
-                                    client.cfg.url, exc, rcfg.down_s)
-                    failed = exc
+                    self._down_until[client] = loop.time() + rcfg.down_s
+                    log.warning("TTS service %s: %s; its clauses go to the others for %g s",
+                                client.cfg.url, exc, rcfg.down_s)
+                    lost = exc
                 finally:
                     self._in_flight[client] -= 1
-            assert failed is not None
-            if attempt >= rcfg.retries:
+            if lost is None or attempt >= rcfg.retries:  # every one full: as one full service is, at once
+                failed = lost or busy
+                assert failed is not None
                 raise failed
             await asyncio.sleep(rcfg.retry_backoff_s * 2**attempt)
