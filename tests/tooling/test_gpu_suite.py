@@ -342,6 +342,16 @@ def test_the_llm_verb_starts_the_llm_server_again_with_this_calls_flags(tmp_path
     assert "--stream-interval" not in pg.LlmServer(args, svc).command()[0]
 
 
+def reaped(proc: subprocess.Popen[bytes]) -> subprocess.Popen[bytes]:
+    """A detached server stand-in that this test spawned: waited for on a thread, so that it
+    leaves no zombie for ``stop_recorded`` to wait 20 s on (a real service is no child of the
+    stopping call, and init reaps it)."""
+    import threading
+
+    threading.Thread(target=proc.wait, daemon=True).start()
+    return proc
+
+
 def test_replacing_the_llm_server_stops_only_it(tmp_path: Path) -> None:
     import contextlib
     import json
@@ -349,7 +359,7 @@ def test_replacing_the_llm_server_stops_only_it(tmp_path: Path) -> None:
     import signal
 
     pg = pipeline_gpu()
-    procs = {name: subprocess.Popen(["sleep", "60"], start_new_session=True) for name in ("llm", "tts")}
+    procs = {name: reaped(subprocess.Popen(["sleep", "60"], start_new_session=True)) for name in ("llm", "tts")}
     try:
         for name, p in procs.items():
             (tmp_path / f"{name}_server.json").write_text(json.dumps({"pid": p.pid, "url": "http://127.0.0.1:1"}))
@@ -381,7 +391,7 @@ def test_llm_server_replace_stops_the_recorded_one_before_it_starts(tmp_path: Pa
     import signal
 
     pg = pipeline_gpu()
-    old = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    old = reaped(subprocess.Popen(["sleep", "60"], start_new_session=True))
     (tmp_path / "llm_server.json").write_text(json.dumps({"pid": old.pid, "url": "http://127.0.0.1:1"}))
     seen: list[bool] = []
     monkeypatch.setattr(pg.LlmServer, "spawn", lambda self: seen.append((tmp_path / "llm_server.json").exists()))
