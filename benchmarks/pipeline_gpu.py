@@ -744,6 +744,16 @@ class ServiceServer:
             proc.wait(10)
 
 
+def more_tts_meters(given: list[str]) -> dict[str, tuple[str, int | None]]:
+    """--more-tts-url's services to meter beside the first, as ``tts2``, ``tts3``...: each
+    one's URL and, from a ttsK_server.json, its pid (for its cores)."""
+    out: dict[str, tuple[str, int | None]] = {}
+    for k, item in enumerate(given, start=2):
+        info = json.loads(Path(item).read_text()) if item.endswith(".json") else {"url": item}
+        out[f"tts{k}"] = (str(info["url"]), int(info["pid"]) if "pid" in info else None)
+    return out
+
+
 def resolve_service_url(given: str, timeout_s: float) -> str:
     """A service's URL from a URL or the NAME_server.json that started it, once it answers."""
     url = str(json.loads(Path(given).read_text())["url"]) if given.endswith(".json") else given
@@ -1287,6 +1297,7 @@ def run_main(args: argparse.Namespace) -> int:
                     svc_pid[kind] = int(info["pid"])
                     svc_url[kind] = svc_url[kind] or info["url"]
                 run_info[f"{kind}_url"] = svc_url[kind]
+        more_meters = more_tts_meters(args.more_tts_url) if args.remote_tts else {}  # rows tts2_service, ...
         run_info["healthz_at_start"] = [http_json(h + "/healthz")[1] for h in https]
         clips = tuple(load_clip(a, 16000) for a in args.audio)
         base = ProbeConfig(url=urls[0], urls=tuple(urls), clips=clips, turns=args.turns, gap_s=args.gap_s,
@@ -1328,6 +1339,7 @@ def run_main(args: argparse.Namespace) -> int:
             loop0 = [http_json(h + LOOP_PATH)[1] for h in https]
             eng0 = [engine_cpu(pid) for pid in pids]
             meters = {k: ServiceMeter(str(u), svc_pid[k], IN_LEVEL[k]) for k, u in svc_url.items() if u}
+            meters.update({k: ServiceMeter(u, pid, IN_LEVEL["tts"]) for k, (u, pid) in more_meters.items()})
             for meter in meters.values():
                 meter.begin()
             gpu = GpuSampler() if shutil.which("nvidia-smi") else None
@@ -1607,7 +1619,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--tts-url", help="a TTS service already up (default: OUT/tts_server.json's, else start one)")
     r.add_argument("--more-tts-url", action="append", default=[], metavar="URL_OR_JSON",
                    help="with --remote-tts: one more TTS service already up (tts-server --index K), each clause "
-                        "to the least loaded (tts.remote.urls); only the first is metered")
+                        "to the least loaded (tts.remote.urls); a level's row meters it as ttsK_service")
     r.add_argument("--script-replies", action=argparse.BooleanOptionalAction, default=True)
     r.add_argument("--fastconformer", metavar="DIR",
                    help="the streaming FastConformer from this model directory (`fc-weights` builds one with "

@@ -507,7 +507,7 @@ def test_several_tts_services_start_one_after_another_and_the_frontends_use_them
     """SUITE_TTS_SERVICES=2 (issue 26: one Kokoro process caps a burst's speech a second on
     any GPU): `services` starts a second TTS service after the first, on the GPU the list
     names, recorded as tts2_server.json; `run` hands it to the frontends, whose config then
-    sends each clause to the least loaded of both (tts.remote.urls)."""
+    sends each clause to the least loaded of both (tts.remote.urls), and meters it too."""
     import os
 
     from voicebot.config import load_config
@@ -524,6 +524,10 @@ def test_several_tts_services_start_one_after_another_and_the_frontends_use_them
     run = pg.build_parser().parse_args(run_command(dry_run(tmp_path / "gpu", tmp_path / "out", "256",
                                                            env=dict(env, SUITE_SVC=str(svc)))))
     assert run.tts_url == f"{svc}/tts_server.json" and run.more_tts_url == [f"{svc}/tts2_server.json"]
+    record = tmp_path / "tts2_server.json"
+    record.write_text('{"pid": 4242, "url": "ws://127.0.0.1:8094"}')
+    assert pg.more_tts_meters([str(record), "ws://127.0.0.1:8095"]) == {
+        "tts2": ("ws://127.0.0.1:8094", 4242), "tts3": ("ws://127.0.0.1:8095", None)}  # level rows tts2_service, ...
     run.tts_more_urls = ["ws://127.0.0.1:8094"]  # what run_main resolves the record to
     sets = pg.server_overrides(run, tts_url="ws://127.0.0.1:8093")
     cfg = load_config("configs/gpu-asr-service.yaml", [s for s in sets if s.startswith("tts.")])
