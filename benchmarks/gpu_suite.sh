@@ -209,13 +209,14 @@ services() {
   fi
   do_ "$PY" benchmarks/pipeline_gpu.py tts-server "${FLAGS[@]}" --start-timeout-s 480 --after "$after" --wait \
     --out "$svc"
-  local k gpus gpu
+  local k gpus gpu last=tts  # more TTS services (tts2, tts3 ...), each after the last
   read -ra gpus <<< "${SUITE_TTS_GPU:-}"
-  for ((k = 2; k <= ${SUITE_TTS_SERVICES:-1}; k++)); do  # more TTS services, each after the last
+  for ((k = 2; k <= ${SUITE_TTS_SERVICES:-1}; k++)); do
     gpu=()
     [ ${#gpus[@]} -gt 0 ] && gpu=(--tts-gpu "${gpus[$(( (k - 1) < ${#gpus[@]} ? k - 1 : ${#gpus[@]} - 1 ))]}")
     do_ "$PY" benchmarks/pipeline_gpu.py tts-server "${FLAGS[@]}" "${gpu[@]}" --index "$k" --start-timeout-s 480 \
-      --after "$svc/tts$([ "$k" -gt 2 ] && echo $((k - 1)))_server.json" --wait --out "$svc"
+      --after "$svc/${last}_server.json" --wait --out "$svc"
+    last=tts$k
   done
 }
 

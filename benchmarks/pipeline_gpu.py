@@ -678,7 +678,7 @@ class ServiceServer:
     def __init__(self, args: argparse.Namespace, out: Path, kind: str, index: int = 1) -> None:
         assert kind in ("asr", "tts")
         self.args, self.out, self.kind = args, out, kind
-        self.name = kind if index == 1 else f"{kind}{index}"  # its files: NAME_server.json, .log
+        self.name = service_name(kind, index)  # its files: NAME_server.json, .log
         self.proc: subprocess.Popen[bytes] | None = None
         self.port = free_port()
         self.log_path = out / f"{self.name}_server.log"
@@ -723,7 +723,8 @@ class ServiceServer:
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env=dict(os.environ, **env), start_new_session=True)
         (self.out / f"{self.name}_server.json").write_text(json.dumps(
-            {"pid": self.proc.pid, "port": self.port, "url": self.url, "cmd": cmd, "env": env,
+            {"pid": self.proc.pid, "port": self.port, "url": self.url, "cmd": cmd,
+             "env": {k: v for k, v in env.items() if k != PATCH_ENV},  # the patches once, below
              "patches": json.loads(env[PATCH_ENV])}, indent=1) + "\n")
 
     def start(self) -> float:
@@ -744,21 +745,25 @@ class ServiceServer:
             proc.wait(10)
 
 
+def service_name(kind: str, index: int = 1) -> str:
+    """The Kth service of a kind, as its files name it: ``tts``, then ``tts2``, ``tts3``..."""
+    return kind if index == 1 else f"{kind}{index}"
+
+
+def service_record(given: str) -> dict[str, Any]:
+    """A service named by its URL, or the record (NAME_server.json) that started it: its url,
+    and from a record its pid too."""
+    return dict(json.loads(Path(given).read_text())) if given.endswith(".json") else {"url": given}
+
+
 def more_tts_meters(given: list[str]) -> dict[str, tuple[str, int | None]]:
-    """--more-tts-url's services to meter beside the first, as ``tts2``, ``tts3``...: each
-    one's URL and, from a ttsK_server.json, its pid (for its cores)."""
+    """--more-tts-url's services beside the first, as ``tts2``, ``tts3``...: each one's URL
+    and, from a ttsK_server.json, its pid (for its cores)."""
     out: dict[str, tuple[str, int | None]] = {}
     for k, item in enumerate(given, start=2):
-        info = json.loads(Path(item).read_text()) if item.endswith(".json") else {"url": item}
-        out[f"tts{k}"] = (str(info["url"]), int(info["pid"]) if "pid" in info else None)
+        info = service_record(item)
+        out[service_name("tts", k)] = (str(info["url"]), int(info["pid"]) if "pid" in info else None)
     return out
-
-
-def resolve_service_url(given: str, timeout_s: float) -> str:
-    """A service's URL from a URL or the NAME_server.json that started it, once it answers."""
-    url = str(json.loads(Path(given).read_text())["url"]) if given.endswith(".json") else given
-    wait_service_ready(url, timeout_s)
-    return url
 
 
 def service_stats(url: str, timeout: float = 5.0) -> dict[str, Any]:
@@ -1209,6 +1214,7 @@ def run_main(args: argparse.Namespace) -> int:
     svc_url: dict[str, str | None] = {k: None if u and u.endswith(".json") else u for k, u in given.items()}
     svc_pid: dict[str, int | None] = {"asr": None, "tts": None}
     log_marks: dict[Path, int] = {}  # a started service's log: its size when this run began
+    more_tts = more_tts_meters(args.more_tts_url) if args.remote_tts else {}  # level rows tts2_service, ...
     rc = 0
     try:
         if args.url:  # frontends already up (an earlier --detach)
@@ -1248,8 +1254,10 @@ def run_main(args: argparse.Namespace) -> int:
                     run_info[f"{kind}_server_wait_s"] = round(
                         wait_service_ready(str(svc_url[kind]), args.start_timeout_s), 1)
             asr_url, tts_url = svc_url["asr"], svc_url["tts"]
-            if args.more_tts_url:  # more TTS services, started by ``tts-server --index K``
-                args.tts_more_urls = [resolve_service_url(u, args.start_timeout_s) for u in args.more_tts_url]
+            if more_tts:  # more TTS services, started by ``tts-server --index K``
+                args.tts_more_urls = [url for url, _ in more_tts.values()]
+                for url in args.tts_more_urls:
+                    wait_service_ready(url, args.start_timeout_s)
                 run_info["tts_more_urls"] = args.tts_more_urls
             # The services an earlier call started keep their logs there: what they write during
             # this run comes back with it (a stall of the LLM server shows in its own log).
@@ -1297,7 +1305,6 @@ def run_main(args: argparse.Namespace) -> int:
                     svc_pid[kind] = int(info["pid"])
                     svc_url[kind] = svc_url[kind] or info["url"]
                 run_info[f"{kind}_url"] = svc_url[kind]
-        more_meters = more_tts_meters(args.more_tts_url) if args.remote_tts else {}  # rows tts2_service, ...
         run_info["healthz_at_start"] = [http_json(h + "/healthz")[1] for h in https]
         clips = tuple(load_clip(a, 16000) for a in args.audio)
         base = ProbeConfig(url=urls[0], urls=tuple(urls), clips=clips, turns=args.turns, gap_s=args.gap_s,
@@ -1339,7 +1346,7 @@ def run_main(args: argparse.Namespace) -> int:
             loop0 = [http_json(h + LOOP_PATH)[1] for h in https]
             eng0 = [engine_cpu(pid) for pid in pids]
             meters = {k: ServiceMeter(str(u), svc_pid[k], IN_LEVEL[k]) for k, u in svc_url.items() if u}
-            meters.update({k: ServiceMeter(u, pid, IN_LEVEL["tts"]) for k, (u, pid) in more_meters.items()})
+            meters.update({k: ServiceMeter(u, pid, IN_LEVEL["tts"]) for k, (u, pid) in more_tts.items()})
             for meter in meters.values():
                 meter.begin()
             gpu = GpuSampler() if shutil.which("nvidia-smi") else None
@@ -1428,11 +1435,10 @@ def run_main(args: argparse.Namespace) -> int:
 def service_server_main(args: argparse.Namespace, kind: str) -> int:
     """Start a shared service detached (its pid and URL in OUT/KIND_server.json); ``--replace``:
     stop the one OUT records first."""
-    name = kind if args.index == 1 else f"{kind}{args.index}"
     if args.replace:
-        replace_recorded(Path(args.out), f"{name}_server.json")
+        replace_recorded(Path(args.out), f"{service_name(kind, args.index)}_server.json")
     if args.after:  # another engine's start must be over first (vLLM sizes GPU memory from what is free)
-        info = json.loads(Path(args.after).read_text()) if args.after.endswith(".json") else {"url": args.after}
+        info = service_record(args.after)
         url = info["url"]
         print(f"waiting for {url} before starting ...", flush=True)
         if url.startswith("ws"):
