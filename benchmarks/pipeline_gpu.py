@@ -821,7 +821,10 @@ class ServiceStatsSampler(PeakSampler):
     TTS service's clauses and its engine's queue."""
 
     KEYS = ("queue_depth", "running", "open_connections", "engine_queue_depth", "step_ms_p50", "step_ms_p95",
-            "step_rows_mean")
+            "step_rows_mean",
+            # the TTS service's last few hundred clauses and Kokoro's forwards (TtsService.snapshot)
+            "first_audio_ms_p50", "first_audio_ms_p95", "late_ms_p95", "forward_ms_p50", "forward_ms_p95",
+            "forward_rows_mean")
 
     def __init__(self, url: str) -> None:
         super().__init__()
@@ -834,7 +837,7 @@ class ServiceStatsSampler(PeakSampler):
 
 # A service's counters reported per level (their change over the level).
 IN_LEVEL = {"asr": ("finals", "partials", "dropped_partials", "cancelled", "failed", "steps", "refused_streams"),
-            "tts": ("clauses", "chunks", "cancelled", "failed", "busy")}
+            "tts": ("clauses", "chunks", "cancelled", "failed", "busy", "late")}
 
 
 def llm_engine_snapshot(url: str | None) -> vllm_metrics.Snapshot | None:

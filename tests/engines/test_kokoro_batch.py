@@ -106,6 +106,24 @@ async def test_clauses_waiting_behind_a_forward_go_in_one_batch() -> None:
     assert eng.stats.batches == 3 and eng.stats.max_batch_seen == 4
 
 
+async def test_recent_forwards_report_their_time_and_clauses() -> None:
+    runner = FakeRunner()
+    async with batcher(runner, max_batch=4) as eng:
+        assert eng.forward_stats() == {}  # nothing run yet: nothing to report
+        runner.blocking = True
+        first = asyncio.create_task(eng.synthesize([1], None))
+        await wait_entered(runner)
+        later = [asyncio.create_task(eng.synthesize([i], None, deadline=float(i))) for i in range(2, 7)]
+        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.02)  # the held forward's wall time is at least this long
+        runner.open()
+        await asyncio.gather(first, *later)
+        stats = eng.forward_stats()
+    assert runner.batches == [[1], [2, 3, 4, 5], [6]]
+    assert stats["forward_rows_mean"] == 2.0  # 6 clauses in 3 forwards
+    assert stats["forward_ms_p95"] >= 50.0 and stats["forward_ms_p50"] <= stats["forward_ms_p95"]
+
+
 async def test_cancelled_waiting_clause_never_reaches_the_model() -> None:
     runner = FakeRunner()
     async with batcher(runner) as eng:

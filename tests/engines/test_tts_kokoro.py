@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from voicebot.config import TtsConfig
+from voicebot.engines.contracts import BatchedTts
 from voicebot.engines.registry import create_tts
 from voicebot.engines.tts.kokoro import MAX_TOKENS, EspeakG2P, KokoroTts, VoicePacks
 from voicebot.engines.tts.kokoro_batch import Clause
@@ -146,6 +147,8 @@ async def test_sessions_share_one_batch(g2p: EspeakG2P, voices_dir: Path) -> Non
         assert tts.queue_depth == 5
         runner.open()
         await asyncio.gather(lead, *others)
+        # What the TTS service reports of the engine's forwards (TtsService.snapshot).
+        assert isinstance(tts, BatchedTts) and tts.forward_stats()["forward_rows_mean"] == 3.0
     assert runner.batches == [1, 5]
 
 

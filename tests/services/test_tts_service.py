@@ -37,6 +37,7 @@ class ScriptedTts:
     def __init__(self, *, fail_on: str | None = None, hold: asyncio.Event | None = None) -> None:
         self.fail_on = fail_on  # text that raises EngineError after its first sentence
         self.hold = hold  # sentences after the first wait for this
+        self.delay_s = 0.0  # before a clause's first sentence
         self.produced = 0  # sentences pulled from a stream
         self.closed = 0  # streams closed before their end (GeneratorExit / cancel)
         self.finished = 0
@@ -68,6 +69,8 @@ class ScriptedTts:
         self.texts.append((text, voice, speed))
         self.aheads.append(ahead_s)
         sentences = [s for s in text.split(".") if s.strip()]
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
         try:
             for i, _ in enumerate(sentences):
                 if i and self.hold is not None:
@@ -126,6 +129,24 @@ async def test_a_clause_streams_sentence_by_sentence_with_the_services_rate_and_
         await until(lambda: svc.running == 0)
         assert svc.stats.clauses == 2 and svc.stats.chunks == 4 and svc.stats.cancelled == 0
         assert tts.completed == 2 and tts.failure_streak == 0 and tts.queue_depth == 0
+
+
+async def test_the_service_times_first_clauses_and_counts_later_ones_that_came_late() -> None:
+    fake = ScriptedTts()
+    async with service(fake) as (svc, url), frontend(url) as tts:
+        assert "first_audio_ms_p95" not in svc.snapshot()  # no clause yet: no figure
+        # A first clause (nothing ahead of it), and a later one needed in an hour: on time.
+        assert len([c async for c in tts.synthesize("Sure.")]) == 1
+        assert len([c async for c in tts.synthesize("Later.", ahead_s=3600.0)]) == 1
+        # A later clause needed 10 ms after its request, whose first audio takes 50 ms: late.
+        fake.delay_s = 0.05
+        assert len([c async for c in tts.synthesize("Late.", ahead_s=0.01)]) == 1
+        await until(lambda: svc.running == 0)
+        snap = svc.snapshot()
+    assert svc.stats.late == 1 and snap["late"] == 1
+    assert 0.0 <= snap["first_audio_ms_p50"] <= snap["first_audio_ms_p95"] < 1000.0
+    assert snap["late_ms_p95"] >= 30.0  # 50 ms against 10 ms of audio ahead
+    assert "forward_ms_p95" not in snap  # the scripted engine batches nothing
 
 
 async def test_the_service_runs_one_window_ahead_of_what_the_session_took() -> None:

@@ -25,7 +25,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -313,6 +313,16 @@ class Tts(Protocol):
         (0: a reply's first clause, which the caller waits for in silence). An engine that
         queues many sessions' work serves the text whose audio is needed soonest first
         (Kokoro's batcher, through the TTS service too); the others may ignore it."""
+        ...
+
+
+@runtime_checkable
+class BatchedTts(Protocol):
+    """A :class:`Tts` that puts many calls' clauses into one forward (Kokoro's batcher)."""
+
+    def forward_stats(self) -> dict[str, float]:
+        """Its recent forwards: ``forward_ms_p50``, ``forward_ms_p95`` (a batch's wall
+        time) and ``forward_rows_mean`` (its clauses); empty before the first."""
         ...
 
 

@@ -19,6 +19,7 @@ closes the engine's stream: a queued sentence is dropped, a running one aborted 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -33,7 +34,7 @@ import websockets
 from websockets.asyncio.server import ServerConnection, serve
 
 from voicebot.config import Config
-from voicebot.engines.contracts import Tts
+from voicebot.engines.contracts import BatchedTts, Tts
 from voicebot.errors import EngineError, VoicebotError
 from voicebot.services.serve import listen as listen_ws
 from voicebot.services.serve import run_service, serve_until_stopped
@@ -72,9 +73,47 @@ class ServiceStats:
     failed: int = 0
     bad_requests: int = 0
     busy: int = 0
+    late: int = 0  # later clauses whose first audio came after their caller needed it (ClauseTimes)
 
     def as_json(self) -> dict[str, int]:
         return dict(self.__dict__)
+
+
+# Clauses whose times ``stats`` reports: the last few hundred, so a burst's show while it lasts.
+RECENT_CLAUSES = 512
+
+
+class ClauseTimes:
+    """How soon each clause's first audio came, against when its caller needs it.
+
+    A reply's first clause (``ahead_s`` 0) is waited for in silence: its time from request
+    to first audio here is the service's share of the caller's wait. A later clause is
+    needed once the audio ahead of it has played, ``ahead_s`` after its request (the
+    frontend's estimate): first audio after that is a gap the caller hears, unless the
+    frontend's playout lead covers it. Where a burst's replies stall, these say whether
+    the clauses came late from here."""
+
+    def __init__(self, size: int = RECENT_CLAUSES) -> None:
+        self._first: collections.deque[float] = collections.deque(maxlen=size)  # s, first clauses
+        self._late: collections.deque[float] = collections.deque(maxlen=size)  # s past the need, later clauses
+
+    def add(self, waited_s: float, ahead_s: float) -> bool:
+        """One clause's first audio ``waited_s`` after its request; True if it came late."""
+        if ahead_s <= 0.0:
+            self._first.append(waited_s)
+            return False
+        late = max(0.0, waited_s - ahead_s)
+        self._late.append(late)
+        return late > 0.0
+
+    def as_json(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for name, values in (("first_audio_ms", self._first), ("late_ms", self._late)):
+            ordered = sorted(values)
+            if ordered:
+                for q, label in ((0.5, "p50"), (0.95, "p95")):
+                    out[f"{name}_{label}"] = round(ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000, 1)
+        return out
 
 
 @dataclass(eq=False)
@@ -136,6 +175,7 @@ class TtsService:
         self.engine = engine
         self.engine_name = engine_name
         self.stats = ServiceStats()
+        self.times = ClauseTimes()
         self._tasks: set[asyncio.Task[None]] = set()
         self._conns: set[_Conn] = set()  # open connections (bounded by the listener's)
         self._closed = False
@@ -227,11 +267,17 @@ class TtsService:
         job.task.add_done_callback(self._tasks.discard)
 
     async def _synthesize(self, conn: _Conn, job: _Job, req: Synthesize) -> None:
+        asked = time.monotonic()
+        first = True
         try:
             async with contextlib.aclosing(
                 self.engine.synthesize(req.text, voice=req.voice, speed=req.speed, ahead_s=req.ahead_s)
             ) as chunks:
                 async for chunk in chunks:
+                    if first:
+                        first = False
+                        if self.times.add(time.monotonic() - asked, req.ahead_s):
+                            self.stats.late += 1
                     for piece in frames_of(chunk):  # each piece is a chunk to the frontend
                         while job.unacked >= job.window:
                             job.room.clear()
@@ -270,8 +316,9 @@ class TtsService:
             await conn.ws.send(json.dumps(payload))
 
     def snapshot(self) -> dict[str, Any]:
-        return {**self.stats.as_json(), "running": self.running, "engine_queue_depth": self.engine.queue_depth,
-                "engine_failure_streak": self.engine.failure_streak}
+        forwards = self.engine.forward_stats() if isinstance(self.engine, BatchedTts) else {}
+        return {**self.stats.as_json(), **self.times.as_json(), **forwards, "running": self.running,
+                "engine_queue_depth": self.engine.queue_depth, "engine_failure_streak": self.engine.failure_streak}
 
 
 # -- the process ------------------------------------------------------------------------

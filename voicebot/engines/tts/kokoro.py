@@ -265,6 +265,10 @@ class KokoroTts:
     def failure_streak(self) -> int:
         return self._batcher.failure_streak if self._batcher is not None else 0
 
+    def forward_stats(self) -> dict[str, float]:
+        """The batcher's recent forwards (KokoroBatcher.forward_stats), for the TTS service's stats."""
+        return self._batcher.forward_stats() if self._batcher is not None else {}
+
     @property
     def last_error(self) -> BaseException | None:
         return self._batcher.last_error if self._batcher is not None else None

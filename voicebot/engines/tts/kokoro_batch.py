@@ -18,6 +18,7 @@ anyway). A failing forward fails every clause of its batch with :class:`EngineEr
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import heapq
@@ -106,6 +107,11 @@ class BatchStats:
     sizes: list[int] = field(default_factory=list)
 
 
+# Forwards whose time and rows the TTS service reports (``forward_stats``): the last few
+# hundred, so a burst's shows while it lasts, as the ASR service reports its steps.
+RECENT_FORWARDS = 256
+
+
 class KokoroBatcher:
     """Batches clauses of every session onto ``runner`` (see :data:`Runner`)."""
 
@@ -121,6 +127,7 @@ class KokoroBatcher:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._running: set[asyncio.Future[None]] = set()
         self.stats = BatchStats()
+        self._recent: collections.deque[tuple[float, int]] = collections.deque(maxlen=RECENT_FORWARDS)  # (s, rows)
         self.failure_streak = 0
         self.last_error: BaseException | None = None
 
@@ -210,7 +217,23 @@ class KokoroBatcher:
         try:
             self._runner(batch, deliver)
         finally:
-            self.stats.busy_s += time.perf_counter() - t0
+            took = time.perf_counter() - t0
+            self.stats.busy_s += took
+            self._recent.append((took, len(batch)))  # deque.append is atomic: no lock with the loop's reads
+
+    def forward_stats(self) -> dict[str, float]:
+        """The last few hundred forwards: their wall time (p50, p95, ms: encode and every
+        group's decode of one batch) and their clauses (mean). Empty before the first."""
+        recent = list(self._recent)
+        if not recent:
+            return {}
+        times = sorted(s for s, _ in recent)
+
+        def ms(q: float) -> float:
+            return round(times[min(len(times) - 1, int(q * len(times)))] * 1000, 1)
+
+        return {"forward_ms_p50": ms(0.5), "forward_ms_p95": ms(0.95),
+                "forward_rows_mean": round(sum(n for _, n in recent) / len(recent), 1)}
 
     def _deliver(self, clauses: list[Clause], audios: list[np.ndarray]) -> None:
         self.failure_streak = 0  # audio came out: the engine works (before any awaiter resumes)
