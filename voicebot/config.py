@@ -235,7 +235,7 @@ class RemoteTtsConfig(_Section):
     (the rest of the tts section) for many frontends; each frontend streams its clauses' audio from it."""
 
     url: str = Field("ws://127.0.0.1:8093", pattern=r"^wss?://[^\s?#]+$", description="WebSocket URL of the TTS service (voicebot tts-serve).")
-    urls: list[str] = Field(default_factory=list, max_length=64, description="More TTS services beside url, for speech per second and failover: each clause goes to the one with the fewest of this frontend's clauses in flight; one that cannot be reached is left out for down_s while the others take its clauses. All must synthesise at one sample rate.")
+    urls: list[str] = Field(default_factory=list, max_length=64, description="More TTS services beside url, for speech per second and failover: each clause goes to the one with the fewest of this frontend's clauses in flight; one that cannot be reached (at start too, if another answers) is left out for down_s while the others take its clauses. All must synthesise at one sample rate.")
     down_s: float = Field(5.0, gt=0.0, le=600.0, description="With urls: how long a service whose connection failed gets no new clause while another is up.")
     concurrency: int = Field(1024, ge=1, le=4096, description="Clauses in synthesis at once from one frontend; one more raises a capacity error, as a full tts.queue_size does in-process.")
     window: int = Field(1, ge=1, le=64, description="Sentences of a clause the service may send ahead of what the session has taken (the service holds the rest, and synthesises one further).")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
 from collections.abc import AsyncGenerator, AsyncIterator
 
 import numpy as np
@@ -547,6 +548,41 @@ async def test_every_service_down_fails_the_clause_as_one_would() -> None:
                 await asyncio.wait_for(anext(tts.synthesize("a.")), WAIT)
             assert info.value.code == "tts_unavailable" and tts.failure_streak == 1
     await svc.aclose()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.mark.parametrize("late_rate", [RATE, 24_000])
+async def test_a_service_down_at_start_is_left_out_and_joins_when_it_answers_at_the_others_rate(
+    late_rate: int,
+) -> None:
+    """A frontend restarted while one of its TTS services is down starts on the others;
+    the down one gets clauses once it answers, unless it synthesises at another rate."""
+    a, b = ScriptedTts(), ScriptedTts()
+    b.sample_rate = late_rate  # type: ignore[misc]
+    url_b = f"ws://127.0.0.1:{free_port()}"
+    async with service(a) as (_, url_a), frontend(url_a, urls=[url_b], startup_timeout_s=0.3, down_s=0.1) as tts:
+        assert tts.sample_rate == RATE and tts.services_down() == [url_b]
+        assert [c.size async for c in tts.synthesize("x.")] == [RATE // 10]
+        svc_b = TtsService(b, engine_name="scripted")  # type: ignore[arg-type]
+        async with listen(svc_b, "127.0.0.1", int(url_b.rsplit(":", 1)[1])):
+            await asyncio.sleep(0.15)  # its down_s is over: the next clauses try it again
+            for i in range(4):
+                assert [c.size async for c in tts.synthesize(f"y{i}.")] == [RATE // 10]
+            assert len(b.texts) == (2 if late_rate == RATE else 0)  # in turn with the first, or never
+            assert tts.failure_streak == 0
+        await svc_b.aclose()
+
+
+async def test_a_frontend_whose_services_are_all_down_refuses_to_start() -> None:
+    cfg = TtsConfig(backend="remote", remote=RemoteTtsConfig(
+        url=f"ws://127.0.0.1:{free_port()}", urls=[f"ws://127.0.0.1:{free_port()}"], startup_timeout_s=0.2))
+    with pytest.raises(ModelError, match="not reachable"):
+        await RemoteTts(cfg).start()
 
 
 async def test_services_that_disagree_on_their_rate_are_refused_at_start() -> None:

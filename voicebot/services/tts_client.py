@@ -90,6 +90,9 @@ class TtsServiceClient(ServiceClient):
         super().__init__(cfg, loop=loop)
         self.cfg: RemoteTtsConfig = cfg
         self._clauses: dict[int, _Clause] = {}
+        # The rate its first hello must give: the other services' (RemoteTts.start), for a
+        # service that did not answer at start and joins later.
+        self.expect_rate: int | None = None
 
     @property
     def open_clauses(self) -> int:
@@ -101,6 +104,8 @@ class TtsServiceClient(ServiceClient):
             raise ServiceMismatch(f"TTS service {self.cfg.url} gave no sample rate (a positive integer): {rate!r}")
         if self.hello is not None and rate != self.hello.get("sample_rate"):
             raise ValueError(f"TTS service now synthesises at {rate} Hz, not {self.hello.get('sample_rate')}")
+        if self.hello is None and self.expect_rate is not None and rate != self.expect_rate:
+            raise ValueError(f"TTS service {self.cfg.url} synthesises at {rate} Hz, the others at {self.expect_rate}")
 
     def _deliver(self, clause: _Clause, item: np.ndarray | BaseException) -> None:
         if isinstance(item, BaseException):

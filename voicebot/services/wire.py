@@ -301,10 +301,15 @@ class ServiceClient:
         await asyncio.gather(*self._background, return_exceptions=True)
 
 
+class ServiceUnreachable(ModelError):
+    """A service did not answer within the start-up wait (it may be down for now, unlike one
+    that answers as another service)."""
+
+
 async def connect_at_start(client: ServiceClient, startup_timeout_s: float) -> float:
     """Connect a frontend's client at start-up, retrying for up to ``startup_timeout_s`` while
-    the service comes up; ModelError then, or at once for another service or protocol.
-    Returns the seconds it took."""
+    the service comes up; ServiceUnreachable then, or ModelError at once for another service
+    or protocol. Returns the seconds it took."""
     url, what = client.cfg.url, client.what
     t0 = time.monotonic()
     while True:
@@ -315,7 +320,7 @@ async def connect_at_start(client: ServiceClient, startup_timeout_s: float) -> f
             raise ModelError(f"{what} {url}: {exc}") from exc
         except CONNECT_ERRORS as exc:
             if time.monotonic() - t0 >= startup_timeout_s:
-                raise ModelError(f"{what} {url} not reachable after {startup_timeout_s:g} s: {exc}") from exc
+                raise ServiceUnreachable(f"{what} {url} not reachable after {startup_timeout_s:g} s: {exc}") from exc
             await asyncio.sleep(min(1.0, startup_timeout_s / 10 or 0.1))
 
 

@@ -43,7 +43,7 @@ from voicebot.engines.tts.text import clean_text
 from voicebot.errors import CapacityError, ConfigError, EngineError, LateLoopTimeout
 from voicebot.runtime.loop_lag import LoopLateness
 from voicebot.services.tts_client import TtsServiceClient
-from voicebot.services.wire import connect_at_start
+from voicebot.services.wire import ServiceUnreachable, connect_at_start
 
 __all__ = ["RemoteTts"]
 
@@ -79,11 +79,27 @@ class RemoteTts:
         self.failed = 0
 
     async def start(self) -> None:
+        """Connect to every service, each waited for up to ``startup_timeout_s``. With several,
+        one that never answered is left out (for ``down_s``, then tried again by the next
+        clause, and taken once it answers at the others' rate): a frontend restarted while one
+        TTS service is down starts on the others. One that answers as another service, or
+        services that disagree on their rate, are configuration errors: no start."""
         rcfg = self._cfg.remote
+
+        async def connect(client: TtsServiceClient) -> float | ServiceUnreachable:
+            try:
+                return await connect_at_start(client, rcfg.startup_timeout_s)
+            except ServiceUnreachable as exc:
+                return exc  # anything else ends the start at once, the other waits with it
+
         try:
             async with asyncio.TaskGroup() as group:
-                took = [group.create_task(connect_at_start(c, rcfg.startup_timeout_s)) for c in self.clients]
-            rates = {c.cfg.url: int((c.hello or {})["sample_rate"]) for c in self.clients}  # checked by each client
+                tasks = [group.create_task(connect(c)) for c in self.clients]
+            took = [t.result() for t in tasks]
+            up = [c for c, result in zip(self.clients, took, strict=True) if isinstance(result, float)]
+            if not up:
+                raise next(r for r in took if isinstance(r, ServiceUnreachable))
+            rates = {c.cfg.url: int((c.hello or {})["sample_rate"]) for c in up}  # checked by each client
             if len(set(rates.values())) > 1:
                 raise ConfigError(f"tts.remote: the TTS services synthesise at different sample rates: {rates}")
         except BaseException as exc:
@@ -91,10 +107,18 @@ class RemoteTts:
             if isinstance(exc, BaseExceptionGroup):
                 raise exc.exceptions[0] from None  # the first service's own error, not a group
             raise
-        hello = self.client.hello or {}
+        self.client = up[0]
         self.sample_rate = rates[self.client.cfg.url]
-        log.info("TTS: the shared service%s at %s (%s, %d Hz) in %.1f s", "s" if len(self.clients) > 1 else "",
-                 ", ".join(rates), hello.get("engine"), self.sample_rate, max(t.result() for t in took))
+        now = asyncio.get_running_loop().time()
+        for client, result in zip(self.clients, took, strict=True):
+            client.expect_rate = self.sample_rate
+            if isinstance(result, ServiceUnreachable):
+                self._down_until[client] = now + rcfg.down_s
+                log.warning("%s; its clauses go to the others until it answers", result)
+        hello = self.client.hello or {}
+        log.info("TTS: the shared service%s at %s (%s, %d Hz) in %.1f s", "s" if len(up) > 1 else "",
+                 ", ".join(rates), hello.get("engine"), self.sample_rate,
+                 max(t for t in took if isinstance(t, float)))
 
     async def aclose(self) -> None:
         for client in self.clients:
