@@ -73,7 +73,7 @@ _ENGINE_MODULES = {"llm": "voicebot.engines.llm.inprocess", "llm_remote": "voice
 def load_engine_module(stem: str = "llm") -> Any:
     """The LLM engine module ``stem`` names (llm: in-process, llm_remote: the HTTP tier).
     ``voicebot.engines`` imports nothing on its own, so this needs only voicebot.config,
-    voicebot.errors, voicebot.affinity (and httpx), none of the ASR, TTS or VAD stack."""
+    voicebot.errors, voicebot.affinity (and aiohttp), none of the ASR, TTS or VAD stack."""
     return importlib.import_module(_ENGINE_MODULES[stem])
 
 

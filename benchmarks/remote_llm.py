@@ -97,7 +97,7 @@ def saver(args: argparse.Namespace, report: dict[str, Any], side: str) -> Callab
 
 def versions() -> dict[str, str]:
     out = {"python": platform.python_version(), "machine": platform.machine(), "cpus": str(os.cpu_count())}
-    for mod in ("vllm", "httpx", "torch"):
+    for mod in ("vllm", "aiohttp", "torch"):
         with contextlib.suppress(Exception):
             out[mod] = __import__(mod).__version__
     with contextlib.suppress(Exception):

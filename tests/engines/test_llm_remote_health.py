@@ -2,15 +2,22 @@
 mark it down, but not a timeout that fired while this frontend's own event loop was late
 for most of the wait (the tier's answer may have sat unread meanwhile).
 
-The engine's real HTTP client over httpx's MockTransport, which answers each request as
-the test says (a connect timeout, a refused connection); the loop watch is a fake of our
-own LoopLateness: it says whether the loop was late, as the real one reads its ticks
+The engine's real HTTP client against real sockets on this host: a tier that takes the
+connection and never answers (each request times out waiting for its first token) and a
+port nobody listens on (refused at once); the loop watch is a fake of our own
+LoopLateness: it says whether the loop was late, as the real one reads its ticks
 (tests/runtime/test_loop_lag.py)."""
 
 from __future__ import annotations
 
-import httpx
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator
+
+import aiohttp
 import pytest
+from aiohttp import web
 from fakes import FakeLoopWatch
 
 from voicebot.config import LlmConfig, RemoteLlmConfig
@@ -18,20 +25,47 @@ from voicebot.engines.contracts import GenerationStats, Lane
 from voicebot.engines.llm.remote import RemoteLlmEngine, RemoteLlmError
 
 THRESHOLD = 3
+FIRST_TOKEN_S = 0.1  # a silent tier's requests time out after this
 
 
-def tier(failure: type[httpx.TransportError], loop: FakeLoopWatch | None) -> RemoteLlmEngine:
-    """An engine whose every request to the tier fails with ``failure`` (no retries)."""
+@contextlib.asynccontextmanager
+async def silent_tier() -> AsyncIterator[str]:
+    """A tier that takes every connection and never answers: its requests time out."""
+    held: list[asyncio.StreamWriter] = []
 
-    def answer(request: httpx.Request) -> httpx.Response:
-        raise failure("scripted", request=request)
+    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
 
-    cfg = LlmConfig(backend="remote", remote=RemoteLlmConfig(retries=0, failure_threshold=THRESHOLD))
+    server = await asyncio.start_server(hold, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        for writer in held:
+            writer.close()
+        server.close()
+        await server.wait_closed()
+
+
+def closed_port() -> str:
+    """A tier nobody listens on: its requests are refused at once."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+@contextlib.asynccontextmanager
+async def tier(url: str, loop: FakeLoopWatch | None) -> AsyncIterator[RemoteLlmEngine]:
+    """An engine on ``url`` with its real client (no retries), as start() leaves it."""
+    cfg = LlmConfig(backend="remote", remote=RemoteLlmConfig(
+        url=url, retries=0, failure_threshold=THRESHOLD, first_token_timeout_s=FIRST_TOKEN_S))
     engine = RemoteLlmEngine(cfg, "unused-tokenizer", loop=loop)
     # What start() sets once the tier lists its model (it would load a tokenizer first).
-    engine._client = engine._engine = httpx.AsyncClient(transport=httpx.MockTransport(answer), base_url="http://tier")
+    engine._client = engine._engine = engine._new_client()
     engine._model = "m"
-    return engine
+    try:
+        yield engine
+    finally:
+        await engine.aclose()
 
 
 async def fail_requests(engine: RemoteLlmEngine, n: int) -> None:
@@ -42,33 +76,34 @@ async def fail_requests(engine: RemoteLlmEngine, n: int) -> None:
                 pass
 
 
-async def test_connect_timeouts_mark_the_tier_down() -> None:
-    engine = tier(httpx.ConnectTimeout, FakeLoopWatch(late=False))
-    await fail_requests(engine, THRESHOLD)
-    assert engine.dead_reason is not None and "3 requests failed in a row" in engine.dead_reason
+async def test_timeouts_mark_the_tier_down() -> None:
+    async with silent_tier() as url, tier(url, FakeLoopWatch(late=False)) as engine:
+        await fail_requests(engine, THRESHOLD)
+        assert engine.dead_reason is not None and "3 requests failed in a row" in engine.dead_reason
 
 
-async def test_connect_timeouts_while_our_loop_was_late_do_not() -> None:
+async def test_timeouts_while_our_loop_was_late_do_not() -> None:
     loop = FakeLoopWatch(late=True)
-    engine = tier(httpx.ConnectTimeout, loop)
-    await fail_requests(engine, THRESHOLD * 2)
-    assert engine.dead_reason is None and engine.late_loop_failures == THRESHOLD * 2 and loop.asked == THRESHOLD * 2
-    loop.late = False  # the loop keeps up again, the tier still does not answer: now it is the tier's
-    await fail_requests(engine, THRESHOLD)
-    assert engine.dead_reason is not None
+    async with silent_tier() as url, tier(url, loop) as engine:
+        await fail_requests(engine, THRESHOLD * 2)
+        assert engine.dead_reason is None and engine.late_loop_failures == THRESHOLD * 2
+        assert loop.asked == THRESHOLD * 2
+        loop.late = False  # the loop keeps up again, the tier still does not answer: now it is the tier's
+        await fail_requests(engine, THRESHOLD)
+        assert engine.dead_reason is not None
 
 
 async def test_a_refused_connection_is_the_tiers_however_late_our_loop() -> None:
     loop = FakeLoopWatch(late=True)
-    engine = tier(httpx.ConnectError, loop)
-    await fail_requests(engine, THRESHOLD)
-    assert engine.dead_reason is not None and loop.asked == 0
+    async with tier(closed_port(), loop) as engine:
+        await fail_requests(engine, THRESHOLD)
+        assert engine.dead_reason is not None and loop.asked == 0
 
 
 async def test_without_a_loop_watch_every_timeout_counts() -> None:
-    engine = tier(httpx.ConnectTimeout, None)
-    await fail_requests(engine, THRESHOLD)
-    assert engine.dead_reason is not None
+    async with silent_tier() as url, tier(url, None) as engine:
+        await fail_requests(engine, THRESHOLD)
+        assert engine.dead_reason is not None
 
 
 async def test_a_start_whose_warm_up_fails_closes_its_own_client(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -77,27 +112,38 @@ async def test_a_start_whose_warm_up_fails_closes_its_own_client(monkeypatch: py
     closes engines too, but a caller that starts one engine alone must not leak its pool)."""
     from voicebot.engines.llm import remote
 
-    def answer(request: httpx.Request) -> httpx.Response:
-        if request.url.path == "/v1/models":
-            return httpx.Response(200, json={"data": [{"id": "m"}]})
-        return httpx.Response(500, text="the tier refused it")
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "m"}]})
 
-    opened: list[httpx.AsyncClient] = []
-    real_client = httpx.AsyncClient
+    async def refuse(request: web.Request) -> web.Response:
+        return web.Response(status=500, text="the tier refused it")
 
-    def client(**kwargs: object) -> httpx.AsyncClient:
-        c = real_client(transport=httpx.MockTransport(answer), **kwargs)  # type: ignore[arg-type]
-        opened.append(c)
-        return c
+    app = web.Application()
+    app.add_routes([web.get("/v1/models", models), web.post("/v1/completions", refuse)])
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    opened: list[aiohttp.ClientSession] = []
+    new_client = RemoteLlmEngine._new_client
 
-    monkeypatch.setattr(remote.httpx, "AsyncClient", client)
+    def client(self: RemoteLlmEngine) -> aiohttp.ClientSession:
+        opened.append(new_client(self))
+        return opened[-1]
+
+    monkeypatch.setattr(RemoteLlmEngine, "_new_client", client)
     monkeypatch.setattr(remote, "load_tokenizer", lambda path: FakeTokenizer())
-    cfg = LlmConfig(backend="remote", warm_sampling_rows=2, remote=RemoteLlmConfig(retries=0))
+    cfg = LlmConfig(backend="remote", warm_sampling_rows=2,
+                    remote=RemoteLlmConfig(url=f"http://127.0.0.1:{port}", retries=0))
     engine = RemoteLlmEngine(cfg, "unused-tokenizer")
-    with pytest.raises(RemoteLlmError):
-        await engine.start()
-    assert len(opened) == 1 and opened[0].is_closed
-    assert engine.dead_reason == "not started"
+    try:
+        with pytest.raises(RemoteLlmError, match="500"):
+            await engine.start()
+        assert len(opened) == 1 and opened[0].closed
+        assert engine.dead_reason == "not started"
+    finally:
+        await runner.cleanup()
 
 
 class FakeTokenizer:

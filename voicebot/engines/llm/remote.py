@@ -19,6 +19,9 @@ the transport differs). What crosses the wire, and why:
   in-process (the servers run ``--scheduling-policy priority``).
 - Abort = closing the stream: vLLM's server aborts a request whose client went away.
   Cancelling the consumer, or closing the iterator early, closes the connection.
+- The client is aiohttp's: all at once, a frontend worker streams ~43 replies and their
+  background prefills, and httpx's connection pool took 4-8x as long to each first token
+  there (``benchmarks/llm_client.py``; encode/httpx#3215).
 - Retries only before the first token (refused, dropped, 5xx, first-token timeout):
   until then nothing was said and another try (the router picks a live server) is
   invisible; after it a retry would repeat words, so a broken stream is the reply's
@@ -42,7 +45,7 @@ import time
 from collections.abc import AsyncGenerator
 from typing import Any
 
-import httpx
+import aiohttp
 
 from voicebot.affinity import current_session
 from voicebot.config import LlmConfig
@@ -54,6 +57,8 @@ from voicebot.runtime.loop_lag import LoopLateness, loop_was_late
 log = logging.getLogger(__name__)
 
 SESSION_HEADER = "X-Session-ID"  # what vllm-router's session-affinity policies read first
+# A streamed line's bound (aiohttp's buffer per connection): a chunk of a few tokens is far below.
+READ_BUFFER = 1 << 18
 
 
 class RemoteLlmError(EngineError):
@@ -98,7 +103,8 @@ class RemoteLlmEngine(LaneEngine):
         super().__init__(cfg, tokenizer_path, tokenizer_path)
         self._loop_watch = loop  # the server's loop watch: was a timeout ours?
         self.remote = cfg.remote
-        self._client: httpx.AsyncClient | None = None
+        self._client: aiohttp.ClientSession | None = None
+        self._base = cfg.remote.url.rstrip("/")  # paths join onto it (a prefix behind a proxy kept)
         self._model: str | None = cfg.remote.model
         self._failures = 0  # requests failed in a row, after their retries
         self._last_error: str | None = None
@@ -110,22 +116,11 @@ class RemoteLlmEngine(LaneEngine):
         self._tokenizer = await asyncio.to_thread(load_tokenizer, self.tokenizer_path)
         await self._preload_tools()
         r = self.remote
-        headers = {}
-        key = os.environ.get(r.api_key_env, "")  # read at start-up, never at import
-        if key:
-            headers["Authorization"] = f"Bearer {key}"
-        client = httpx.AsyncClient(
-            base_url=r.url.rstrip("/"),
-            headers=headers,
-            # read: the longest gap between two chunks of a stream; the wait for the first
-            # token is bounded separately (first_token_timeout_s), it includes queueing.
-            timeout=httpx.Timeout(r.read_timeout_s, connect=r.connect_timeout_s, pool=r.first_token_timeout_s),
-            limits=httpx.Limits(max_connections=r.max_connections, max_keepalive_connections=r.max_connections),
-        )
+        client = self._new_client()
         try:
             self._model = await self._wait_ready(client)
         except BaseException:
-            await client.aclose()
+            await client.close()
             raise
         self._client = client
         self._engine = client  # the backend's handle: LaneEngine.generate checks it for "started"
@@ -136,24 +131,43 @@ class RemoteLlmEngine(LaneEngine):
             raise
         log.info("LLM ready: remote tier %s, model %s", r.url, self._model)
 
-    async def _wait_ready(self, client: httpx.AsyncClient) -> str:
+    def _new_client(self) -> aiohttp.ClientSession:
+        """The HTTP client to the tier (in a running loop): its connections, timeouts, key."""
+        r = self.remote
+        headers = {}
+        key = os.environ.get(r.api_key_env, "")  # read at start-up, never at import
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        return aiohttp.ClientSession(
+            headers=headers,
+            # sock_read: the longest gap between two chunks of a stream; the wait for the first
+            # token is bounded separately (first_token_timeout_s), it includes queueing, as does
+            # the wait for a free connection (connect) but not the TCP connect (sock_connect).
+            timeout=aiohttp.ClientTimeout(total=None, connect=r.first_token_timeout_s,
+                                          sock_connect=r.connect_timeout_s, sock_read=r.read_timeout_s),
+            connector=aiohttp.TCPConnector(limit=r.max_connections),
+            read_bufsize=READ_BUFFER,
+        )
+
+    async def _wait_ready(self, client: aiohttp.ClientSession) -> str:
         """Wait until the tier lists a model (vLLM loads for minutes; the router comes up first)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.remote.startup_timeout_s
         last = "no answer"
         while True:
             try:
-                resp = await client.get("/v1/models")
-                if resp.status_code == 200:
-                    models = [m.get("id") for m in resp.json().get("data", []) if isinstance(m, dict)]
-                    if self._model is not None:
-                        return self._model  # a router may list nothing of its own: trust the config
-                    if models and isinstance(models[0], str):
-                        return models[0]
-                    last = "no model listed"
-                else:
-                    last = f"HTTP {resp.status_code}"
-            except (httpx.HTTPError, ValueError) as exc:
+                async with client.get(f"{self._base}/v1/models") as resp:
+                    if resp.status == 200:
+                        listed = await resp.json(content_type=None)
+                        models = [m.get("id") for m in listed.get("data", []) if isinstance(m, dict)]
+                        if self._model is not None:
+                            return self._model  # a router may list nothing of its own: trust the config
+                        if models and isinstance(models[0], str):
+                            return models[0]
+                        last = "no model listed"
+                    else:
+                        last = f"HTTP {resp.status}"
+            except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError) as exc:
                 last = f"{type(exc).__name__}: {exc}"
             if loop.time() >= deadline:
                 raise ModelError(
@@ -166,7 +180,7 @@ class RemoteLlmEngine(LaneEngine):
         client, self._client = self._client, None
         self._engine = None
         if client is not None:
-            await client.aclose()
+            await client.close()
 
     # ------------------------------------------------------------------ queries
     @property
@@ -276,14 +290,15 @@ class RemoteLlmEngine(LaneEngine):
             # Bounds connect + queueing + prefill; lifted at the first token (before the
             # first yield, so it never fires while the consumer holds a delta).
             async with asyncio.timeout(self.remote.first_token_timeout_s) as first_token_deadline:
-                async with client.stream("POST", "/v1/completions", json=body, headers=headers) as resp:
-                    if resp.status_code != 200:
-                        detail = (await resp.aread()).decode(errors="replace")[:300]
-                        if resp.status_code >= 500 or resp.status_code == 429:
-                            raise _Retryable(f"HTTP {resp.status_code}: {detail}")
-                        raise RemoteLlmError(f"LLM server refused the request: HTTP {resp.status_code}: {detail}",
+                async with client.post(f"{self._base}/v1/completions", json=body, headers=headers) as resp:
+                    if resp.status != 200:
+                        detail = (await resp.read()).decode(errors="replace")[:300]
+                        if resp.status >= 500 or resp.status == 429:
+                            raise _Retryable(f"HTTP {resp.status}: {detail}")
+                        raise RemoteLlmError(f"LLM server refused the request: HTTP {resp.status}: {detail}",
                                              code="llm_request_rejected")
-                    async for line in resp.aiter_lines():
+                    async for raw in resp.content:  # a line at a time (SSE)
+                        line = raw.decode()
                         if not line.startswith("data:"):
                             continue  # SSE blank lines and comments
                         data = line[5:].strip()
@@ -313,15 +328,16 @@ class RemoteLlmEngine(LaneEngine):
                                 st.finish_reason = reason
                             if text or ids:
                                 yield TextDelta(text, len(ids), ids)
-        except TimeoutError:
+        except TimeoutError as exc:  # first_token_deadline's, or aiohttp's (connect, read)
+            what = (f"{type(exc).__name__}: {exc}" if isinstance(exc, aiohttp.ClientError)
+                    else f"no first token within {self.remote.first_token_timeout_s:.1f} s")
             if not got_token:
-                raise _Retryable(f"no first token within {self.remote.first_token_timeout_s:.1f} s",
-                                 timed_out=True) from None
-            raise RemoteLlmError("LLM stream timed out mid-reply") from None
-        except (httpx.HTTPError, json.JSONDecodeError) as exc:
+                raise _Retryable(what, timed_out=True) from None
+            raise RemoteLlmError(f"LLM stream timed out mid-reply: {what}") from None
+        except (aiohttp.ClientError, ValueError) as exc:  # ValueError: bad JSON, or a line over READ_BUFFER
             what = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             if not got_token:
-                raise _Retryable(what, timed_out=isinstance(exc, httpx.TimeoutException)) from None
+                raise _Retryable(what) from None
             raise RemoteLlmError(f"LLM stream broke after {st.output_tokens} tokens: {what}",
                                  code="llm_stream_broken") from None
         if not done:
