@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
 from collections.abc import AsyncIterator
 
@@ -21,7 +22,7 @@ from aiohttp import web
 from fakes import FakeLoopWatch
 
 from voicebot.config import LlmConfig, RemoteLlmConfig
-from voicebot.engines.contracts import GenerationStats, Lane
+from voicebot.engines.contracts import GenerationStats, Lane, TextDelta
 from voicebot.engines.llm.remote import RemoteLlmEngine, RemoteLlmError
 
 THRESHOLD = 3
@@ -144,6 +145,63 @@ async def test_a_start_whose_warm_up_fails_closes_its_own_client(monkeypatch: py
         assert engine.dead_reason == "not started"
     finally:
         await runner.cleanup()
+
+
+async def test_a_reply_crosses_the_wire_as_the_tier_expects_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What reaches the tier (behind a proxy's path prefix): the bearer key, the session's
+    affinity header, the prompt's token ids with the stream options; what comes back: the
+    text and token ids chunk by chunk, then the usage block's cached tokens."""
+    from voicebot.affinity import bind_session
+    from voicebot.engines.llm import remote
+
+    seen: list[tuple[str, dict[str, str], dict[str, object]]] = []
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "served"}]})
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        seen.append((request.path, dict(request.headers), await request.json()))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for text, ids in (("Hello", [11]), (" there.", [12, 13])):
+            chunk = {"choices": [{"index": 0, "text": text, "token_ids": ids, "finish_reason": None}]}
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        usage = {"choices": [], "usage": {"prompt_tokens": 3, "prompt_tokens_details": {"cached_tokens": 2}}}
+        await resp.write(f": a comment\n\ndata: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+        return resp
+
+    app = web.Application()
+    app.add_routes([web.get("/tier/v1/models", models), web.post("/tier/v1/completions", completions)])
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    monkeypatch.setenv("VOICEBOT_LLM_API_KEY", "sk-test")
+    monkeypatch.setattr(remote, "load_tokenizer", lambda path: FakeTokenizer())
+    engine = RemoteLlmEngine(LlmConfig(backend="remote", remote=RemoteLlmConfig(url=f"http://127.0.0.1:{port}/tier/")),
+                             "unused-tokenizer")
+    try:
+        await engine.start()
+        assert engine.model == "served"
+        st = GenerationStats("r1", Lane.INTERACTIVE)
+
+        async def call() -> list[TextDelta]:  # a call's own task, as a session's reply runs
+            bind_session("call-1")
+            return [d async for d in engine.generate([1, 2, 3], max_tokens=8, stats=st)]
+
+        deltas = await asyncio.create_task(call())
+    finally:
+        await engine.aclose()
+        await runner.cleanup()
+    assert [(d.text, d.token_ids) for d in deltas] == [("Hello", (11,)), (" there.", (12, 13))]
+    assert st.output_tokens == 3 and st.prompt_tokens == 3 and st.cached_tokens == 2 and st.ttft_s is not None
+    [(path, headers, body)] = seen
+    assert path == "/tier/v1/completions"
+    assert headers["Authorization"] == "Bearer sk-test" and headers["X-Session-ID"] == "call-1"
+    assert body["prompt"] == [1, 2, 3] and body["model"] == "served" and body["max_tokens"] == 8
+    assert body["stream"] is True and body["return_token_ids"] is True
+    assert body["stream_options"] == {"include_usage": True} and "priority" in body
 
 
 class FakeTokenizer:
