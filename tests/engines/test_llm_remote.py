@@ -1,6 +1,7 @@
-"""The remote LLM tier's health (voicebot/engines/llm/remote.py): requests failed in a row
-mark it down, but not a timeout that fired while this frontend's own event loop was late
-for most of the wait (the tier's answer may have sat unread meanwhile).
+"""The remote LLM tier's client (voicebot/engines/llm/remote.py): what a reply sends and
+reads on the wire, and the tier's health: requests failed in a row mark it down, but not a
+timeout that fired while this frontend's own event loop was late for most of the wait (the
+tier's answer may have sat unread meanwhile).
 
 The engine's real HTTP client against real sockets on this host: a tier that takes the
 connection and never answers (each request times out waiting for its first token) and a
