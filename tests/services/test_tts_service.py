@@ -21,6 +21,7 @@ import websockets
 from fakes import FakeLoopWatch
 
 from voicebot.config import RemoteTtsConfig, TtsConfig, load_config
+from voicebot.engines.contracts import SeveralServices
 from voicebot.engines.registry import create_tts
 from voicebot.engines.tts.remote import RemoteTts
 from voicebot.errors import CapacityError, ConfigError, EngineError, LateLoopTimeout, ModelError
@@ -567,6 +568,7 @@ async def test_a_service_down_at_start_is_left_out_and_joins_when_it_answers_at_
     url_b = f"ws://127.0.0.1:{free_port()}"
     async with service(a) as (_, url_a), frontend(url_a, urls=[url_b], startup_timeout_s=0.3, down_s=0.1) as tts:
         assert tts.sample_rate == RATE and tts.services_down() == [url_b]
+        assert isinstance(tts, SeveralServices)  # what /healthz lists (ServerState.health)
         assert [c.size async for c in tts.synthesize("x.")] == [RATE // 10]
         svc_b = TtsService(b, engine_name="scripted")  # type: ignore[arg-type]
         async with listen(svc_b, "127.0.0.1", int(url_b.rsplit(":", 1)[1])):

@@ -300,6 +300,21 @@ def late_loop(state: ServerState, lag_s: float, *, ago_s: float = 0.0) -> None:
         state.loop.history.observe(now - i * 0.1, lag_s)
 
 
+def test_healthz_lists_the_tts_services_left_out_and_stays_ready() -> None:
+    class _Services(_Stage):
+        def services_down(self) -> list[str]:
+            return ["ws://tts-2:8093"]
+
+    engines = _HealthyEngines()
+    engines.tts = _Services()  # type: ignore[assignment]
+    state = ServerState(Config())
+    state.engines = engines  # type: ignore[assignment]
+    body = state.health()
+    assert body["services_down"] == {"tts": ["ws://tts-2:8093"]} and body["ready"] is True
+    state.engines = _HealthyEngines()  # type: ignore[assignment]
+    assert "services_down" not in state.health()  # engines of this process: no services to list
+
+
 def test_a_late_loop_refuses_new_sessions_until_it_keeps_up_again() -> None:
     from voicebot.runtime.loop_watch import LoopWatch
 

@@ -326,6 +326,16 @@ class BatchedTts(Protocol):
         ...
 
 
+@runtime_checkable
+class SeveralServices(Protocol):
+    """A stage whose work goes to several shared services (``tts.remote.urls``): one may be
+    left out while the others carry its work, which no failure count shows."""
+
+    def services_down(self) -> list[str]:
+        """The services left out of new work now (their connection failed lately)."""
+        ...
+
+
 # --- voice activity and end of turn ---------------------------------------------------
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from voicebot.config import Config
+from voicebot.engines.contracts import SeveralServices
 from voicebot.engines.registry import Engines
 from voicebot.errors import AuthError, CapacityError, VoicebotError
 from voicebot.metrics import Metrics
@@ -263,6 +264,9 @@ class ServerState:
                 "llm_background_waiting": e.llm.background_waiting if e else 0,
             },
         }
+        if e is not None and isinstance(e.tts, SeveralServices):
+            # Degraded, not unhealthy: the other TTS services carry the calls meanwhile.
+            body["services_down"] = {"tts": e.tts.services_down()}
         if self.siblings.count > 1:
             # Which worker answered (a balancer's check reaches one of them), and all of them.
             body["worker"] = self.siblings.index
