@@ -138,6 +138,7 @@ class RemoteLlmEngine(LaneEngine):
         key = os.environ.get(r.api_key_env, "")  # read at start-up, never at import
         if key:
             headers["Authorization"] = f"Bearer {key}"
+        # trust_env stays off: the tier is reached directly, never through HTTP(S)_PROXY.
         return aiohttp.ClientSession(
             headers=headers,
             # sock_read: the longest gap between two chunks of a stream; the wait for the first

@@ -224,7 +224,7 @@ class KokoroBatcher:
     def forward_stats(self) -> dict[str, float]:
         """The last few hundred forwards: their wall time (p50, p95, ms: encode and every
         group's decode of one batch) and their clauses (mean). Empty before the first."""
-        recent = list(self._recent)
+        recent = self._recent.copy()  # one C call under the GIL: no worker's append lands mid-copy
         if not recent:
             return {}
         times = sorted(s for s, _ in recent)
