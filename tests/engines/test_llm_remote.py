@@ -21,6 +21,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 from fakes import FakeLoopWatch
+from servers import serve_routes
 
 from voicebot.config import LlmConfig, RemoteLlmConfig
 from voicebot.engines.contracts import GenerationStats, Lane, TextDelta
@@ -120,13 +121,6 @@ async def test_a_start_whose_warm_up_fails_closes_its_own_client(monkeypatch: py
     async def refuse(request: web.Request) -> web.Response:
         return web.Response(status=500, text="the tier refused it")
 
-    app = web.Application()
-    app.add_routes([web.get("/v1/models", models), web.post("/v1/completions", refuse)])
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     opened: list[aiohttp.ClientSession] = []
     new_client = RemoteLlmEngine._new_client
 
@@ -136,16 +130,13 @@ async def test_a_start_whose_warm_up_fails_closes_its_own_client(monkeypatch: py
 
     monkeypatch.setattr(RemoteLlmEngine, "_new_client", client)
     monkeypatch.setattr(remote, "load_tokenizer", lambda path: FakeTokenizer())
-    cfg = LlmConfig(backend="remote", warm_sampling_rows=2,
-                    remote=RemoteLlmConfig(url=f"http://127.0.0.1:{port}", retries=0))
-    engine = RemoteLlmEngine(cfg, "unused-tokenizer")
-    try:
+    async with serve_routes([web.get("/v1/models", models), web.post("/v1/completions", refuse)]) as url:
+        cfg = LlmConfig(backend="remote", warm_sampling_rows=2, remote=RemoteLlmConfig(url=url, retries=0))
+        engine = RemoteLlmEngine(cfg, "unused-tokenizer")
         with pytest.raises(RemoteLlmError, match="500"):
             await engine.start()
-        assert len(opened) == 1 and opened[0].closed
-        assert engine.dead_reason == "not started"
-    finally:
-        await runner.cleanup()
+    assert len(opened) == 1 and opened[0].closed
+    assert engine.dead_reason == "not started"
 
 
 async def test_a_reply_crosses_the_wire_as_the_tier_expects_it(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -171,30 +162,23 @@ async def test_a_reply_crosses_the_wire_as_the_tier_expects_it(monkeypatch: pyte
         await resp.write(f": a comment\n\ndata: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
         return resp
 
-    app = web.Application()
-    app.add_routes([web.get("/tier/v1/models", models), web.post("/tier/v1/completions", completions)])
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     monkeypatch.setenv("VOICEBOT_LLM_API_KEY", "sk-test")
     monkeypatch.setattr(remote, "load_tokenizer", lambda path: FakeTokenizer())
-    engine = RemoteLlmEngine(LlmConfig(backend="remote", remote=RemoteLlmConfig(url=f"http://127.0.0.1:{port}/tier/")),
-                             "unused-tokenizer")
-    try:
-        await engine.start()
-        assert engine.model == "served"
-        st = GenerationStats("r1", Lane.INTERACTIVE)
+    async with serve_routes([web.get("/tier/v1/models", models), web.post("/tier/v1/completions", completions)]) as url:
+        engine = RemoteLlmEngine(LlmConfig(backend="remote", remote=RemoteLlmConfig(url=f"{url}/tier/")),
+                                 "unused-tokenizer")
+        try:
+            await engine.start()
+            assert engine.model == "served"
+            st = GenerationStats("r1", Lane.INTERACTIVE)
 
-        async def call() -> list[TextDelta]:  # a call's own task, as a session's reply runs
-            bind_session("call-1")
-            return [d async for d in engine.generate([1, 2, 3], max_tokens=8, stats=st)]
+            async def call() -> list[TextDelta]:  # a call's own task, as a session's reply runs
+                bind_session("call-1")
+                return [d async for d in engine.generate([1, 2, 3], max_tokens=8, stats=st)]
 
-        deltas = await asyncio.create_task(call())
-    finally:
-        await engine.aclose()
-        await runner.cleanup()
+            deltas = await asyncio.create_task(call())
+        finally:
+            await engine.aclose()
     assert [(d.text, d.token_ids) for d in deltas] == [("Hello", (11,)), (" there.", (12, 13))]
     assert st.output_tokens == 3 and st.prompt_tokens == 3 and st.cached_tokens == 2 and st.ttft_s is not None
     [(path, headers, body)] = seen
