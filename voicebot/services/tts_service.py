@@ -36,6 +36,7 @@ from websockets.asyncio.server import ServerConnection, serve
 from voicebot.config import Config
 from voicebot.engines.contracts import BatchedTts, Tts
 from voicebot.errors import EngineError, VoicebotError
+from voicebot.runtime.recent import quantile_ms
 from voicebot.services.serve import listen as listen_ws
 from voicebot.services.serve import run_service, serve_until_stopped
 from voicebot.services.tts_client import MAX_FRAME, PROTOCOL
@@ -111,8 +112,7 @@ class ClauseTimes:
         for name, values in (("first_audio_ms", self._first), ("late_ms", self._late)):
             ordered = sorted(values)
             if ordered:
-                for q, label in ((0.5, "p50"), (0.95, "p95")):
-                    out[f"{name}_{label}"] = round(ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000, 1)
+                out[f"{name}_p50"], out[f"{name}_p95"] = quantile_ms(ordered, 0.5), quantile_ms(ordered, 0.95)
         return out
 
 

@@ -23,7 +23,6 @@ step, and the slot tensors are touched by the step only.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
 import time
@@ -38,6 +37,7 @@ from voicebot.engines.asr.partials import PartialQueue, PartialStream
 from voicebot.engines.asr.stream import as_mono_f32
 from voicebot.engines.contracts import AsrStats, Partial, Transcript
 from voicebot.errors import CapacityError, EngineError, ModelError
+from voicebot.runtime.recent import RecentWork
 
 __all__ = ["FastConformerAsr", "FastConformerStream"]
 
@@ -65,7 +65,7 @@ class FastConformerAsr:
         self._executor: ThreadPoolExecutor | None = None
         self._closed = False
         self.steps = 0
-        self._recent: collections.deque[tuple[float, int]] = collections.deque(maxlen=512)  # (seconds, rows)
+        self._recent = RecentWork(512)
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -155,15 +155,7 @@ class FastConformerAsr:
 
     def step_stats(self) -> dict[str, float | int]:
         """Steps run, and the last few hundred steps' time (p50, p95, ms) and rows (mean)."""
-        times = sorted(s for s, _ in self._recent)
-        if not times:
-            return {"steps": self.steps}
-
-        def ms(q: float) -> float:
-            return round(times[min(len(times) - 1, int(q * len(times)))] * 1000, 2)
-
-        return {"steps": self.steps, "step_ms_p50": ms(0.5), "step_ms_p95": ms(0.95),
-                "step_rows_mean": round(sum(n for _, n in self._recent) / len(times), 1)}
+        return {"steps": self.steps, **self._recent.stats("step", digits=2)}
 
     def text(self, ids: list[int]) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=True)).strip()
@@ -197,7 +189,7 @@ class FastConformerAsr:
                 continue
             step_s = time.perf_counter() - t0
             self.steps += 1
-            self._recent.append((step_s, len(batch)))
+            self._recent.add(step_s, len(batch))
             for (stream, generation, row), ids in zip(batch, tokens, strict=True):
                 stream.deliver(generation, row.keep, ids, step_s)
 

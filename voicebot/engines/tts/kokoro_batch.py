@@ -18,7 +18,6 @@ anyway). A failing forward fails every clause of its batch with :class:`EngineEr
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import functools
 import heapq
@@ -34,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from voicebot.errors import CapacityError, EngineError
+from voicebot.runtime.recent import RecentWork
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ class KokoroBatcher:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._running: set[asyncio.Future[None]] = set()
         self.stats = BatchStats()
-        self._recent: collections.deque[tuple[float, int]] = collections.deque(maxlen=RECENT_FORWARDS)  # (s, rows)
+        self._recent = RecentWork(RECENT_FORWARDS)
         self.failure_streak = 0
         self.last_error: BaseException | None = None
 
@@ -219,21 +219,12 @@ class KokoroBatcher:
         finally:
             took = time.perf_counter() - t0
             self.stats.busy_s += took
-            self._recent.append((took, len(batch)))  # deque.append is atomic: no lock with the loop's reads
+            self._recent.add(took, len(batch))
 
     def forward_stats(self) -> dict[str, float]:
         """The last few hundred forwards: their wall time (p50, p95, ms: encode and every
         group's decode of one batch) and their clauses (mean). Empty before the first."""
-        recent = self._recent.copy()  # one C call under the GIL: no worker's append lands mid-copy
-        if not recent:
-            return {}
-        times = sorted(s for s, _ in recent)
-
-        def ms(q: float) -> float:
-            return round(times[min(len(times) - 1, int(q * len(times)))] * 1000, 1)
-
-        return {"forward_ms_p50": ms(0.5), "forward_ms_p95": ms(0.95),
-                "forward_rows_mean": round(sum(n for _, n in recent) / len(recent), 1)}
+        return self._recent.stats("forward")
 
     def _deliver(self, clauses: list[Clause], audios: list[np.ndarray]) -> None:
         self.failure_streak = 0  # audio came out: the engine works (before any awaiter resumes)
