@@ -100,6 +100,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -417,7 +418,7 @@ def voice_sets(args: argparse.Namespace) -> list[str]:
 
 
 def server_overrides(args: argparse.Namespace, llm_url: str | None = None, asr_url: str | None = None,
-                     tts_url: str | None = None) -> list[str]:
+                     tts_url: str | None = None, more_tts_urls: Sequence[str] = ()) -> list[str]:
     sets = [f"server.max_sessions={max(args.sessions) + 8}", "server.transports=[native]"]
     if args.gpu_dummy:
         asr = fastconformer_sets(args) if getattr(args, "fastconformer", None) else whisper_sets(args)
@@ -441,9 +442,8 @@ def server_overrides(args: argparse.Namespace, llm_url: str | None = None, asr_u
         # after the voice: the frontends hold no TTS engine, the service does
         sets += ["tts.backend=remote", f"tts.remote.url={tts_url or 'ws://127.0.0.1:1'}",
                  f"tts.remote.concurrency={min(max(args.sessions) * 2 + 16, 4096)}"]
-        more = getattr(args, "tts_more_urls", None)  # --more-tts-url, resolved: each clause to the least loaded
-        if more:
-            sets.append(f"tts.remote.urls=[{','.join(more)}]")
+        if more_tts_urls:  # --more-tts-url, resolved: each clause to the least loaded
+            sets.append(f"tts.remote.urls=[{','.join(more_tts_urls)}]")
     if args.llm_max_tokens:
         sets.append(f"llm.max_tokens={args.llm_max_tokens}")
     if getattr(args, "server_workers", 0):
@@ -455,9 +455,10 @@ class Server:
     """The server child, or nothing when --url names one that is already up."""
 
     def __init__(self, args: argparse.Namespace, out: Path, index: int | None = None,
-                 llm_url: str | None = None, asr_url: str | None = None, tts_url: str | None = None) -> None:
+                 llm_url: str | None = None, asr_url: str | None = None, tts_url: str | None = None,
+                 more_tts_urls: Sequence[str] = ()) -> None:
         self.args, self.out = args, out
-        self.asr_url, self.tts_url = asr_url, tts_url
+        self.asr_url, self.tts_url, self.more_tts_urls = asr_url, tts_url, more_tts_urls
         self.proc: subprocess.Popen[bytes] | None = None
         self.port = free_port()
         self.suffix = "" if index is None else f"_{index}"  # frontend k of --frontends
@@ -482,7 +483,7 @@ class Server:
         args = self.args
         cmd = [sys.executable, str(Path(__file__).resolve()), "serve", "--config", args.config,
                "--host", "127.0.0.1", "--port", str(self.port)]
-        for item in server_overrides(args, self.llm_url, self.asr_url, self.tts_url):
+        for item in server_overrides(args, self.llm_url, self.asr_url, self.tts_url, self.more_tts_urls):
             cmd += ["--set", item]
         if self.tmp is not None:
             self.tmp.mkdir(parents=True, exist_ok=True)
@@ -1257,11 +1258,11 @@ def run_main(args: argparse.Namespace) -> int:
                     run_info[f"{kind}_server_wait_s"] = round(
                         wait_service_ready(str(svc_url[kind]), args.start_timeout_s), 1)
             asr_url, tts_url = svc_url["asr"], svc_url["tts"]
-            if more_tts:  # more TTS services, started by ``tts-server --index K``
-                args.tts_more_urls = [url for url, _ in more_tts.values()]
-                for url in args.tts_more_urls:
-                    wait_service_ready(url, args.start_timeout_s)
-                run_info["tts_more_urls"] = args.tts_more_urls
+            more_tts_urls = [url for url, _ in more_tts.values()]  # started by ``tts-server --index K``
+            for url in more_tts_urls:
+                wait_service_ready(url, args.start_timeout_s)
+            if more_tts_urls:
+                run_info["tts_more_urls"] = more_tts_urls
             # The services an earlier call started keep their logs there: what they write during
             # this run comes back with it (a stall of the LLM server shows in its own log).
             for log_path in (p.with_suffix(".log") for p in (recorded, *svc_recorded.values())
@@ -1270,7 +1271,8 @@ def run_main(args: argparse.Namespace) -> int:
                     log_marks[log_path] = log_path.stat().st_size
             multi = args.remote_llm or args.remote_asr or args.remote_tts
             count = args.frontends if multi and not args.server_workers else 1
-            frontends = [Server(args, out, k if multi else None, llm_url, asr_url, tts_url) for k in range(count)]
+            frontends = [Server(args, out, k if multi else None, llm_url, asr_url, tts_url, more_tts_urls)
+                         for k in range(count)]
             run_info["server_start_s"] = []
             # One after the other when a frontend holds a vLLM engine (each sizes its memory from
             # what is free); else all at once.
@@ -1288,7 +1290,7 @@ def run_main(args: argparse.Namespace) -> int:
                     print(server.log_path.read_text(errors="replace")[-4000:], file=sys.stderr)
                     raise
                 print(f"frontend {k} ready in {run_info['server_start_s'][-1]} s at port {server.port}", flush=True)
-            run_info["overrides"] = server_overrides(args, llm_url, asr_url, tts_url)  # with the servers' real URLs
+            run_info["overrides"] = server_overrides(args, llm_url, asr_url, tts_url, more_tts_urls)  # the real URLs
             urls = [f"ws://127.0.0.1:{s.port}/ws" for s in frontends]
             https = [s.http for s in frontends]
             pids = [s.proc.pid if s.proc else None for s in frontends]

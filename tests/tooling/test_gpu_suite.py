@@ -528,8 +528,8 @@ def test_several_tts_services_start_one_after_another_and_the_frontends_use_them
     record.write_text('{"pid": 4242, "url": "ws://127.0.0.1:8094"}')
     assert pg.more_tts_meters([str(record), "ws://127.0.0.1:8095"]) == {
         "tts2": ("ws://127.0.0.1:8094", 4242), "tts3": ("ws://127.0.0.1:8095", None)}  # level rows tts2_service, ...
-    run.tts_more_urls = ["ws://127.0.0.1:8094"]  # what run_main resolves the record to
-    sets = pg.server_overrides(run, tts_url="ws://127.0.0.1:8093")
+    # what run_main resolves the records to
+    sets = pg.server_overrides(run, tts_url="ws://127.0.0.1:8093", more_tts_urls=["ws://127.0.0.1:8094"])
     cfg = load_config("configs/gpu-asr-service.yaml", [s for s in sets if s.startswith("tts.")])
     assert cfg.tts.remote.services == ["ws://127.0.0.1:8093", "ws://127.0.0.1:8094"]
 
