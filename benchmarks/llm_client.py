@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -34,6 +33,7 @@ for p in (ROOT, ROOT / "benchmarks"):
         sys.path.insert(0, str(p))
 
 from bench_util import JSON_EPILOG, summarise_ms, write_result  # noqa: E402
+from serverproc import free_port  # noqa: E402
 
 
 def serve(port: int, steps: int, step_s: float) -> None:
@@ -60,12 +60,6 @@ def serve(port: int, steps: int, step_s: float) -> None:
     app = web.Application()
     app.add_routes([web.get("/v1/models", models), web.post("/v1/completions", completions)])
     web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 async def measure(args: argparse.Namespace, url: str) -> list[dict[str, Any]]:

@@ -14,13 +14,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
 from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
 from aiohttp import web
 from fakes import FakeLoopWatch
+from llm_tier import free_port
 from servers import serve_routes
 
 from voicebot.config import LlmConfig, RemoteLlmConfig
@@ -51,9 +51,7 @@ async def silent_tier() -> AsyncIterator[str]:
 
 def closed_port() -> str:
     """A tier nobody listens on: its requests are refused at once."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+    return f"http://127.0.0.1:{free_port()}"
 
 
 @contextlib.asynccontextmanager

@@ -12,13 +12,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
 from collections.abc import AsyncGenerator, AsyncIterator
 
 import numpy as np
 import pytest
 import websockets
 from fakes import FakeLoopWatch
+from llm_tier import free_port
 
 from voicebot.config import RemoteTtsConfig, TtsConfig, load_config
 from voicebot.engines.contracts import SeveralServices
@@ -549,12 +549,6 @@ async def test_every_service_down_fails_the_clause_as_one_would() -> None:
                 await asyncio.wait_for(anext(tts.synthesize("a.")), WAIT)
             assert info.value.code == "tts_unavailable" and tts.failure_streak == 1
     await svc.aclose()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.mark.parametrize("late_rate", [RATE, 24_000])
