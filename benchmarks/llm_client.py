@@ -6,8 +6,9 @@ On the GPU, all at once at 256 callers over six frontend workers, a frontend wai
 the LLM engine's own TTFT for its first token (docs/gpu-results.md). Part of that lies in
 the frontend: each worker streams ~43 replies (and their background prefills) at once.
 This measures that part alone, on any machine: a stand-in tier in a process of its own
-(``serve``: an OpenAI-compatible ``/v1/completions`` that sends its first chunk at once,
-then ``--steps`` more every ``--step-ms``, as a decoding server does) and, in this process,
+(frontend_cost.py's fake of vLLM's OpenAI server on uvicorn, vLLM's own server stack: its
+first chunk at once, then one token every ``--step-ms`` up to ``--steps``, as a decoding
+server streams them) and, in this process,
 the frontend's real :class:`~voicebot.engines.llm.remote.RemoteLlmEngine` asking for N
 replies at once, ``--rounds`` times per N (after one unmeasured round). TTFT is what a
 session sees (``GenerationStats.ttft_s``): from the call to the first token. The stand-in
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import subprocess
 import sys
@@ -36,40 +36,27 @@ from bench_util import JSON_EPILOG, summarise_ms, write_result  # noqa: E402
 from serverproc import free_port  # noqa: E402
 
 
-def serve(port: int, steps: int, step_s: float) -> None:
-    """The stand-in tier (aiohttp: vLLM's own server stack is heavier, not lighter)."""
-    from aiohttp import web
+def serve(port: int, tokenizer: str, step_s: float) -> None:
+    """The stand-in tier, until terminated."""
+    import uvicorn
+    from frontend_cost import llm_app  # benchmarks/, beside this file
 
-    async def models(request: web.Request) -> web.Response:
-        return web.json_response({"data": [{"id": "stand-in"}]})
-
-    async def completions(request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        for i in range(min(steps, int(body.get("max_tokens") or steps))):
-            chunk = {"id": "c", "choices": [{"index": 0, "text": " word", "token_ids": [1000 + i],
-                                             "finish_reason": None}]}
-            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
-            await asyncio.sleep(step_s)
-        usage = {"id": "c", "choices": [], "usage": {"prompt_tokens": len(body["prompt"]),
-                                                     "prompt_tokens_details": {"cached_tokens": 64}}}
-        await resp.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
-        return resp
-
-    app = web.Application()
-    app.add_routes([web.get("/v1/models", models), web.post("/v1/completions", completions)])
-    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
+    uvicorn.run(llm_app(tokenizer, 0.0, 1.0 / step_s), host="127.0.0.1", port=port, log_level="warning",
+                access_log=False)
 
 
-async def measure(args: argparse.Namespace, url: str) -> list[dict[str, Any]]:
-    from voicebot.config import LlmConfig, ModelsConfig, RemoteLlmConfig
-    from voicebot.engines.contracts import GenerationStats, Lane
-    from voicebot.engines.llm.remote import RemoteLlmEngine
+def tokenizer_dir() -> str:
+    """A tokenizer with its model's config (vLLM reads both): the tests' tiny random Qwen3."""
+    from voicebot.config import ModelsConfig
     from voicebot.provision import pull
 
-    # a tokenizer with its model's config (vLLM reads both): the tests' tiny random Qwen3
-    tokenizer = str(pull(["qwen3-tiny-random"], ModelsConfig(), log=lambda _: None, verify=False)["qwen3-tiny-random"])
+    return str(pull(["qwen3-tiny-random"], ModelsConfig(), log=lambda _: None, verify=False)["qwen3-tiny-random"])
+
+
+async def measure(args: argparse.Namespace, url: str, tokenizer: str) -> list[dict[str, Any]]:
+    from voicebot.config import LlmConfig, RemoteLlmConfig
+    from voicebot.engines.contracts import GenerationStats, Lane
+    from voicebot.engines.llm.remote import RemoteLlmEngine
     most = max(args.sessions)
     cfg = LlmConfig(backend="remote", remote=RemoteLlmConfig(url=url, max_connections=max(64, 2 * most)))
     engine = RemoteLlmEngine(cfg, tokenizer)
@@ -110,20 +97,22 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sessions", type=int, nargs="+", default=[16, 43, 128], help="replies asked for at once")
     ap.add_argument("--rounds", type=int, default=5, help="measured rounds per level")
-    ap.add_argument("--steps", type=int, default=30, help="chunks per reply after the first")
-    ap.add_argument("--step-ms", type=float, default=25.0, help="the stand-in's time between chunks")
+    ap.add_argument("--steps", type=int, default=30, help="tokens per reply (at most the stand-in's reply)")
+    ap.add_argument("--step-ms", type=float, default=25.0, help="the stand-in's time between tokens")
     ap.add_argument("--prompt-tokens", type=int, default=400)
     ap.add_argument("--json", help="write the results here")
-    ap.add_argument("--serve", type=int, help=argparse.SUPPRESS)  # the stand-in tier's process
+    ap.add_argument("--serve", type=int, help=argparse.SUPPRESS)  # the stand-in tier's process: its port
+    ap.add_argument("--tokenizer", help=argparse.SUPPRESS)  # and the tokenizer it streams with
     args = ap.parse_args()
     if args.serve:
-        serve(args.serve, args.steps, args.step_ms / 1000)
+        serve(args.serve, args.tokenizer, args.step_ms / 1000)
         return
+    tokenizer = tokenizer_dir()
     port = free_port()
-    tier = subprocess.Popen([sys.executable, __file__, "--serve", str(port), "--steps", str(args.steps),
+    tier = subprocess.Popen([sys.executable, __file__, "--serve", str(port), "--tokenizer", tokenizer,
                              "--step-ms", str(args.step_ms)], env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
-        rows = asyncio.run(measure(args, f"http://127.0.0.1:{port}"))
+        rows = asyncio.run(measure(args, f"http://127.0.0.1:{port}", tokenizer))
     finally:
         tier.terminate()
         tier.wait(10)

@@ -20,8 +20,8 @@ the transport differs). What crosses the wire, and why:
 - Abort = closing the stream: vLLM's server aborts a request whose client went away.
   Cancelling the consumer, or closing the iterator early, closes the connection.
 - The client is aiohttp's: all at once, a frontend worker streams ~43 replies and their
-  background prefills, and httpx's connection pool took 4-8x as long to each first token
-  there (``benchmarks/llm_client.py``; encode/httpx#3215).
+  background prefills, and httpx's connection pool took ~4x as long to each first token
+  there, for ~4x the CPU (``benchmarks/llm_client.py``; encode/httpx#3215).
 - Retries only before the first token (refused, dropped, 5xx, first-token timeout):
   until then nothing was said and another try (the router picks a live server) is
   invisible; after it a retry would repeat words, so a broken stream is the reply's
