@@ -58,7 +58,7 @@ async def wait_entered(runner: FakeRunner) -> None:
 @contextlib.asynccontextmanager
 async def batcher(runner: FakeRunner, **kw: int):  # type: ignore[no-untyped-def]
     eng = KokoroBatcher(runner, max_batch=kw.get("max_batch", 8), queue_size=kw.get("queue_size", 64),
-                        workers=kw.get("workers", 1))
+                        workers=kw.get("workers", 1), max_frames=kw.get("max_frames"))
     eng.start()
     try:
         yield eng
@@ -67,9 +67,10 @@ async def batcher(runner: FakeRunner, **kw: int):  # type: ignore[no-untyped-def
         await eng.aclose()
 
 
-def _clause(deadline: float) -> Clause:
+def _clause(deadline: float, frames: int | None = None) -> Clause:
     loop = asyncio.get_running_loop()
-    return Clause(ids=[int(deadline)], style=None, speed=1.0, deadline=deadline, future=loop.create_future())
+    return Clause(ids=[int(deadline)], style=None, speed=1.0, deadline=deadline, future=loop.create_future(),
+                  durations=None if frames is None else [frames])
 
 
 async def test_queue_is_earliest_deadline_first_and_bounded() -> None:
@@ -85,6 +86,47 @@ async def test_queue_is_earliest_deadline_first_and_bounded() -> None:
     assert [x.ids[0] for x in q.pop(2)] == [10, 30]
     assert [x.ids[0] for x in q.pop(5)] == [40]
     assert len(q) == 0
+
+
+async def test_a_clause_knows_its_speech_in_frames_forced_or_estimated_from_its_phonemes() -> None:
+    loop = asyncio.get_running_loop()
+    forced = Clause(ids=[1, 2, 3], style=None, speed=1.0, deadline=0.0, future=loop.create_future(), durations=[2, 3, 2])
+    assert forced.frames == 7
+    plain = Clause(ids=list(range(100)), style=None, speed=1.0, deadline=0.0, future=loop.create_future())
+    assert plain.frames == 253  # 2.53 frames a phoneme, the real model's average
+    fast = Clause(ids=list(range(100)), style=None, speed=2.0, deadline=0.0, future=loop.create_future())
+    assert fast.frames == 126
+
+
+async def test_queue_hands_out_no_more_speech_than_asked_but_always_the_clause_due_first() -> None:
+    q = ClauseQueue(8)
+    for deadline, frames in ((1, 150), (2, 100), (3, 40), (4, 10)):
+        q.push(_clause(deadline, frames))
+    assert [c.ids[0] for c in q.pop(8, max_frames=100)] == [1]  # alone over the bound: it still goes
+    # 2 and 3 are 140 frames: 3 waits, and 4 (short enough) is not taken before it.
+    assert [c.ids[0] for c in q.pop(8, max_frames=120)] == [2]
+    assert [c.ids[0] for c in q.pop(8, max_frames=120)] == [3, 4]
+    assert len(q) == 0
+
+
+async def test_a_clause_due_soon_waits_for_one_short_forward_not_for_every_long_clause_queued() -> None:
+    # 256 replies at once: third clauses (long, due later) queue up while second clauses
+    # (due sooner) are still being written. Bounded forwards let those in between them.
+    runner = FakeRunner()
+    async with batcher(runner, max_batch=8, max_frames=200) as eng:
+        runner.blocking = True
+        first = asyncio.create_task(eng.synthesize([1], None, durations=[2]))
+        await wait_entered(runner)
+        long = [asyncio.create_task(eng.synthesize([i], None, deadline=float(i), durations=[100]))
+                for i in (10, 11, 12, 13)]
+        await asyncio.sleep(0.05)
+        runner.release()  # forward 1 ends; forward 2 takes two long clauses (200 frames)
+        await wait_entered(runner)
+        urgent = asyncio.create_task(eng.synthesize([5], None, deadline=5.0, durations=[40]))
+        await asyncio.sleep(0.05)
+        runner.open()
+        await asyncio.gather(first, urgent, *long)
+    assert runner.batches == [[1], [10, 11], [5, 12], [13]]
 
 
 async def test_clauses_waiting_behind_a_forward_go_in_one_batch() -> None:

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from voicebot.config import TtsConfig
-from voicebot.engines.tts.kokoro_batch import KokoroBatcher, Runner
+from voicebot.engines.tts.kokoro_batch import FRAMES_PER_S, KokoroBatcher, Runner
 from voicebot.engines.tts.text import clean_text, resolve_speed, split_sentences
 from voicebot.errors import ConfigError, EngineError, ModelError
 
@@ -204,7 +204,8 @@ class KokoroTts:
         assert self._runner is not None and self._voices is not None
         await asyncio.to_thread(self._voices.load, self._cfg.voice)  # a bad default voice fails here
         self._batcher = KokoroBatcher(self._runner, max_batch=self._cfg.max_batch,
-                                      queue_size=self._cfg.queue_size, workers=self._cfg.workers)
+                                      queue_size=self._cfg.queue_size, workers=self._cfg.workers,
+                                      max_frames=round(self._cfg.max_batch_s * FRAMES_PER_S))
         self._batcher.start()
 
     def _load(self) -> None:

@@ -4,10 +4,19 @@ bounded queue and are synthesised in batches (``voicebot/engines/tts/kokoro_mode
 - :class:`ClauseQueue` (plain, synchronous): at most ``size`` waiting clauses, handed out
   earliest deadline first. A session's first clause is due at once; a later clause is due
   when playback reaches it, so it may wait behind other sessions' first clauses.
-- :class:`KokoroBatcher` (asyncio): one task takes up to ``max_batch`` clauses whenever a
-  forward slot (``workers`` threads, each with its own CUDA stream) is free, runs
-  :func:`encode` on all of them, then :func:`decode` on groups of similar length, and
-  hands each clause's audio over as soon as its group is done.
+- :class:`KokoroBatcher` (asyncio): one task takes up to ``max_batch`` clauses and
+  ``max_frames`` frames of speech (estimated: :attr:`Clause.frames`) whenever a forward
+  slot (``workers`` threads, each with its own CUDA stream) is free, runs :func:`encode` on
+  all of them, then :func:`decode` on groups of similar length, and hands each clause's
+  audio over as soon as its group is done.
+
+A forward cannot be interrupted, and every forward's decodes share one GPU stream: a clause
+that falls due while one runs waits for it. The frames bound keeps that wait short. Without
+it, when 256 replies began at once, forwards of up to 64 clauses took up to 414 ms (p95),
+while second clauses were due ~300 ms after their replies' first audio; 11-25% of the
+replies stalled right after their 0.3 s first clause (docs/gpu-results.md). Speech a second
+hardly depends on the size past ~30 s a forward: 933 s a second at 28 s, 1,027 at 245
+(H200, compiled with CUDA graphs).
 
 Cancelling the awaiting task drops a waiting clause at once; a running clause is skipped
 if its group has not started yet, else its audio is discarded. A full queue raises
@@ -37,6 +46,9 @@ from voicebot.runtime.recent import RecentWork
 
 log = logging.getLogger(__name__)
 
+FRAMES_PER_PHONEME = 2.53  # Kokoro-82M's predicted durations, on average, at speed 1
+FRAMES_PER_S = 40  # the decoder's frame rate (24 kHz / 600 samples)
+
 
 @dataclass(eq=False)
 class Clause:
@@ -50,6 +62,14 @@ class Clause:
     durations: Sequence[int] | None = None  # forced frames per phoneme (random-weight benchmarks)
     seq: int = 0
     queued: bool = False
+
+    @property
+    def frames(self) -> int:
+        """Its speech in decoder frames (25 ms): the forced durations' sum, else estimated
+        from its phonemes at the real model's 2.53 frames each (benchmarks/gpu_kokoro.py)."""
+        if self.durations is not None:
+            return int(sum(self.durations))
+        return max(1, round(FRAMES_PER_PHONEME * len(self.ids) / max(self.speed, 0.1)))
 
 
 class ClauseQueue:
@@ -80,15 +100,24 @@ class ClauseQueue:
         self._live -= 1
         return True
 
-    def pop(self, n: int) -> list[Clause]:
-        """Up to ``n`` waiting clauses, earliest deadline first."""
+    def pop(self, n: int, max_frames: int | None = None) -> list[Clause]:
+        """Up to ``n`` waiting clauses, earliest deadline first, and no more than
+        ``max_frames`` frames of speech in all, but always the first: the next clause due
+        is never passed over for a shorter one due later."""
         out: list[Clause] = []
+        frames = 0
         while self._heap and len(out) < n:
-            _, _, clause = heapq.heappop(self._heap)
-            if clause.queued:
-                clause.queued = False
-                self._live -= 1
-                out.append(clause)
+            _, _, clause = self._heap[0]
+            if not clause.queued:
+                heapq.heappop(self._heap)
+                continue
+            if out and max_frames is not None and frames + clause.frames > max_frames:
+                break
+            heapq.heappop(self._heap)
+            clause.queued = False
+            self._live -= 1
+            frames += clause.frames
+            out.append(clause)
         return out
 
 
@@ -113,11 +142,14 @@ RECENT_FORWARDS = 256
 
 
 class KokoroBatcher:
-    """Batches clauses of every session onto ``runner`` (see :data:`Runner`)."""
+    """Batches clauses of every session onto ``runner`` (see :data:`Runner`); ``max_frames``:
+    the most speech one forward takes (None: ``max_batch`` clauses, however long)."""
 
-    def __init__(self, runner: Runner, *, max_batch: int, queue_size: int, workers: int = 1) -> None:
+    def __init__(self, runner: Runner, *, max_batch: int, queue_size: int, workers: int = 1,
+                 max_frames: int | None = None) -> None:
         self._runner = runner
         self.max_batch = max_batch
+        self.max_frames = max_frames
         self.workers = workers
         self._queue = ClauseQueue(queue_size)
         self._wake = asyncio.Event()
@@ -192,7 +224,7 @@ class KokoroBatcher:
             self._wake.clear()
             while len(self._queue):
                 await self._slots.acquire()
-                batch = self._queue.pop(self.max_batch)
+                batch = self._queue.pop(self.max_batch, self.max_frames)
                 if not batch:
                     self._slots.release()
                     break
