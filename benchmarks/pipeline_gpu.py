@@ -825,7 +825,9 @@ class ServiceStatsSampler(PeakSampler):
             "step_rows_mean",
             # the TTS service's last few hundred clauses and Kokoro's forwards (TtsService.snapshot)
             "first_audio_ms_p50", "first_audio_ms_p95", "late_ms_p95", "forward_ms_p50", "forward_ms_p95",
-            "forward_rows_mean")
+            "forward_rows_mean",
+            # where a clause's time went: the engine's queue, and each forward's phases (kokoro_batch.PHASES)
+            "queue_ms_p50", "queue_ms_p95", "encode_ms_p95", "lock_ms_p95", "sync_ms_p95")
 
     def __init__(self, url: str) -> None:
         super().__init__()

@@ -27,7 +27,7 @@ class FakeRunner:
         self.entered = threading.Event()
         self.fail_next = False
 
-    def __call__(self, batch: list[Clause], deliver: Callable[[list[Clause], list[np.ndarray]], None]) -> None:
+    def __call__(self, batch: list[Clause], deliver: Callable[[list[Clause], list[np.ndarray]], None]) -> dict[str, float]:
         self.batches.append([c.ids[0] for c in batch])
         self.entered.set()
         if self.blocking:
@@ -41,6 +41,7 @@ class FakeRunner:
             live = [c for c in group if not c.future.cancelled()]
             if live:
                 deliver(live, [np.full(len(c.ids), c.ids[0], np.float32) for c in live])
+        return {"encode": 0.001 * len(batch), "sync": 0.002, "elsewhere": 1.0}
 
     def release(self, n: int = 1) -> None:
         self.tokens.release(n)
@@ -164,6 +165,11 @@ async def test_recent_forwards_report_their_time_and_clauses() -> None:
     assert runner.batches == [[1], [2, 3, 4, 5], [6]]
     assert stats["forward_rows_mean"] == 2.0  # 6 clauses in 3 forwards
     assert stats["forward_ms_p95"] >= 50.0 and stats["forward_ms_p50"] <= stats["forward_ms_p95"]
+    # The phases the runner timed (a name the batcher does not know is left out) ...
+    assert stats["encode_ms_p50"] == 1.0 and stats["encode_ms_p95"] == 4.0 and stats["sync_ms_p95"] == 2.0
+    assert not any(k.startswith("elsewhere") for k in stats) and "encode_rows_mean" not in stats
+    # ... and the clauses' wait in the queue: five of them waited behind the held forward.
+    assert stats["queue_ms_p95"] >= 50.0 and stats["queue_ms_p50"] >= 50.0 and "queue_rows_mean" not in stats
 
 
 async def test_cancelled_waiting_clause_never_reaches_the_model() -> None:

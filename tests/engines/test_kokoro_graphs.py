@@ -41,6 +41,23 @@ def test_shape_pads_to_the_next_bucket_within_max_frames(model: Any) -> None:
     assert dec.shape(40, 200) is None  # 48 x 256 padded frames: beyond max_frames, run unpadded
 
 
+def test_each_thread_learns_how_long_it_waited_for_the_decoders_lock(model: Any) -> None:
+    import threading
+    import time
+
+    dec = BucketedDecoder(model)
+    got: list[float] = []
+    dec._acquire()  # another forward holds the graphs
+    waiter = threading.Thread(target=lambda: (dec._acquire(), dec._lock.release(), got.append(dec.take_lock_wait())))
+    waiter.start()
+    time.sleep(0.1)
+    dec._lock.release()
+    waiter.join(5)
+    assert got and got[0] >= 0.09
+    assert dec.take_lock_wait() < 0.05  # this thread took it at once
+    assert dec.take_lock_wait() == 0.0  # asked again: nothing since
+
+
 def test_bucket_padding_gives_each_clause_its_own_audio(model: Any, no_noise: None) -> None:
     """Five clauses padded to 6 rows x 48 frames (a padded row, frames past each end),
     then one alone padded to 1 x 24: each as decoded alone, unpadded, but for the very

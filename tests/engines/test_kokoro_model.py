@@ -123,6 +123,22 @@ def test_forward_dispatch_does_not_grow_with_batch_size(model: Any) -> None:
     assert [s.split()[0] for s in two.syncs] == ["d2h"], two.syncs
 
 
+def test_the_runner_times_its_forwards_phases(model: Any) -> None:
+    from voicebot.engines.tts.kokoro_batch import Clause, torch_runner
+
+    class Done:
+        def cancelled(self) -> bool:
+            return False
+
+    batch = [Clause(ids=[50, 83, 54], style=torch.randn(256) * 0.15, speed=1.0, deadline=0.0, future=Done(),  # type: ignore[arg-type]
+                    durations=[3, 2, 3])]
+    waits = iter([0.5, 0.25])  # the left-over wait it clears first, then this forward's
+    phases = torch_runner(model, lock_wait=lambda: next(waits))(batch, lambda clauses, audio: None)
+    assert set(phases) == {"encode", "sync", "lock"} and phases["lock"] == 0.25
+    assert phases["encode"] > 0.0 and phases["sync"] >= 0.0
+    assert set(torch_runner(model)(batch, lambda clauses, audio: None)) == {"encode", "sync"}  # no lock to wait for
+
+
 @pytest.mark.parametrize("frames", [2, 3, 7, 240])
 def test_istft_matches_torch(frames: int) -> None:
     """The vocoder's inverse STFT without torch's host-side check (what a CUDA graph

@@ -231,7 +231,7 @@ class KokoroTts:
                                    compile=self._cfg.kokoro_compile, dtype=self._cfg.kokoro_dtype)
         except Exception as exc:
             raise ModelError(f"cannot load Kokoro model {self._cfg.kokoro_model}: {exc}") from exc
-        decoder = None
+        decoder = lock_wait = None
         if self._cfg.kokoro_cuda_graphs:
             from voicebot.engines.tts.kokoro_graphs import BucketedDecoder
 
@@ -241,12 +241,12 @@ class KokoroTts:
             t1 = time.perf_counter()
             shapes = bucketed.warm_up(self._cfg.max_batch, WARM_FRAMES)
             log.info("Kokoro: %d decode shapes captured in %.1f s", len(shapes), time.perf_counter() - t1)
-            decoder = bucketed.decode
+            decoder, lock_wait = bucketed.decode, bucketed.take_lock_wait
         elif self._cfg.kokoro_compile:
             t1 = time.perf_counter()
             km.warm_up_compiled(model)
             log.info("Kokoro: decode compiled in %.1f s", time.perf_counter() - t1)
-        self._runner = self._runner or torch_runner(model, decoder=decoder)
+        self._runner = self._runner or torch_runner(model, decoder=decoder, lock_wait=lock_wait)
         self._g2p = self._g2p or EspeakG2P(config["vocab"])
         if self._voices is None:
             self._voices = RandomVoices() if random_weights else VoicePacks(self._cfg.kokoro_model, local)

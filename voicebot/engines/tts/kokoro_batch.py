@@ -62,6 +62,7 @@ class Clause:
     durations: Sequence[int] | None = None  # forced frames per phoneme (random-weight benchmarks)
     seq: int = 0
     queued: bool = False
+    queued_at: float = 0.0  # perf_counter when pushed
 
     @property
     def frames(self) -> int:
@@ -89,6 +90,7 @@ class ClauseQueue:
             raise CapacityError(f"kokoro: {self._live} clauses already waiting (tts.queue_size)")
         clause.seq = next(self._seq)
         clause.queued = True
+        clause.queued_at = time.perf_counter()
         self._live += 1
         heapq.heappush(self._heap, (clause.deadline, clause.seq, clause))
 
@@ -121,8 +123,15 @@ class ClauseQueue:
         return out
 
 
-Runner = Callable[[list[Clause], Callable[[list[Clause], list[np.ndarray]], None]], None]
-"""Synthesises a batch in a worker thread, calling ``deliver(clauses, audios)`` per finished group."""
+Runner = Callable[[list[Clause], Callable[[list[Clause], list[np.ndarray]], None]], "dict[str, float] | None"]
+"""Synthesises a batch in a worker thread, calling ``deliver(clauses, audios)`` per finished
+group; returns the seconds its phases took (:data:`PHASES`), or None."""
+
+# A forward's phases as the torch runner times them on its thread: ``encode`` (the text
+# encoder and prosody up to the frame counts), ``lock`` (waiting for the CUDA graphs, which
+# one forward replays at a time), ``sync`` (waiting for its groups' audio: the GPU's work for
+# this forward and what was queued on the graphs' stream before it).
+PHASES = ("encode", "lock", "sync")
 
 
 @dataclass
@@ -160,6 +169,8 @@ class KokoroBatcher:
         self._running: set[asyncio.Future[None]] = set()
         self.stats = BatchStats()
         self._recent = RecentWork(RECENT_FORWARDS)
+        self._phases = {name: RecentWork(RECENT_FORWARDS) for name in PHASES}
+        self._waits = RecentWork(RECENT_FORWARDS)  # clauses' time in the queue
         self.failure_streak = 0
         self.last_error: BaseException | None = None
 
@@ -228,6 +239,9 @@ class KokoroBatcher:
                 if not batch:
                     self._slots.release()
                     break
+                popped = time.perf_counter()
+                for clause in batch:
+                    self._waits.add(popped - clause.queued_at, 1)
                 self.stats.batches += 1
                 self.stats.clauses += len(batch)
                 self.stats.sizes.append(len(batch))
@@ -246,17 +260,28 @@ class KokoroBatcher:
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody to tell
                 loop.call_soon_threadsafe(self._deliver, clauses, audios)
 
+        phases = None
         try:
-            self._runner(batch, deliver)
+            phases = self._runner(batch, deliver)
         finally:
             took = time.perf_counter() - t0
             self.stats.busy_s += took
             self._recent.add(took, len(batch))
+            for name, seconds in (phases or {}).items():
+                if name in self._phases:
+                    self._phases[name].add(seconds, len(batch))
 
     def forward_stats(self) -> dict[str, float]:
         """The last few hundred forwards: their wall time (p50, p95, ms: encode and every
-        group's decode of one batch) and their clauses (mean). Empty before the first."""
-        return self._recent.stats("forward")
+        group's decode of one batch) and their clauses (mean); each phase's time as the runner
+        reported it (``encode_ms_p95`` ...); and the last few hundred clauses' wait in the
+        queue (``queue_ms_p50``, ``queue_ms_p95``). Empty before the first."""
+        out = self._recent.stats("forward")
+        for name, recent in (("queue", self._waits), *self._phases.items()):
+            stats = recent.stats(name)
+            stats.pop(f"{name}_rows_mean", None)
+            out.update(stats)
+        return out
 
     def _deliver(self, clauses: list[Clause], audios: list[np.ndarray]) -> None:
         self.failure_streak = 0  # audio came out: the engine works (before any awaiter resumes)
@@ -290,7 +315,8 @@ MAX_FRAMES = 64 * 300
 
 
 def torch_runner(model: Any, *, max_pad: float = 0.25, max_frames: int = MAX_FRAMES, overlap: bool = False,
-                 decoder: Callable[[Sequence[Any]], list[Any]] | None = None) -> Runner:
+                 decoder: Callable[[Sequence[Any]], list[Any]] | None = None,
+                 lock_wait: Callable[[], float] | None = None) -> Runner:
     """The :data:`Runner` of a ``KModel`` (``kokoro_model.build_model``): encode the batch,
     decode it in groups of similar length (``decoder``: ``kokoro_model.decode`` or a
     ``kokoro_graphs.BucketedDecoder``'s), each worker thread on its own CUDA stream.
@@ -300,7 +326,10 @@ def torch_runner(model: Any, *, max_pad: float = 0.25, max_frames: int = MAX_FRA
     ``overlap`` (CUDA only): copy each group's audio into pinned memory without blocking and
     launch the next group at once; deliver each group when its copy's event completes,
     after the last group is launched. The GPU then never waits for the host between groups,
-    but the first group's audio waits for the other groups' launches."""
+    but the first group's audio waits for the other groups' launches.
+
+    Returns the forward's :data:`PHASES`; ``lock_wait``: the seconds this thread waited
+    for the decoder's lock since it last asked (``BucketedDecoder.take_lock_wait``)."""
     import torch
 
     from voicebot.engines.tts import kokoro_model as km
@@ -309,18 +338,24 @@ def torch_runner(model: Any, *, max_pad: float = 0.25, max_frames: int = MAX_FRA
     cuda = str(model.device).startswith("cuda")
     decode = decoder or functools.partial(km.decode, model)
 
-    def run(batch: list[Clause], deliver: Callable[[list[Clause], list[np.ndarray]], None]) -> None:
+    def run(batch: list[Clause], deliver: Callable[[list[Clause], list[np.ndarray]], None]) -> dict[str, float]:
+        clock = time.perf_counter
+        sync = 0.0
         stream = getattr(local, "stream", None)
         if cuda and stream is None:
             stream = local.stream = torch.cuda.Stream(device=model.device)
         ctx = torch.cuda.stream(stream) if cuda else contextlib.nullcontext()
+        if lock_wait is not None:
+            lock_wait()  # not this forward's: a failed one's may be left
         with ctx, torch.inference_mode():
+            t0 = clock()
             styles = torch.stack([c.style for c in batch]).to(model.device, non_blocking=True)
             forced = [c.durations for c in batch]
             encoded = km.encode(
                 model, [c.ids for c in batch], styles, [c.speed for c in batch],
                 None if any(d is None for d in forced) else forced,  # type: ignore[arg-type]
             )
+            encode = clock() - t0
             pending = []
             for group in km.frame_groups([e.frames for e in encoded], max_pad, max_frames):
                 live = [i for i in group if not batch[i].future.cancelled()]
@@ -336,10 +371,18 @@ def torch_runner(model: Any, *, max_pad: float = 0.25, max_frames: int = MAX_FRA
                     done.record(stream)
                     pending.append((live, sizes, host, done))
                     continue
+                t1 = clock()
                 flat = torch.cat(audio).float().cpu().numpy()
+                sync += clock() - t1
                 deliver([batch[i] for i in live], np.split(flat, np.cumsum(sizes)[:-1]))
             for live, sizes, host, done in pending:
+                t1 = clock()
                 done.synchronize()
+                sync += clock() - t1
                 deliver([batch[i] for i in live], np.split(host.numpy(), np.cumsum(sizes)[:-1]))
+        phases = {"encode": encode, "sync": sync}
+        if lock_wait is not None:
+            phases["lock"] = lock_wait()
+        return phases
 
     return run

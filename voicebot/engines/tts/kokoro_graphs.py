@@ -18,6 +18,7 @@ eagerly. Without, the same padded function runs eagerly (what tests check on a C
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -55,10 +56,21 @@ class BucketedDecoder:
         self.frame_buckets = buckets(max_frames, min_frames)
         self._graphs: dict[tuple[int, int], Any] = {}  # (rows, frames) -> cuda_graphs.CapturedCall
         self._lock = threading.Lock()  # one capture or replay at a time: the graphs share their pool
+        self._waited = threading.local()  # per forward thread: seconds spent waiting for _lock
         self._stream: torch.cuda.Stream | None = None
         self._pool: Any = None
         self.captures = 0
         self.eager_calls = 0
+
+    def take_lock_wait(self) -> float:
+        """Seconds the calling thread has waited for the lock since it last asked."""
+        waited, self._waited.s = getattr(self._waited, "s", 0.0), 0.0
+        return float(waited)
+
+    def _acquire(self) -> None:
+        t0 = time.perf_counter()
+        self._lock.acquire()
+        self._waited.s = getattr(self._waited, "s", 0.0) + time.perf_counter() - t0
 
     def shape(self, rows: int, frames: int) -> tuple[int, int] | None:
         """The (rows, frames) bucket a group pads to; None: beyond ``max_frames``, run as it is."""
@@ -76,8 +88,11 @@ class BucketedDecoder:
             self.eager_calls += 1
             if not self.cuda_graphs:
                 return km.decode(self.model, items)
-            with self._lock:  # its noise source must not draw while a capture records the RNG
+            self._acquire()  # its noise source must not draw while a capture records the RNG
+            try:
                 return km.decode(self.model, items)
+            finally:
+                self._lock.release()
         rows, fmax = shape
         en, asr, styles, frames_dev = km.gather(items, max(frames))
         n = len(items)
@@ -120,7 +135,8 @@ class BucketedDecoder:
         from voicebot.engines.cuda_graphs import CapturedCall
 
         caller = torch.cuda.current_stream(self.device)
-        with self._lock:
+        self._acquire()
+        try:
             if self._stream is None:
                 self._stream = torch.cuda.Stream(self.device)
                 self._pool = torch.cuda.graph_pool_handle()
@@ -143,6 +159,8 @@ class BucketedDecoder:
                 out = graph(*inputs).clone()
             caller.wait_stream(stream)
             out.record_stream(caller)
+        finally:
+            self._lock.release()
         return out
 
 
