@@ -11,12 +11,10 @@ bounded queue and are synthesised in batches (``voicebot/engines/tts/kokoro_mode
   audio over as soon as its group is done.
 
 A forward cannot be interrupted, and every forward's decodes share one GPU stream: a clause
-that falls due while one runs waits for it. The frames bound keeps that wait short. Without
-it, when 256 replies began at once, forwards of up to 64 clauses took up to 414 ms (p95),
-while second clauses were due ~300 ms after their replies' first audio; 11-25% of the
-replies stalled right after their 0.3 s first clause (docs/gpu-results.md). Speech a second
-hardly depends on the size past ~30 s a forward: 933 s a second at 28 s, 1,027 at 245
-(H200, compiled with CUDA graphs).
+that falls due while one runs waits for it. The frames bound keeps that wait short: when 256
+replies began at once, forwards of up to 64 clauses took 414 ms at p95, bounded to 32 s of
+speech 170 ms (docs/gpu-results.md). Speech a second hardly depends on the size past ~30 s
+a forward: 933 s a second at 28 s, 1,027 at 245 (H200, compiled with CUDA graphs).
 
 Cancelling the awaiting task drops a waiting clause at once; a running clause is skipped
 if its group has not started yet, else its audio is discarded. A full queue raises
@@ -130,7 +128,8 @@ group; returns the seconds its phases took (:data:`PHASES`), or None."""
 # A forward's phases as the torch runner times them on its thread: ``encode`` (the text
 # encoder and prosody up to the frame counts), ``lock`` (waiting for the CUDA graphs, which
 # one forward replays at a time), ``sync`` (waiting for its groups' audio: the GPU's work for
-# this forward and what was queued on the graphs' stream before it).
+# this forward and what was queued on the graphs' stream before it). The rest of a forward's
+# time is the host launching its decodes.
 PHASES = ("encode", "lock", "sync")
 
 
