@@ -146,6 +146,7 @@ class Speaker:
             forward = self.call.spawn(self._forward_text(resp), "text")
             try:
                 await resp.run()
+                self._wake.set()  # a start held for more audio need not wait any longer
                 await forward
                 await resp.released.wait()
                 if self.call.tools.runs(resp.tool_calls, resp.tool_round) and resp.tool_choice != ToolChoice("none"):
@@ -344,7 +345,34 @@ class Speaker:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            hold_s = self._start_hold_s(resp)
+            if hold_s > 0:
+                await self._wake_or_sleep(hold_s)
+                continue
             await self._play(resp, lead_s)
+
+    def _start_hold_s(self, resp: Response) -> float:
+        """How much longer a reply that has not started waits for more audio
+        (``session.reply_start_hold_ms``): while what is ready is shorter than
+        ``clause_low_water_ms`` and more is coming, up to the hold after its first audio."""
+        session = self.cfg.session
+        first = resp.times.first_audio
+        if session.reply_start_hold_ms <= 0 or resp.playout.taken or resp.generated or first is None:
+            return 0.0
+        if resp.playout.queued_samples >= session.clause_low_water_ms * resp.playout.sample_rate // 1000:
+            return 0.0
+        return first + session.reply_start_hold_ms / 1000.0 - self._clock.monotonic()
+
+    async def _wake_or_sleep(self, seconds: float) -> None:
+        """Until the pacer is woken (audio, a release, the reply's end) or ``seconds`` pass."""
+        self._wake.clear()
+        woken = asyncio.ensure_future(self._wake.wait())
+        slept = asyncio.ensure_future(self._clock.sleep(seconds))
+        try:
+            await asyncio.wait({woken, slept}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            woken.cancel()
+            slept.cancel()
 
     async def _play(self, resp: Response, lead_s: float) -> None:
         rate = resp.playout.sample_rate
