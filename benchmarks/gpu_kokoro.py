@@ -136,7 +136,7 @@ async def scenario(eng: Any, args: argparse.Namespace, n: int, styles: Any) -> d
     t_start = time.monotonic()
     t_end = t_start + args.duration_s
     base = random.Random(f"{args.seed}-{n}")
-    b0 = (eng.stats.batches, eng.stats.clauses, eng.stats.busy_s, len(eng.stats.sizes))
+    b0 = (eng.stats.batches, eng.stats.clauses, eng.stats.busy_s, eng.stats.sizes.copy())
     cpu0 = os.times()
     with GpuSampler() as gpu:
         tasks = [asyncio.create_task(session(eng, args, st, t_start, t_end, random.Random(base.random()),
@@ -147,7 +147,7 @@ async def scenario(eng: Any, args: argparse.Namespace, n: int, styles: Any) -> d
         await asyncio.gather(*tasks, return_exceptions=True)
     cpu1 = os.times()
     wall = time.monotonic() - t_start
-    sizes = eng.stats.sizes[b0[3]:]
+    sizes = sorted((eng.stats.sizes - b0[3]).elements())  # this scenario's forwards, by clauses
     batches = eng.stats.batches - b0[0]
     return st.report(
         n, wall, cpu1.user - cpu0.user + cpu1.system - cpu0.system, args.stall_tolerance_s, len(late),

@@ -147,6 +147,7 @@ async def test_clauses_waiting_behind_a_forward_go_in_one_batch() -> None:
     # Earliest deadline first, at most max_batch per forward.
     assert runner.batches == [[1], [2, 3, 4, 5], [6, 7]]
     assert eng.stats.batches == 3 and eng.stats.max_batch_seen == 4
+    assert eng.stats.sizes == {1: 1, 4: 1, 2: 1}  # forwards by their clauses: bounded by max_batch
 
 
 async def test_recent_forwards_report_their_time_and_clauses() -> None:

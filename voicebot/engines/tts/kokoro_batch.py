@@ -25,6 +25,7 @@ anyway). A failing forward fails every clause of its batch with :class:`EngineEr
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import heapq
@@ -141,7 +142,7 @@ class BatchStats:
     max_batch_seen: int = 0
     dropped: int = 0  # cancelled while waiting
     discarded: int = 0  # cancelled while running
-    sizes: list[int] = field(default_factory=list)
+    sizes: collections.Counter[int] = field(default_factory=collections.Counter)  # forwards by clauses
 
 
 # Forwards whose time and rows the TTS service reports (``forward_stats``): the last few
@@ -243,7 +244,7 @@ class KokoroBatcher:
                     self._waits.add(popped - clause.queued_at, 1)
                 self.stats.batches += 1
                 self.stats.clauses += len(batch)
-                self.stats.sizes.append(len(batch))
+                self.stats.sizes[len(batch)] += 1
                 self.stats.max_batch_seen = max(self.stats.max_batch_seen, len(batch))
                 assert self._executor is not None
                 job = self._loop.run_in_executor(self._executor, self._work, batch)
