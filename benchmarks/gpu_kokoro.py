@@ -131,6 +131,13 @@ async def session(eng: Any, args: argparse.Namespace, st: Stats, t_start: float,
     await caller(speak, 24_000, args, st, t_start, t_end, rng)
 
 
+def batch_frames(args: argparse.Namespace) -> int | None:
+    """The batcher's bound in frames of speech (``tts.max_batch_s`` as the engine turns it)."""
+    from voicebot.engines.tts.kokoro_batch import FRAMES_PER_S
+
+    return None if args.max_batch_s is None else round(args.max_batch_s * FRAMES_PER_S)
+
+
 async def scenario(eng: Any, args: argparse.Namespace, n: int, styles: Any) -> dict[str, Any]:
     st = Stats()
     t_start = time.monotonic()
@@ -411,7 +418,8 @@ async def run_variants(args: argparse.Namespace, report: dict[str, Any]) -> dict
         else:
             runner = torch_runner(model, max_pad=args.max_pad, max_frames=args.max_frames or MAX_FRAMES,
                                   overlap=args.overlap, decoder=None if graphs is None else graphs.decode)
-            eng = KokoroBatcher(runner, max_batch=args.max_batch, queue_size=args.queue_size, workers=args.workers[0])
+            eng = KokoroBatcher(runner, max_batch=args.max_batch, queue_size=args.queue_size, workers=args.workers[0],
+                                max_frames=batch_frames(args))
             eng.start()
             try:
                 warm = await warm_up(eng, styles, args.max_batch)
@@ -475,7 +483,8 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
     for mode, max_batch, workers, sessions in plans:
         runner = torch_runner(model, max_pad=args.max_pad, max_frames=args.max_frames or MAX_FRAMES,
                           overlap=args.overlap)
-        eng = KokoroBatcher(runner, max_batch=max_batch, queue_size=args.queue_size, workers=workers)
+        eng = KokoroBatcher(runner, max_batch=max_batch, queue_size=args.queue_size, workers=workers,
+                            max_frames=batch_frames(args))
         eng.start()
         try:
             warm = await warm_up(eng, styles, max_batch)
@@ -542,6 +551,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policy", choices=["edf", "fifo"], default="edf",
                    help="edf: later clauses are due when playback reaches them; fifo: all due at once")
     p.add_argument("--max-pad", type=float, default=0.25, help="vocoder groups: padded frames over real, at most 1+this")
+    p.add_argument("--max-batch-s", type=float, default=None,
+                   help="batched: seconds of speech per forward at most, as tts.max_batch_s (default: no bound)")
     p.add_argument("--max-frames", type=int, default=None,
                    help="vocoder groups: padded frames per forward at most (default: kokoro_batch.MAX_FRAMES)")
     p.add_argument("--overlap", action="store_true",
