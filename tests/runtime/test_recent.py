@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from voicebot.runtime.recent import RecentWork, quantile_ms
+from voicebot.runtime.recent import RecentTimes, RecentWork, quantile_ms
 
 
 def test_quantiles_are_the_nearest_rank_in_ms() -> None:
@@ -17,3 +17,11 @@ def test_the_window_keeps_the_last_units_and_names_its_figures() -> None:
     for seconds, rows in ((9.0, 100), (0.010, 2), (0.020, 4), (0.030, 6)):  # the first falls out
         recent.add(seconds, rows)
     assert recent.stats("step", digits=2) == {"step_ms_p50": 20.0, "step_ms_p95": 30.0, "step_rows_mean": 4.0}
+
+
+def test_recent_times_name_their_percentiles_alone() -> None:
+    recent = RecentTimes(2)
+    assert recent.stats("queue") == {}
+    for seconds in (5.0, 0.010, 0.030):  # the first falls out
+        recent.add(seconds)
+    assert recent.stats("queue") == {"queue_ms_p50": 30.0, "queue_ms_p95": 30.0}

@@ -322,7 +322,8 @@ class BatchedTts(Protocol):
 
     def forward_stats(self) -> dict[str, float]:
         """Its recent forwards: ``forward_ms_p50``, ``forward_ms_p95`` (a batch's wall
-        time) and ``forward_rows_mean`` (its clauses); empty before the first."""
+        time) and ``forward_rows_mean`` (its clauses), and what else it times (Kokoro: its
+        forwards' phases, its clauses' wait in its queue); empty before the first."""
         ...
 
 

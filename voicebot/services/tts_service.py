@@ -19,7 +19,6 @@ closes the engine's stream: a queued sentence is dropped, a running one aborted 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import json
 import logging
@@ -36,7 +35,7 @@ from websockets.asyncio.server import ServerConnection, serve
 from voicebot.config import Config
 from voicebot.engines.contracts import BatchedTts, Tts
 from voicebot.errors import EngineError, VoicebotError
-from voicebot.runtime.recent import quantile_ms
+from voicebot.runtime.recent import RecentTimes
 from voicebot.services.serve import listen as listen_ws
 from voicebot.services.serve import run_service, serve_until_stopped
 from voicebot.services.tts_client import MAX_FRAME, PROTOCOL
@@ -95,25 +94,20 @@ class ClauseTimes:
     the clauses came late from here."""
 
     def __init__(self, size: int = RECENT_CLAUSES) -> None:
-        self._first: collections.deque[float] = collections.deque(maxlen=size)  # s, first clauses
-        self._late: collections.deque[float] = collections.deque(maxlen=size)  # s past the need, later clauses
+        self._first = RecentTimes(size)  # first clauses: request to first audio
+        self._late = RecentTimes(size)  # later clauses: first audio past the need (0: in time)
 
     def add(self, waited_s: float, ahead_s: float) -> bool:
         """One clause's first audio ``waited_s`` after its request; True if it came late."""
         if ahead_s <= 0.0:
-            self._first.append(waited_s)
+            self._first.add(waited_s)
             return False
         late = max(0.0, waited_s - ahead_s)
-        self._late.append(late)
+        self._late.add(late)
         return late > 0.0
 
     def as_json(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for name, values in (("first_audio_ms", self._first), ("late_ms", self._late)):
-            ordered = sorted(values)
-            if ordered:
-                out[f"{name}_p50"], out[f"{name}_p95"] = quantile_ms(ordered, 0.5), quantile_ms(ordered, 0.95)
-        return out
+        return {**self._first.stats("first_audio"), **self._late.stats("late")}
 
 
 @dataclass(eq=False)

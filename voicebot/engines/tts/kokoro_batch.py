@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from voicebot.errors import CapacityError, EngineError
-from voicebot.runtime.recent import RecentWork
+from voicebot.runtime.recent import RecentTimes, RecentWork
 
 log = logging.getLogger(__name__)
 
@@ -169,8 +169,8 @@ class KokoroBatcher:
         self._running: set[asyncio.Future[None]] = set()
         self.stats = BatchStats()
         self._recent = RecentWork(RECENT_FORWARDS)
-        self._phases = {name: RecentWork(RECENT_FORWARDS) for name in PHASES}
-        self._waits = RecentWork(RECENT_FORWARDS)  # clauses' time in the queue
+        self._phases = {name: RecentTimes(RECENT_FORWARDS) for name in PHASES}
+        self._waits = RecentTimes(RECENT_FORWARDS)  # clauses' time in the queue
         self.failure_streak = 0
         self.last_error: BaseException | None = None
 
@@ -241,7 +241,7 @@ class KokoroBatcher:
                     break
                 popped = time.perf_counter()
                 for clause in batch:
-                    self._waits.add(popped - clause.queued_at, 1)
+                    self._waits.add(popped - clause.queued_at)
                 self.stats.batches += 1
                 self.stats.clauses += len(batch)
                 self.stats.sizes[len(batch)] += 1
@@ -269,7 +269,7 @@ class KokoroBatcher:
             self._recent.add(took, len(batch))
             for name, seconds in (phases or {}).items():
                 if name in self._phases:
-                    self._phases[name].add(seconds, len(batch))
+                    self._phases[name].add(seconds)
 
     def forward_stats(self) -> dict[str, float]:
         """The last few hundred forwards: their wall time (p50, p95, ms: encode and every
@@ -278,9 +278,7 @@ class KokoroBatcher:
         queue (``queue_ms_p50``, ``queue_ms_p95``). Empty before the first."""
         out = self._recent.stats("forward")
         for name, recent in (("queue", self._waits), *self._phases.items()):
-            stats = recent.stats(name)
-            stats.pop(f"{name}_rows_mean", None)
-            out.update(stats)
+            out.update(recent.stats(name))
         return out
 
     def _deliver(self, clauses: list[Clause], audios: list[np.ndarray]) -> None:
