@@ -47,11 +47,18 @@ def test_each_thread_learns_how_long_it_waited_for_the_decoders_lock(model: Any)
 
     dec = BucketedDecoder(model)
     got: list[float] = []
-    dec._acquire()  # another forward holds the graphs
-    waiter = threading.Thread(target=lambda: (dec._acquire(), dec._lock.release(), got.append(dec.take_lock_wait())))
+
+    def wait_for_the_graphs() -> None:
+        with dec._locked():
+            pass
+        got.append(dec.take_lock_wait())
+
+    held = dec._locked()
+    held.__enter__()  # another forward holds the graphs
+    waiter = threading.Thread(target=wait_for_the_graphs)
     waiter.start()
     time.sleep(0.1)
-    dec._lock.release()
+    held.__exit__(None, None, None)
     waiter.join(5)
     assert got and got[0] >= 0.09
     assert dec.take_lock_wait() < 0.05  # this thread took it at once

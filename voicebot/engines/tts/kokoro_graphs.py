@@ -17,9 +17,10 @@ eagerly. Without, the same padded function runs eagerly (what tests check on a C
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -67,10 +68,13 @@ class BucketedDecoder:
         waited, self._waited.s = getattr(self._waited, "s", 0.0), 0.0
         return float(waited)
 
-    def _acquire(self) -> None:
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The lock, its wait counted for this thread (take_lock_wait)."""
         t0 = time.perf_counter()
-        self._lock.acquire()
-        self._waited.s = getattr(self._waited, "s", 0.0) + time.perf_counter() - t0
+        with self._lock:
+            self._waited.s = getattr(self._waited, "s", 0.0) + time.perf_counter() - t0
+            yield
 
     def shape(self, rows: int, frames: int) -> tuple[int, int] | None:
         """The (rows, frames) bucket a group pads to; None: beyond ``max_frames``, run as it is."""
@@ -88,11 +92,8 @@ class BucketedDecoder:
             self.eager_calls += 1
             if not self.cuda_graphs:
                 return km.decode(self.model, items)
-            self._acquire()  # its noise source must not draw while a capture records the RNG
-            try:
+            with self._locked():  # its noise source must not draw while a capture records the RNG
                 return km.decode(self.model, items)
-            finally:
-                self._lock.release()
         rows, fmax = shape
         en, asr, styles, frames_dev = km.gather(items, max(frames))
         n = len(items)
@@ -135,8 +136,7 @@ class BucketedDecoder:
         from voicebot.engines.cuda_graphs import CapturedCall
 
         caller = torch.cuda.current_stream(self.device)
-        self._acquire()
-        try:
+        with self._locked():
             if self._stream is None:
                 self._stream = torch.cuda.Stream(self.device)
                 self._pool = torch.cuda.graph_pool_handle()
@@ -159,8 +159,6 @@ class BucketedDecoder:
                 out = graph(*inputs).clone()
             caller.wait_stream(stream)
             out.record_stream(caller)
-        finally:
-            self._lock.release()
         return out
 
 
