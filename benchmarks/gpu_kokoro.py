@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import os
 import random
@@ -342,15 +343,20 @@ def decode_times(model: Any, graphs: Any, sizes: list[int], styles: Any, args: a
 
     from voicebot.engines.tts import kokoro_model as km
     from voicebot.engines.tts.kokoro_batch import MAX_FRAMES
+    from voicebot.engines.tts.kokoro_graphs import BucketedEncoder
 
     cuda = str(model.device).startswith("cuda")
     decode = graphs.decode if graphs is not None else (lambda items: km.decode(model, items))
+    # The graph variants' encode over (rows, phonemes) buckets, as tts.kokoro_encode_graphs.
+    encoder = BucketedEncoder(model, cuda_graphs=graphs.cuda_graphs) if graphs is not None else None
+    encode = encoder.encode if encoder is not None else functools.partial(km.encode, model)
     rows = []
     for n in sizes:
         ids, durs, st = reply_batch(n, styles, model.device)
         row: dict[str, Any] = {"variant": variant, "clauses": n}
         try:
             with torch.inference_mode():
+                row.update(encode_times(encode, ids, st, durs, args, cuda))
                 enc = km.encode(model, ids, st, [1.0] * n, durs)
                 groups = km.frame_groups([e.frames for e in enc], args.max_pad, args.max_frames or MAX_FRAMES)
 
@@ -390,10 +396,36 @@ def decode_times(model: Any, graphs: Any, sizes: list[int], styles: Any, args: a
         if graphs is not None:
             row.update(captures=graphs.captures, eager_groups=graphs.eager_calls)
         rows.append(row)
+        print(f"[gpu_kokoro] {variant} {n} clauses: encode {row['encode_ms']} ms "
+              f"(launched in {row['encode_launch_ms']} ms)", flush=True)
         print(f"[gpu_kokoro] {variant} {n} clauses ({len(groups)} groups, {row['audio_s']} s audio): decode "
               f"{row['decode_ms']} ms, kernels {row.get('kernel_ms', '-')} ms, {row['audio_s_per_s']} s audio/s, "
               f"warm-up {row['warmup_s']} s", flush=True)
     return rows
+
+
+def encode_times(encode: Any, ids: list[Any], styles: Any, durs: list[Any], args: argparse.Namespace,
+                 cuda: bool) -> dict[str, Any]:
+    """One batch's encode (forced durations: no sync of its own), median of
+    ``--count-repeats`` after ``--decode-warmup`` runs: ``encode_launch_ms`` until it returns
+    (the host's launches), ``encode_ms`` until the GPU has run it."""
+    import torch
+
+    n = len(ids)
+    for _ in range(args.decode_warmup):
+        encode(ids, styles, [1.0] * n, durs)
+    if cuda:
+        torch.cuda.synchronize()
+    launch, done = [], []
+    for _ in range(args.count_repeats):
+        t0 = time.perf_counter()
+        encode(ids, styles, [1.0] * n, durs)
+        launch.append((time.perf_counter() - t0) * 1000)
+        if cuda:
+            torch.cuda.synchronize()
+        done.append((time.perf_counter() - t0) * 1000)
+    return {"encode_launch_ms": round(sorted(launch)[len(launch) // 2], 1),
+            "encode_ms": round(sorted(done)[len(done) // 2], 1)}
 
 
 async def run_variants(args: argparse.Namespace, report: dict[str, Any]) -> dict[str, Any]:
@@ -416,8 +448,14 @@ async def run_variants(args: argparse.Namespace, report: dict[str, Any]) -> dict
             report["decode"] += decode_times(model, graphs, args.count, styles, args, variant)
             dump(args, report)
         else:
+            encoder = None
+            if graphs is not None:  # as tts.kokoro_encode_graphs: the encode over buckets too
+                from voicebot.engines.tts.kokoro_graphs import BucketedEncoder
+
+                encoder = BucketedEncoder(model, cuda_graphs=graphs.cuda_graphs).encode
             runner = torch_runner(model, max_pad=args.max_pad, max_frames=args.max_frames or MAX_FRAMES,
-                                  overlap=args.overlap, decoder=None if graphs is None else graphs.decode)
+                                  overlap=args.overlap, decoder=None if graphs is None else graphs.decode,
+                                  encoder=encoder)
             eng = KokoroBatcher(runner, max_batch=args.max_batch, queue_size=args.queue_size, workers=args.workers[0],
                                 max_frames=batch_frames(args))
             eng.start()

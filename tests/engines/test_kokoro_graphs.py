@@ -1,6 +1,7 @@
-"""Kokoro's bucketed decode (voicebot/engines/tts/kokoro_graphs.py) on a CPU: the
-bucket-padded function that CUDA graphs capture, run eagerly, against each clause decoded
-alone and unpadded; and the settings that refuse CUDA graphs without a CUDA device."""
+"""Kokoro's bucketed encode and decode (voicebot/engines/tts/kokoro_graphs.py) on a CPU:
+the bucket-padded functions that CUDA graphs capture, run eagerly, against each clause
+encoded and decoded alone and unpadded; and the settings that refuse CUDA graphs without
+a CUDA device."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pydantic import ValidationError
 
 from voicebot.config import TtsConfig
 from voicebot.engines.tts import kokoro_model as km
-from voicebot.engines.tts.kokoro_graphs import BucketedDecoder, buckets
+from voicebot.engines.tts.kokoro_graphs import BucketedDecoder, BucketedEncoder, buckets
 
 pytestmark = pytest.mark.engines  # real engines or a server: not in make test-fast
 
@@ -49,11 +50,11 @@ def test_each_thread_learns_how_long_it_waited_for_the_decoders_lock(model: Any)
     got: list[float] = []
 
     def wait_for_the_graphs() -> None:
-        with dec._locked():
+        with dec.graphs.locked():
             pass
         got.append(dec.take_lock_wait())
 
-    held = dec._locked()
+    held = dec.graphs.locked()
     held.__enter__()  # another forward holds the graphs
     waiter = threading.Thread(target=wait_for_the_graphs)
     waiter.start()
@@ -131,3 +132,80 @@ def test_warm_up_of_a_compiled_model_runs_each_kind_of_decode(model: Any, monkey
     monkeypatch.setattr(km, "decode_rows", counting)
     km.warm_up_compiled(model)
     assert seen == [(1, False, [16]), (2, False, [16, 16]), (2, True, [16, 15])]
+
+
+_IDS = [[50, 83, 54, 156, 57, 16, 65, 85, 54, 46], [44, 102, 56], [61, 62, 69, 158, 123, 62, 16, 86, 56, 46, 4],
+        [50, 83], [44, 102, 56, 57, 16]]
+_DURATIONS = [[3, 2, 4, 3, 3, 2, 4, 3, 2, 3], [2, 3, 4], [3] * 11, [2, 2], [3, 2, 3, 2, 3]]
+
+
+@pytest.mark.parametrize("forced", [True, False], ids=["forced-durations", "predicted-durations"])
+def test_bucket_padding_gives_each_clause_its_own_encoding(model: Any, forced: bool) -> None:
+    """Five clauses padded to 6 rows x 16 phonemes (a padded row, phonemes past each end):
+    each row's features and frame count as the clause encoded alone, unpadded."""
+    styles = torch.randn(5, 256, generator=torch.Generator().manual_seed(2)) * 0.15
+    speeds = [1.0, 1.2, 0.9, 1.0, 1.1]
+    durations = _DURATIONS if forced else None
+    enc = BucketedEncoder(model)
+    assert enc.shape(5, max(len(i) for i in _IDS) + 2) == (6, 16)
+    with torch.inference_mode():
+        got = enc.encode(_IDS, styles, speeds, durations)
+        for row, item in enumerate(got):
+            one = km.encode(model, [_IDS[row]], styles[row : row + 1], [speeds[row]],
+                            None if durations is None else [durations[row]])[0]
+            assert item.frames == one.frames, row
+            for name in ("en", "asr"):
+                ref, mine = getattr(one, name), getattr(item, name)
+                assert mine.shape == ref.shape, (row, name)
+                assert (mine - ref).abs().max() / ref.abs().max() < 1e-4, (row, name)
+    assert enc.eager_calls == 0
+
+
+def test_an_encode_beyond_the_buckets_runs_unpadded(model: Any) -> None:
+    enc = BucketedEncoder(model, max_tokens=16)
+    long = [list(range(10, 40))]  # 32 phonemes with the boundaries: past the last bucket
+    with torch.inference_mode():
+        got = enc.encode(long, torch.zeros(1, 256), [1.0], [[2] * 30])
+    assert enc.eager_calls == 1 and got[0].frames == 62
+
+
+def test_encode_warm_up_runs_every_bucket_once(model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[tuple[int, int, bool]] = []
+    real = km.encode_tokens
+
+    def counting(mdl: Any, ids: torch.Tensor, lengths: torch.Tensor, styles: torch.Tensor,
+                 speeds: torch.Tensor | None, forced: torch.Tensor | None, *, ragged: bool) -> Any:
+        seen.append((*ids.shape, forced is not None))
+        assert lengths.shape == styles.shape[:1] == ids.shape[:1] and ragged
+        return real(mdl, ids, lengths, styles, speeds, forced, ragged=ragged)
+
+    monkeypatch.setattr(km, "encode_tokens", counting)
+    enc = BucketedEncoder(model, max_cells=48)
+    shapes = enc.warm_up(max_rows=4, max_tokens=20, forced=True)
+    assert shapes == [(1, 16), (1, 24), (2, 16), (2, 24), (3, 16)]  # 3 x 24 and 4 x 16 are over 48 cells
+    assert seen == [(r, t, True) for r, t in shapes]
+    assert enc.shape(3, 20) is None  # run as it is
+
+
+def test_an_encode_that_cannot_be_captured_runs_eagerly_from_then_on(
+    model: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    enc = BucketedEncoder(model)
+    enc.cuda_graphs = True  # as on a GPU, where the capture is what fails
+    calls: list[Any] = []
+
+    def refuse(key: Any, *args: Any) -> Any:
+        calls.append(key)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(enc.graphs, "replay", refuse)
+    styles = torch.randn(2, 256, generator=torch.Generator().manual_seed(3)) * 0.15
+    with torch.inference_mode(), caplog.at_level("WARNING"):
+        got = enc.encode(_IDS[:2], styles, [1.0, 1.0], _DURATIONS[:2])
+        again = enc.encode(_IDS[:2], styles, [1.0, 1.0], _DURATIONS[:2])
+        ref = km.encode(model, _IDS[:2], styles, [1.0, 1.0], _DURATIONS[:2])
+    assert calls == [(2, 16, True)] and not enc.cuda_graphs  # tried once
+    assert "cannot be captured" in caplog.text
+    for a, b, r in zip(got, again, ref, strict=True):
+        assert a.frames == b.frames == r.frames
+        assert (a.en - r.en).abs().max() < 1e-4 and (b.asr - r.asr).abs().max() < 1e-4

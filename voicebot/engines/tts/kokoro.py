@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import threading
@@ -42,6 +43,9 @@ MAX_TOKENS = 510  # the model's 512 positions less the two boundary tokens
 # Frames per clause a service warms its decode shapes up to (25 ms a frame: 9.6 s, past the
 # longest clause a session sends, session.max_clause_words); longer ones are met at first use.
 WARM_FRAMES = 384
+# Phonemes with the boundaries a service warms its encode shapes up to: a bucket past those
+# of WARM_FRAMES (2.53 frames a phoneme).
+WARM_TOKENS = 192
 _SPACE = " "
 
 # espeak-ng is one process-global C state: phonemize one text at a time (piper's
@@ -166,6 +170,10 @@ class RandomVoices(VoicePacks):
         return self._packs[name]
 
 
+def _total(waits: list[Any]) -> float:
+    return float(sum(wait() for wait in waits))
+
+
 def _model_files(source: str) -> tuple[Path, Path | None, Path | None]:
     """(config.json, weights .pth, local directory or None for a hub repo)."""
     p = Path(source).expanduser()
@@ -231,9 +239,9 @@ class KokoroTts:
                                    compile=self._cfg.kokoro_compile, dtype=self._cfg.kokoro_dtype)
         except Exception as exc:
             raise ModelError(f"cannot load Kokoro model {self._cfg.kokoro_model}: {exc}") from exc
-        decoder = lock_wait = None
+        decoder = encoder = lock_wait = None
         if self._cfg.kokoro_cuda_graphs:
-            from voicebot.engines.tts.kokoro_graphs import BucketedDecoder
+            from voicebot.engines.tts.kokoro_graphs import BucketedDecoder, BucketedEncoder
 
             # Every bucket a batch of clauses will meet, captured now: a fresh service
             # otherwise made its first callers wait 10-20 s for them (H200).
@@ -241,12 +249,21 @@ class KokoroTts:
             t1 = time.perf_counter()
             shapes = bucketed.warm_up(self._cfg.max_batch, WARM_FRAMES)
             log.info("Kokoro: %d decode shapes captured in %.1f s", len(shapes), time.perf_counter() - t1)
-            decoder, lock_wait = bucketed.decode, bucketed.take_lock_wait
+            decoder, waits = bucketed.decode, [bucketed.take_lock_wait]
+            if self._cfg.kokoro_encode_graphs:
+                enc = BucketedEncoder(model, cuda_graphs=True)
+                t1 = time.perf_counter()
+                shapes = enc.warm_up(self._cfg.max_batch, WARM_TOKENS, forced=random_weights)
+                log.info("Kokoro: %d encode shapes %s in %.1f s", len(shapes),
+                         "captured" if enc.cuda_graphs else "run (eager: the capture failed)", time.perf_counter() - t1)
+                encoder = enc.encode
+                waits.append(enc.take_lock_wait)
+            lock_wait = functools.partial(_total, waits)
         elif self._cfg.kokoro_compile:
             t1 = time.perf_counter()
             km.warm_up_compiled(model)
             log.info("Kokoro: decode compiled in %.1f s", time.perf_counter() - t1)
-        self._runner = self._runner or torch_runner(model, decoder=decoder, lock_wait=lock_wait)
+        self._runner = self._runner or torch_runner(model, decoder=decoder, encoder=encoder, lock_wait=lock_wait)
         self._g2p = self._g2p or EspeakG2P(config["vocab"])
         if self._voices is None:
             self._voices = RandomVoices() if random_weights else VoicePacks(self._cfg.kokoro_model, local)

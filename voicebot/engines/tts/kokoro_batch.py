@@ -314,10 +314,13 @@ MAX_FRAMES = 64 * 300
 
 def torch_runner(model: Any, *, max_pad: float = 0.25, max_frames: int = MAX_FRAMES, overlap: bool = False,
                  decoder: Callable[[Sequence[Any]], list[Any]] | None = None,
+                 encoder: Callable[..., list[Any]] | None = None,
                  lock_wait: Callable[[], float] | None = None) -> Runner:
-    """The :data:`Runner` of a ``KModel`` (``kokoro_model.build_model``): encode the batch,
-    decode it in groups of similar length (``decoder``: ``kokoro_model.decode`` or a
-    ``kokoro_graphs.BucketedDecoder``'s), each worker thread on its own CUDA stream.
+    """The :data:`Runner` of a ``KModel`` (``kokoro_model.build_model``): encode the batch
+    (``encoder``: ``kokoro_model.encode`` without its model argument, or a
+    ``kokoro_graphs.BucketedEncoder``'s), decode it in groups of similar length
+    (``decoder``: ``kokoro_model.decode`` or a ``kokoro_graphs.BucketedDecoder``'s), each
+    worker thread on its own CUDA stream.
 
     Each group's audio goes to the host with a blocking copy: the one host-device sync of a
     group (``kokoro_model.encode`` has none with forced durations, one with predicted ones).
@@ -327,7 +330,7 @@ def torch_runner(model: Any, *, max_pad: float = 0.25, max_frames: int = MAX_FRA
     but the first group's audio waits for the other groups' launches.
 
     Returns the forward's :data:`PHASES`; ``lock_wait``: the seconds this thread waited
-    for the decoder's lock since it last asked (``BucketedDecoder.take_lock_wait``)."""
+    for the graphs' locks since it last asked (``GraphSet.take_lock_wait``)."""
     import torch
 
     from voicebot.engines.tts import kokoro_model as km
@@ -335,6 +338,7 @@ def torch_runner(model: Any, *, max_pad: float = 0.25, max_frames: int = MAX_FRA
     local = threading.local()
     cuda = str(model.device).startswith("cuda")
     decode = decoder or functools.partial(km.decode, model)
+    encode_batch = encoder or functools.partial(km.encode, model)
 
     def run(batch: list[Clause], deliver: Callable[[list[Clause], list[np.ndarray]], None]) -> dict[str, float]:
         clock = time.perf_counter
@@ -349,8 +353,8 @@ def torch_runner(model: Any, *, max_pad: float = 0.25, max_frames: int = MAX_FRA
             t0 = clock()
             styles = torch.stack([c.style for c in batch]).to(model.device, non_blocking=True)
             forced = [c.durations for c in batch]
-            encoded = km.encode(
-                model, [c.ids for c in batch], styles, [c.speed for c in batch],
+            encoded = encode_batch(
+                [c.ids for c in batch], styles, [c.speed for c in batch],
                 None if any(d is None for d in forced) else forced,  # type: ignore[arg-type]
             )
             encode = clock() - t0

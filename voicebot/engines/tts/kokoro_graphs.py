@@ -1,4 +1,4 @@
-"""Kokoro's decode over a few padded shapes, each captured as a CUDA graph and replayed.
+"""Kokoro's encode and decode over a few padded shapes, each captured as a CUDA graph and replayed.
 
 A decode of one clause launches thousands of small kernels: on a GPU the host's launches,
 not the kernels, set its time. :class:`BucketedDecoder` pads a vocoder group to the next
@@ -13,11 +13,19 @@ With ``cuda_graphs`` each bucket's ``decode_rows`` is captured on its first use
 (``engines/cuda_graphs.py``; all graphs share one memory pool and replay on one stream,
 one at a time) and replayed after; a group larger than ``max_frames`` padded frames runs
 eagerly. Without, the same padded function runs eagerly (what tests check on a CPU).
+
+:class:`BucketedEncoder` does the same for the encode up to the alignment
+(``kokoro_model.encode_tokens``: the PL-BERT, the text and duration encoders, their LSTMs:
+~350 launches a forward), over (rows, phonemes) buckets with the rows' own lengths masked;
+the alignment, whose shape is the frame count, stays eager (a dozen launches). Its graphs
+have their own pool, stream and lock, so one forward's encode replays while another's
+decode does. A bucket whose capture fails runs eagerly from then on, with a warning.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -26,6 +34,8 @@ from typing import Any
 import torch
 
 from voicebot.engines.tts import kokoro_model as km
+
+log = logging.getLogger(__name__)
 
 
 def buckets(limit: int, start: int = 1) -> list[int]:
@@ -42,6 +52,62 @@ def buckets(limit: int, start: int = 1) -> list[int]:
         b *= 2
 
 
+class GraphSet:
+    """CUDA graphs of one owner: one memory pool, one stream, one replay (or capture) at a
+    time behind a lock, each thread's wait for it counted (:meth:`take_lock_wait`)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.graphs: dict[Any, Any] = {}  # key -> cuda_graphs.CapturedCall
+        self.captures = 0
+        self._lock = threading.Lock()
+        self._waited = threading.local()  # per forward thread: seconds spent waiting for _lock
+        self._stream: torch.cuda.Stream | None = None
+        self._pool: Any = None
+
+    def take_lock_wait(self) -> float:
+        """Seconds the calling thread has waited for the lock since it last asked."""
+        waited, self._waited.s = getattr(self._waited, "s", 0.0), 0.0
+        return float(waited)
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """The lock, its wait counted for this thread."""
+        t0 = time.perf_counter()
+        with self._lock:
+            self._waited.s = getattr(self._waited, "s", 0.0) + time.perf_counter() - t0
+            yield
+
+    def replay(self, key: Any, fn: Any, *inputs: torch.Tensor) -> Any:
+        """``fn(*inputs)``'s graph for ``key`` (captured now if new) replayed on ``inputs``:
+        copies of its output tensors, ordered after the caller's stream and before the
+        caller's next work."""
+        from voicebot.engines.cuda_graphs import CapturedCall
+
+        caller = torch.cuda.current_stream(self.device)
+        with self.locked():
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(self.device)
+                self._pool = torch.cuda.graph_pool_handle()
+            stream = self._stream
+            graph = self.graphs.get(key)
+            if graph is None:
+                static = tuple(x.clone() for x in inputs)  # CapturedCall orders its stream after these
+                # thread_local: the other forward slots' work (allocations, their syncs) goes
+                # on during the capture; every replay of this set waits on the lock.
+                graph = self.graphs[key] = CapturedCall(fn, static, stream=stream, pool=self._pool,
+                                                        capture_error_mode="thread_local")
+                self.captures += 1
+            stream.wait_stream(caller)
+            with torch.cuda.stream(stream):
+                out = graph(*inputs)
+                out = tuple(x.clone() for x in out) if isinstance(out, tuple) else out.clone()
+            caller.wait_stream(stream)
+            for x in out if isinstance(out, tuple) else (out,):
+                x.record_stream(caller)
+        return out
+
+
 class BucketedDecoder:
     """``decode(items)`` like ``kokoro_model.decode``, over bucketed shapes (module docstring)."""
 
@@ -55,26 +121,16 @@ class BucketedDecoder:
         self.max_frames = max_frames
         self.row_buckets = buckets(max_rows)
         self.frame_buckets = buckets(max_frames, min_frames)
-        self._graphs: dict[tuple[int, int], Any] = {}  # (rows, frames) -> cuda_graphs.CapturedCall
-        self._lock = threading.Lock()  # one capture or replay at a time: the graphs share their pool
-        self._waited = threading.local()  # per forward thread: seconds spent waiting for _lock
-        self._stream: torch.cuda.Stream | None = None
-        self._pool: Any = None
-        self.captures = 0
+        self.graphs = GraphSet(self.device)  # (rows, frames) -> graph
         self.eager_calls = 0
 
-    def take_lock_wait(self) -> float:
-        """Seconds the calling thread has waited for the lock since it last asked."""
-        waited, self._waited.s = getattr(self._waited, "s", 0.0), 0.0
-        return float(waited)
+    @property
+    def captures(self) -> int:
+        return self.graphs.captures
 
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
-        """The lock, its wait counted for this thread (take_lock_wait)."""
-        t0 = time.perf_counter()
-        with self._lock:
-            self._waited.s = getattr(self._waited, "s", 0.0) + time.perf_counter() - t0
-            yield
+    def take_lock_wait(self) -> float:
+        """Seconds the calling thread has waited for the graphs' lock since it last asked."""
+        return self.graphs.take_lock_wait()
 
     def shape(self, rows: int, frames: int) -> tuple[int, int] | None:
         """The (rows, frames) bucket a group pads to; None: beyond ``max_frames``, run as it is."""
@@ -92,7 +148,7 @@ class BucketedDecoder:
             self.eager_calls += 1
             if not self.cuda_graphs:
                 return km.decode(self.model, items)
-            with self._locked():  # its noise source must not draw while a capture records the RNG
+            with self.graphs.locked():  # its noise source must not draw while a capture records the RNG
                 return km.decode(self.model, items)
         rows, fmax = shape
         en, asr, styles, frames_dev = km.gather(items, max(frames))
@@ -131,34 +187,10 @@ class BucketedDecoder:
         return shapes
 
     def _replay(self, key: tuple[int, int], *inputs: torch.Tensor) -> torch.Tensor:
-        """The bucket's graph (captured now if new) on ``inputs``: a copy of its audio, ordered
-        after the caller's stream and before the caller's next work."""
-        from voicebot.engines.cuda_graphs import CapturedCall
+        def run(en: torch.Tensor, asr: torch.Tensor, styles: torch.Tensor, frames: torch.Tensor) -> torch.Tensor:
+            return km.decode_rows(self.model, en, asr, styles, frames, masked=True)
 
-        caller = torch.cuda.current_stream(self.device)
-        with self._locked():
-            if self._stream is None:
-                self._stream = torch.cuda.Stream(self.device)
-                self._pool = torch.cuda.graph_pool_handle()
-            stream = self._stream
-            graph = self._graphs.get(key)
-            if graph is None:
-                static = tuple(x.clone() for x in inputs)  # CapturedCall orders its stream after these
-
-                def run(en: torch.Tensor, asr: torch.Tensor, styles: torch.Tensor,
-                        frames: torch.Tensor) -> torch.Tensor:
-                    return km.decode_rows(self.model, en, asr, styles, frames, masked=True)
-
-                # thread_local: the other forward slots' encodes (allocations, their one
-                # sync) go on during the capture; every decode waits on the lock.
-                graph = self._graphs[key] = CapturedCall(run, static, stream=stream, pool=self._pool,
-                                                         capture_error_mode="thread_local")
-                self.captures += 1
-            stream.wait_stream(caller)
-            with torch.cuda.stream(stream):
-                out = graph(*inputs).clone()
-            caller.wait_stream(stream)
-            out.record_stream(caller)
+        out: torch.Tensor = self.graphs.replay(key, run, *inputs)
         return out
 
 
@@ -167,3 +199,91 @@ def _pad_to(x: torch.Tensor, rows: int, frames: int) -> torch.Tensor:
     out = x.new_zeros(rows, x.shape[1], frames)
     out[: x.shape[0], :, : x.shape[2]] = x
     return out
+
+
+class BucketedEncoder:
+    """``encode(ids, styles, speeds, durations)`` like ``kokoro_model.encode``, over
+    (rows, phonemes) buckets (module docstring)."""
+
+    def __init__(self, model: Any, *, cuda_graphs: bool = False, max_rows: int = 128, max_tokens: int = 512,
+                 min_tokens: int = 16, max_cells: int = 16_384) -> None:
+        self.model = model
+        self.device = torch.device(model.device)
+        if cuda_graphs and self.device.type != "cuda":
+            raise ValueError(f"Kokoro CUDA graphs need the model on a CUDA device, not {self.device}")
+        self.cuda_graphs = cuda_graphs
+        self.row_buckets = buckets(max_rows)
+        self.token_buckets = buckets(max_tokens, min_tokens)
+        self.max_cells = max_cells  # rows x phonemes: larger batches run eagerly, uncaptured
+        self.graphs = GraphSet(self.device)  # (rows, phonemes, forced) -> graph
+        self.eager_calls = 0
+
+    def take_lock_wait(self) -> float:
+        """Seconds the calling thread has waited for the graphs' lock since it last asked."""
+        return self.graphs.take_lock_wait()
+
+    def shape(self, rows: int, tokens: int) -> tuple[int, int] | None:
+        """The (rows, phonemes with boundaries) bucket a batch pads to; None: run as it is."""
+        r = next((b for b in self.row_buckets if b >= rows), None)
+        t = next((b for b in self.token_buckets if b >= tokens), None)
+        if r is None or t is None or r * t > self.max_cells:
+            return None
+        return r, t
+
+    @torch.no_grad()
+    def encode(self, ids: Sequence[Sequence[int]], styles: torch.Tensor, speeds: Sequence[float],
+               durations: Sequence[Sequence[int]] | None = None) -> list[km.Encoded]:
+        n = len(ids)
+        shape = self.shape(n, max(len(i) for i in ids) + 2)
+        if shape is None:
+            self.eager_calls += 1
+            return km.encode(self.model, ids, styles, speeds, durations)
+        rows, t = shape
+        tb = km.tokens(self.device, ids, durations, rows=rows, t=t)
+        padded = torch.cat([styles, styles.new_zeros(rows - n, styles.shape[1])]) if rows > n else styles
+        # One of the two, by mode: forced frames per phoneme (random weights) or the speeds.
+        last = tb.forced if tb.forced is not None else km.speeds_tensor(speeds, rows, styles)
+        d, t_en, cum = self._run((rows, t, tb.forced is not None), tb.ids, tb.lengths, padded, last)
+        return km.align(d, t_en, cum, styles, tb.frames)
+
+    def warm_up(self, max_rows: int, max_tokens: int, *, forced: bool = False) -> list[tuple[int, int]]:
+        """Run (with ``cuda_graphs``: capture) every bucket up to ``max_rows`` rows of
+        ``max_tokens`` phonemes once, before the service takes calls (BucketedDecoder.warm_up).
+        ``forced``: the buckets of forced durations (random-weight benchmarks)."""
+        top_rows = next((b for b in self.row_buckets if b >= max_rows), self.row_buckets[-1])
+        top_tokens = next((b for b in self.token_buckets if b >= max_tokens), self.token_buckets[-1])
+        shapes = [(r, t) for r in self.row_buckets if r <= top_rows for t in self.token_buckets
+                  if t <= top_tokens and r * t <= self.max_cells]
+        with torch.inference_mode():
+            for rows, t in shapes:
+                ids = torch.zeros(rows, t, dtype=torch.long, device=self.device)
+                lengths = torch.full((rows,), t, dtype=torch.long, device=self.device)
+                styles = torch.zeros(rows, 256, device=self.device)
+                last = torch.ones(rows, t, dtype=torch.long, device=self.device) if forced else \
+                    torch.ones(rows, device=self.device)
+                self._run((rows, t, forced), ids, lengths, styles, last)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return shapes
+
+    def _run(self, key: tuple[int, int, bool], ids: torch.Tensor, lengths: torch.Tensor, styles: torch.Tensor,
+             last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        forced = key[2]
+
+        def run(ids: torch.Tensor, lengths: torch.Tensor, styles: torch.Tensor,
+                last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            return km.encode_tokens(self.model, ids, lengths, styles, None if forced else last,
+                                    last if forced else None, ragged=True)
+
+        if self.cuda_graphs:
+            try:
+                out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = self.graphs.replay(key, run, ids, lengths,
+                                                                                          styles, last)
+                return out
+            except Exception as exc:  # noqa: BLE001 - a capture this PyTorch cannot make: eager is correct, only slower
+                if key in self.graphs.graphs:
+                    raise
+                log.warning("Kokoro: the encode cannot be captured as a CUDA graph (%s: %s); it runs eagerly",
+                            type(exc).__name__, exc)
+                self.cuda_graphs = False
+        return run(ids, lengths, styles, last)

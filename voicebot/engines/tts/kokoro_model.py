@@ -426,6 +426,105 @@ def _duration_encoder(de: Any, x: torch.Tensor, style: torch.Tensor, mask: torch
     return x.transpose(-1, -2)
 
 
+@dataclass(eq=False)
+class TokenBatch:
+    """A batch's phonemes on the device, padded to ``rows`` x ``t`` (:func:`tokens`)."""
+
+    ids: torch.Tensor  # [rows, t] long, boundary 0s around each row's phonemes
+    lengths: torch.Tensor  # [rows] long: each row's length with its boundaries
+    forced: torch.Tensor | None  # [rows, t] long: frames per phoneme, None: predicted
+    n: int  # the real rows (the rest pad a bucket)
+    frames: list[int] | None  # forced frame counts of the real rows, known on the host
+    ragged: bool  # rows of different lengths: the masked path
+
+
+def tokens(device: Any, ids: Sequence[Sequence[int]], durations: Sequence[Sequence[int]] | None = None, *,
+           rows: int | None = None, t: int | None = None) -> TokenBatch:
+    """The phoneme ids (and forced durations) of a batch on ``device`` in one non-blocking
+    copy, padded to ``rows`` x ``t`` if given (a bucket: padded rows are zeros of full length
+    and one frame per phoneme, rows of their own)."""
+    b = len(ids)
+    lens = [len(i) + 2 for i in ids]
+    rows = b if rows is None else rows
+    t = max(lens) if t is None else t
+    if rows < b or t < max(lens):
+        raise ValueError(f"{b} clauses of up to {max(lens)} tokens do not fit {rows} x {t}")
+    out = np.zeros((2 * rows if durations is not None else rows, t + 1), dtype=np.int64)
+    for row, seq in enumerate(ids):
+        out[row, 1 : 1 + len(seq)] = seq
+    out[:b, t] = lens
+    out[b:rows, t] = t
+    frames = None
+    if durations is not None:
+        for row, seq in enumerate(durations):
+            out[rows + row, 1 : 1 + len(seq)] = seq
+            out[rows + row, 0] = out[rows + row, len(seq) + 1] = 1
+        out[rows + b :, :t] = 1
+        frames = [sum(seq) + 2 for seq in durations]
+    buf = torch.from_numpy(out).to(device, non_blocking=True)
+    return TokenBatch(ids=buf[:rows, :t], lengths=buf[:rows, t], forced=None if durations is None else buf[rows:, :t],
+                      n=b, frames=frames, ragged=rows > b or len(set(lens)) > 1)
+
+
+def encode_tokens(model: Any, ids: torch.Tensor, lengths: torch.Tensor, styles: torch.Tensor,
+                  speeds: torch.Tensor | None, forced: torch.Tensor | None, *,
+                  ragged: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stage 1 up to the alignment, device work only (no sync, fixed shapes: what
+    ``kokoro_graphs.BucketedEncoder`` captures): ``d`` [B, T, hidden + style] (the prosody
+    features per phoneme), ``t_en`` [B, hidden, T] (the text encoding) and ``cum`` [B, T]
+    (each phoneme's last frame + 1; its last column the frame count). ``forced``: frames per
+    phoneme; None: predicted at ``speeds`` [B]. ``ragged``: rows of different lengths,
+    masked; False only when every row is ``T`` long."""
+    b, t = ids.shape
+    dev = ids.device
+    mask = torch.arange(t, device=dev)[None, :] >= lengths[:, None]  # True: padding
+    pad = _padding(lengths, t) if ragged else None
+    attn = None
+    if ragged:  # a prepared 4D mask: transformers would check a 2D one with .all() (a sync)
+        neg = torch.finfo(styles.dtype).min
+        attn = torch.zeros((b, 1, 1, t), device=dev, dtype=styles.dtype).masked_fill(mask[:, None, None, :], neg)
+        attn = attn.expand(b, 1, t, t)
+    bert = model.bert(ids, attention_mask=attn)
+    d_en = model.bert_encoder(bert).transpose(-1, -2)
+    d = _duration_encoder(model.predictor.text_encoder, d_en, styles[:, 128:], mask, pad)  # [B, T, hidden + style]
+    t_en = _text_encoder(model.text_encoder, ids, mask, pad)
+    if forced is None:
+        assert speeds is not None, "predicted durations need the speeds"
+        x = _bilstm(model.predictor.lstm, d, pad)
+        dur = torch.sigmoid(model.predictor.duration_proj(x)).sum(dim=-1) / speeds[:, None]
+        forced = torch.round(dur).clamp(min=1).long().masked_fill(mask, 0)
+    return d, t_en, forced.cumsum(dim=1)
+
+
+def align(d: torch.Tensor, t_en: torch.Tensor, cum: torch.Tensor, styles: torch.Tensor,
+          frames: list[int] | None = None) -> list[Encoded]:
+    """Stage 1's end: :func:`encode_tokens`' rows (as many as ``styles``) at frame rate.
+    ``frames``: the frame counts if the host knows them (forced); else read from ``cum``,
+    the forward's one sync."""
+    b = styles.shape[0]
+    d, t_en, cum = d[:b], t_en[:b], cum[:b]
+    t = cum.shape[1]
+    frames_dev = cum[:, -1]
+    if frames is None:
+        frames = frames_dev.tolist()  # the frame counts set every shape after this: one sync
+    fmax = max(frames)
+    f = torch.arange(fmax, device=cum.device)
+    tok = torch.searchsorted(cum, f.expand(b, fmax).contiguous(), right=True).clamp(max=t - 1)
+    valid = (f[None, :] < frames_dev[:, None]).to(d.dtype)
+    aln = torch.zeros((b, t, fmax), device=cum.device, dtype=d.dtype)
+    aln.scatter_(1, tok[:, None, :], valid[:, None, :])
+    batch = EncodedBatch(en=d.transpose(-1, -2) @ aln, asr=t_en @ aln, styles=styles, frames_dev=frames_dev,
+                         frames=frames)
+    return [Encoded(batch, i, frames[i]) for i in range(b)]
+
+
+def speeds_tensor(speeds: Sequence[float], rows: int, like: torch.Tensor) -> torch.Tensor:
+    """``speeds`` as a [rows] tensor on ``like``'s device (padded rows at 1.0)."""
+    host = torch.ones(rows, dtype=like.dtype)
+    host[: len(speeds)] = torch.tensor(list(speeds), dtype=like.dtype)
+    return host.to(like.device, non_blocking=True)
+
+
 @torch.no_grad()
 def encode(
     model: Any,
@@ -441,53 +540,10 @@ def encode(
     Host work and syncs are kept to a constant: the ids, lengths and forced durations go to
     the device in one non-blocking copy; the only sync is reading the predicted frame counts
     (none with forced durations), after the text encoder has been launched."""
-    dev = model.device
-    b = len(ids)
-    lens = [len(i) + 2 for i in ids]
-    t = max(lens)
-    rows = np.zeros((2 * b if durations is not None else b, t + 1), dtype=np.int64)
-    for row, seq in enumerate(ids):
-        rows[row, 1 : 1 + len(seq)] = seq
-    rows[:b, t] = lens
-    if durations is not None:
-        for row, seq in enumerate(durations):
-            rows[b + row, 1 : 1 + len(seq)] = seq
-            rows[b + row, 0] = rows[b + row, len(seq) + 1] = 1
-    buf = torch.from_numpy(rows).to(dev, non_blocking=True)
-    input_ids, lengths = buf[:b, :t], buf[:b, t]
-    mask = torch.arange(t, device=dev)[None, :] >= lengths[:, None]  # True: padding
-    ragged = len(set(lens)) > 1
-    pad = _padding(lengths, t) if ragged else None
-    attn = None
-    if ragged:  # a prepared 4D mask: transformers would check a 2D one with .all() (a sync)
-        neg = torch.finfo(styles.dtype).min
-        attn = torch.zeros((b, 1, 1, t), device=dev, dtype=styles.dtype).masked_fill(mask[:, None, None, :], neg)
-        attn = attn.expand(b, 1, t, t)
-    bert = model.bert(input_ids, attention_mask=attn)
-    d_en = model.bert_encoder(bert).transpose(-1, -2)
-    d = _duration_encoder(model.predictor.text_encoder, d_en, styles[:, 128:], mask, pad)  # [B, T, hidden + style]
-    t_en = _text_encoder(model.text_encoder, input_ids, mask, pad)
-    if durations is None:
-        x = _bilstm(model.predictor.lstm, d, pad)
-        dur = torch.sigmoid(model.predictor.duration_proj(x)).sum(dim=-1)
-        dur = dur / torch.tensor(list(speeds), dtype=dur.dtype).to(dev, non_blocking=True)[:, None]
-        pred = torch.round(dur).clamp(min=1).long().masked_fill(mask, 0)
-        cum = pred.cumsum(dim=1)
-        frames_dev = cum[:, -1]
-        frames = frames_dev.tolist()  # the frame counts set every shape after this: one sync
-    else:
-        cum = buf[b:, :t].cumsum(dim=1)
-        frames_dev = cum[:, -1]
-        frames = [sum(seq) + 2 for seq in durations]
-    fmax = max(frames)
-    f = torch.arange(fmax, device=dev)
-    tok = torch.searchsorted(cum, f.expand(b, fmax).contiguous(), right=True).clamp(max=t - 1)
-    valid = (f[None, :] < frames_dev[:, None]).to(d.dtype)
-    aln = torch.zeros((b, t, fmax), device=dev, dtype=d.dtype)
-    aln.scatter_(1, tok[:, None, :], valid[:, None, :])
-    batch = EncodedBatch(en=d.transpose(-1, -2) @ aln, asr=t_en @ aln, styles=styles, frames_dev=frames_dev,
-                         frames=frames)
-    return [Encoded(batch, i, frames[i]) for i in range(b)]
+    tb = tokens(model.device, ids, durations)
+    speed = None if durations is not None else speeds_tensor(speeds, tb.n, styles)
+    d, t_en, cum = encode_tokens(model, tb.ids, tb.lengths, styles, speed, tb.forced, ragged=tb.ragged)
+    return align(d, t_en, cum, styles, tb.frames)
 
 
 def _pad(rows: Sequence[torch.Tensor], length: int) -> torch.Tensor:
