@@ -33,7 +33,7 @@
 # SUITE_MAX (the largest level the services admit, for `services`: 256), SUITE_LLM_API_SERVERS (1: the
 # LLM server's HTTP front processes, `vllm serve --api-server-count`, for `services`, `llm` and `run`),
 # SUITE_LLM_STREAM_INTERVAL (1: tokens per streamed chunk after the first, `vllm serve --stream-interval`).
-# SUITE_SPY (0; 1: sample SUITE_SVC's LLM server with py-spy during `run`, spy_start below).
+# SUITE_SPY (0; 1 or llm, asr, tts: sample that service of SUITE_SVC with py-spy during `run`, spy_start below).
 # SUITE_TTS_GPU, SUITE_ASR_GPU (unset: the first GPU; I: that service alone on GPU I, e.g. 1 on
 # an nvidia-h200-x2 machine, for `services`, `tts` and `run`; the LLM server keeps GPU 0).
 # SUITE_TTS_SERVICES (1; N: `services` starts N TTS services, the Kth on the Kth GPU of
@@ -76,26 +76,34 @@ stage() {
   fi
 }
 
-# SUITE_SPY=1: while a run's levels go, a py-spy dump of each process of SVC's LLM server (its
-# process group: the API server, the engine core) every ~0.25 s, into DIR/llm_server.spy.txt
-# (details.tar.xz). A stall of the engine shows as what its main thread was doing meanwhile: it
-# found vLLM compiling its top-p sampler in the middle of a burst (docs/gpu-results.md).
+# SUITE_SPY=1 (or llm): while a run's levels go, a py-spy dump of each process of SVC's LLM
+# server (its process group: the API server, the engine core) every ~0.25 s, into
+# DIR/llm_server.spy.txt (details.tar.xz). A stall of the engine shows as what its main thread
+# was doing meanwhile: it found vLLM compiling its top-p sampler in the middle of a burst
+# (docs/gpu-results.md). SUITE_SPY=asr or tts: that service instead (every thread of it).
 spy_start() {
-  local dir=$1 spy=$HOME/tools-site/bin/py-spy
+  local dir=$1 spy=$HOME/tools-site/bin/py-spy name
   SPY_PID=""
-  [ "${SUITE_SPY:-0}" = 1 ] || return 0
-  [ -n "${SUITE_SVC:-}" ] || { echo "SUITE_SPY needs SUITE_SVC (the LLM server to sample)" >&2; exit 2; }
-  if [ "$DRY" = 1 ]; then echo "py-spy dump of the process group of $SUITE_SVC/llm_server.json every 0.25 s > $dir/llm_server.spy.txt"; return 0; fi
+  case "${SUITE_SPY:-0}" in
+    0) return 0 ;;
+    1 | llm) name=llm ;;
+    asr | tts) name=$SUITE_SPY ;;
+    *) echo "SUITE_SPY=$SUITE_SPY: 1 (or llm), asr or tts" >&2; exit 2 ;;
+  esac
+  [ -n "${SUITE_SVC:-}" ] || { echo "SUITE_SPY needs SUITE_SVC (the services to sample)" >&2; exit 2; }
+  local record=$SUITE_SVC/${name}_server.json out=$dir/${name}_server.spy.txt
+  if [ "$DRY" = 1 ]; then echo "py-spy dump of the process group of $record every 0.25 s > $out"; return 0; fi
   [ -x "$spy" ] || { echo "no $spy: carry DEST/tools (benchmarks/gpu_carries.sh) and stage it" >&2; exit 2; }
   local group pids
-  group=$("$PY" -c "import json, sys; print(json.load(open(sys.argv[1]))['pid'])" "$SUITE_SVC/llm_server.json")
+  group=$("$PY" -c "import json, sys; print(json.load(open(sys.argv[1]))['pid'])" "$record")
   pids=$(pgrep -g "$group" | tr '\n' ' ')
+  [ -n "$pids" ] || pids=$group  # not a group leader: the process alone
   # -k 1: a dump that ignores its TERM is killed (2026-11-30: the sampling stopped for good
   # 20 s into a run, after dumps that failed with "Failed to copy PyCodeObject")
   ( while true; do
-      for p in $pids; do echo "=== $(date +%T.%N) pid $p"; timeout -k 1 3 "$spy" dump --pid "$p" --nonblocking 2>&1 | head -80; done
+      for p in $pids; do echo "=== $(date +%T.%N) pid $p"; timeout -k 1 3 "$spy" dump --pid "$p" --nonblocking 2>&1 | head -200; done
       sleep 0.2
-    done > "$dir/llm_server.spy.txt" 2>&1 ) &
+    done > "$out" 2>&1 ) &
   SPY_PID=$!
 }
 

@@ -450,6 +450,21 @@ def test_a_spied_run_samples_the_llm_server_while_its_levels_go(tmp_path: Path) 
     assert proc.returncode == 2 and "SUITE_SPY needs SUITE_SVC" in proc.stderr
 
 
+def test_a_spied_run_can_sample_the_tts_service_instead(tmp_path: Path) -> None:
+    # Kokoro's forwards spent ~110 ms at p95 launching their encode all at once at 256: the
+    # TTS service's threads are where that time goes.
+    import os
+
+    svc = tmp_path / "svc"
+    lines = dry_run(tmp_path / "gpu", tmp_path / "out", "256", env=dict(os.environ, SUITE_SVC=str(svc), SUITE_SPY="tts"))
+    spy = [cmd for cmd in lines if cmd[:1] == ["py-spy"]]
+    assert spy and f"{svc}/tts_server.json" in spy[0] and spy[0][-1].endswith("/tts_server.spy.txt"), lines
+    proc = subprocess.run(["bash", str(SUITE), "run", "--dry-run", str(tmp_path / "gpu"), str(tmp_path / "out"), "256"],
+                          capture_output=True, text=True, timeout=30,
+                          env=dict(os.environ, SUITE_SVC=str(svc), SUITE_SPY="vocoder"))
+    assert proc.returncode == 2 and "SUITE_SPY" in proc.stderr and "tts" in proc.stderr
+
+
 def test_a_recorded_server_is_read_whole_while_it_runs_and_forgotten_once_gone(tmp_path: Path) -> None:
     # A run takes a detached LLM server's URL and its command line (the flags the run's
     # levels ran under: results.runs[].llm_server_cmd) from one read of its record.
