@@ -19,7 +19,8 @@ eagerly. Without, the same padded function runs eagerly (what tests check on a C
 ~350 launches a forward), over (rows, phonemes) buckets with the rows' own lengths masked;
 the alignment, whose shape is the frame count, stays eager (a dozen launches). Its graphs
 have their own pool, stream and lock, so one forward's encode replays while another's
-decode does. A bucket whose capture fails runs eagerly from then on, with a warning.
+decode does. If a capture fails (a PyTorch that cannot capture some op), every encode runs
+eagerly from then on, with a warning.
 """
 
 from __future__ import annotations
