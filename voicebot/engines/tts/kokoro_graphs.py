@@ -109,20 +109,21 @@ class GraphSet:
         return out
 
 
-class BucketedDecoder:
-    """``decode(items)`` like ``kokoro_model.decode``, over bucketed shapes (module docstring)."""
+class _Bucketed:
+    """What the two stages' bucketed runs share: the model's device, their graphs, and the
+    rule that pads a batch of ``rows`` x ``length`` (frames or phonemes) to a bucket."""
 
-    def __init__(self, model: Any, *, cuda_graphs: bool = False, max_frames: int = 64 * 300,
-                 max_rows: int = 128, min_frames: int = 16) -> None:
+    def __init__(self, model: Any, cuda_graphs: bool, row_buckets: list[int], length_buckets: list[int],
+                 max_cells: int) -> None:
         self.model = model
         self.device = torch.device(model.device)
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"Kokoro CUDA graphs need the model on a CUDA device, not {self.device}")
         self.cuda_graphs = cuda_graphs
-        self.max_frames = max_frames
-        self.row_buckets = buckets(max_rows)
-        self.frame_buckets = buckets(max_frames, min_frames)
-        self.graphs = GraphSet(self.device)  # (rows, frames) -> graph
+        self.row_buckets = row_buckets
+        self.length_buckets = length_buckets
+        self.max_cells = max_cells  # rows x length: larger batches run eagerly, uncaptured
+        self.graphs = GraphSet(self.device)
         self.eager_calls = 0
 
     @property
@@ -133,13 +134,29 @@ class BucketedDecoder:
         """Seconds the calling thread has waited for the graphs' lock since it last asked."""
         return self.graphs.take_lock_wait()
 
-    def shape(self, rows: int, frames: int) -> tuple[int, int] | None:
-        """The (rows, frames) bucket a group pads to; None: beyond ``max_frames``, run as it is."""
+    def shape(self, rows: int, length: int) -> tuple[int, int] | None:
+        """The (rows, length) bucket a batch pads to; None: past the buckets, run as it is."""
         r = next((b for b in self.row_buckets if b >= rows), None)
-        f = next((b for b in self.frame_buckets if b >= frames), None)
-        if r is None or f is None or r * f > self.max_frames:
+        n = next((b for b in self.length_buckets if b >= length), None)
+        if r is None or n is None or r * n > self.max_cells:
             return None
-        return r, f
+        return r, n
+
+    def warm_shapes(self, max_rows: int, max_length: int) -> list[tuple[int, int]]:
+        """Every bucket a batch of up to ``max_rows`` rows of ``max_length`` pads to, fewest rows first."""
+        top_rows = next((b for b in self.row_buckets if b >= max_rows), self.row_buckets[-1])
+        top_length = next((b for b in self.length_buckets if b >= max_length), self.length_buckets[-1])
+        return [(r, n) for r in self.row_buckets if r <= top_rows for n in self.length_buckets
+                if n <= top_length and r * n <= self.max_cells]
+
+
+class BucketedDecoder(_Bucketed):
+    """``decode(items)`` like ``kokoro_model.decode``, over bucketed shapes (module docstring)."""
+
+    def __init__(self, model: Any, *, cuda_graphs: bool = False, max_frames: int = 64 * 300,
+                 max_rows: int = 128, min_frames: int = 16) -> None:
+        super().__init__(model, cuda_graphs, buckets(max_rows), buckets(max_frames, min_frames), max_frames)
+        self.max_frames = max_frames  # a group's padded frames, all rows: the cell limit
 
     @torch.no_grad()
     def decode(self, items: Sequence[km.Encoded]) -> list[torch.Tensor]:
@@ -169,9 +186,7 @@ class BucketedDecoder:
         ``max_frames`` frames once, on zeros: a service does it before it takes calls, so that
         no caller waits for a capture (or, with ``tts.kokoro_compile``, a compile: seconds).
         Returns the buckets run, fewest rows first."""
-        top_rows, top_frames = self.shape(max_rows, max_frames) or (max_rows, max_frames)
-        shapes = [(r, f) for r in self.row_buckets if r <= top_rows for f in self.frame_buckets
-                  if f <= top_frames and r * f <= self.max_frames]
+        shapes = self.warm_shapes(max_rows, max_frames)
         with torch.inference_mode():
             en_ch, asr_ch = km.feature_channels(self.model)
             for rows, frames in shapes:
@@ -202,34 +217,13 @@ def _pad_to(x: torch.Tensor, rows: int, frames: int) -> torch.Tensor:
     return out
 
 
-class BucketedEncoder:
+class BucketedEncoder(_Bucketed):
     """``encode(ids, styles, speeds, durations)`` like ``kokoro_model.encode``, over
     (rows, phonemes) buckets (module docstring)."""
 
     def __init__(self, model: Any, *, cuda_graphs: bool = False, max_rows: int = 128, max_tokens: int = 512,
                  min_tokens: int = 16, max_cells: int = 16_384) -> None:
-        self.model = model
-        self.device = torch.device(model.device)
-        if cuda_graphs and self.device.type != "cuda":
-            raise ValueError(f"Kokoro CUDA graphs need the model on a CUDA device, not {self.device}")
-        self.cuda_graphs = cuda_graphs
-        self.row_buckets = buckets(max_rows)
-        self.token_buckets = buckets(max_tokens, min_tokens)
-        self.max_cells = max_cells  # rows x phonemes: larger batches run eagerly, uncaptured
-        self.graphs = GraphSet(self.device)  # (rows, phonemes, forced) -> graph
-        self.eager_calls = 0
-
-    def take_lock_wait(self) -> float:
-        """Seconds the calling thread has waited for the graphs' lock since it last asked."""
-        return self.graphs.take_lock_wait()
-
-    def shape(self, rows: int, tokens: int) -> tuple[int, int] | None:
-        """The (rows, phonemes with boundaries) bucket a batch pads to; None: run as it is."""
-        r = next((b for b in self.row_buckets if b >= rows), None)
-        t = next((b for b in self.token_buckets if b >= tokens), None)
-        if r is None or t is None or r * t > self.max_cells:
-            return None
-        return r, t
+        super().__init__(model, cuda_graphs, buckets(max_rows), buckets(max_tokens, min_tokens), max_cells)
 
     @torch.no_grad()
     def encode(self, ids: Sequence[Sequence[int]], styles: torch.Tensor, speeds: Sequence[float],
@@ -251,10 +245,7 @@ class BucketedEncoder:
         """Run (with ``cuda_graphs``: capture) every bucket up to ``max_rows`` rows of
         ``max_tokens`` phonemes once, before the service takes calls (BucketedDecoder.warm_up).
         ``forced``: the buckets of forced durations (random-weight benchmarks)."""
-        top_rows = next((b for b in self.row_buckets if b >= max_rows), self.row_buckets[-1])
-        top_tokens = next((b for b in self.token_buckets if b >= max_tokens), self.token_buckets[-1])
-        shapes = [(r, t) for r in self.row_buckets if r <= top_rows for t in self.token_buckets
-                  if t <= top_tokens and r * t <= self.max_cells]
+        shapes = self.warm_shapes(max_rows, max_tokens)
         with torch.inference_mode():
             for rows, t in shapes:
                 ids = torch.zeros(rows, t, dtype=torch.long, device=self.device)
