@@ -19,11 +19,12 @@ ones that run each chain as :func:`norm_act`:
   model stays eager.
 
 Same outputs as the package's forwards with ``kokoro_model``'s masks, but for rounding
-(tests/engines/test_kokoro_fused.py). This module imports torch only, and ``kokoro_model``.
+(tests/engines/test_kokoro_fused.py). This module imports torch only, and ``kokoro_padding``.
 """
 
 from __future__ import annotations
 
+import math
 import types
 from collections.abc import Callable
 from typing import Any
@@ -32,9 +33,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from voicebot.engines.tts.kokoro_model import RSQRT2, padding_masks
+from voicebot.engines.tts.kokoro_padding import padding_masks
 
-Masks = tuple[torch.Tensor, torch.Tensor] | None  # kokoro_model._mask: (m [B, 1, L], w [B, L, 1])
+Masks = tuple[torch.Tensor, torch.Tensor] | None  # kokoro_padding.padding_masks: (m [B, 1, L], w [B, L, 1])
+RSQRT2 = 1 / math.sqrt(2)  # AdainResBlk1d's torch.rsqrt(torch.tensor(2)), without two host ops per call
 
 
 def _coefficients(adain: Any, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,9 +28,7 @@ import functools
 import importlib
 import importlib.util
 import io
-import math
 import sys
-import threading
 import types
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -40,6 +38,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from voicebot.engines.tts import kokoro_fused
+from voicebot.engines.tts.kokoro_fused import RSQRT2
+from voicebot.engines.tts.kokoro_padding import padded, padding_masks
 
 SAMPLE_RATE = 24_000
 SAMPLES_PER_FRAME = 600  # one duration unit: decoder x2, generator x10 x6, iSTFT hop 5
@@ -152,8 +154,6 @@ def build_model(config: dict[str, Any], weights: str | None = None, device: str 
     mask_padding(model)
     fast_paths(model)
     if fused:
-        from voicebot.engines.tts import kokoro_fused  # it builds on this module
-
         kokoro_fused.install(model, compile=compile)
     elif compile:
         raise ValueError("compile applies to the fused forwards (fused=True)")
@@ -178,30 +178,6 @@ def random_config() -> dict[str, Any]:
 
 
 # --- masked instance norm ------------------------------------------------------------
-
-# Per thread (one per forward slot): .frames: [B] each utterance's frame count on the
-# device (None: no padding), .fmax: the padded count, .masks: the masks made from them.
-_ctx = threading.local()
-
-
-def padding_masks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """For ``x`` [B, C, L]: ``m`` [B, 1, L], 1.0 over each utterance's own frames at ``x``'s
-    length, and ``w`` [B, L, 1], ``m`` over its count (a mean is ``x @ w``); None: no padding."""
-    frames = getattr(_ctx, "frames", None)
-    if frames is None:
-        return None
-    length = x.shape[-1]
-    cache: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = _ctx.masks
-    mw = cache.get((length, x.dtype))
-    if mw is None:
-        # Every layer's length is a * frames + c (c: 0, or the generator's +1 sample of
-        # reflection padding): an utterance of f frames has a * f + c of them.
-        scale = length // _ctx.fmax
-        valid = frames * scale + (length - scale * _ctx.fmax)  # [B]
-        m = (torch.arange(length, device=x.device)[None, :] < valid[:, None]).to(x.dtype)
-        w = (m / valid[:, None].to(x.dtype))[:, :, None]
-        mw = cache[(length, x.dtype)] = (m[:, None, :], w)
-    return mw
 
 
 def _masked_instance_norm(self: nn.InstanceNorm1d, x: torch.Tensor) -> torch.Tensor:
@@ -230,7 +206,7 @@ def _masked_conv(self: nn.Conv1d | nn.ConvTranspose1d, x: torch.Tensor) -> torch
 
 
 def mask_padding(model: nn.Module) -> None:
-    """Make ``model``'s frame-rate layers blind to padding (see ``_ctx``): each InstanceNorm1d
+    """Make ``model``'s frame-rate layers blind to padding (``kokoro_padding``): each InstanceNorm1d
     takes statistics over each utterance's own frames, and each conv sees zeros after an
     utterance's end (as batch 1 does) instead of what the layers before made of the padding."""
     for mod in model.modules():
@@ -238,9 +214,6 @@ def mask_padding(model: nn.Module) -> None:
             mod.forward = types.MethodType(_masked_instance_norm, mod)  # type: ignore[method-assign]
         elif isinstance(mod, (nn.Conv1d, nn.ConvTranspose1d)):
             mod.forward = types.MethodType(_masked_conv, mod)  # type: ignore[method-assign]
-
-
-RSQRT2 = 1 / math.sqrt(2)  # AdainResBlk1d's torch.rsqrt(torch.tensor(2)), without two host ops per call
 
 
 def _adain_resblk_forward(self: Any, x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -586,10 +559,7 @@ def decode_rows(model: Any, en: torch.Tensor, asr: torch.Tensor, styles: torch.T
     captures (``kokoro_graphs``)."""
     fmax = en.shape[-1]
     s = styles[:, 128:]
-    _ctx.frames = frames_dev if masked else None
-    _ctx.fmax = fmax
-    _ctx.masks = {}
-    try:
+    with padded(frames_dev if masked else None, fmax):
         pred = model.predictor
         x = _bilstm(pred.shared, en.transpose(-1, -2), _padding(frames_dev, fmax) if masked else None).transpose(-1, -2)
         f0 = x
@@ -607,9 +577,6 @@ def decode_rows(model: Any, en: torch.Tensor, asr: torch.Tensor, styles: torch.T
         with torch.autocast(en.device.type, dtype=model.decode_dtype, enabled=low, cache_enabled=False):
             audio = model.decoder(asr, f0, n, styles[:, :128])  # [B, 1, samples]
         audio = audio.float()
-    finally:
-        _ctx.frames = None
-        _ctx.masks = {}
     return audio.reshape(en.shape[0], -1)
 
 
