@@ -19,6 +19,8 @@
 #   benchmarks/gpu_suite.sh tts DEST SVC             the same for SVC's TTS service (e.g. SUITE_ARGS="--set tts.max_batch=128")
 #   benchmarks/gpu_suite.sh stop DEST SVC            stop every service SVC records (and the MPS daemon
 #                                                    SUITE_MPS started), for `services` again on the machine
+#   benchmarks/gpu_suite.sh py DEST SCRIPT [ARG ...] a benchmark script (e.g. benchmarks/gpu_kokoro.py) with
+#                                                    the packages `stage` installed on its path, as the runs have
 #   --dry-run (after the verb): print what would run, run nothing (any machine)
 #
 # Environment: SUITE_FRONTENDS (2), SUITE_WORKERS (instead: ONE frontend of that many workers on one
@@ -45,7 +47,7 @@
 # $HOME (vllm-site, voicebot-site, gpu-models), so a later call on the same machine carries nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-verb=${1:?usage: gpu_suite.sh stage DEST | run DEST OUT [LEVEL ...] | services DEST SVC | llm DEST SVC | tts DEST SVC | stop DEST SVC  [--dry-run after the verb]}
+verb=${1:?usage: gpu_suite.sh stage DEST | run DEST OUT [LEVEL ...] | services DEST SVC | llm DEST SVC | tts DEST SVC | stop DEST SVC | py DEST SCRIPT [ARG ...]  [--dry-run after the verb]}
 shift
 DRY=0
 if [ "${1:-}" = --dry-run ]; then DRY=1; shift; fi
@@ -282,6 +284,17 @@ run() {
   echo "run folder: $dir"
 }
 
+# `py DEST SCRIPT [ARG ...]`: a GPU microbenchmark beside (or instead of) the services, on the
+# same packages: by hand with only the voicebot wheels on the path, gpu_kokoro.py could not
+# import transformers' ALBERT on a lent machine (2026-11-30).
+py_script() {
+  local script=${1:?usage: gpu_suite.sh py DEST SCRIPT [ARG ...] (SCRIPT: e.g. benchmarks/gpu_kokoro.py)}
+  shift
+  environment
+  [ "$DRY" = 1 ] && echo "PYTHONPATH=$PYTHONPATH"
+  do_ "$PY" "$script" "$@"
+}
+
 case "$verb" in
   stage) stage ;;
   run) run "$@" ;;
@@ -289,5 +302,6 @@ case "$verb" in
   llm) again llm-server "$@" ;;
   tts) again tts-server "$@" ;;
   stop) stop_all "$@" ;;
-  *) echo "unknown verb $verb: stage | run | services | llm | tts | stop" >&2; exit 2 ;;
+  py) py_script "$@" ;;
+  *) echo "unknown verb $verb: stage | run | services | llm | tts | stop | py" >&2; exit 2 ;;
 esac

@@ -577,3 +577,15 @@ def test_the_stop_verb_stops_every_recorded_service_the_second_tts_one_too(tmp_p
         for pid in pids.values():
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_gpu_microbenchmark_runs_with_the_suites_python_path(tmp_path: Path) -> None:
+    # gpu_kokoro.py run by hand with only the voicebot wheels on the path failed on a lent
+    # machine (transformers' AlbertModel would not import): the suite's staged packages are
+    # what the scripts were verified with.
+    lines = suite_dry_run("py", tmp_path / "gpu", "benchmarks/gpu_kokoro.py", "--device", "cuda", "--count", "8")
+    assert any("PYTHONPATH=" in " ".join(cmd) and "vllm-site" in " ".join(cmd) for cmd in lines), lines
+    assert lines[-1][1:] == ["benchmarks/gpu_kokoro.py", "--device", "cuda", "--count", "8"], lines
+    proc = subprocess.run(["bash", str(SUITE), "py", "--dry-run", str(tmp_path / "gpu")],
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode != 0 and "SCRIPT" in proc.stderr
