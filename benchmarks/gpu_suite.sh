@@ -85,7 +85,7 @@ stage() {
 # (docs/gpu-results.md). SUITE_SPY=asr or tts: that service instead (every thread of it).
 spy_start() {
   local dir=$1 spy=$HOME/tools-site/bin/py-spy name
-  SPY_PID=""
+  SPY_PID="" SPY_OUT=""
   case "${SUITE_SPY:-0}" in
     0) return 0 ;;
     1 | llm) name=llm ;;
@@ -94,6 +94,7 @@ spy_start() {
   esac
   [ -n "${SUITE_SVC:-}" ] || { echo "SUITE_SPY needs SUITE_SVC (the services to sample)" >&2; exit 2; }
   local record=$SUITE_SVC/${name}_server.json out=$dir/${name}_server.spy.txt
+  SPY_OUT=$out
   if [ "$DRY" = 1 ]; then echo "py-spy dump of the process group of $record every 0.25 s > $out"; return 0; fi
   [ -x "$spy" ] || { echo "no $spy: carry DEST/tools (benchmarks/gpu_carries.sh) and stage it" >&2; exit 2; }
   local group pids
@@ -112,6 +113,14 @@ spy_start() {
 spy_stop() {
   [ -n "${SPY_PID:-}" ] && kill "$SPY_PID" 2>/dev/null
   return 0
+}
+
+# Where the sampled service's threads were (benchmarks/spy_summary.py), beside pipeline.json:
+# what a loan reads first, without unpacking the dumps.
+spy_summary() {
+  local dir=$1
+  [ -n "${SPY_OUT:-}" ] || return 0
+  do_ "$PY" benchmarks/spy_summary.py "$SPY_OUT" --top 8 --json "$dir/spy_summary.json" || true
 }
 
 # SUITE_MPS=1: the services are separate processes on one GPU. Without MPS the GPU runs one
@@ -276,11 +285,12 @@ run() {
     --turns "${SUITE_TURNS:-2}" --warm-level "${SUITE_WARM:-0}" --start-timeout-s 300 --keep-going --max-wall-s "${SUITE_WALL_S:-480}" --out "$dir" \
     || { spy_stop; exit 1; }
   spy_stop
+  spy_summary "$dir"
   do_ "$PY" benchmarks/pipeline_gpu.py plot "$dir/pipeline.json" --png "$dir/pipeline.png"
   do_ sh -c "nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > $dir/device.txt"
-  # A call brings back 8 files of $OUT: the summary, its plot and the device stay files, the rest
-  # (every turn per level, the servers' logs and commands) travels as one archive.
-  do_ sh -c "cd $dir && find . -type f ! -name pipeline.json ! -name pipeline.png ! -name device.txt -printf '%P\\n' | tar -cJf details.tar.xz --remove-files -T -"
+  # A call brings back 8 files of $OUT: the summary, its plot, the device and the threads' summary
+  # stay files, the rest (every turn per level, the servers' logs and commands) travels as one archive.
+  do_ sh -c "cd $dir && find . -type f ! -name pipeline.json ! -name pipeline.png ! -name device.txt ! -name spy_summary.json -printf '%P\\n' | tar -cJf details.tar.xz --remove-files -T -"
   echo "run folder: $dir"
 }
 

@@ -459,6 +459,11 @@ def test_a_spied_run_can_sample_the_tts_service_instead(tmp_path: Path) -> None:
     lines = dry_run(tmp_path / "gpu", tmp_path / "out", "256", env=dict(os.environ, SUITE_SVC=str(svc), SUITE_SPY="tts"))
     spy = [cmd for cmd in lines if cmd[:1] == ["py-spy"]]
     assert spy and f"{svc}/tts_server.json" in spy[0] and spy[0][-1].endswith("/tts_server.spy.txt"), lines
+    # After the levels, where its threads were, summarised beside pipeline.json (not in the archive).
+    summary = [cmd for cmd in lines if cmd[1:2] == ["benchmarks/spy_summary.py"]]
+    assert summary and summary[0][2] == spy[0][-1] and summary[0][-1].endswith("/spy_summary.json"), lines
+    tar = [cmd for cmd in lines if cmd[:2] == ["sh", "-c"] and "details.tar.xz" in cmd[2]]
+    assert tar and "! -name spy_summary.json" in tar[0][2], lines
     proc = subprocess.run(["bash", str(SUITE), "run", "--dry-run", str(tmp_path / "gpu"), str(tmp_path / "out"), "256"],
                           capture_output=True, text=True, timeout=30,
                           env=dict(os.environ, SUITE_SVC=str(svc), SUITE_SPY="vocoder"))
