@@ -155,8 +155,8 @@ class BucketedDecoder(_Bucketed):
 
     def __init__(self, model: Any, *, cuda_graphs: bool = False, max_frames: int = 64 * 300,
                  max_rows: int = 128, min_frames: int = 16) -> None:
+        # max_frames: a group's padded frames, all rows (the cell limit)
         super().__init__(model, cuda_graphs, buckets(max_rows), buckets(max_frames, min_frames), max_frames)
-        self.max_frames = max_frames  # a group's padded frames, all rows: the cell limit
 
     @torch.no_grad()
     def decode(self, items: Sequence[km.Encoded]) -> list[torch.Tensor]:
@@ -170,11 +170,10 @@ class BucketedDecoder(_Bucketed):
                 return km.decode(self.model, items)
         rows, fmax = shape
         en, asr, styles, frames_dev = km.gather(items, max(frames))
-        n = len(items)
         en = _pad_to(en, rows, fmax)
         asr = _pad_to(asr, rows, fmax)
-        styles = torch.cat([styles, styles.new_zeros(rows - n, styles.shape[1])]) if rows > n else styles
-        frames_dev = torch.cat([frames_dev, frames_dev.new_full((rows - n,), fmax)]) if rows > n else frames_dev
+        styles = _pad_rows(styles, rows)
+        frames_dev = _pad_rows(frames_dev, rows, fmax)
         if not self.cuda_graphs:
             audio = km.decode_rows(self.model, en, asr, styles, frames_dev, masked=True)
         else:
@@ -210,6 +209,13 @@ class BucketedDecoder(_Bucketed):
         return out
 
 
+def _pad_rows(x: torch.Tensor, rows: int, value: float = 0) -> torch.Tensor:
+    """``x`` with rows of ``value`` added up to ``rows`` (a bucket's padded rows)."""
+    if rows <= x.shape[0]:
+        return x
+    return torch.cat([x, x.new_full((rows - x.shape[0], *x.shape[1:]), value)])
+
+
 def _pad_to(x: torch.Tensor, rows: int, frames: int) -> torch.Tensor:
     """``x`` [B, C, F] zero-padded to [rows, C, frames]."""
     out = x.new_zeros(rows, x.shape[1], frames)
@@ -228,14 +234,13 @@ class BucketedEncoder(_Bucketed):
     @torch.no_grad()
     def encode(self, ids: Sequence[Sequence[int]], styles: torch.Tensor, speeds: Sequence[float],
                durations: Sequence[Sequence[int]] | None = None) -> list[km.Encoded]:
-        n = len(ids)
-        shape = self.shape(n, max(len(i) for i in ids) + 2)
+        shape = self.shape(len(ids), max(len(i) for i in ids) + 2)
         if shape is None:
             self.eager_calls += 1
             return km.encode(self.model, ids, styles, speeds, durations)
         rows, t = shape
         tb = km.tokens(self.device, ids, durations, rows=rows, t=t)
-        padded = torch.cat([styles, styles.new_zeros(rows - n, styles.shape[1])]) if rows > n else styles
+        padded = _pad_rows(styles, rows)
         # One of the two, by mode: forced frames per phoneme (random weights) or the speeds.
         last = tb.forced if tb.forced is not None else km.speeds_tensor(speeds, rows, styles)
         d, t_en, cum = self._run((rows, t, tb.forced is not None), tb.ids, tb.lengths, padded, last)

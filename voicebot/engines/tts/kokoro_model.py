@@ -406,7 +406,6 @@ class TokenBatch:
     ids: torch.Tensor  # [rows, t] long, boundary 0s around each row's phonemes
     lengths: torch.Tensor  # [rows] long: each row's length with its boundaries
     forced: torch.Tensor | None  # [rows, t] long: frames per phoneme, None: predicted
-    n: int  # the real rows (the rest pad a bucket)
     frames: list[int] | None  # forced frame counts of the real rows, known on the host
     ragged: bool  # rows of different lengths: the masked path
 
@@ -436,7 +435,7 @@ def tokens(device: Any, ids: Sequence[Sequence[int]], durations: Sequence[Sequen
         frames = [sum(seq) + 2 for seq in durations]
     buf = torch.from_numpy(out).to(device, non_blocking=True)
     return TokenBatch(ids=buf[:rows, :t], lengths=buf[:rows, t], forced=None if durations is None else buf[rows:, :t],
-                      n=b, frames=frames, ragged=rows > b or len(set(lens)) > 1)
+                      frames=frames, ragged=rows > b or len(set(lens)) > 1)
 
 
 def encode_tokens(model: Any, ids: torch.Tensor, lengths: torch.Tensor, styles: torch.Tensor,
@@ -514,7 +513,7 @@ def encode(
     the device in one non-blocking copy; the only sync is reading the predicted frame counts
     (none with forced durations), after the text encoder has been launched."""
     tb = tokens(model.device, ids, durations)
-    speed = None if durations is not None else speeds_tensor(speeds, tb.n, styles)
+    speed = None if durations is not None else speeds_tensor(speeds, len(ids), styles)
     d, t_en, cum = encode_tokens(model, tb.ids, tb.lengths, styles, speed, tb.forced, ragged=tb.ragged)
     return align(d, t_en, cum, styles, tb.frames)
 
