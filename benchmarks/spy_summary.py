@@ -79,8 +79,9 @@ def summarize(text: str) -> dict[str, Any]:
         if f and current is not None:
             func, path, lineno = f.groups()
             frames.append(f"{func} ({path}:{lineno})")
-            if own is None and any(p in path for p in OWN):
-                own = f"{func} ({path[path.find(next(p for p in OWN if p in path)):]}:{lineno})"
+            start = min((i for p in OWN if (i := path.find(p)) >= 0), default=-1)
+            if own is None and start >= 0:
+                own = f"{func} ({path[start:]}:{lineno})"
         elif not line.strip() or not line.startswith(" "):
             close()
     close()
