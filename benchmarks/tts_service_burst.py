@@ -8,7 +8,7 @@ Every torch call releases the GIL and takes it back. While another thread of the
 runs Python, taking it back waits until that thread lets go, which it is made to do only
 after the switch interval (``sys.setswitchinterval``, 5 ms by default). All at once at 256
 on an H200, Kokoro's encode (~350 launches eager, ~25 in CUDA graphs; no sync with forced
-durations) took 111-124 ms and 35-49 ms at p95 (benchmarks/results/kokoro-encode-graphs-*):
+durations) took 101-124 ms and 35-49 ms at p95 (benchmarks/results/kokoro-encode-graphs-*):
 far more than its launches cost alone.
 
 The service here is the real one (``TtsService`` over ``KokoroTts`` and ``KokoroBatcher``,
@@ -39,13 +39,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_util import JSON_EPILOG, write_result  # benchmarks/, beside this file
+from bench_util import JSON_EPILOG, summarise_ms, write_result  # benchmarks/, beside this file
 
 HERE_FILE = str(Path(__file__).resolve())
 ROOT = Path(HERE_FILE).parent.parent
 CLAUSES = ("Sure,", "I can help with that.",
            "Your order shipped this morning and it should arrive on Thursday before noon.")
-SAMPLES_PER_FRAME = 600  # Kokoro: 24 kHz, 40 frames a second
 
 
 # ============================================================== the service (a process of its own)
@@ -55,6 +54,8 @@ def standin_runner(ops: int, gpu_s: float) -> Any:
     """A forward's host side without a GPU: ``ops`` torch calls, then the GPU's time asleep."""
     import numpy as np
     import torch
+
+    from voicebot.engines.tts.kokoro_model import SAMPLES_PER_FRAME
 
     def run(batch: list[Any], deliver: Any) -> dict[str, float]:
         x = torch.zeros(8)
@@ -97,13 +98,6 @@ async def serve(args: argparse.Namespace) -> None:
 def cpu_s(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return round(xs[min(len(xs) - 1, int(q * len(xs)))], 1)
 
 
 async def run_level(args: argparse.Namespace, switch_ms: float) -> dict[str, Any]:
@@ -200,8 +194,7 @@ async def burst(url: str, replies: int, connections: int) -> dict[str, Any]:
         for ws in socks:
             await ws.close()
     waits = {c: [1000 * (first[i] - sent[i]) for i in sent if i % 8 == c and i in first] for c in range(len(CLAUSES))}
-    return {"first_audio_ms": {f"clause_{c + 1}": {"p50": pct(w, 0.5), "p95": pct(w, 0.95)}
-                               for c, w in waits.items()}}
+    return {"first_audio_ms": {f"clause_{c + 1}": summarise_ms(w) for c, w in waits.items()}}
 
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:
