@@ -10,7 +10,8 @@ clauses -> TTS -> playout, then its server tools), its text events, and the audi
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any
 
 from voicebot.core import events as ce
 from voicebot.session.events import (
@@ -35,6 +36,16 @@ if TYPE_CHECKING:
     from voicebot.session.session import Session
 
 _FRAME_MS = 20
+
+
+async def _first(*waits: Coroutine[Any, Any, Any]) -> None:
+    """Until the first of ``waits`` ends; the others are cancelled."""
+    tasks = {asyncio.ensure_future(w) for w in waits}
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 class Speaker:
@@ -210,12 +221,7 @@ class Speaker:
         await resp.released.wait()
         if resp.show_with_audio and not resp.shown.is_set():
             # The pacer shows it with its first audio; one that has none is shown at its end.
-            waits = {asyncio.ensure_future(resp.shown.wait()), asyncio.ensure_future(resp.finished.wait())}
-            try:
-                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for w in waits:
-                    w.cancel()
+            await _first(resp.shown.wait(), resp.finished.wait())
         self._show(resp)
         held: list[Delta | None] = []  # taken from the queue, for the next round
         while (delta := held.pop() if held else await resp.deltas.get()) is not None:
@@ -366,13 +372,7 @@ class Speaker:
     async def _wake_or_sleep(self, seconds: float) -> None:
         """Until the pacer is woken (audio, a release, the reply's end) or ``seconds`` pass."""
         self._wake.clear()
-        woken = asyncio.ensure_future(self._wake.wait())
-        slept = asyncio.ensure_future(self._clock.sleep(seconds))
-        try:
-            await asyncio.wait({woken, slept}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            woken.cancel()
-            slept.cancel()
+        await _first(self._wake.wait(), self._clock.sleep(seconds))
 
     async def _play(self, resp: Response, lead_s: float) -> None:
         rate = resp.playout.sample_rate
