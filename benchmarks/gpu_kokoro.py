@@ -343,13 +343,10 @@ def decode_times(model: Any, graphs: Any, sizes: list[int], styles: Any, args: a
 
     from voicebot.engines.tts import kokoro_model as km
     from voicebot.engines.tts.kokoro_batch import MAX_FRAMES
-    from voicebot.engines.tts.kokoro_graphs import BucketedEncoder
 
     cuda = str(model.device).startswith("cuda")
     decode = graphs.decode if graphs is not None else (lambda items: km.decode(model, items))
-    # The graph variants' encode over (rows, phonemes) buckets, as tts.kokoro_encode_graphs.
-    encoder = BucketedEncoder(model, cuda_graphs=graphs.cuda_graphs) if graphs is not None else None
-    encode = encoder.encode if encoder is not None else functools.partial(km.encode, model)
+    encode = bucketed_encode(model, graphs) or functools.partial(km.encode, model)
     rows = []
     for n in sizes:
         ids, durs, st = reply_batch(n, styles, model.device)
@@ -404,6 +401,16 @@ def decode_times(model: Any, graphs: Any, sizes: list[int], styles: Any, args: a
     return rows
 
 
+def bucketed_encode(model: Any, graphs: Any) -> Any:
+    """A graph variant's encode over (rows, phonemes) buckets, as ``tts.kokoro_encode_graphs``
+    runs it beside the bucketed decode; None for the other variants (``kokoro_model.encode``)."""
+    if graphs is None:
+        return None
+    from voicebot.engines.tts.kokoro_graphs import BucketedEncoder
+
+    return BucketedEncoder(model, cuda_graphs=graphs.cuda_graphs).encode
+
+
 def encode_times(encode: Any, ids: list[Any], styles: Any, durs: list[Any], args: argparse.Namespace,
                  cuda: bool) -> dict[str, Any]:
     """One batch's encode (forced durations: no sync of its own), median of
@@ -448,14 +455,9 @@ async def run_variants(args: argparse.Namespace, report: dict[str, Any]) -> dict
             report["decode"] += decode_times(model, graphs, args.count, styles, args, variant)
             dump(args, report)
         else:
-            encoder = None
-            if graphs is not None:  # as tts.kokoro_encode_graphs: the encode over buckets too
-                from voicebot.engines.tts.kokoro_graphs import BucketedEncoder
-
-                encoder = BucketedEncoder(model, cuda_graphs=graphs.cuda_graphs).encode
             runner = torch_runner(model, max_pad=args.max_pad, max_frames=args.max_frames or MAX_FRAMES,
                                   overlap=args.overlap, decoder=None if graphs is None else graphs.decode,
-                                  encoder=encoder)
+                                  encoder=bucketed_encode(model, graphs))
             eng = KokoroBatcher(runner, max_batch=args.max_batch, queue_size=args.queue_size, workers=args.workers[0],
                                 max_frames=batch_frames(args))
             eng.start()
