@@ -5,8 +5,8 @@ time (its duration-to-alignment step assumes batch 1). This module runs several
 utterances of different lengths in one forward, on the package's own modules and weights:
 
 1. :func:`encode`: PL-BERT, the duration predictor and the text encoder over the
-   utterances' phoneme ids, padded to the longest (attention mask, packed LSTMs, the
-   masks the modules already take): exact per utterance. It yields each utterance's
+   utterances' phoneme ids, padded to the longest (attention mask, LSTMs that stop at
+   each utterance's end, the masks the modules already take): exact per utterance. It yields each utterance's
    frame count and its frame-rate features.
 2. :func:`decode`: the prosody (F0, energy) predictor, the decoder and the iSTFTNet
    vocoder over a group of utterances padded to the longest frame count. Their layers would
@@ -435,7 +435,7 @@ def tokens(device: Any, ids: Sequence[Sequence[int]], durations: Sequence[Sequen
         frames = [sum(seq) + 2 for seq in durations]
     buf = torch.from_numpy(out).to(device, non_blocking=True)
     return TokenBatch(ids=buf[:rows, :t], lengths=buf[:rows, t], forced=None if durations is None else buf[rows:, :t],
-                      frames=frames, ragged=rows > b or len(set(lens)) > 1)
+                      frames=frames, ragged=rows > b or any(n != t for n in lens))
 
 
 def encode_tokens(model: Any, ids: torch.Tensor, lengths: torch.Tensor, styles: torch.Tensor,
