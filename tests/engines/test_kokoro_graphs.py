@@ -187,25 +187,110 @@ def test_encode_warm_up_runs_every_bucket_once(model: Any, monkeypatch: pytest.M
     assert enc.shape(3, 20) is None  # run as it is
 
 
-def test_an_encode_that_cannot_be_captured_runs_eagerly_from_then_on(
+def test_one_clause_padded_past_its_length_is_masked(model: Any) -> None:
+    """One row padded to 16 phonemes (no padded row, every row of one length): its padding
+    is still masked, so it encodes as it does unpadded."""
+    styles = torch.randn(1, 256, generator=torch.Generator().manual_seed(4)) * 0.15
+    with torch.inference_mode():
+        tb = km.tokens(torch.device("cpu"), _IDS[1:2], _DURATIONS[1:2], t=16)
+        assert tb.ragged
+        d, t_en, cum = km.encode_tokens(model, tb.ids, tb.lengths, styles, None, tb.forced, ragged=tb.ragged)
+        got = km.align(d, t_en, cum, styles, tb.frames)[0]
+        ref = km.encode(model, _IDS[1:2], styles, [1.0], _DURATIONS[1:2])[0]
+    assert got.frames == ref.frames
+    assert (got.en - ref.en).abs().max() / ref.en.abs().max() < 1e-4
+
+
+def _as_on_a_gpu(stage: Any, monkeypatch: pytest.MonkeyPatch, replay: Any) -> list[Any]:
+    """``stage`` with CUDA graphs on, its replays (a capture on a key's first use) by ``replay``."""
+    stage.cuda_graphs = True
+    keys: list[Any] = []
+
+    def recorded(key: Any, fn: Any, *inputs: torch.Tensor) -> Any:
+        keys.append(key)
+        return replay(key, fn, *inputs)
+
+    monkeypatch.setattr(stage.graphs, "replay", recorded)
+    return keys
+
+
+def _capture(graphs: Any) -> Any:
+    def capture(key: Any, fn: Any, *inputs: torch.Tensor) -> Any:
+        graphs.graphs[key] = fn  # stands in for the captured graph
+        return fn(*inputs)
+
+    return capture
+
+
+def test_an_encode_that_cannot_be_captured_runs_eagerly_and_unpadded_from_then_on(
     model: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     enc = BucketedEncoder(model)
-    enc.cuda_graphs = True  # as on a GPU, where the capture is what fails
-    calls: list[Any] = []
 
-    def refuse(key: Any, *args: Any) -> Any:
-        calls.append(key)
+    def refuse(key: Any, fn: Any, *inputs: torch.Tensor) -> Any:
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    monkeypatch.setattr(enc.graphs, "replay", refuse)
+    keys = _as_on_a_gpu(enc, monkeypatch, refuse)
     styles = torch.randn(2, 256, generator=torch.Generator().manual_seed(3)) * 0.15
     with torch.inference_mode(), caplog.at_level("WARNING"):
         got = enc.encode(_IDS[:2], styles, [1.0, 1.0], _DURATIONS[:2])
         again = enc.encode(_IDS[:2], styles, [1.0, 1.0], _DURATIONS[:2])
         ref = km.encode(model, _IDS[:2], styles, [1.0, 1.0], _DURATIONS[:2])
-    assert calls == [(2, 16, True)] and not enc.cuda_graphs  # tried once
-    assert "cannot be captured" in caplog.text
+    assert keys == [(2, 16, True)] and not enc.cuda_graphs  # tried once
+    assert enc.eager_calls == 1  # the second, as km.encode: unpadded
+    assert "cannot be captured" in caplog.text and "operation not permitted" in caplog.text
     for a, b, r in zip(got, again, ref, strict=True):
         assert a.frames == b.frames == r.frames
         assert (a.en - r.en).abs().max() < 1e-4 and (b.asr - r.asr).abs().max() < 1e-4
+
+
+def test_an_encode_that_fails_eagerly_too_raises_and_keeps_its_graphs(
+    model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The capture was not at fault: the error is the caller's, and graphs stay on."""
+    enc = BucketedEncoder(model)
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(km, "encode_tokens", broken)
+    _as_on_a_gpu(enc, monkeypatch, lambda key, fn, *inputs: fn(*inputs))
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="out of memory"):
+        enc.encode(_IDS[:2], torch.zeros(2, 256), [1.0, 1.0], _DURATIONS[:2])
+    assert enc.cuda_graphs and enc.pad
+
+
+def test_a_replay_that_fails_raises(model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    enc = BucketedEncoder(model)
+    state = {"replays": 0}
+
+    def capture_then_fail(key: Any, fn: Any, *inputs: torch.Tensor) -> Any:
+        state["replays"] += 1
+        if key in enc.graphs.graphs:
+            raise RuntimeError("an illegal memory access was encountered")
+        return _capture(enc.graphs)(key, fn, *inputs)
+
+    _as_on_a_gpu(enc, monkeypatch, capture_then_fail)
+    with torch.inference_mode():
+        enc.encode(_IDS[:2], torch.zeros(2, 256), [1.0, 1.0], _DURATIONS[:2])
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            enc.encode(_IDS[:2], torch.zeros(2, 256), [1.0, 1.0], _DURATIONS[:2])
+    assert state["replays"] == 2 and enc.cuda_graphs
+
+
+def test_after_warm_up_a_bucket_it_did_not_reach_runs_eagerly(model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing is captured once the service takes calls (module docstring: a capture and
+    another thread's random draw cannot overlap)."""
+    enc, dec = BucketedEncoder(model), BucketedDecoder(model)
+    enc_keys = _as_on_a_gpu(enc, monkeypatch, _capture(enc.graphs))
+    dec_keys = _as_on_a_gpu(dec, monkeypatch, _capture(dec.graphs))
+    with torch.inference_mode():
+        assert enc.warm_up(max_rows=2, max_tokens=16, forced=True) == [(1, 16), (2, 16)]
+        assert dec.warm_up(max_rows=1, max_frames=16) == [(1, 16)]
+        warm = enc.encode(_IDS[:2], torch.zeros(2, 256), [1.0, 1.0], _DURATIONS[:2])  # 2 x 16: warm
+        cold = enc.encode(_IDS[:3], torch.zeros(3, 256), [1.0] * 3, _DURATIONS[:3])  # 3 x 16: not
+        dec.decode(km.encode(model, _IDS[3:4], torch.zeros(1, 256), [1.0], _DURATIONS[3:4]))  # 1 x 16: warm
+        dec.decode(warm)  # 2 x 24 frames: not
+    assert enc_keys == [(1, 16, True), (2, 16, True), (2, 16, True)] and enc.eager_calls == 1
+    assert dec_keys == [(1, 16), (1, 16)] and dec.eager_calls == 1
+    assert len(cold) == 3

@@ -13,8 +13,10 @@ then the capture on that stream. Graphs of one owner share a memory pool (their
 intermediates are never live at the same time: one replay at a time, from one thread).
 ``capture_error_mode="thread_local"`` lets other threads go on with their own CUDA work
 (allocations, syncs on their streams) during a capture, which in the default ``global``
-mode would invalidate it; their random ops must still wait (the generator's offsets are
-being recorded), which is the owner's lock to keep.
+mode would invalidate it. Their random ops must still wait: every capture puts the device's
+default generator in capture mode, whichever owner makes it, and a draw outside the
+capture then fails. Keeping them apart is the owners' work (a lock, or captures made only
+before other threads run).
 
 This module imports torch only.
 """
@@ -22,17 +24,21 @@ This module imports torch only.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeAlias
 
 import torch
 
+Output: TypeAlias = torch.Tensor | tuple[torch.Tensor, ...]
+
 
 class CapturedCall:
-    """``fn(*inputs) -> output`` recorded once; :meth:`__call__` copies new values into the
-    inputs and replays it. The output tensor is overwritten by the next replay."""
+    """``fn(*inputs) -> output`` (a tensor or a tuple of them) recorded once; :meth:`__call__`
+    copies new values into the inputs and replays it. The output tensors are overwritten by
+    the next replay."""
 
     def __init__(
         self,
-        fn: Callable[..., torch.Tensor],
+        fn: Callable[..., Output],
         inputs: tuple[torch.Tensor, ...],
         *,
         stream: torch.cuda.Stream,
@@ -50,7 +56,7 @@ class CapturedCall:
         with torch.cuda.graph(self.graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode):
             self.output = fn(*inputs)
 
-    def __call__(self, *values: torch.Tensor) -> torch.Tensor:
+    def __call__(self, *values: torch.Tensor) -> Output:
         for buffer, value in zip(self.inputs, values, strict=True):
             buffer.copy_(value, non_blocking=True)
         self.graph.replay()

@@ -13,14 +13,18 @@ With ``cuda_graphs`` each bucket's ``decode_rows`` is captured on its first use
 (``engines/cuda_graphs.py``; all graphs share one memory pool and replay on one stream,
 one at a time) and replayed after; a group larger than ``max_frames`` padded frames runs
 eagerly. Without, the same padded function runs eagerly (what tests check on a CPU).
+Once :meth:`~_Bucketed.warm_up` has run, nothing more is captured: a bucket it did not
+reach runs eagerly. A capture puts the device's default random generator in capture mode,
+and a random draw from another thread meanwhile (the vocoder's noise in the other forward
+slot, eager or replayed) fails; before the service takes calls only one thread runs.
 
 :class:`BucketedEncoder` does the same for the encode up to the alignment
 (``kokoro_model.encode_tokens``: the PL-BERT, the text and duration encoders, their LSTMs:
-~350 launches a forward), over (rows, phonemes) buckets with the rows' own lengths masked;
+hundreds of small launches a forward), over (rows, phonemes) buckets with the rows' own lengths masked;
 the alignment, whose shape is the frame count, stays eager (a dozen launches). Its graphs
 have their own pool, stream and lock, so one forward's encode replays while another's
-decode does. If a capture fails (a PyTorch that cannot capture some op), every encode runs
-eagerly from then on, with a warning.
+decode does. If a capture fails where the same encode runs eagerly (a PyTorch that cannot
+capture some op), every encode runs eagerly and unpadded from then on, with a warning.
 """
 
 from __future__ import annotations
@@ -125,6 +129,8 @@ class _Bucketed:
         self.max_cells = max_cells  # rows x length: larger batches run eagerly, uncaptured
         self.graphs = GraphSet(self.device)
         self.eager_calls = 0
+        self.capture_new = True  # False once warmed up: only the warmed buckets replay (module docstring)
+        self.pad = True  # False: every batch runs as it is (graphs given up)
 
     @property
     def captures(self) -> int:
@@ -141,6 +147,11 @@ class _Bucketed:
         if r is None or n is None or r * n > self.max_cells:
             return None
         return r, n
+
+    def replayable(self, key: Any) -> bool:
+        """Whether the bucket ``key`` runs padded: without graphs always, with them if it
+        was captured or may still be (before the warm-up's end); never once graphs are given up."""
+        return self.pad and (not self.cuda_graphs or self.capture_new or key in self.graphs.graphs)
 
     def warm_shapes(self, max_rows: int, max_length: int) -> list[tuple[int, int]]:
         """Every bucket a batch of up to ``max_rows`` rows of ``max_length`` pads to, fewest rows first."""
@@ -162,7 +173,7 @@ class BucketedDecoder(_Bucketed):
     def decode(self, items: Sequence[km.Encoded]) -> list[torch.Tensor]:
         frames = [it.frames for it in items]
         shape = self.shape(len(items), max(frames))
-        if shape is None:
+        if shape is None or not self.replayable(shape):
             self.eager_calls += 1
             if not self.cuda_graphs:
                 return km.decode(self.model, items)
@@ -199,6 +210,7 @@ class BucketedDecoder(_Bucketed):
                     km.decode_rows(self.model, en, asr, styles, counts, masked=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        self.capture_new = False
         return shapes
 
     def _replay(self, key: tuple[int, int], *inputs: torch.Tensor) -> torch.Tensor:
@@ -235,7 +247,7 @@ class BucketedEncoder(_Bucketed):
     def encode(self, ids: Sequence[Sequence[int]], styles: torch.Tensor, speeds: Sequence[float],
                durations: Sequence[Sequence[int]] | None = None) -> list[km.Encoded]:
         shape = self.shape(len(ids), max(len(i) for i in ids) + 2)
-        if shape is None:
+        if shape is None or not self.replayable((*shape, durations is not None)):
             self.eager_calls += 1
             return km.encode(self.model, ids, styles, speeds, durations)
         rows, t = shape
@@ -261,6 +273,7 @@ class BucketedEncoder(_Bucketed):
                 self._run((rows, t, forced), ids, lengths, styles, last)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        self.capture_new = False
         return shapes
 
     def _run(self, key: tuple[int, int, bool], ids: torch.Tensor, lengths: torch.Tensor, styles: torch.Tensor,
@@ -272,15 +285,20 @@ class BucketedEncoder(_Bucketed):
             return km.encode_tokens(self.model, ids, lengths, styles, None if forced else last,
                                     last if forced else None, ragged=True)
 
-        if self.cuda_graphs:
-            try:
-                out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = self.graphs.replay(key, run, ids, lengths,
-                                                                                          styles, last)
-                return out
-            except Exception as exc:  # noqa: BLE001 - a capture this PyTorch cannot make: eager is correct, only slower
-                if key in self.graphs.graphs:
-                    raise
-                log.warning("Kokoro: the encode cannot be captured as a CUDA graph (%s: %s); it runs eagerly",
-                            type(exc).__name__, exc)
-                self.cuda_graphs = False
-        return run(ids, lengths, styles, last)
+        if not self.cuda_graphs:
+            return run(ids, lengths, styles, last)
+        try:
+            out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = self.graphs.replay(key, run, ids, lengths,
+                                                                                      styles, last)
+            return out
+        except Exception:
+            if key in self.graphs.graphs:
+                raise  # a replay failed, not a capture
+            eager = run(ids, lengths, styles, last)  # raises if the inputs, not the capture, are at fault
+            # A capture this PyTorch cannot make: eager is correct, only slower.
+            log.warning("Kokoro: the encode cannot be captured as a CUDA graph; every encode runs eagerly",
+                        exc_info=True)
+            self.cuda_graphs = self.pad = False
+            with self.graphs.locked():
+                self.graphs.graphs.clear()  # their pool's memory goes back once no replay holds it
+            return eager
