@@ -9,12 +9,15 @@ a word and takes its own time per clause.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import numpy as np
+import pytest
 from fakes import FakeTts, call, make_engines, with_session_cfg
 
 from voicebot.session import events as ev
+from voicebot.session.speaker import _first
 
 SURE = "Sure, I can help with that."
 
@@ -87,3 +90,16 @@ async def test_a_first_clause_as_long_as_the_low_water_is_not_held(tokenizer) ->
     start, gap = await frames_sent(tokenizer, SURE, {"I can help with that.": 0.25}, hold_ms=400, low_water_ms=100)
     assert start < 0.05 and gap > 0.1
 
+
+
+async def test_an_error_in_the_holds_wait_is_raised_not_lost() -> None:
+    """The hold waits for the first of two events (speaker._first): an error in either is
+    the caller's, not a "Task exception was never retrieved" at exit."""
+    async def broken_clock() -> None:
+        raise RuntimeError("the clock broke")
+
+    woken = asyncio.Event()
+    with pytest.raises(RuntimeError, match="the clock broke"):
+        await _first(woken.wait(), broken_clock())
+    woken.set()
+    await _first(woken.wait(), asyncio.sleep(60))  # the first to end wins; the sleep is cancelled

@@ -39,13 +39,15 @@ _FRAME_MS = 20
 
 
 async def _first(*waits: Coroutine[Any, Any, Any]) -> None:
-    """Until the first of ``waits`` ends; the others are cancelled."""
+    """Until the first of ``waits`` ends (its error raised here); the others are cancelled."""
     tasks = {asyncio.ensure_future(w) for w in waits}
     try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
     finally:
         for t in tasks:
             t.cancel()
+    for t in done:
+        t.result()
 
 
 class Speaker:
