@@ -393,8 +393,8 @@ def decode_times(model: Any, graphs: Any, sizes: list[int], styles: Any, args: a
         if graphs is not None:
             row.update(captures=graphs.captures, eager_groups=graphs.eager_calls)
         rows.append(row)
-        print(f"[gpu_kokoro] {variant} {n} clauses: encode {row['encode_ms']} ms "
-              f"(launched in {row['encode_launch_ms']} ms)", flush=True)
+        print(f"[gpu_kokoro] {variant} {n} clauses: encode {row.get('encode_ms', '-')} ms "
+              f"(launched in {row.get('encode_launch_ms', '-')} ms)", flush=True)
         print(f"[gpu_kokoro] {variant} {n} clauses ({len(groups)} groups, {row['audio_s']} s audio): decode "
               f"{row['decode_ms']} ms, kernels {row.get('kernel_ms', '-')} ms, {row['audio_s_per_s']} s audio/s, "
               f"warm-up {row['warmup_s']} s", flush=True)
@@ -415,9 +415,11 @@ def encode_times(encode: Any, ids: list[Any], styles: Any, durs: list[Any], args
                  cuda: bool) -> dict[str, Any]:
     """One batch's encode (forced durations: no sync of its own), median of
     ``--count-repeats`` after ``--decode-warmup`` runs: ``encode_launch_ms`` until it returns
-    (the host's launches), ``encode_ms`` until the GPU has run it."""
+    (the host's launches), ``encode_ms`` until the GPU has run it; none with no repeats."""
     import torch
 
+    if args.count_repeats < 1:
+        return {}
     n = len(ids)
     for _ in range(args.decode_warmup):
         encode(ids, styles, [1.0] * n, durs)

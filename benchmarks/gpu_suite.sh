@@ -99,10 +99,10 @@ spy_start() {
   [ -x "$spy" ] || { echo "no $spy: carry DEST/tools (benchmarks/gpu_carries.sh) and stage it" >&2; exit 2; }
   local group pids
   group=$("$PY" -c "import json, sys; print(json.load(open(sys.argv[1]))['pid'])" "$record")
-  pids=$(pgrep -g "$group" | tr '\n' ' ')
+  pids=$(pgrep -g "$group" | tr '\n' ' ' || true)  # none: pgrep fails, which set -e must not take as the script's
   [ -n "$pids" ] || pids=$group  # not a group leader: the process alone
-  # -k 1: a dump that ignores its TERM is killed (2026-11-30: the sampling stopped for good
-  # 20 s into a run, after dumps that failed with "Failed to copy PyCodeObject")
+  # -k 1: a dump that ignores its TERM is killed (one that hung on a failed copy of the
+  # target's code objects stopped the sampling for good)
   ( while true; do
       for p in $pids; do echo "=== $(date +%T.%N) pid $p"; timeout -k 1 3 "$spy" dump --pid "$p" --nonblocking 2>&1 | head -200; done
       sleep 0.2
@@ -295,8 +295,8 @@ run() {
 }
 
 # `py DEST SCRIPT [ARG ...]`: a GPU microbenchmark beside (or instead of) the services, on the
-# same packages: by hand with only the voicebot wheels on the path, gpu_kokoro.py could not
-# import transformers' ALBERT on a lent machine (2026-11-30).
+# same packages: with only the voicebot wheels on the path, gpu_kokoro.py cannot import
+# transformers' ALBERT on a lent machine.
 py_script() {
   local script=${1:?usage: gpu_suite.sh py DEST SCRIPT [ARG ...] (SCRIPT: e.g. benchmarks/gpu_kokoro.py)}
   shift

@@ -6,10 +6,9 @@ interpreter's switch interval.
 
 Every torch call releases the GIL and takes it back. While another thread of the process
 runs Python, taking it back waits until that thread lets go, which it is made to do only
-after the switch interval (``sys.setswitchinterval``, 5 ms by default). All at once at 256
-on an H200, Kokoro's encode (~350 launches eager, ~25 in CUDA graphs; no sync with forced
-durations) took 101-124 ms and 35-49 ms at p95 (benchmarks/results/kokoro-encode-graphs-*):
-far more than its launches cost alone.
+after the switch interval (``sys.setswitchinterval``, 5 ms by default). This measures
+whether the service's own loop, in a burst, is such a thread: on a GPU, Kokoro's encode in a
+burst has taken far longer than its launches cost alone (docs/gpu-results.md).
 
 The service here is the real one (``TtsService`` over ``KokoroTts`` and ``KokoroBatcher``,
 espeak G2P, ``tts.max_batch`` 64, ``tts.max_batch_s`` 32, two forward slots) in a process

@@ -451,8 +451,7 @@ def test_a_spied_run_samples_the_llm_server_while_its_levels_go(tmp_path: Path) 
 
 
 def test_a_spied_run_can_sample_the_tts_service_instead(tmp_path: Path) -> None:
-    # Kokoro's forwards spent ~110 ms at p95 launching their encode all at once at 256: the
-    # TTS service's threads are where that time goes.
+    # Where a Kokoro forward's host time goes is in the TTS service's threads.
     import os
 
     svc = tmp_path / "svc"

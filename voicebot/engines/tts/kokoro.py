@@ -43,8 +43,8 @@ MAX_TOKENS = 510  # the model's 512 positions less the two boundary tokens
 # Frames per clause a service warms its decode shapes up to (25 ms a frame: 9.6 s, past the
 # longest clause a session sends, session.max_clause_words); longer ones are met at first use.
 WARM_FRAMES = 384
-# Phonemes with the boundaries a service warms its encode shapes up to: a bucket past those
-# of WARM_FRAMES (2.53 frames a phoneme).
+# Phonemes with the boundaries a service warms its encode shapes up to: the bucket past
+# the phonemes of a WARM_FRAMES clause (at the model's frames per phoneme).
 WARM_TOKENS = 192
 _SPACE = " "
 
