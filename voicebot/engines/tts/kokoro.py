@@ -243,8 +243,8 @@ class KokoroTts:
         if self._cfg.kokoro_cuda_graphs:
             from voicebot.engines.tts.kokoro_graphs import BucketedDecoder, BucketedEncoder
 
-            # Every bucket a batch of clauses will meet, captured now: a fresh service
-            # otherwise made its first callers wait 10-20 s for them (H200).
+            # Every bucket a batch of clauses will meet, captured now, before any caller
+            # waits for a capture; nothing is captured after (kokoro_graphs' docstring).
             bucketed = BucketedDecoder(model, cuda_graphs=True)
             t1 = time.perf_counter()
             shapes = bucketed.warm_up(self._cfg.max_batch, WARM_FRAMES)
