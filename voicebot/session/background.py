@@ -7,19 +7,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 from voicebot.core import events as ce
 from voicebot.engines.contracts import Lane
 from voicebot.engines.tokenizer_thread import run_tokenizer
+from voicebot.session.call import Call
 from voicebot.session.history import Message
-
-if TYPE_CHECKING:
-    from voicebot.session.session import Session
 
 
 class BackgroundWork:
-    def __init__(self, call: Session) -> None:
+    def __init__(self, call: Call) -> None:
         self.call = call
         self.engines = call.engines
         # The one job of each kind the core started, by its number.

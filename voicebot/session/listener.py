@@ -15,7 +15,7 @@ import asyncio
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -24,12 +24,12 @@ from voicebot.config import VadConfig
 from voicebot.core import events as ce
 from voicebot.engines.contracts import AsrStream, Transcript
 from voicebot.errors import BadAudio, VoicebotError
+from voicebot.session.call import Call
 from voicebot.session.events import SessionEvent, SpeechStarted, SpeechStopped, TranscriptFinal
 from voicebot.session.turns import Signal, make_turn_detector
 
 if TYPE_CHECKING:
     from voicebot.session.response import Response
-    from voicebot.session.session import Session
 
 _VAD_WINDOW_MS = 32.0
 # Largest piece of input processed in one go (resample + VAD of 100 ms: well under a
@@ -57,8 +57,15 @@ class Turn:
     response: Response | None = None  # prepared for it speculatively
 
 
+class ListenerCall(Call, Protocol):
+    """What the listener uses of its call beside :class:`Call`."""
+
+    def error(self, code: str, message: str, *, event_id: str | None = None, fatal: bool = False) -> None:
+        """An error event to the client (``fatal``: the call ends)."""
+
+
 class Listener:
-    def __init__(self, call: Session) -> None:
+    def __init__(self, call: ListenerCall) -> None:
         self.call = call
         self.cfg = call.cfg
         self.engines = call.engines

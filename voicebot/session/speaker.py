@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from voicebot.core import events as ce
+from voicebot.session.call import Call
 from voicebot.session.events import (
     BargeIn,
     ResponseAudio,
@@ -25,15 +26,17 @@ from voicebot.session.events import (
     ToolResult,
     TurnTimings,
 )
-from voicebot.session.listener import Turn
-from voicebot.session.observer import TurnStages
+from voicebot.session.listener import Listener, Turn
+from voicebot.session.observer import CallObserver, TurnStages
 from voicebot.session.playout import Playout
 from voicebot.session.response import Delta, Response, ResponseOptions
 from voicebot.session.text_only import TextOnlyTts
 from voicebot.tools.spec import ToolChoice
 
 if TYPE_CHECKING:
-    from voicebot.session.session import Session
+    from voicebot.session.history import Conversation
+    from voicebot.session.outbox import Outbox
+    from voicebot.tools.session_tools import SessionTools
 
 _FRAME_MS = 20
 
@@ -50,8 +53,28 @@ async def _first(*waits: Coroutine[Any, Any, Any]) -> None:
         t.result()
 
 
+class SpeakerCall(Call, Protocol):
+    """What the speaker uses of its call beside :class:`Call`: the conversation a reply is
+    prompted with and written to, the outbox its audio is paced into, the call's tools, its
+    observer and the listener's turns."""
+
+    @property
+    def conversation(self) -> Conversation: ...
+    @property
+    def outbox(self) -> Outbox[SessionEvent]: ...
+    @property
+    def tools(self) -> SessionTools: ...
+    @property
+    def observer(self) -> CallObserver: ...
+    @property
+    def listener(self) -> Listener: ...
+
+    def add_tool_result(self, call_id: str, output: str, item_id: str | None = None) -> str:
+        """A tool's result into the conversation; its item id."""
+
+
 class Speaker:
-    def __init__(self, call: Session) -> None:
+    def __init__(self, call: SpeakerCall) -> None:
         self.call = call
         self.cfg = call.cfg
         self.engines = call.engines
