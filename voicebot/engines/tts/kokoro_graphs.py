@@ -33,7 +33,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -153,6 +153,18 @@ class _Bucketed:
         was captured or may still be (before the warm-up's end); never once graphs are given up."""
         return self.pad and (not self.cuda_graphs or self.capture_new or key in self.graphs.graphs)
 
+    def _warm_up(self, max_rows: int, max_length: int, run: Callable[[int, int], object]) -> list[tuple[int, int]]:
+        """``run(rows, length)`` on zeros for every bucket up to ``max_rows`` x ``max_length``
+        (with ``cuda_graphs``: each captured), then no more captures. Returns the buckets."""
+        shapes = self.warm_shapes(max_rows, max_length)
+        with torch.inference_mode():
+            for rows, length in shapes:
+                run(rows, length)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.capture_new = False
+        return shapes
+
     def warm_shapes(self, max_rows: int, max_length: int) -> list[tuple[int, int]]:
         """Every bucket a batch of up to ``max_rows`` rows of ``max_length`` pads to, fewest rows first."""
         top_rows = next((b for b in self.row_buckets if b >= max_rows), self.row_buckets[-1])
@@ -196,22 +208,19 @@ class BucketedDecoder(_Bucketed):
         ``max_frames`` frames once, on zeros: a service does it before it takes calls, so that
         no caller waits for a capture (or, with ``tts.kokoro_compile``, a compile: seconds).
         Returns the buckets run, fewest rows first."""
-        shapes = self.warm_shapes(max_rows, max_frames)
-        with torch.inference_mode():
-            en_ch, asr_ch = km.feature_channels(self.model)
-            for rows, frames in shapes:
-                en = torch.zeros(rows, en_ch, frames, device=self.device)
-                asr = torch.zeros(rows, asr_ch, frames, device=self.device)
-                styles = torch.zeros(rows, 256, device=self.device)
-                counts = torch.full((rows,), frames, device=self.device, dtype=torch.long)
-                if self.cuda_graphs:
-                    self._replay((rows, frames), en, asr, styles, counts)
-                else:
-                    km.decode_rows(self.model, en, asr, styles, counts, masked=True)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.capture_new = False
-        return shapes
+        en_ch, asr_ch = km.feature_channels(self.model)
+
+        def run(rows: int, frames: int) -> None:
+            en = torch.zeros(rows, en_ch, frames, device=self.device)
+            asr = torch.zeros(rows, asr_ch, frames, device=self.device)
+            styles = torch.zeros(rows, 256, device=self.device)
+            counts = torch.full((rows,), frames, device=self.device, dtype=torch.long)
+            if self.cuda_graphs:
+                self._replay((rows, frames), en, asr, styles, counts)
+            else:
+                km.decode_rows(self.model, en, asr, styles, counts, masked=True)
+
+        return self._warm_up(max_rows, max_frames, run)
 
     def _replay(self, key: tuple[int, int], *inputs: torch.Tensor) -> torch.Tensor:
         def run(en: torch.Tensor, asr: torch.Tensor, styles: torch.Tensor, frames: torch.Tensor) -> torch.Tensor:
@@ -262,19 +271,15 @@ class BucketedEncoder(_Bucketed):
         """Run (with ``cuda_graphs``: capture) every bucket up to ``max_rows`` rows of
         ``max_tokens`` phonemes once, before the service takes calls (BucketedDecoder.warm_up).
         ``forced``: the buckets of forced durations (random-weight benchmarks)."""
-        shapes = self.warm_shapes(max_rows, max_tokens)
-        with torch.inference_mode():
-            for rows, t in shapes:
-                ids = torch.zeros(rows, t, dtype=torch.long, device=self.device)
-                lengths = torch.full((rows,), t, dtype=torch.long, device=self.device)
-                styles = torch.zeros(rows, 256, device=self.device)
-                last = torch.ones(rows, t, dtype=torch.long, device=self.device) if forced else \
-                    torch.ones(rows, device=self.device)
-                self._run((rows, t, forced), ids, lengths, styles, last)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.capture_new = False
-        return shapes
+        def run(rows: int, t: int) -> None:
+            ids = torch.zeros(rows, t, dtype=torch.long, device=self.device)
+            lengths = torch.full((rows,), t, dtype=torch.long, device=self.device)
+            styles = torch.zeros(rows, 256, device=self.device)
+            last = torch.ones(rows, t, dtype=torch.long, device=self.device) if forced else \
+                torch.ones(rows, device=self.device)
+            self._run((rows, t, forced), ids, lengths, styles, last)
+
+        return self._warm_up(max_rows, max_tokens, run)
 
     def _run(self, key: tuple[int, int, bool], ids: torch.Tensor, lengths: torch.Tensor, styles: torch.Tensor,
              last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
