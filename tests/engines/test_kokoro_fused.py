@@ -109,20 +109,20 @@ def test_fused_matches_reference_on_real_weights() -> None:
 @pytest.mark.parametrize(("dtype", "energy_tol"), [("float16", 0.03), ("bfloat16", 0.1)])
 def test_half_precision_decode_stays_near_float32_on_real_weights(dtype: str, energy_tol: float) -> None:
     """tts.kokoro_dtype: the decoder and vocoder under autocast give the float32 model's
-    audio, every sample finite and the same length, within the precision's rounding: on a
-    sentence of the real weights float16 measured 1.1% of its energy, bfloat16 5.1% (each
-    heard back by Whisper: test_tts_kokoro_real). The norms, the F0 source's phase and the
-    inverse STFT stay float32."""
+    audio, every sample finite and the same length, within the precision's rounding (each
+    precision is heard back by Whisper in test_tts_kokoro_real). The norms, the F0 source's
+    phase and the inverse STFT stay float32. Short clauses (forced durations, 6-9 frames): on
+    a CPU without kernels for the precision torch's fallback convolutions take seconds a
+    frame, and the numerics are the same on any device."""
     weights, pack = real_weights()
     config = km.random_config()
     ref = km.build_model(config, weights)
     half = km.build_model(config, weights, dtype=dtype)
     assert half.decode_dtype == getattr(torch, dtype)
-    for rows in BATCHES[:2]:  # ragged (masked) and one row
-        ids = [IDS[i] for i in rows]
+    for ids, durations in (([IDS[1], IDS[1][:2]], [[2, 3, 2], [2, 2]]), ([IDS[1]], [[2, 3, 2]])):  # ragged, one row
         styles = torch.stack([pack[len(i) - 1] for i in ids])
         with torch.inference_mode():
-            batch = km.encode(ref, ids, styles, [1.0] * len(ids), None)
+            batch = km.encode(ref, ids, styles, [1.0] * len(ids), durations)
             torch.manual_seed(5)
             want = km.decode(ref, batch)
             torch.manual_seed(5)

@@ -223,17 +223,22 @@ class KokoroTts:
         from voicebot.engines.tts.kokoro_batch import torch_runner
 
         t0 = time.perf_counter()
+        device = self._cfg.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self._cfg.kokoro_cuda_graphs and not device.startswith("cuda"):
+            raise ConfigError(f"tts.kokoro_cuda_graphs needs a CUDA device; tts.device is {device}")
+        dtype = self._cfg.kokoro_dtype
+        if not km.native_precision(device, dtype):
+            raise ConfigError(f"tts.kokoro_dtype={dtype} needs a GPU or a CPU with {dtype} units (AVX-512 or AMX): "
+                              f"this CPU has none, and torch's fallback decodes many times slower than in float32; "
+                              "use float32")
         random_weights = self._cfg.kokoro_model == RANDOM
         if random_weights:  # GPU measurements: the real shape, no download
             config, weights, local = km.random_config(), None, None
         else:
             config_path, weights, local = _model_files(self._cfg.kokoro_model)
             config = json.loads(config_path.read_text(encoding="utf-8"))
-        device = self._cfg.device
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        if self._cfg.kokoro_cuda_graphs and not device.startswith("cuda"):
-            raise ConfigError(f"tts.kokoro_cuda_graphs needs a CUDA device; tts.device is {device}")
         try:
             model = km.build_model(config, None if weights is None else str(weights), device,
                                    compile=self._cfg.kokoro_compile, dtype=self._cfg.kokoro_dtype)

@@ -116,6 +116,16 @@ def kokoro_modules() -> types.ModuleType:
 DECODE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def native_precision(device: str, dtype: str) -> bool:
+    """Whether ``device`` has kernels for ``dtype``'s convolutions: float32 and CUDA always;
+    a CPU only where oneDNN has them (AVX-512 BF16 or FP16, AMX). Elsewhere torch falls back
+    to its reference convolutions, and a half-precision decode is far slower than float32's."""
+    if dtype == "float32" or not device.startswith("cpu"):
+        return True
+    check = {"bfloat16": torch.ops.mkldnn._is_mkldnn_bf16_supported, "float16": torch.ops.mkldnn._is_mkldnn_fp16_supported}
+    return bool(check[dtype]())
+
+
 def build_model(config: dict[str, Any], weights: str | None = None, device: str = "cpu", *,
                 fused: bool = True, compile: bool = False, dtype: str = "float32") -> Any:
     """A ``KModel`` of ``config``'s shape, weight norms folded; ``weights``: a ``.pth`` file
