@@ -12,19 +12,21 @@ innermost frame) and the project's own line it was under (the innermost frame in
 thread that waits in a host-to-device copy shows as the line of that copy; one that waits
 for the GIL shows where it stood when it let it go.
 
-Prints a table per thread kind; ``--json`` writes the same.
+Prints a table per thread kind; ``--json`` writes the same as ``results`` in the benchmarks'
+one JSON shape.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import json
 import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from bench_util import JSON_EPILOG, write_result  # benchmarks/, beside this file
 
 _DUMP = re.compile(r"^=== (\S+) pid (\d+)")
 _THREAD = re.compile(r'^Thread (\S+) \(([^)]*)\)(?:: "(.*)")?')
@@ -96,7 +98,7 @@ def _shares(counts: collections.Counter[str], total: int) -> list[list[Any]]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=JSON_EPILOG)
     p.add_argument("spy", type=Path, help="a <service>_server.spy.txt of a run's details.tar.xz")
     p.add_argument("--top", type=int, default=12, help="places shown per thread kind")
     p.add_argument("--thread", default=None, help="only thread kinds whose name starts with this")
@@ -114,8 +116,7 @@ def main() -> int:
         print("  our innermost line:")
         for where, pct in t["own_line"][: args.top]:
             print(f"    {pct:5.1f}%  {where}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+    write_result(args.json, "spy_summary", args, out)
     return 0
 
 

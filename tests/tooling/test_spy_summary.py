@@ -46,7 +46,7 @@ Thread 17999 (idle): "tts-kokoro_1"
 
 
 def test_each_kind_of_thread_says_where_it_was_and_under_which_of_our_lines() -> None:
-    out = load("spy_summary", register=True).summarize(DUMPS)
+    out = load("spy_summary", beside=True, register=True).summarize(DUMPS)
     assert out["dumps"] == 3
     assert list(out["threads"]) == ["tts-kokoro", "MainThread"]  # the pool's threads as one kind, most samples first
     kokoro = out["threads"]["tts-kokoro"]
@@ -67,4 +67,5 @@ def test_the_command_prints_the_table_and_writes_json(tmp_path: Path) -> None:
                            "--json", str(tmp_path / "s.json")], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "tts-kokoro: 4 samples, active in 50.0%" in proc.stdout and "MainThread" not in proc.stdout
-    assert list(json.loads((tmp_path / "s.json").read_text())["threads"]) == ["tts-kokoro"]
+    doc = json.loads((tmp_path / "s.json").read_text())
+    assert doc["benchmark"] == "spy_summary" and list(doc["results"]["threads"]) == ["tts-kokoro"]
