@@ -241,7 +241,7 @@ class KokoroTts:
             config = json.loads(config_path.read_text(encoding="utf-8"))
         try:
             model = km.build_model(config, None if weights is None else str(weights), device,
-                                   compile=self._cfg.kokoro_compile, dtype=self._cfg.kokoro_dtype)
+                                   compile=self._cfg.kokoro_compile, dtype=dtype)
         except Exception as exc:
             raise ModelError(f"cannot load Kokoro model {self._cfg.kokoro_model}: {exc}") from exc
         decoder = encoder = lock_wait = None
