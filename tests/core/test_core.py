@@ -604,7 +604,9 @@ def test_at_the_deadline_a_compaction_goes_while_the_caller_speaks() -> None:
 
 class Shell:
     """Answers the core as the session does: a stopped reply ends at once (what was
-    heard: its first word), finals and background work when the test says."""
+    heard: its first word), finals and background work when the test says. A turn's
+    transcript comes once the turn has ended or been committed, as the listener feeds it
+    (``Listener._complete_turn``), never while a speculative final's turn is still open."""
 
     def __init__(self, c: CallCore) -> None:
         self.c = c
@@ -699,6 +701,7 @@ class Shell:
                     if held:
                         self.held.add(item)
                     assert len(self.held) <= 1, "one turn held at a time"
+                    self.finals.append(item)
                 case ev.RevealTurn(item):
                     assert item in self.held
                     self.held.discard(item)
@@ -707,7 +710,7 @@ class Shell:
                     self.held.discard(item)
                     assert not any(self.live[r].turn == item for r in self.shown if r not in self.done), \
                         "never a reply the client was told of"
-                case ev.StartFinal(item) | ev.CommitTurn(item):
+                case ev.CommitTurn(item):
                     self.finals.append(item)
                 case ev.StartPrefill(pid):
                     self.prefills.append(pid)
