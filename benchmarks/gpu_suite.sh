@@ -280,18 +280,25 @@ run() {
   local fe=(--frontends "${SUITE_FRONTENDS:-2}")
   [ -n "${SUITE_WORKERS:-}" ] && fe=(--server-workers "$SUITE_WORKERS")
   spy_start "$dir"
+  # A run that exits non-zero still measured something: its threads' summary, plot and
+  # archive are made as for any other, then its status is the suite's (two spied runs of a
+  # loan came back as loose files, their summary never made, when the suite left at once).
+  local rc=0
   do_ "$PY" benchmarks/pipeline_gpu.py run "${FLAGS[@]}" --remote-llm --remote-tts "${ASR_FLAGS[@]}" "${svc[@]}" \
     "${fe[@]}" --audio "$MODELS"/audio/*.wav --sessions "${levels[@]}" \
     --turns "${SUITE_TURNS:-2}" --warm-level "${SUITE_WARM:-0}" --start-timeout-s 300 --keep-going --max-wall-s "${SUITE_WALL_S:-480}" --out "$dir" \
-    || { spy_stop; exit 1; }
+    || rc=$?
   spy_stop
   spy_summary "$dir"
-  do_ "$PY" benchmarks/pipeline_gpu.py plot "$dir/pipeline.json" --png "$dir/pipeline.png"
-  do_ sh -c "nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > $dir/device.txt"
+  if [ "$DRY" = 1 ] || [ -f "$dir/pipeline.json" ]; then
+    do_ "$PY" benchmarks/pipeline_gpu.py plot "$dir/pipeline.json" --png "$dir/pipeline.png" || echo "no plot" >&2
+  fi
+  do_ sh -c "nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > $dir/device.txt" || true
   # A call brings back 8 files of $OUT: the summary, its plot, the device and the threads' summary
   # stay files, the rest (every turn per level, the servers' logs and commands) travels as one archive.
-  do_ sh -c "cd $dir && find . -type f ! -name pipeline.json ! -name pipeline.png ! -name device.txt ! -name spy_summary.json -printf '%P\\n' | tar -cJf details.tar.xz --remove-files -T -"
-  echo "run folder: $dir"
+  do_ sh -c "cd $dir && find . -type f ! -name pipeline.json ! -name pipeline.png ! -name device.txt ! -name spy_summary.json -printf '%P\\n' | tar -cJf details.tar.xz --remove-files -T - && find . -mindepth 1 -type d -empty -delete"
+  echo "run folder: $dir (pipeline_gpu.py run: exit $rc)"
+  return "$rc"
 }
 
 # `py DEST SCRIPT [ARG ...]`: a GPU microbenchmark beside (or instead of) the services, on the

@@ -593,3 +593,45 @@ def test_a_gpu_microbenchmark_runs_with_the_suites_python_path(tmp_path: Path) -
     proc = subprocess.run(["bash", str(SUITE), "py", "--dry-run", str(tmp_path / "gpu")],
                           capture_output=True, text=True, timeout=30)
     assert proc.returncode != 0 and "SCRIPT" in proc.stderr
+
+
+def test_a_run_whose_levels_fail_still_packs_its_folder_and_returns_its_status(tmp_path: Path) -> None:
+    """Two of a loan's runs came back without their spy summary, plot or archive: the suite
+    left at pipeline_gpu.py's non-zero exit. Whatever the run's status, what it measured is
+    packed as always, and the status is the suite's."""
+    import os
+    import stat
+    import tarfile
+
+    root = tmp_path / "repo"
+    (root / "benchmarks").mkdir(parents=True)
+    (root / "benchmarks" / "gpu_suite.sh").write_text(SUITE.read_text())
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    # Stand-ins for python (pipeline_gpu.py's run writes its files and fails; plot draws)
+    # and nvidia-smi, which a CPU machine lacks.
+    fake_python = bin_dir / "fake-python"
+    fake_python.write_text(
+        "#!/usr/bin/env bash\n"
+        'verb=$2; out=""; png=""; prev=""\n'
+        'for a in "$@"; do [ "$prev" = --out ] && out=$a; [ "$prev" = --png ] && png=$a; prev=$a; done\n'
+        'case "$verb" in\n'
+        '  run) echo "{}" > "$out/pipeline.json"; echo "{}" > "$out/level_16.json"; echo log > "$out/server_0.log";'
+        ' mkdir -p "$out/server_0_tmp"; exit 1 ;;\n'
+        '  plot) echo png > "$png" ;;\n'
+        "esac\n")
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'NVIDIA H200, 580'\n")
+    for f in (fake_python, smi):
+        f.chmod(f.stat().st_mode | stat.S_IEXEC)
+    out = tmp_path / "out"
+    env = dict(os.environ, HOME=str(tmp_path / "home"), PYTHON=str(fake_python),
+               PATH=f"{bin_dir}:{os.environ['PATH']}")
+    proc = subprocess.run(["bash", str(root / "benchmarks" / "gpu_suite.sh"), "run", "none", str(out), "16"],
+                          capture_output=True, text=True, timeout=60, env=env, cwd=root)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    (run_dir,) = out.iterdir()
+    assert sorted(p.name for p in run_dir.iterdir()) == ["details.tar.xz", "device.txt", "pipeline.json", "pipeline.png"]
+    with tarfile.open(run_dir / "details.tar.xz") as archive:
+        assert sorted(archive.getnames()) == ["level_16.json", "server_0.log"]
+    assert "exit 1" in proc.stdout
