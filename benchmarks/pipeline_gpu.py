@@ -19,7 +19,8 @@ the audio at -40 dBFS; its sessions spread over processes) and writes, per level
 voice-to-voice p50/p95/p99, per-stage p95 from the server's ``turn.timings`` (ASR final,
 LLM TTFT, first clause, TTS first audio), dropped sessions (any turn failed, timed out or
 never connected), reply delivery RTF (reply audio / its arrival span; under 1 the caller
-heard it stall), the probe's own cost, and /healthz queues sampled during the level.
+heard it stall), the probe's own cost, /healthz queues sampled during the level, and the
+GPU's and the whole host's busy share (``gpu``, ``host_cpu``: mean, peak, seconds saturated).
 Levels stop at the first one over ``--p95-limit-ms`` / ``--p99-limit-ms`` or with a
 dropped session (the capacity criteria: v2v p95 <= 800 ms, p99 <= 1,200 ms, reply RTF p5 >= 0.95,
 at most 5% of replies stalled), or when ``--max-wall-s`` leaves no room for the
@@ -1010,6 +1011,56 @@ class GpuSampler(threading.Thread):
         return row
 
 
+def cpu_times(stat: str) -> tuple[float, float]:
+    """(busy, total) jiffies of all CPUs from /proc/stat's first line: idle and iowait are not busy."""
+    fields = [float(x) for x in stat.split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)
+    total = sum(fields[:8])  # user nice system idle iowait irq softirq steal (guest is within user)
+    return total - idle, total
+
+
+class HostCpuSampler(threading.Thread):
+    """The whole host's CPU busy share every ``period_s`` of a level: mean, peak, and the time
+    at >= 95%. A loan's level showed replies paced at half speed and a 170 ms gap in every
+    frontend at one instant, as if the host's cores had all been taken at once (a compile's
+    workers, say): this says whether they were."""
+
+    def __init__(self, period_s: float = 0.25, path: Path = Path("/proc/stat")) -> None:
+        super().__init__(daemon=True)
+        self.stop_flag = threading.Event()
+        self.period_s, self.path = period_s, path
+        self.busy: list[float] = []  # % of all cores, each period
+
+    def add(self, before: tuple[float, float], after: tuple[float, float]) -> None:
+        total = after[1] - before[1]
+        if total > 0:
+            self.busy.append(100.0 * (after[0] - before[0]) / total)
+
+    def read(self) -> tuple[float, float] | None:
+        try:
+            return cpu_times(self.path.read_text())
+        except (OSError, ValueError, IndexError):  # no /proc here (the level goes on without it)
+            return None
+
+    def run(self) -> None:
+        last = self.read()
+        while not self.stop_flag.wait(self.period_s):
+            now = self.read()
+            if last is not None and now is not None:
+                self.add(last, now)
+            last = now
+
+    def summary(self) -> dict[str, Any]:
+        self.stop_flag.set()
+        if self.is_alive():
+            self.join(2)
+        if not self.busy:
+            return {"samples": 0}
+        saturated = sum(1 for b in self.busy if b >= 95.0)
+        return {"samples": len(self.busy), "busy_mean_pct": round(sum(self.busy) / len(self.busy), 1),
+                "busy_max_pct": round(max(self.busy), 1), "saturated_s": round(saturated * self.period_s, 2)}
+
+
 class HealthSampler(PeakSampler):
     """/healthz: sessions, engine queues (max seen)."""
 
@@ -1359,6 +1410,8 @@ def run_main(args: argparse.Namespace) -> int:
             gpu = GpuSampler() if shutil.which("nvidia-smi") else None
             if gpu is not None:
                 gpu.start()
+            host_cpu = HostCpuSampler()
+            host_cpu.start()
             engine0 = llm_engine_snapshot(llm_url)
             llm0, t0 = tree_cpu(llm_pid), time.monotonic()
             result = asyncio.run(run_level_measured(cfg, n))
@@ -1380,6 +1433,7 @@ def run_main(args: argparse.Namespace) -> int:
             row["frontends"] = len(https)
             if args.server_workers:
                 row["server_workers"] = args.server_workers  # the frontends: one port's workers
+            row["host_cpu"] = host_cpu.summary()
             if gpu is not None:
                 row["gpu"] = gpu.summary()
                 row["mps"] = mps_active()
@@ -1414,7 +1468,7 @@ def run_main(args: argparse.Namespace) -> int:
                   f"asr service {(row.get('asr_service') or {}).get('cores')} cores "
                   f"peaks {(row.get('asr_service') or {}).get('peaks')}  "
                   f"tts service {(row.get('tts_service') or {}).get('cores')} cores "
-                  f"peaks {(row.get('tts_service') or {}).get('peaks')}  gpu {row.get('gpu')}  "
+                  f"peaks {(row.get('tts_service') or {}).get('peaks')}  gpu {row.get('gpu')}  host cpu {row.get('host_cpu')}  "
                   f"{last_wall:.0f} s {'FAIL: ' + '; '.join(row['fails']) if row['fails'] else ''}", flush=True)
             if row["fails"] and not args.keep_going:
                 break

@@ -635,3 +635,32 @@ def test_a_run_whose_levels_fail_still_packs_its_folder_and_returns_its_status(t
     with tarfile.open(run_dir / "details.tar.xz") as archive:
         assert sorted(archive.getnames()) == ["level_16.json", "server_0.log"]
     assert "exit 1" in proc.stdout
+
+
+def test_the_host_cpu_sampler_reads_proc_stat_and_says_how_long_the_host_was_saturated(tmp_path: Path) -> None:
+    pg = pipeline_gpu()
+    # user nice system idle iowait irq softirq steal guest guest_nice
+    assert pg.cpu_times("cpu  100 0 50 800 50 0 0 0 30 0\ncpu0 1 2 3 4\n") == (150.0, 1000.0)
+    sampler = pg.HostCpuSampler(period_s=0.25)
+    sampler.add((0.0, 100.0), (50.0, 200.0))  # half the cores busy
+    sampler.add((50.0, 200.0), (149.0, 300.0))  # 99%: saturated
+    sampler.add((149.0, 300.0), (149.0, 300.0))  # no time passed: no sample
+    assert sampler.summary() == {"samples": 2, "busy_mean_pct": 74.5, "busy_max_pct": 99.0, "saturated_s": 0.25}
+    # Run against a file standing in for /proc/stat: the thread samples until summary() stops it.
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  10 0 0 90 0 0 0 0 0 0\n")
+    live = pg.HostCpuSampler(period_s=0.01, path=stat)
+    live.start()
+    import time
+
+    deadline = time.monotonic() + 5
+    for k in range(1, 1000):
+        tmp = tmp_path / "stat.new"  # replaced whole, as /proc/stat reads
+        tmp.write_text(f"cpu  {10 + 3 * k} 0 0 {90 + k} 0 0 0 0 0 0\n")  # 75% busy from here on
+        tmp.replace(stat)
+        time.sleep(0.005)
+        if len(live.busy) >= 3 or time.monotonic() > deadline:
+            break
+    row = live.summary()
+    assert row["samples"] >= 3 and row["busy_max_pct"] == 75.0 and not live.is_alive()
+    assert pg.HostCpuSampler(path=tmp_path / "missing").summary() == {"samples": 0}
