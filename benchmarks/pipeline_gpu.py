@@ -841,7 +841,7 @@ class ServiceStatsSampler(PeakSampler):
 
 # A service's counters reported per level (their change over the level).
 IN_LEVEL = {"asr": ("finals", "partials", "dropped_partials", "cancelled", "failed", "steps", "refused_streams"),
-            "tts": ("clauses", "chunks", "cancelled", "failed", "busy", "late")}
+            "tts": ("clauses", "chunks", "cancelled", "failed", "busy", "late", "graph_misses", "compiles")}
 
 
 def llm_engine_snapshot(url: str | None) -> vllm_metrics.Snapshot | None:

@@ -5,6 +5,7 @@ a CUDA device."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
@@ -14,6 +15,7 @@ from kokoro_small import small_model, zero_noise
 from pydantic import ValidationError
 
 from voicebot.config import TtsConfig
+from voicebot.engines.tts import kokoro_graphs as kg
 from voicebot.engines.tts import kokoro_model as km
 from voicebot.engines.tts.kokoro_graphs import BucketedDecoder, BucketedEncoder, buckets
 
@@ -167,6 +169,20 @@ def test_an_encode_beyond_the_buckets_runs_unpadded(model: Any) -> None:
     with torch.inference_mode():
         got = enc.encode(long, torch.zeros(1, 256), [1.0], [[2] * 30])
     assert enc.eager_calls == 1 and got[0].frames == 62
+
+
+def test_a_batch_past_the_warmed_buckets_is_counted_and_named_in_the_log(model: Any, caplog: Any) -> None:
+    """After the warm-up every eager batch is one no capture covers: the TTS service reports
+    the count (graph_misses) and the log names the first few, with their shape."""
+    enc = BucketedEncoder(model, max_tokens=16)
+    enc.warm_up(1, 16, forced=True)
+    caplog.set_level(logging.WARNING, logger="voicebot.engines.tts.kokoro_graphs")
+    with torch.inference_mode():
+        for _ in range(kg.MISSES_LOGGED + 2):
+            enc.encode([list(range(10, 40))], torch.zeros(1, 256), [1.0], [[2] * 30])
+    assert enc.eager_calls == kg.MISSES_LOGGED + 2
+    named = [r.getMessage() for r in caplog.records if "past the captured buckets" in r.getMessage()]
+    assert len(named) == kg.MISSES_LOGGED and "encode batch of 1 rows x 32" in named[0]
 
 
 def test_encode_warm_up_runs_every_bucket_once(model: Any, monkeypatch: pytest.MonkeyPatch) -> None:

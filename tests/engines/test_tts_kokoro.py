@@ -236,3 +236,23 @@ async def test_failing_model_raises_engine_error(g2p: EspeakG2P, voices_dir: Pat
 def test_factory_builds_kokoro() -> None:
     tts = create_tts(TtsConfig(engine="kokoro", voice="af_heart"), None)
     assert isinstance(tts, KokoroTts) and tts.voices() == ["af_heart"]
+
+
+async def test_the_service_hears_of_batches_past_the_graphs_and_of_compiles(
+    g2p: EspeakG2P, voices_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stall of the whole TTS service in a burst could be a batch run eagerly past the
+    captured buckets, or a compile: the engine's figures count both since start."""
+    from types import SimpleNamespace
+
+    from torch._dynamo.utils import counters
+
+    runner = FakeRunner()
+    async with engine(g2p, voices_dir, runner) as tts:
+        assert "graph_misses" not in tts.forward_stats() and "compiles" not in tts.forward_stats()
+        tts._graph_sets = [SimpleNamespace(eager_calls=2), SimpleNamespace(eager_calls=1)]
+        assert tts.forward_stats()["graph_misses"] == 3
+    async with engine(g2p, voices_dir, runner, kokoro_compile=True) as tts:
+        before = tts.forward_stats()["compiles"]
+        monkeypatch.setitem(counters["stats"], "unique_graphs", counters["stats"]["unique_graphs"] + 2)
+        assert tts.forward_stats()["compiles"] == before + 2

@@ -205,6 +205,7 @@ class KokoroTts:
         self._voices = voices
         self._batcher: KokoroBatcher | None = None
         self._forced_durations = False
+        self._graph_sets: list[Any] = []  # the Bucketed{De,En}coder in use (tts.kokoro_cuda_graphs)
 
     async def start(self) -> None:
         if self._runner is None or self._g2p is None or self._voices is None:
@@ -255,6 +256,7 @@ class KokoroTts:
             shapes = bucketed.warm_up(self._cfg.max_batch, WARM_FRAMES)
             log.info("Kokoro: %d decode shapes captured in %.1f s", len(shapes), time.perf_counter() - t1)
             decoder, waits = bucketed.decode, [bucketed.take_lock_wait]
+            self._graph_sets.append(bucketed)
             if self._cfg.kokoro_encode_graphs:
                 enc = BucketedEncoder(model, cuda_graphs=True)
                 t1 = time.perf_counter()
@@ -263,6 +265,7 @@ class KokoroTts:
                          "captured" if enc.cuda_graphs else "run (eager: the capture failed)", time.perf_counter() - t1)
                 encoder = enc.encode
                 waits.append(enc.take_lock_wait)
+                self._graph_sets.append(enc)
             lock_wait = functools.partial(_total, waits)
         elif self._cfg.kokoro_compile:
             t1 = time.perf_counter()
@@ -289,8 +292,18 @@ class KokoroTts:
         return self._batcher.failure_streak if self._batcher is not None else 0
 
     def forward_stats(self) -> dict[str, float]:
-        """The batcher's recent forwards (KokoroBatcher.forward_stats), for the TTS service's stats."""
-        return self._batcher.forward_stats() if self._batcher is not None else {}
+        """The batcher's recent forwards (KokoroBatcher.forward_stats), for the TTS service's
+        stats; with CUDA graphs ``graph_misses`` (batches run eagerly, past the captured
+        buckets), with ``tts.kokoro_compile`` ``compiles`` (Dynamo's graphs so far): counts
+        since start, whose rise during a burst would explain a stall of the whole service."""
+        out: dict[str, float] = self._batcher.forward_stats() if self._batcher is not None else {}
+        if self._graph_sets:
+            out["graph_misses"] = sum(g.eager_calls for g in self._graph_sets)
+        if self._cfg.kokoro_compile and self._batcher is not None:
+            from voicebot.engines.tts.kokoro_fused import compiles
+
+            out["compiles"] = compiles()
+        return out
 
     @property
     def last_error(self) -> BaseException | None:

@@ -127,6 +127,14 @@ def _compile(name: str, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.
     return _compiled[name]
 
 
+def compiles() -> int:
+    """Graphs Dynamo has compiled in this process so far (its own counter): after the
+    warm-up, a rise is a caller's batch waiting seconds for a compile."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 class Chains:
     """The two chains a model runs, eager or compiled."""
 

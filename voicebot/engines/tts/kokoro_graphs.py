@@ -42,6 +42,8 @@ from voicebot.engines.tts import kokoro_model as km
 
 log = logging.getLogger(__name__)
 
+MISSES_LOGGED = 8  # eager batches after the warm-up named in the log (each one is counted)
+
 
 def buckets(limit: int, start: int = 1) -> list[int]:
     """Powers of two and the halfway points between them, from ``start`` up to the first
@@ -136,6 +138,14 @@ class _Bucketed:
     def captures(self) -> int:
         return self.graphs.captures
 
+    def _missed(self, what: str, rows: int, length: int) -> None:
+        """Count a batch run eagerly; after the warm-up, say so in the log (the first few):
+        with ``tts.kokoro_compile`` such a batch may wait seconds for a compile."""
+        self.eager_calls += 1
+        if not self.capture_new and self.eager_calls <= MISSES_LOGGED:
+            log.warning("kokoro: a %s batch of %d rows x %d ran eagerly, past the captured buckets (%d so far)",
+                        what, rows, length, self.eager_calls)
+
     def take_lock_wait(self) -> float:
         """Seconds the calling thread has waited for the graphs' lock since it last asked."""
         return self.graphs.take_lock_wait()
@@ -186,7 +196,7 @@ class BucketedDecoder(_Bucketed):
         frames = [it.frames for it in items]
         shape = self.shape(len(items), max(frames))
         if shape is None or not self.replayable(shape):
-            self.eager_calls += 1
+            self._missed("decode", len(items), max(frames))
             if not self.cuda_graphs:
                 return km.decode(self.model, items)
             with self.graphs.locked():  # its noise source must not draw while a capture records the RNG
@@ -257,7 +267,7 @@ class BucketedEncoder(_Bucketed):
                durations: Sequence[Sequence[int]] | None = None) -> list[km.Encoded]:
         shape = self.shape(len(ids), max(len(i) for i in ids) + 2)
         if shape is None or not self.replayable((*shape, durations is not None)):
-            self.eager_calls += 1
+            self._missed("encode", len(ids), max(len(i) for i in ids) + 2)
             return km.encode(self.model, ids, styles, speeds, durations)
         rows, t = shape
         tb = km.tokens(self.device, ids, durations, rows=rows, t=t)
