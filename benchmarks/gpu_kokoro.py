@@ -334,6 +334,34 @@ def build_variant(variant: str, device: str, seed: int, dtype: str = "float32") 
     return model, None
 
 
+# What a decode's kernels are, by name (cuDNN's and CUTLASS's convolutions, GEMMs, Inductor's
+# fused Triton kernels, the FFT of the iSTFT, the rest): where a cheaper vocoder must save.
+KERNEL_KINDS = (
+    ("conv", ("conv", "fprop", "dgrad", "implicit_gemm", "winograd", "nchwtonhwc", "nhwctonchw")),
+    ("gemm", ("gemm", "gemv", "cublas")),
+    ("fft", ("fft", "stft")),
+    ("triton", ("triton",)),
+)
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, marks in KERNEL_KINDS if any(m in low for m in marks)), "other")
+
+
+def kernel_breakdown(kernels: list[tuple[str, float, int]], top: int = 12) -> dict[str, Any]:
+    """``kernels``: (name, device ms, calls) of one profiled run. Device ms by kind (a share
+    of the whole each) and the ``top`` kernels by time, names cut to 90 characters."""
+    total = sum(ms for _, ms, _ in kernels) or 1.0
+    kinds: dict[str, float] = {}
+    for name, ms, _ in kernels:
+        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + ms
+    ranked = sorted(kernels, key=lambda k: -k[1])[:top]
+    return {"kinds_ms": {k: round(v, 2) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+            "kinds_pct": {k: round(100 * v / total, 1) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+            "top": [{"name": n[:90], "ms": round(ms, 2), "calls": c, "kind": kernel_kind(n)} for n, ms, c in ranked]}
+
+
 def decode_times(model: Any, graphs: Any, sizes: list[int], styles: Any, args: argparse.Namespace,
                  variant: str) -> list[dict[str, Any]]:
     """Per batch size: ``decode()`` of every vocoder group of one encoded batch of replies
@@ -378,8 +406,10 @@ def decode_times(model: Any, graphs: Any, sizes: list[int], styles: Any, args: a
                     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                         run()
                     # The kernels' own rows only: an op's row carries its kernels' time again.
-                    row["kernel_ms"] = round(sum(e.self_device_time_total for e in prof.key_averages()
-                                                 if e.device_type == torch.autograd.DeviceType.CUDA) / 1000, 1)
+                    kernels = [(e.key, e.self_device_time_total / 1000, e.count) for e in prof.key_averages()
+                               if e.device_type == torch.autograd.DeviceType.CUDA]
+                    row["kernel_ms"] = round(sum(ms for _, ms, _ in kernels), 1)
+                    row["kernels"] = kernel_breakdown(kernels)
         except Exception as exc:  # noqa: BLE001  (one variant failing must not lose the others)
             row["error"] = f"{type(exc).__name__}: {exc}"[:500]
             rows.append(row)
@@ -566,8 +596,9 @@ def decode_table(rows: list[dict[str, Any]]) -> str:
         if "error" in r:
             lines.append(f"{r['variant']:<16}{r['clauses']:>8}  FAILED {r['error'][:80]}")
             continue
+        kinds = " ".join(f"{k} {v}%" for k, v in (r.get("kernels") or {}).get("kinds_pct", {}).items())
         lines.append(f"{r['variant']:<16}{r['clauses']:>8}{r['groups']:>7}{r['audio_s']:>8}{r['decode_ms']!s:>10}"
-                     f"{r.get('kernel_ms', '-')!s:>10}{r['audio_s_per_s']!s:>10}{r.get('captures', '-')!s:>9}")
+                     f"{r.get('kernel_ms', '-')!s:>10}{r['audio_s_per_s']!s:>10}{r.get('captures', '-')!s:>9}  {kinds}")
     return "\n".join(lines)
 
 
@@ -622,8 +653,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-warmup", type=int, default=2, help="--variants --count: untimed runs first (compile, capture)")
     p.add_argument("--kernel-time", action="store_true", help="--variants --count on CUDA: one profiled run's kernel time")
     p.add_argument("--max-wall-s", type=float, default=280.0)
+    p.add_argument("--cudnn-benchmark", action="store_true",
+                   help="torch.backends.cudnn.benchmark: cuDNN times its convolution algorithms per shape at "
+                        "the first run of each (the warm-up, before a capture) and keeps the fastest")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.cudnn_benchmark:
+        import torch
+
+        torch.backends.cudnn.benchmark = True
     report = run_with_deadline(amain(args), args.max_wall_s, "gpu_kokoro")
     if report.get("decode"):
         print(decode_table(report["decode"]))
