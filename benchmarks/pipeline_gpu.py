@@ -794,12 +794,25 @@ def wait_service_ready(url: str, timeout_s: float, proc: subprocess.Popen[bytes]
     raise RuntimeError(f"{url} not up within {timeout_s:.0f} s")
 
 
-class PeakSampler(threading.Thread):
-    """Polls ``read()`` every second during a level and keeps each number's peak."""
+class LevelThread(threading.Thread):
+    """A sampler that runs while a level does: ``stop_flag`` ends its loop, :meth:`finish`
+    sets it and waits for the last sample."""
 
     def __init__(self) -> None:
         super().__init__(daemon=True)
         self.stop_flag = threading.Event()
+
+    def finish(self, timeout_s: float) -> None:
+        self.stop_flag.set()
+        if self.is_alive():
+            self.join(timeout_s)
+
+
+class PeakSampler(LevelThread):
+    """Polls ``read()`` every second during a level and keeps each number's peak."""
+
+    def __init__(self) -> None:
+        super().__init__()
         self.peaks: dict[str, float] = {}
         self.errors = 0
 
@@ -878,8 +891,7 @@ class ServiceMeter:
 
     def end(self, wall_s: float) -> dict[str, Any]:
         cores = (self.cpu1 - self.cpu0) / wall_s if self.pid else None
-        self.sampler.stop_flag.set()
-        self.sampler.join(3)
+        self.sampler.finish(3)
         row: dict[str, Any] = {"peaks": self.sampler.peaks, "sampler_errors": self.sampler.errors,
                                "cores": round(cores, 3) if cores is not None else None}
         with contextlib.suppress(Exception):
@@ -970,14 +982,13 @@ def parse_gpu_sample(text: str) -> list[tuple[float, float]]:
     return rows
 
 
-class GpuSampler(threading.Thread):
+class GpuSampler(LevelThread):
     """The GPU's busy share (the fraction of each sample period a kernel ran, as nvidia-smi
     reports it) every second of a level: mean and peak, and the memory in use at its peak.
     A busy GPU at 100% can still have room (small kernels); an idle one is no cap."""
 
     def __init__(self) -> None:
-        super().__init__(daemon=True)
-        self.stop_flag = threading.Event()
+        super().__init__()
         self.samples: list[list[tuple[float, float]]] = []  # per GPU: (busy %, MiB) each second
 
     def add(self, gpus: list[tuple[float, float]]) -> None:
@@ -993,9 +1004,7 @@ class GpuSampler(threading.Thread):
                 self.add(parse_gpu_sample(subprocess.run(cmd, capture_output=True, text=True, timeout=5).stdout))
 
     def summary(self) -> dict[str, Any]:
-        self.stop_flag.set()
-        if self.is_alive():
-            self.join(6)
+        self.finish(6)
         if not self.samples:
             return {"samples": 0}
 
@@ -1019,15 +1028,14 @@ def cpu_times(stat: str) -> tuple[float, float]:
     return total - idle, total
 
 
-class HostCpuSampler(threading.Thread):
+class HostCpuSampler(LevelThread):
     """The whole host's CPU busy share every ``period_s`` of a level: mean, peak, and the time
     at >= 95%. A loan's level showed replies paced at half speed and a 170 ms gap in every
     frontend at one instant, as if the host's cores had all been taken at once (a compile's
     workers, say): this says whether they were."""
 
     def __init__(self, period_s: float = 0.25, path: Path = Path("/proc/stat")) -> None:
-        super().__init__(daemon=True)
-        self.stop_flag = threading.Event()
+        super().__init__()
         self.period_s, self.path = period_s, path
         self.busy: list[float] = []  # % of all cores, each period
 
@@ -1051,9 +1059,7 @@ class HostCpuSampler(threading.Thread):
             last = now
 
     def summary(self) -> dict[str, Any]:
-        self.stop_flag.set()
-        if self.is_alive():
-            self.join(2)
+        self.finish(2)
         if not self.busy:
             return {"samples": 0}
         saturated = sum(1 for b in self.busy if b >= 95.0)
@@ -1423,8 +1429,7 @@ def run_main(args: argparse.Namespace) -> int:
             loop1 = [http_json(h + LOOP_PATH)[1] for h in https]
             eng1 = [engine_cpu(pid) for pid in pids]
             for sampler in samplers:
-                sampler.stop_flag.set()
-                sampler.join(3)
+                sampler.finish(3)
             peaks: dict[str, float] = {}
             for sampler in samplers:
                 for key, val in sampler.peaks.items():
