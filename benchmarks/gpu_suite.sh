@@ -296,7 +296,9 @@ run() {
   do_ sh -c "nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > $dir/device.txt" || true
   # A call brings back 8 files of $OUT: the summary, its plot, the device and the threads' summary
   # stay files, the rest (every turn per level, the servers' logs and commands) travels as one archive.
-  do_ sh -c "cd $dir && find . -type f ! -name pipeline.json ! -name pipeline.png ! -name device.txt ! -name spy_summary.json -printf '%P\\n' | tar -cJf details.tar.xz --remove-files -T - && find . -mindepth 1 -type d -empty -delete"
+  # find runs beside tar, which creates the archive at once: found, it would be archived into
+  # itself and removed with the files (a test saw the archive vanish).
+  do_ sh -c "cd $dir && find . -type f ! -name pipeline.json ! -name pipeline.png ! -name device.txt ! -name spy_summary.json ! -name details.tar.xz -printf '%P\\n' | tar -cJf details.tar.xz --remove-files -T - && find . -mindepth 1 -type d -empty -delete"
   echo "run folder: $dir (pipeline_gpu.py run: exit $rc)"
   return "$rc"
 }

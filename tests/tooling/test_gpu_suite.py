@@ -617,7 +617,7 @@ def test_a_run_whose_levels_fail_still_packs_its_folder_and_returns_its_status(t
         'for a in "$@"; do [ "$prev" = --out ] && out=$a; [ "$prev" = --png ] && png=$a; prev=$a; done\n'
         'case "$verb" in\n'
         '  run) echo "{}" > "$out/pipeline.json"; echo "{}" > "$out/level_16.json"; echo log > "$out/server_0.log";'
-        ' mkdir -p "$out/server_0_tmp"; exit 1 ;;\n'
+        ' mkdir -p "$out/server_0_tmp"; exit 3 ;;\n'
         '  plot) echo png > "$png" ;;\n'
         "esac\n")
     smi = bin_dir / "nvidia-smi"
@@ -629,12 +629,12 @@ def test_a_run_whose_levels_fail_still_packs_its_folder_and_returns_its_status(t
                PATH=f"{bin_dir}:{os.environ['PATH']}")
     proc = subprocess.run(["bash", str(root / "benchmarks" / "gpu_suite.sh"), "run", "none", str(out), "16"],
                           capture_output=True, text=True, timeout=60, env=env, cwd=root)
-    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.returncode == 3, proc.stdout + proc.stderr  # the run's own status, not a later step's
     (run_dir,) = out.iterdir()
     assert sorted(p.name for p in run_dir.iterdir()) == ["details.tar.xz", "device.txt", "pipeline.json", "pipeline.png"]
     with tarfile.open(run_dir / "details.tar.xz") as archive:
         assert sorted(archive.getnames()) == ["level_16.json", "server_0.log"]
-    assert "exit 1" in proc.stdout
+    assert "exit 3" in proc.stdout
 
 
 def test_the_host_cpu_sampler_reads_proc_stat_and_says_how_long_the_host_was_saturated(tmp_path: Path) -> None:
