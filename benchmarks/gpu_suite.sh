@@ -103,7 +103,11 @@ spy_start() {
   [ -n "$pids" ] || pids=$group  # not a group leader: the process alone
   # -k 1: a dump that ignores its TERM is killed (one that hung on a failed copy of the
   # target's code objects stopped the sampling for good)
-  ( while true; do
+  # set +e: the subshell inherits the script's errexit, and one dump that failed or timed out
+  # (status 124) ended the sampling for good; spy_stop's kill of the gone loop then failed and
+  # took the suite down with it, before the run's summary and archive (two loans' spied runs).
+  ( set +e
+    while true; do
       for p in $pids; do echo "=== $(date +%T.%N) pid $p"; timeout -k 1 3 "$spy" dump --pid "$p" --nonblocking 2>&1 | head -200; done
       sleep 0.2
     done > "$out" 2>&1 ) &
@@ -111,8 +115,7 @@ spy_start() {
 }
 
 spy_stop() {
-  [ -n "${SPY_PID:-}" ] && kill "$SPY_PID" 2>/dev/null
-  return 0
+  if [ -n "${SPY_PID:-}" ]; then kill "$SPY_PID" 2>/dev/null || true; fi
 }
 
 # Where the sampled service's threads were (benchmarks/spy_summary.py), beside pipeline.json:

@@ -595,46 +595,90 @@ def test_a_gpu_microbenchmark_runs_with_the_suites_python_path(tmp_path: Path) -
     assert proc.returncode != 0 and "SCRIPT" in proc.stderr
 
 
-def test_a_run_whose_levels_fail_still_packs_its_folder_and_returns_its_status(tmp_path: Path) -> None:
-    """Two of a loan's runs came back without their spy summary, plot or archive: the suite
-    left at pipeline_gpu.py's non-zero exit. Whatever the run's status, what it measured is
-    packed as always, and the status is the suite's."""
+def fake_suite(tmp_path: Path, run: str) -> tuple[Path, dict[str, str]]:
+    """A copy of the suite in a repo of its own (it writes beside itself) and the environment
+    of a CPU machine standing in for a lent one: ``python`` is a script whose ``pipeline_gpu.py
+    run`` does ``run`` (OUT is its --out), whose plot draws and whose spy summary writes its
+    JSON; ``nvidia-smi`` answers. Real Python for ``-c`` (the suite reads records with it)."""
     import os
     import stat
-    import tarfile
 
     root = tmp_path / "repo"
     (root / "benchmarks").mkdir(parents=True)
     (root / "benchmarks" / "gpu_suite.sh").write_text(SUITE.read_text())
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    # Stand-ins for python (pipeline_gpu.py's run writes its files and fails; plot draws)
-    # and nvidia-smi, which a CPU machine lacks.
     fake_python = bin_dir / "fake-python"
     fake_python.write_text(
         "#!/usr/bin/env bash\n"
-        'verb=$2; out=""; png=""; prev=""\n'
-        'for a in "$@"; do [ "$prev" = --out ] && out=$a; [ "$prev" = --png ] && png=$a; prev=$a; done\n'
+        'if [ "$1" = -c ]; then exec python3 "$@"; fi\n'
+        'verb=$2; OUT=""; png=""; json=""; prev=""\n'
+        'for a in "$@"; do [ "$prev" = --out ] && OUT=$a; [ "$prev" = --png ] && png=$a;'
+        ' [ "$prev" = --json ] && json=$a; prev=$a; done\n'
+        'case "$1" in *spy_summary.py) echo "{}" > "$json"; exit 0 ;; esac\n'
         'case "$verb" in\n'
-        '  run) echo "{}" > "$out/pipeline.json"; echo "{}" > "$out/level_16.json"; echo log > "$out/server_0.log";'
-        ' mkdir -p "$out/server_0_tmp"; exit 3 ;;\n'
+        f"  run) {run} ;;\n"
         '  plot) echo png > "$png" ;;\n'
         "esac\n")
     smi = bin_dir / "nvidia-smi"
     smi.write_text("#!/bin/sh\necho 'NVIDIA H200, 580'\n")
     for f in (fake_python, smi):
         f.chmod(f.stat().st_mode | stat.S_IEXEC)
-    out = tmp_path / "out"
     env = dict(os.environ, HOME=str(tmp_path / "home"), PYTHON=str(fake_python),
                PATH=f"{bin_dir}:{os.environ['PATH']}")
-    proc = subprocess.run(["bash", str(root / "benchmarks" / "gpu_suite.sh"), "run", "none", str(out), "16"],
+    return root, env
+
+
+def run_suite(root: Path, env: dict[str, str], out: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["bash", str(root / "benchmarks" / "gpu_suite.sh"), "run", "none", str(out), "16"],
                           capture_output=True, text=True, timeout=60, env=env, cwd=root)
+
+
+def test_a_run_whose_levels_fail_still_packs_its_folder_and_returns_its_status(tmp_path: Path) -> None:
+    """Whatever the run's status, what it measured is packed as always, and the status is
+    the suite's: a loan's runs must never come back as loose files or not at all."""
+    import tarfile
+
+    root, env = fake_suite(tmp_path, 'echo "{}" > "$OUT/pipeline.json"; echo "{}" > "$OUT/level_16.json";'
+                                     ' echo log > "$OUT/server_0.log"; mkdir -p "$OUT/server_0_tmp"; exit 3')
+    out = tmp_path / "out"
+    proc = run_suite(root, env, out)
     assert proc.returncode == 3, proc.stdout + proc.stderr  # the run's own status, not a later step's
     (run_dir,) = out.iterdir()
     assert sorted(p.name for p in run_dir.iterdir()) == ["details.tar.xz", "device.txt", "pipeline.json", "pipeline.png"]
     with tarfile.open(run_dir / "details.tar.xz") as archive:
         assert sorted(archive.getnames()) == ["level_16.json", "server_0.log"]
     assert "exit 3" in proc.stdout
+
+
+def test_a_failing_py_spy_dump_neither_ends_the_sampling_nor_the_suite(tmp_path: Path) -> None:
+    """Two spied runs of a loan came back as loose files, the suite at exit 1 with no word:
+    the sampling loop inherited the script's errexit, so the first dump that failed or timed
+    out ended it, and stopping the loop that was gone then ended the suite."""
+    import json
+    import os
+    import stat
+    import tarfile
+
+    root, env = fake_suite(tmp_path, 'echo "{}" > "$OUT/pipeline.json"; sleep 1.5; exit 0')
+    spy = tmp_path / "home" / "tools-site" / "bin" / "py-spy"
+    spy.parent.mkdir(parents=True)
+    spy.write_text("#!/bin/sh\necho 'Error: failed to copy the process memory' >&2\nexit 1\n")
+    spy.chmod(spy.stat().st_mode | stat.S_IEXEC)
+    svc = tmp_path / "svc"
+    svc.mkdir()
+    (svc / "tts_server.json").write_text(json.dumps({"pid": os.getpid()}))
+    out = tmp_path / "out"
+    proc = run_suite(root, dict(env, SUITE_SPY="tts", SUITE_SVC=str(svc)), out)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (run_dir,) = out.iterdir()
+    assert sorted(p.name for p in run_dir.iterdir()) == ["details.tar.xz", "device.txt", "pipeline.json",
+                                                          "pipeline.png", "spy_summary.json"]
+    with tarfile.open(run_dir / "details.tar.xz") as archive:
+        member = archive.extractfile("tts_server.spy.txt")
+        assert member is not None
+        dumps = member.read().decode().count("=== ")
+    assert dumps >= 3, dumps  # it went on sampling after the failed dumps
 
 
 def test_the_host_cpu_sampler_reads_proc_stat_and_says_how_long_the_host_was_saturated(tmp_path: Path) -> None:
