@@ -75,6 +75,13 @@ def summarise_ms(values_ms: Any, digits: int = 1) -> dict[str, Any]:
             "max": round(max(ms), digits)}
 
 
+def cpu_busy_total(times: Any) -> tuple[float, float]:
+    """(busy, total) CPU seconds of ``psutil.cpu_times()`` (all cores): idle and iowait are
+    not busy; guest time is already within user."""
+    busy = times.user + times.nice + times.system + times.irq + times.softirq + getattr(times, "steal", 0.0)
+    return busy, busy + times.idle + getattr(times, "iowait", 0.0)
+
+
 def run_with_deadline(coro: Any, max_wall_s: float, name: str) -> Any:
     """asyncio.run(coro), but the process exits (code 3) after ``max_wall_s``: a device
     call must end inside its limit even when an engine hangs in a thread."""

@@ -101,12 +101,12 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import vllm_metrics  # benchmarks/, beside this file
-from bench_util import JSON_EPILOG, results_of, write_result
+from bench_util import JSON_EPILOG, cpu_busy_total, results_of, write_result
 
 ROOT = Path(__file__).resolve().parent.parent
 PATCH_ENV = "PIPELINE_BENCH_PATCHES"
@@ -1020,23 +1020,16 @@ class GpuSampler(LevelThread):
         return row
 
 
-def cpu_times(stat: str) -> tuple[float, float]:
-    """(busy, total) jiffies of all CPUs from /proc/stat's first line: idle and iowait are not busy."""
-    fields = [float(x) for x in stat.split("\n", 1)[0].split()[1:]]
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)
-    total = sum(fields[:8])  # user nice system idle iowait irq softirq steal (guest is within user)
-    return total - idle, total
-
-
 class HostCpuSampler(LevelThread):
     """The whole host's CPU busy share every ``period_s`` of a level: mean, peak, and the time
     at >= 95%. A loan's level showed replies paced at half speed and a 170 ms gap in every
     frontend at one instant, as if the host's cores had all been taken at once (a compile's
     workers, say): this says whether they were."""
 
-    def __init__(self, period_s: float = 0.25, path: Path = Path("/proc/stat")) -> None:
+    def __init__(self, period_s: float = 0.25, times: Callable[[], Any] | None = None) -> None:
         super().__init__()
-        self.period_s, self.path = period_s, path
+        self.period_s = period_s
+        self.times = times  # psutil.cpu_times (a stand-in in tests)
         self.busy: list[float] = []  # % of all cores, each period
 
     def add(self, before: tuple[float, float], after: tuple[float, float]) -> None:
@@ -1045,9 +1038,13 @@ class HostCpuSampler(LevelThread):
             self.busy.append(100.0 * (after[0] - before[0]) / total)
 
     def read(self) -> tuple[float, float] | None:
+        if self.times is None:
+            import psutil
+
+            self.times = psutil.cpu_times
         try:
-            return cpu_times(self.path.read_text())
-        except (OSError, ValueError, IndexError):  # no /proc here (the level goes on without it)
+            return cpu_busy_total(self.times())
+        except OSError:  # no CPU times here: the level goes on without them
             return None
 
     def run(self) -> None:

@@ -53,7 +53,7 @@ for p in (ROOT, ROOT / "tests"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from bench_util import JSON_EPILOG, summarise_ms, write_result  # noqa: E402
+from bench_util import JSON_EPILOG, cpu_busy_total, summarise_ms, write_result  # noqa: E402
 from llm_load import load_engine_module  # noqa: E402  (same folder)
 from llm_tier import llm_tier  # noqa: E402  (tests/llm_tier.py: starts and stops the tier)
 
@@ -251,8 +251,7 @@ def cpu_seconds() -> dict[str, float]:
         except psutil.Error:
             continue  # gone meanwhile
         out["router" if "vllm-router" in cmd else "llm"] += ct.user + ct.system
-    m = psutil.cpu_times()
-    out["machine"] = m.user + m.nice + m.system + m.irq + m.softirq + getattr(m, "steal", 0.0)
+    out["machine"] = cpu_busy_total(psutil.cpu_times())[0]
     return out
 
 

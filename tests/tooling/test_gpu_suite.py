@@ -681,30 +681,42 @@ def test_a_failing_py_spy_dump_neither_ends_the_sampling_nor_the_suite(tmp_path:
     assert dumps >= 3, dumps  # it went on sampling after the failed dumps
 
 
-def test_the_host_cpu_sampler_reads_proc_stat_and_says_how_long_the_host_was_saturated(tmp_path: Path) -> None:
+def test_the_host_cpu_sampler_reads_the_machines_cpu_times_and_says_how_long_the_host_was_saturated() -> None:
+    import itertools
+    import time
+    from types import SimpleNamespace
+
     pg = pipeline_gpu()
-    # user nice system idle iowait irq softirq steal guest guest_nice
-    assert pg.cpu_times("cpu  100 0 50 800 50 0 0 0 30 0\ncpu0 1 2 3 4\n") == (150.0, 1000.0)
+
+    def times(user: float, idle: float, system: float = 0.0, iowait: float = 0.0) -> SimpleNamespace:
+        return SimpleNamespace(user=user, nice=0.0, system=system, idle=idle, iowait=iowait, irq=0.0, softirq=0.0,
+                               steal=0.0, guest=30.0)  # guest time is within user
+
+    assert pg.cpu_busy_total(times(100, 800, system=50, iowait=50)) == (150.0, 1000.0)  # bench_util's
     sampler = pg.HostCpuSampler(period_s=0.25)
     sampler.add((0.0, 100.0), (50.0, 200.0))  # half the cores busy
     sampler.add((50.0, 200.0), (149.0, 300.0))  # 99%: saturated
     sampler.add((149.0, 300.0), (149.0, 300.0))  # no time passed: no sample
     assert sampler.summary() == {"samples": 2, "busy_mean_pct": 74.5, "busy_max_pct": 99.0, "saturated_s": 0.25}
-    # Run against a file standing in for /proc/stat: the thread samples until summary() stops it.
-    stat = tmp_path / "stat"
-    stat.write_text("cpu  10 0 0 90 0 0 0 0 0 0\n")
-    live = pg.HostCpuSampler(period_s=0.01, path=stat)
+    # The thread samples until summary() stops it: 75% busy at every read of the stand-in.
+    steps = itertools.count()
+    live = pg.HostCpuSampler(period_s=0.01, times=lambda: times(10 + 3 * (k := next(steps)), 90 + k))
     live.start()
-    import time
-
     deadline = time.monotonic() + 5
-    for k in range(1, 1000):
-        tmp = tmp_path / "stat.new"  # replaced whole, as /proc/stat reads
-        tmp.write_text(f"cpu  {10 + 3 * k} 0 0 {90 + k} 0 0 0 0 0 0\n")  # 75% busy from here on
-        tmp.replace(stat)
-        time.sleep(0.005)
-        if len(live.busy) >= 3 or time.monotonic() > deadline:
-            break
+    while len(live.busy) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
     row = live.summary()
     assert row["samples"] >= 3 and row["busy_max_pct"] == 75.0 and not live.is_alive()
-    assert pg.HostCpuSampler(path=tmp_path / "missing").summary() == {"samples": 0}
+
+    def unreadable() -> SimpleNamespace:
+        raise OSError("no CPU times here")
+
+    assert pg.HostCpuSampler(times=unreadable).summary() == {"samples": 0}
+    # The machine's own times (psutil), as a level reads them.
+    real = pg.HostCpuSampler(period_s=0.05)
+    real.start()
+    deadline = time.monotonic() + 5
+    while not real.busy and time.monotonic() < deadline:
+        time.sleep(0.05)
+    row = real.summary()
+    assert row["samples"] >= 1 and 0.0 <= row["busy_max_pct"] <= 100.0
