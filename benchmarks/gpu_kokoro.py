@@ -355,10 +355,12 @@ def kernel_breakdown(kernels: list[tuple[str, float, int]], top: int = 12) -> di
     total = sum(ms for _, ms, _ in kernels) or 1.0
     kinds: dict[str, float] = {}
     for name, ms, _ in kernels:
-        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + ms
+        kind = kernel_kind(name)
+        kinds[kind] = kinds.get(kind, 0.0) + ms
+    by_time = sorted(kinds.items(), key=lambda kv: -kv[1])
     ranked = sorted(kernels, key=lambda k: -k[1])[:top]
-    return {"kinds_ms": {k: round(v, 2) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
-            "kinds_pct": {k: round(100 * v / total, 1) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+    return {"kinds_ms": {k: round(v, 2) for k, v in by_time},
+            "kinds_pct": {k: round(100 * v / total, 1) for k, v in by_time},
             "top": [{"name": n[:90], "ms": round(ms, 2), "calls": c, "kind": kernel_kind(n)} for n, ms, c in ranked]}
 
 
